@@ -1,0 +1,48 @@
+# mopd_hpc — every target does its own set-up, idempotently (a second call skips what is done).
+#   make run    the main job: configs/local_cpu.yaml on the local backend
+#   make test   the whole test suite, the real local Slurm cluster included (when root)
+#   make lint   ruff
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On these machines `pip install torch==2.13.0` takes a local CPU wheel. The package itself only asks
+# for a range (torch>=2.6), so GPU users keep their CUDA build: override with TORCH_SPEC=... or preinstall.
+TORCH_SPEC ?= torch==2.13.0
+# Debian packages the tests need: the Slurm cluster of tools/slurm_local, accounting, namespaces, tmux.
+DEBIAN_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server iproute2 procps tmux
+RUN_CONFIG ?= configs/local_cpu.yaml
+PYTEST_ARGS ?=
+
+.PHONY: run test lint setup debian clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+debian:
+	@bash tools/apt_install.sh $(DEBIAN_PACKAGES)
+
+run: setup
+	$(VENV)/bin/mopd-submit $(RUN_CONFIG) --local
+
+test: setup debian
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check mopd_hpc tests tools benchmarks
+	$(VENV)/bin/ruff format --check mopd_hpc tests tools benchmarks
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,70 @@
+"""The `loss:` section of the run config: MOPD loss, mismatch correction, RL composition.
+
+Formulas: ../shared/DESIGN.md §3; MiMo-V2-Flash report §4.4 eqs. 5-9 (advantage-level composition,
+IcePop mask, |y| normalizer); AReaL feature/mopd (truncated importance ratio, C = 5; loss-level
+composition); MOPD paper (advantage clip, A_max = 5; top-k estimator).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from mopd_hpc.config.base import Section
+
+#: AReaL feature/mopd default cap of the truncated importance ratio.
+DEFAULT_RATIO_CAP = 5.0
+#: MOPD paper's top-k estimator default (k teacher tokens per position).
+DEFAULT_TOPK = 64
+
+
+class LossConfig(Section):
+    """MOPD loss: L = c_rl·L_RL + c_d·L_MOPD, with optional advantage-level ORM term α·A_ORM."""
+
+    estimator: Literal["sampled", "topk"] = Field(
+        "sampled",
+        description="'sampled': per-token estimator A_t·log π_θ(y_t) on the sampled token (AReaL, MiMo). "
+        "'topk': per-position reverse KL over the teacher's top-k tokens with the MOPD paper's "
+        "truncation correction; exact reverse KL when k >= vocabulary size.",
+    )
+    topk: int = Field(DEFAULT_TOPK, ge=1, description="k of the 'topk' estimator, in tokens.")
+    correction: Literal["truncate", "mask", "none"] = Field(
+        "truncate",
+        description="Train/inference mismatch correction on r_t = π_θ(y_t)/μ(y_t): 'truncate' "
+        "ρ = sg(min(r_t, ratio_cap)) (AReaL); 'mask' ρ = sg(r_t) inside [mask_low, mask_high], 0 "
+        "outside (IcePop, MiMo eq. 8); 'none' ρ = 1.",
+    )
+    ratio_cap: float = Field(DEFAULT_RATIO_CAP, gt=0, description="C of 'truncate' (dimensionless).")
+    mask_low: float = Field(0.5, ge=0, description="ε_low of 'mask': lowest kept r_t (dimensionless).")
+    mask_high: float = Field(2.0, gt=0, description="ε_high of 'mask': highest kept r_t (dimensionless).")
+    advantage_clip: float | None = Field(
+        None, gt=0, description="A_max: clip the distillation advantage to ±A_max; null = no clip."
+    )
+    normalizer: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        "token-mean",
+        description="'token-mean': sum over unmasked tokens / their count in the batch; "
+        "'seq-mean-token-mean': mean over sequences of each sequence's token mean (MiMo eq. 7, |y|).",
+    )
+    distillation_coefficient: float = Field(1.0, ge=0, description="c_d, weight of L_MOPD.")
+    rl_coefficient: float = Field(0.0, ge=0, description="c_rl, weight of the GRPO policy loss L_RL.")
+    orm_alpha: float = Field(
+        0.0, ge=0, description="α of the advantage-level composition A_t + α·A_ORM (MiMo eq. 9)."
+    )
+    ppo_clip: float = Field(0.2, gt=0, lt=1, description="ε of the GRPO/PPO clipped surrogate.")
+    kl_coefficient: float = Field(
+        0.0, ge=0, description="β of a KL penalty to a reference model inside L_RL; > 0 needs a reference."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LossConfig:
+        if self.distillation_coefficient == 0 and self.rl_coefficient == 0:
+            raise ValueError(
+                "distillation_coefficient and rl_coefficient are both 0: nothing to train "
+                f"(orm_alpha={self.orm_alpha} alone does not make a loss); set one of them > 0"
+            )
+        if self.correction == "mask" and self.mask_low >= self.mask_high:
+            raise ValueError(
+                f"mask_low ({self.mask_low}) must be < mask_high ({self.mask_high}) for correction 'mask'"
+            )
+        return self
