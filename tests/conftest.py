@@ -1,0 +1,202 @@
+"""Shared pytest fixtures: the real local Slurm cluster of ``tools/slurm_local`` and a hostile temp path.
+
+``slurm_cluster`` (session scope) starts the 4-node cluster with ``tools/slurm_local/setup.sh`` (network-namespace
+mode: every node has its own hostname and address) and yields a :class:`SlurmCluster`. Every test marked
+``@pytest.mark.slurm`` gets it automatically: the autouse fixture ``_slurm_for_marked_tests`` requests it, so a
+marked test needs no argument unless it wants the object. Without root the marked tests skip, saying why; when
+``setup.sh`` fails the test fails with the script's output. The fixture tears the cluster down at the end of the
+session only when it started it: a cluster that was already running is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SLURM_LOCAL_DIR = REPO_ROOT / "tools" / "slurm_local"
+SLURM_CONF = "/etc/slurm/slurm.conf"
+SLURM_LOCAL_RUN_DIR = Path("/run/slurm-local")
+SLURM_LOCAL_KNOB_PREFIX = "SLURM_LOCAL_"  # setup.sh's knobs (Slurm's own SLURM_LOCALID does not match)
+# From nothing installed, setup.sh takes ~16 s here (apt-get install is most of it); a slow mirror takes longer.
+SETUP_TIMEOUT_S = 900
+TEARDOWN_TIMEOUT_S = 120
+OUTPUT_TAIL_CHARS = 4000
+# A directory name with a space, a quote and a shell command: any unquoted use of the path breaks or runs `echo`.
+WEIRD_DIR_NAME = "we ird'; echo x"
+
+
+class SlurmCommandError(RuntimeError):
+    """A command run by :meth:`SlurmCluster.run` exited non-zero; the message carries its output tail."""
+
+
+def _tail(text: str) -> str:
+    return text[-OUTPUT_TAIL_CHARS:]
+
+
+def clean_slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Copy ``environ`` without inherited ``SLURM_*`` variables (a pytest run inside an allocation must not
+    leak its job into the test jobs), keeping the ``SLURM_LOCAL_*`` knobs of tools/slurm_local, and with
+    ``SLURM_CONF`` pointing at the local cluster's config."""
+    env = {
+        key: value
+        for key, value in environ.items()
+        if not key.startswith("SLURM_") or key.startswith(SLURM_LOCAL_KNOB_PREFIX)
+    }
+    env["SLURM_CONF"] = SLURM_CONF
+    return env
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmCluster:
+    """The running local Slurm cluster, as the tests see it.
+
+    Attributes:
+        nodes: node names in order, e.g. ``("n1", "n2", "n3", "n4")``.
+        partition: the default partition (``"debug"``).
+        mode: ``"netns"`` (every node has its own hostname and address) or ``"loopback"`` (all share 127.0.0.1).
+        node_addrs: node name → the address slurmctld reaches it on (``10.200.0.11`` … in netns mode).
+        gpus_per_node: fake GPUs per node (``--gres=gpu:N`` sets ``CUDA_VISIBLE_DEVICES``).
+        env: the environment for Slurm commands: this process's minus ``SLURM_*``, plus ``SLURM_CONF``.
+        started_here: True when this pytest session started the cluster (and will stop it at the end).
+    """
+
+    nodes: tuple[str, ...]
+    partition: str
+    mode: str
+    node_addrs: Mapping[str, str]
+    gpus_per_node: int
+    env: Mapping[str, str]
+    started_here: bool
+
+    @classmethod
+    def from_running(cls, environ: Mapping[str, str], *, started_here: bool) -> SlurmCluster:
+        """Describe the running cluster from ``sinfo`` and ``/run/slurm-local/mode``.
+
+        Raises:
+            SlurmCommandError: sinfo failed or listed no node.
+        """
+        env = clean_slurm_env(environ)
+        proc = _run(["sinfo", "-h", "-N", "-o", "%N|%o|%G|%P"], env=env, timeout_s=30)
+        rows = sorted({tuple(line.split("|")) for line in proc.stdout.splitlines() if line.strip()})
+        if not rows:
+            raise SlurmCommandError(f"sinfo listed no node; stdout={proc.stdout!r} stderr={proc.stderr!r}")
+        nodes = tuple(sorted((row[0] for row in rows), key=lambda name: (len(name), name)))
+        gres = {row[2] for row in rows}
+        gpus = int(next(iter(gres)).split(":")[-1]) if len(gres) == 1 and "gpu:" in next(iter(gres)) else 0
+        default = [row[3].rstrip("*") for row in rows if row[3].endswith("*")]
+        mode_file = SLURM_LOCAL_RUN_DIR / "mode"
+        return cls(
+            nodes=nodes,
+            partition=default[0] if default else rows[0][3],
+            mode=mode_file.read_text().strip() if mode_file.exists() else "unknown",
+            node_addrs=MappingProxyType({row[0]: row[1] for row in rows}),
+            gpus_per_node=gpus,
+            env=MappingProxyType(env),
+            started_here=started_here,
+        )
+
+    def run(
+        self, args: Sequence[str], *, timeout_s: float = 120, check: bool = True, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command (argv list, no shell) with :attr:`env`; text output captured.
+
+        Raises:
+            SlurmCommandError: ``check`` and the command exited non-zero (message: argv, exit code, output tails).
+            subprocess.TimeoutExpired: it ran longer than ``timeout_s`` seconds.
+        """
+        return _run(args, env=dict(self.env), timeout_s=timeout_s, check=check, cwd=cwd)
+
+
+def _run(
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    timeout_s: float,
+    check: bool = True,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        list(args),
+        env=dict(env),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise SlurmCommandError(
+            f"{list(args)} exited {proc.returncode}\n--- stdout ---\n{_tail(proc.stdout)}"
+            f"\n--- stderr ---\n{_tail(proc.stderr)}"
+        )
+    return proc
+
+
+def _slurm_local(
+    script: str, environ: Mapping[str, str], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SLURM_LOCAL_DIR / script)],
+        env=dict(environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """Start (or reuse) the local 4-node Slurm cluster; stop it at session end only if started here."""
+    if os.geteuid() != 0:
+        pytest.skip(
+            f"the local Slurm cluster needs root (it installs Debian packages, writes /etc/slurm and creates "
+            f"network namespaces); running as uid {os.geteuid()}. Run the tests as root (CI does)."
+        )
+    environ = clean_slurm_env(os.environ)
+    # A cluster that is already up is used as it is (whatever knobs started it), and left running.
+    started_here = False
+    if _slurm_local("status.sh", environ, 30).returncode != 0:
+        proc = _slurm_local("setup.sh", environ, SETUP_TIMEOUT_S)
+        if proc.returncode != 0:
+            # setup.sh may have started part of the cluster: stop what it recorded before failing.
+            _slurm_local("teardown.sh", environ, TEARDOWN_TIMEOUT_S)
+            pytest.fail(
+                f"tools/slurm_local/setup.sh exited {proc.returncode}\n--- stdout ---\n{_tail(proc.stdout)}"
+                f"\n--- stderr ---\n{_tail(proc.stderr)}",
+                pytrace=False,
+            )
+        # Another session may have started it meanwhile (setup.sh holds a lock): then it is not ours to stop.
+        started_here = "SLURM_LOCAL_RESULT=started" in proc.stdout.splitlines()
+    try:
+        yield SlurmCluster.from_running(os.environ, started_here=started_here)
+    finally:
+        if started_here:
+            proc = _slurm_local("teardown.sh", environ, TEARDOWN_TIMEOUT_S)
+            if proc.returncode != 0:
+                print(f"tools/slurm_local/teardown.sh exited {proc.returncode}: {_tail(proc.stderr)}")
+
+
+@pytest.fixture(autouse=True)
+def _slurm_for_marked_tests(request: pytest.FixtureRequest) -> None:
+    """Give every test marked ``slurm`` the session cluster (skips without root, as the fixture does)."""
+    if request.node.get_closest_marker("slurm") is not None:
+        request.getfixturevalue("slurm_cluster")
+
+
+@pytest.fixture()
+def weird_tmp_path(tmp_path: Path) -> Path:
+    """A fresh directory whose name holds a space, a single quote and ``; echo x`` (see ``WEIRD_DIR_NAME``),
+    for hostile-input tests of anything that puts paths into shell or sbatch text."""
+    path = tmp_path / WEIRD_DIR_NAME
+    path.mkdir()
+    return path
