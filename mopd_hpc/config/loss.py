@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from mopd_hpc.config.base import Section
+from mopd_hpc.config.problems import Problem, raise_if_any
 
 #: AReaL feature/mopd default cap of the truncated importance ratio.
 DEFAULT_RATIO_CAP = 5.0
@@ -58,13 +59,25 @@ class LossConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
+        problems = []
         if self.distillation_coefficient == 0 and self.rl_coefficient == 0:
-            raise ValueError(
-                "distillation_coefficient and rl_coefficient are both 0: nothing to train "
-                f"(orm_alpha={self.orm_alpha} alone does not make a loss); set one of them > 0"
+            problems.append(
+                Problem(
+                    "distillation_coefficient",
+                    "distillation_coefficient and rl_coefficient are both 0: nothing to train "
+                    f"(orm_alpha={self.orm_alpha} alone does not make a loss)",
+                    self.distillation_coefficient,
+                    "set one of them > 0",
+                )
             )
         if self.correction == "mask" and self.mask_low >= self.mask_high:
-            raise ValueError(
-                f"mask_low ({self.mask_low}) must be < mask_high ({self.mask_high}) for correction 'mask'"
+            problems.append(
+                Problem(
+                    "mask_low",
+                    f"mask_low ({self.mask_low}) must be < mask_high ({self.mask_high}) for correction 'mask'",
+                    self.mask_low,
+                    f"a value below mask_high ({self.mask_high})",
+                )
             )
+        raise_if_any(problems)  # RuleViolation: a ValueError listing each problem with its field
         return self

@@ -1,0 +1,170 @@
+"""The `data:` section: prompt sources (each with its route), the mixture policy, batch shape, eval split.
+
+reasoning-gym task names and `task_args` are checked against reasoning-gym's own registry and config
+classes when the config is built (an unknown task or argument is a config error, not a crash at step 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from mopd_hpc.config.base import Section
+from mopd_hpc.config.problems import Problem, join_path, known, raise_if_any
+from mopd_hpc.config.types import Identifier, NonEmptyStr
+
+#: reasoning-gym arguments set by mopd_hpc itself (seed from the run seed / data.eval.seed, size from
+#: steps), so a source must not set them.
+RESERVED_TASK_ARGS = ("seed", "size")
+#: Default seed of the held-out split: far from training seeds, because reasoning-gym seeds item i
+#: with Random(seed + i) (see shared/reference/tiny_calibration.md, held-out set).
+DEFAULT_EVAL_SEED = 10_000_000
+
+
+def reasoning_gym_problems(task: str, task_args: dict[str, Any]) -> list[Problem]:
+    """Check a reasoning-gym task name and its arguments against reasoning-gym's registry.
+
+    Paths are relative to the source (`task`, `task_args.<arg>`). Imports reasoning_gym (≈ 0.8 s) lazily.
+    """
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        import difflib
+
+        close = difflib.get_close_matches(task, DATASETS, n=3)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else f"{len(DATASETS)} tasks"
+        return [Problem("task", "unknown reasoning-gym task", task, hint)]
+    config_cls = DATASETS[task][1]
+    fields = [f.name for f in dataclasses.fields(config_cls) if f.name not in RESERVED_TASK_ARGS]
+    problems = []
+    for arg in task_args:
+        if arg in RESERVED_TASK_ARGS:
+            problems.append(
+                Problem(
+                    join_path("task_args", arg),
+                    "set by mopd_hpc (the run seed / data.eval.seed; size from steps)",
+                    task_args[arg],
+                    "remove it",
+                )
+            )
+        elif arg not in fields:
+            problems.append(
+                Problem(join_path("task_args", arg), f"unknown argument of task {task!r}", arg, known(fields))
+            )
+    if problems:
+        return problems
+    try:
+        config = config_cls(**task_args)
+        if hasattr(config, "validate"):
+            config.validate()
+    except (AssertionError, TypeError, ValueError) as exc:
+        return [Problem("task_args", f"rejected by reasoning-gym's {config_cls.__name__}: {exc}", task_args)]
+    return []
+
+
+class _SourceBase(Section):
+    kind: str = Field(description="Source kind ('reasoning_gym' or 'jsonl').")
+    name: Identifier = Field(description="Source name; unique; names its metrics.")
+    route: Identifier = Field(description="Route (a key of `routes:`) of every prompt of this source.")
+    weight: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Sampling weight for mixture 'weighted' (relative, normalized over sources); "
+        "must be absent for the other mixtures.",
+    )
+
+
+class ReasoningGymSource(_SourceBase):
+    """Procedurally generated prompts from reasoning-gym; reward = the dataset's own `score_answer`."""
+
+    kind: Literal["reasoning_gym"] = Field(description="Source kind.")
+    task: NonEmptyStr = Field(description="reasoning-gym dataset name, e.g. 'chain_sum'.")
+    task_args: dict[str, Any] = Field(
+        default_factory=dict, description="Arguments of the task's reasoning-gym config class."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ReasoningGymSource:
+        raise_if_any(reasoning_gym_problems(self.task, self.task_args))
+        return self
+
+
+class JsonlSource(_SourceBase):
+    """The user's own prompts: one JSON object per line, `{"prompt": ..., "answer": ...}`."""
+
+    kind: Literal["jsonl"] = Field(description="Source kind.")
+    path: NonEmptyStr = Field(description="Path of the .jsonl file (read at job start, on the job's nodes).")
+
+
+SourceConfig = Annotated[ReasoningGymSource | JsonlSource, Field(discriminator="kind")]
+
+
+class EvalConfig(Section):
+    """Held-out evaluation split (per-route accuracy at the start and end of the run)."""
+
+    size: int = Field(200, ge=0, description="Held-out prompts per source; 0 = no evaluation.")
+    seed: int = Field(
+        DEFAULT_EVAL_SEED,
+        ge=0,
+        description="Seed of the held-out split; its items [seed, seed + size) must not overlap "
+        "the training items [run seed, run seed + steps·batch_size).",
+    )
+
+
+class DataConfig(Section):
+    """Prompt sources, how they are mixed, and the batch shape."""
+
+    sources: list[SourceConfig] = Field(min_length=1, description="Prompt sources, each with its route.")
+    mixture: Literal["proportional", "uniform", "weighted"] = Field(
+        "uniform",
+        description="'proportional' to source size; 'uniform' over sources (shorter ones cycle); "
+        "'weighted' by each source's `weight`.",
+    )
+    batch_size: int = Field(ge=1, description="Prompts per training step.")
+    samples_per_prompt: int = Field(1, ge=1, description="Rollouts per prompt (GRPO group size).")
+    max_prompt_tokens: int = Field(ge=1, description="Longest prompt, in tokens; longer prompts are errors.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation split.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        problems = []
+        first: dict[str, int] = {}
+        for i, source in enumerate(self.sources):
+            if source.name in first:
+                problems.append(
+                    Problem(
+                        join_path("sources", i, "name"),
+                        "duplicate source name",
+                        source.name,
+                        f"already used by data.sources[{first[source.name]}]",
+                    )
+                )
+            first.setdefault(source.name, i)
+            if self.mixture == "weighted" and source.weight is None:
+                problems.append(
+                    Problem(
+                        join_path("sources", i, "weight"),
+                        "mixture 'weighted' needs a weight on every source",
+                        None,
+                        "a number > 0",
+                    )
+                )
+            if self.mixture != "weighted" and source.weight is not None:
+                problems.append(
+                    Problem(
+                        join_path("sources", i, "weight"),
+                        f"weights apply only to mixture 'weighted' (mixture is {self.mixture!r})",
+                        source.weight,
+                        "remove it, or set data.mixture: weighted",
+                    )
+                )
+        raise_if_any(problems)
+        return self
+
+    @property
+    def routes_used(self) -> tuple[str, ...]:
+        """Routes named by the sources, in source order, de-duplicated."""
+        return tuple(dict.fromkeys(s.route for s in self.sources))

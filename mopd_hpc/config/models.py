@@ -1,0 +1,117 @@
+"""The `models:` section: the actor (student), the teachers, the tokenizer they all share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from mopd_hpc.config.base import Section
+from mopd_hpc.config.problems import Problem, join_path, raise_if_any
+from mopd_hpc.config.types import Dtype, Engine, Identifier, NonEmptyStr
+
+
+class OptimizerConfig(Section):
+    """AdamW of the actor."""
+
+    lr: float = Field(gt=0, allow_inf_nan=False, description="Learning rate (per step, constant).")
+    weight_decay: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay (dimensionless)."
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0, allow_inf_nan=False, description="Max global gradient L2 norm; null = no clipping."
+    )
+
+
+class ActorConfig(Section):
+    """The student being trained (π_θ)."""
+
+    id: Identifier = Field(description="Name of the actor; names its child processes, logs and metrics.")
+    path: NonEmptyStr = Field(description="HF model id or local checkpoint directory (config.json, weights).")
+    dtype: Dtype = Field("bfloat16", description="Parameter and compute dtype of the train engine.")
+    engine: Engine = Field("torch", description="'torch' (transformers, CPU/GPU) or 'megatron' (GPU only).")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size, in GPUs (within one node).")
+    pipeline_parallel: int = Field(1, ge=1, description="Pipeline-parallel size, in stages (megatron only).")
+    optimizer: OptimizerConfig = Field(description="AdamW settings.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ActorConfig:
+        if self.engine == "torch" and self.pipeline_parallel > 1:
+            raise_if_any(
+                [
+                    Problem(
+                        "pipeline_parallel",
+                        "the torch engine has no pipeline parallelism",
+                        self.pipeline_parallel,
+                        "use 1, or engine: megatron",
+                    )
+                ]
+            )
+        return self
+
+
+class TeacherConfig(Section):
+    """One teacher π_j: forward-only scoring of the student's rollouts."""
+
+    id: Identifier = Field(description="Teacher id, used in `routes:` weights.")
+    path: NonEmptyStr = Field(description="HF model id or local checkpoint directory.")
+    engine: Engine = Field("torch", description="Scoring engine: 'torch' or 'megatron' (GPU only).")
+    dtype: Dtype = Field("bfloat16", description="Dtype of the scoring forward pass.")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size, in GPUs (within one node).")
+
+
+class TokenizerConfig(Section):
+    """The tokenizer every model must share (checked by fingerprint before training, DESIGN.md §3)."""
+
+    path: NonEmptyStr = Field(description="HF tokenizer id or directory; defaults to models.actor.path.")
+
+
+class ModelsConfig(Section):
+    """Actor, teachers and tokenizer."""
+
+    actor: ActorConfig = Field(description="The student being trained.")
+    teachers: list[TeacherConfig] = Field(
+        min_length=1,
+        description="Teachers; ids are referenced by `routes:`. Declared even when "
+        "loss.distillation_coefficient is 0 (then none is loaded).",
+    )
+    tokenizer: TokenizerConfig = Field(description="Shared tokenizer; omitted = the actor's path.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tokenizer(cls, data: Any) -> Any:
+        """Resolve the tokenizer to the actor's path when absent (the resolved config shows it)."""
+        if isinstance(data, dict) and data.get("tokenizer") is None:
+            actor = data.get("actor")
+            path = actor.get("path") if isinstance(actor, dict) else getattr(actor, "path", None)
+            if path is not None:
+                data = {**data, "tokenizer": {"path": path}}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelsConfig:
+        problems = []
+        seen: dict[str, str] = {self.actor.id: "actor.id"}
+        for i, teacher in enumerate(self.teachers):
+            here = join_path("teachers", i, "id")
+            if teacher.id in seen:
+                problems.append(
+                    Problem(
+                        here, "duplicate model id", teacher.id, f"already used by models.{seen[teacher.id]}"
+                    )
+                )
+            else:
+                seen[teacher.id] = here
+        raise_if_any(problems)
+        return self
+
+    @property
+    def teacher_ids(self) -> tuple[str, ...]:
+        return tuple(t.id for t in self.teachers)
+
+    def teacher(self, teacher_id: str) -> TeacherConfig:
+        """The teacher with this id; KeyError names the known ids."""
+        for t in self.teachers:
+            if t.id == teacher_id:
+                return t
+        raise KeyError(f"unknown teacher {teacher_id!r} (known: {', '.join(self.teacher_ids)})")

@@ -1,0 +1,97 @@
+"""The `rollout:` and `weight_sync:` sections: how the behavior policy μ samples, and how it gets θ."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, StrictBool, model_validator
+
+from mopd_hpc.config.base import Section
+from mopd_hpc.config.problems import Problem, raise_if_any
+
+
+class SamplingConfig(Section):
+    """Sampling parameters of every rollout (the SGLang `sampling_params` subset the trainer sends)."""
+
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Softmax temperature (> 0: greedy decoding leaves no behavior distribution μ).",
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (0, 1]; 1 = off.")
+    max_new_tokens: int = Field(ge=1, description="Longest response, in tokens.")
+
+
+class RolloutEnginesConfig(Section):
+    """Rollout server processes."""
+
+    count: int = Field(1, ge=1, description="Number of rollout engines (servers).")
+    tensor_parallel: int = Field(
+        1, ge=1, description="GPUs per engine (tensor-parallel size, within a node)."
+    )
+
+
+class RolloutConfig(Section):
+    """Rollout: who samples the responses (DESIGN.md §5), where, and with what settings."""
+
+    backend: Literal["hf", "sglang"] = Field(
+        "hf", description="'hf' (transformers generate, CPU/GPU) or 'sglang' (an sglang.Engine, GPU only)."
+    )
+    sampling: SamplingConfig = Field(description="Sampling parameters.")
+    engines: RolloutEnginesConfig = Field(default_factory=RolloutEnginesConfig, description="Engine layout.")
+    mode: Literal["separated", "colocated"] = Field(
+        "separated",
+        description="'separated': rollout engines on their own GPUs; 'colocated': on the actor's GPUs, "
+        "time-sliced by the phase machine (offload/onload between phases).",
+    )
+    forked: StrictBool = Field(
+        True,
+        description="Rollout engines run as children forked by the node's guard (required when colocated, "
+        "so that a rollout crash or offload never takes the actor down).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        if self.mode == "colocated" and not self.forked:
+            raise_if_any(
+                [
+                    Problem(
+                        "forked",
+                        "a colocated rollout must run as a forked child of the guard",
+                        self.forked,
+                        "set rollout.forked: true, or rollout.mode: separated",
+                    )
+                ]
+            )
+        return self
+
+
+class WeightSyncConfig(Section):
+    """Weight sync actor → rollout after each train step."""
+
+    backend: Literal["torch", "awex"] = Field(
+        "torch",
+        description="'torch': torch.distributed broadcast (gloo on CPU, NCCL on GPU); 'awex': AWEX "
+        "WeightWriter/reader (megatron actor, sglang rollout).",
+    )
+    awex_mode: Literal["colocate", "separate"] | None = Field(
+        None,
+        description="AWEX transfer mode; null = follow rollout.mode (colocated → colocate, "
+        "separated → separate). Only for backend 'awex'.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> WeightSyncConfig:
+        if self.backend != "awex" and self.awex_mode is not None:
+            raise_if_any(
+                [
+                    Problem(
+                        "awex_mode",
+                        f"applies only to backend 'awex' (backend is {self.backend!r})",
+                        self.awex_mode,
+                        "remove it, or set weight_sync.backend: awex",
+                    )
+                ]
+            )
+        return self

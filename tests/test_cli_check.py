@@ -1,0 +1,136 @@
+"""`mopd-submit --check`: a real subprocess on every shipped config (exit 0) and on bad ones (exit 2)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mopd_hpc.cli import submit
+from mopd_hpc.cli.base import EXIT_USAGE
+from mopd_hpc.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def mopd_submit(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run the console entry point in a child process (the module form: no dependence on PATH)."""
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    return subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.submit", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_check_prints_the_resolved_config(path: Path) -> None:
+    proc = mopd_submit("--check", path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    first = proc.stdout.splitlines()[0]
+    cfg = RunConfig.from_yaml(path)
+    assert first.startswith(f"# {path} is valid — {cfg.name}: backend {cfg.cluster.backend}")
+    # The whole output is YAML (the header lines are comments) and it is the resolved config.
+    assert RunConfig.from_dict(yaml.safe_load(proc.stdout)) == cfg
+
+
+def test_bad_config_exits_2_with_every_problem_on_stderr(tmp_path: Path) -> None:
+    text = (REPO / "configs" / "local_cpu.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        text.replace("chain: {chain: 1.0}", "chain: {reasoner: 1.0}").replace(
+            "batch_size: 64", "batch_size: 0"
+        )
+    )
+    proc = mopd_submit("--check", bad)
+    assert proc.returncode == EXIT_USAGE == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"{bad}: 2 problems",
+        "  - data.batch_size: must be greater than or equal to 1 (got 0)",
+        "  - routes.chain: unknown teacher 'reasoner' (known: chain, legs)",
+    ]
+
+
+def test_set_and_local_reach_the_resolved_config() -> None:
+    proc = mopd_submit(
+        "--check",
+        "configs/slurm_het_cpu.yaml",
+        "--local",
+        "--set",
+        "steps=3",
+        "--set",
+        "loss.correction=mask",
+    )
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load(proc.stdout)
+    assert (resolved["cluster"]["backend"], resolved["steps"], resolved["loss"]["correction"]) == (
+        "local",
+        3,
+        "mask",
+    )
+
+
+def test_bad_override_exits_2() -> None:
+    proc = mopd_submit("--check", "configs/local_cpu.yaml", "--set", "loss.corection=mask")
+    assert proc.returncode == 2
+    assert "--set loss.corection: unknown key (got 'corection';" in proc.stderr
+    assert "did you mean 'correction'?" in proc.stderr
+
+
+def test_missing_file_exits_2(tmp_path: Path) -> None:
+    proc = mopd_submit("--check", tmp_path / "absent.yaml")
+    assert proc.returncode == 2
+    assert "cannot read the config file: No such file or directory" in proc.stderr
+
+
+def test_without_check_says_submission_is_not_there_yet_and_validates() -> None:
+    """`make run` calls `mopd-submit configs/local_cpu.yaml --local`: until issue 5 it behaves as --check."""
+    proc = mopd_submit("configs/local_cpu.yaml", "--local")
+    assert proc.returncode == 0
+    assert proc.stderr.strip() == submit.NOT_YET
+    assert yaml.safe_load(proc.stdout)["name"] == "local-cpu"
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).with_name("mopd-submit")
+    if not script.exists():
+        pytest.skip(f"{script} not installed (pip install -e . installs it)")
+    proc = subprocess.run(
+        [str(script), "--check", "configs/local_cpu.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "is valid" in proc.stdout
+
+
+def test_check_function_takes_its_streams() -> None:
+    """The logic is a function over its collaborators (STYLE.md rule 13): testable with StringIO."""
+    out, err = io.StringIO(), io.StringIO()
+    assert submit.check("configs/local_cpu.yaml", ["seed=4"], False, out, err) == 0
+    assert err.getvalue() == "" and yaml.safe_load(out.getvalue())["seed"] == 4
+    out, err = io.StringIO(), io.StringIO()
+    assert submit.check("configs/local_cpu.yaml", ["seed=-4"], False, out, err) == 2
+    assert out.getvalue() == "" and "seed: must be greater than or equal to 0 (got -4)" in err.getvalue()
+
+
+def test_main_parses_argv(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    assert submit.main(["--check", "configs/local_cpu.yaml", "--set", "steps=9"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["steps"] == 9
+    with pytest.raises(SystemExit) as info:
+        submit.main([])
+    assert info.value.code == 2
