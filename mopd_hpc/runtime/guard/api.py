@@ -1,0 +1,69 @@
+"""Request bodies of the guard's HTTP API (JSON), validated strictly: unknown keys and wrong types are 400.
+
+| method | path             | body                                   | answer                               |
+| ------ | ---------------- | -------------------------------------- | ------------------------------------ |
+| GET    | /health          | –  (the only unauthenticated endpoint) | `{"status": "ok"}`                   |
+| GET    | /status          | query `role`, `index`, `generation`    | `{"children": [...], "ports": [...]}`|
+| POST   | /ports/reserve   | `ReserveRequest`                       | `{"role", "index", "ports": {n: p}}` |
+| POST   | /ports/release   | `SlotRequest`                          | `{"role", "index", "released": {}}`  |
+| POST   | /spawn           | `SpawnRequest`                         | 201, the child's status              |
+| POST   | /kill            | `KillRequest`                          | the child's status, or state absent  |
+| POST   | /shutdown        | `ShutdownRequest`                      | 202 `{"status": "shutting_down"}`    |
+
+Every other request carries `Authorization: Bearer <token>`. Errors answer `{"error": <kind>, "message"}`
+with 400 (malformed), 401 (token), 403 (unregistered role), 404, 405, 409 (conflict) or 500.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class SlotRequest(_Request):
+    """A child slot on this node: (role, index)."""
+
+    role: str = Field(min_length=1, max_length=32, description="registered role name, e.g. 'rollout'")
+    index: int = Field(ge=0, description="index of the child within its role on the job")
+
+
+class ReserveRequest(SlotRequest):
+    names: list[str] = Field(min_length=1, max_length=32, description="port names, e.g. ['http', 'nccl']")
+
+
+class SpawnRequest(SlotRequest):
+    env: dict[str, str] = Field(default_factory=dict, description="environment overrides, values verbatim")
+    gpus: list[str] | None = Field(
+        default=None, description="GPU tokens as given (ints, GPU-/MIG- ids) → CUDA_VISIBLE_DEVICES"
+    )
+    ports: list[str] = Field(
+        default_factory=list, description="port names leased for this slot → MOPD_PORT_*"
+    )
+
+
+class KillRequest(SlotRequest):
+    wait_s: float | None = Field(default=None, ge=0, le=600, description="SIGTERM→SIGKILL wait, seconds")
+
+
+class ShutdownRequest(_Request):
+    checkpoint: bool = Field(default=False, description="send USR2 to children and wait before teardown")
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """A one-line message naming each bad field and what was expected (values of `env` are not echoed)."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        shown = "" if loc.startswith("env") else f" (got {_short(err.get('input'))})"
+        parts.append(f"{loc}: {err['msg']}{shown}")
+    return "; ".join(parts)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,360 @@
+"""The guard: one aiohttp service per node per job (DESIGN.md §4, Guard; endpoints in `guard/api.py`).
+
+It leases its own HTTP port (owner `<job>/guard/0`, name `http`), binds it on `--bind`, and writes
+`run_dir/guards/<host>.json` (`host`, `bind`, `port`, `url`, `pid`, `job_id`) atomically once it serves.
+Every endpoint except `GET /health` needs the job's token. It spawns only registered roles, leases named
+ports per (role, index), reports status per (role, index, generation), kills process groups, and on
+SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to `checkpoint_wait_s`, kills what is
+left, releases every lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked).
+Request logs name method, path and status only: never headers, bodies or env values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.runtime.guard.api import (
+    KillRequest,
+    ReserveRequest,
+    ShutdownRequest,
+    SlotRequest,
+    SpawnRequest,
+    describe_validation_error,
+)
+from mopd_hpc.runtime.guard.auth import AUTH_HEADER, token_matches
+from mopd_hpc.runtime.guard.children import ChildEnvError, ChildSupervisor
+from mopd_hpc.runtime.guard.events import EventLog, events_path
+from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
+from mopd_hpc.runtime.ports import (
+    LeasePolicy,
+    PortInUseError,
+    PortLeaseError,
+    PortLeaser,
+    PortOwner,
+    PortsExhaustedError,
+)
+from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, EXIT_OK, signal_name
+
+log = logging.getLogger("mopd_hpc.guard")
+
+#: The owner of the guard's own HTTP port lease.
+GUARD_ROLE = "guard"
+#: How long the HTTP server waits for in-flight requests when it stops.
+_HTTP_SHUTDOWN_S = 2.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_M = TypeVar("_M", bound=BaseModel)
+#: Port errors → (HTTP status, error kind); most specific first.
+PORT_ERROR_STATUS: tuple[tuple[type[PortLeaseError], int, str], ...] = (
+    (PortsExhaustedError, 409, "ports_exhausted"),
+    (PortInUseError, 409, "port_in_use"),
+    (PortLeaseError, 400, "bad_port_request"),
+)
+
+
+class GuardConfigError(ValueError):
+    """A guard setting is invalid."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardConfig:
+    """Everything one guard needs; build with `GuardConfig.create` (env is passed in, read at the edge)."""
+
+    run_dir: Path
+    job_id: str
+    host: str
+    lease_policy: LeasePolicy
+    base_env: Mapping[str, str]
+    bind: str = "127.0.0.1"
+    port: int = 0
+    kill_wait_s: float = 10.0
+    checkpoint_wait_s: float = 60.0
+    roles: RoleRegistry = field(default_factory=RoleRegistry)
+
+    @classmethod
+    def create(cls, run_dir: str | Path, job_id: str, host: str, **kwargs: Any) -> GuardConfig:
+        """Raises GuardConfigError naming the bad setting."""
+        run_dir = Path(run_dir).resolve()
+        if not run_dir.is_dir():
+            raise GuardConfigError(f"run_dir={str(run_dir)!r} is not a directory: create it before the guard")
+        if not host or "/" in host or host.startswith("."):
+            raise GuardConfigError(f"host={host!r} is invalid: expected a host name usable in file names")
+        cfg = cls(run_dir=run_dir, job_id=job_id, host=host, **kwargs)
+        PortOwner.create(job_id, GUARD_ROLE, 0)  # validates job_id
+        for name in ("kill_wait_s", "checkpoint_wait_s"):
+            if not 0 <= getattr(cfg, name) <= 3600:
+                raise GuardConfigError(f"{name}={getattr(cfg, name)} is invalid: expected 0..3600 seconds")
+        if not 0 <= cfg.port <= 65535:
+            raise GuardConfigError(f"port={cfg.port} is invalid: expected 0 (lease one) or 1..65535")
+        return cfg
+
+    @property
+    def guard_file(self) -> Path:
+        return self.run_dir / "guards" / f"{self.host}.json"
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    return web.json_response({"error": kind, "message": message}, status=status)
+
+
+class Guard:
+    """The guard service. `await start()`, then `await wait_stopped()`; `teardown()` stops it."""
+
+    def __init__(self, config: GuardConfig, token: str) -> None:
+        self.config = config
+        self._token = token
+        self.leaser = PortLeaser(config.lease_policy)
+        self.events = EventLog(events_path(config.run_dir, config.host), config.host)
+        self.children = ChildSupervisor(
+            config.run_dir, config.host, config.job_id, self.events, config.base_env
+        )
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+        self._stopped = asyncio.Event()
+        self._teardown_task: asyncio.Task[None] | None = None
+        self.app = web.Application(middlewares=[self._errors, self._auth])
+        self.app.add_routes(
+            [
+                web.get("/health", self._health),
+                web.get("/status", self._status),
+                web.post("/ports/reserve", self._reserve),
+                web.post("/ports/release", self._release),
+                web.post("/spawn", self._spawn),
+                web.post("/kill", self._kill),
+                web.post("/shutdown", self._shutdown),
+            ]
+        )
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Lease and bind the HTTP port, serve, install signal handlers, write the guard file."""
+        cfg = self.config
+        self.events.emit("guard_start", pid=_pid(), job_id=cfg.job_id)
+        owner = PortOwner.create(cfg.job_id, GUARD_ROLE, 0)
+        if cfg.port:
+            lease = self.leaser.reserve_port(owner, "http", cfg.port)
+        else:
+            lease = self.leaser.reserve(owner, ["http"])["http"]
+        self.port = lease.port
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.bind else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.bind, self.port))
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=_HTTP_SHUTDOWN_S)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock, shutdown_timeout=_HTTP_SHUTDOWN_S).start()
+        loop = asyncio.get_running_loop()
+        for signum, checkpoint in ((signal.SIGTERM, True), (CHECKPOINT_SIGNAL, True), (signal.SIGINT, False)):
+            loop.add_signal_handler(signum, self._on_signal, signum, checkpoint)
+        url_host = cfg.host if cfg.bind in ("0.0.0.0", "::") else cfg.bind
+        url = f"http://{'[' + url_host + ']' if ':' in url_host else url_host}:{self.port}"
+        record = {"host": cfg.host, "bind": cfg.bind, "port": self.port, "url": url, "pid": _pid()}
+        cfg.guard_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cfg.guard_file, {**record, "job_id": cfg.job_id, "started_ts": time.time()})
+        self.events.emit("guard_ready", **record)
+        log.info("guard ready: %s (pid %d)", url, _pid())
+
+    async def wait_stopped(self) -> int:
+        await self._stopped.wait()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.events.close()
+        return EXIT_OK
+
+    def _on_signal(self, signum: int, checkpoint: bool) -> None:
+        self.events.emit("guard_signal", signal=signal_name(signum), pid=_pid())
+        log.info("guard got %s: tearing down (checkpoint=%s)", signal_name(signum), checkpoint)
+        self.start_teardown(checkpoint)
+
+    def start_teardown(self, checkpoint: bool) -> asyncio.Task[None]:
+        if self._teardown_task is None:
+            self._teardown_task = asyncio.get_running_loop().create_task(self._teardown(checkpoint))
+        return self._teardown_task
+
+    async def _teardown(self, checkpoint: bool) -> None:
+        cfg, sup = self.config, self.children
+        try:
+            running = sup.running()
+            if checkpoint and running:
+                for child in running:
+                    await sup.signal_group(child, CHECKPOINT_SIGNAL)
+                await asyncio.gather(*(sup.wait_gone(c, cfg.checkpoint_wait_s) for c in running))
+            await asyncio.gather(*(sup.kill(c, cfg.kill_wait_s) for c in sup.all()))
+        finally:
+            self.leaser.close()
+            with contextlib.suppress(FileNotFoundError):
+                cfg.guard_file.unlink()
+            self.events.emit("guard_stop", pid=_pid())
+            self._stopped.set()
+
+    # ---- middlewares -------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            response = _error(405, "method_not_allowed", f"{request.method} {request.path}: use {allowed}")
+        except web.HTTPNotFound:
+            response = _error(404, "not_found", f"Not Found: no endpoint {request.method} {request.path}")
+        except web.HTTPException as exc:
+            response = _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.text or exc.reason)
+        except PortLeaseError as exc:
+            status, kind = next((st, k) for cls, st, k in PORT_ERROR_STATUS if isinstance(exc, cls))
+            response = _error(status, kind, str(exc))
+        except Exception as exc:  # the guard keeps serving whatever one request does
+            log.exception("guard: %s %s failed", request.method, request.path)
+            response = _error(500, "internal", f"{type(exc).__name__}: {exc}")
+        log.info("%s %s -> %d", request.method, request.path, response.status)
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/health" and request.method == "GET":
+            return await handler(request)
+        if not token_matches(request.headers.get(AUTH_HEADER), self._token):
+            return web.json_response(
+                {
+                    "error": "unauthorized",
+                    "message": "missing or wrong token (Authorization: Bearer <token>)",
+                },
+                status=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    # ---- handlers ----------------------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            index = int(q["index"]) if "index" in q else None
+            generation = int(q["generation"]) if "generation" in q else None
+        except ValueError:
+            return _error(400, "bad_request", f"index/generation must be integers, got {dict(q)}")
+        children = [
+            c.to_dict()
+            for c in self.children.all()
+            if ("role" not in q or c.role == q["role"])
+            and (index is None or c.index == index)
+            and (generation is None or c.generation == generation)
+        ]
+        ports = [
+            {"role": x.owner.role, "index": x.owner.index, "name": x.name, "port": x.port}
+            for x in self.leaser.leases()
+        ]
+        return web.json_response({"host": self.config.host, "children": children, "ports": ports})
+
+    async def _reserve(self, request: web.Request) -> web.Response:
+        req = await _parse(request, ReserveRequest)
+        owner = self._owner(req)
+        leases = self.leaser.reserve(owner, req.names)
+        return web.json_response(
+            {"role": req.role, "index": req.index, "ports": {n: x.port for n, x in leases.items()}}
+        )
+
+    async def _release(self, request: web.Request) -> web.Response:
+        req = await _parse(request, SlotRequest)
+        released = self.leaser.release(self._owner(req))
+        return web.json_response({"role": req.role, "index": req.index, "released": _ports(released)})
+
+    async def _spawn(self, request: web.Request) -> web.Response:
+        req = await _parse(request, SpawnRequest)
+        if self._teardown_task is not None:
+            return _error(409, "shutting_down", "the guard is shutting down: nothing new is spawned")
+        try:
+            module = self.config.roles.module_for(req.role)
+        except UnregisteredRoleError as exc:
+            return _error(403, "forbidden", str(exc))
+        except RoleModuleMissingError as exc:
+            return _error(409, "role_module_missing", str(exc))
+        current = self.children.latest(req.role, req.index)
+        if current is not None and not current.exited.is_set():
+            return _error(
+                409,
+                "already_running",
+                f"{req.role}/{req.index} generation {current.generation} is running (pid {current.pid}): "
+                "kill it first",
+            )
+        owner = self._owner(req)
+        leases = self.leaser.reserve(owner, req.ports) if req.ports else {}
+        try:
+            child = self.children.spawn(req.role, req.index, module, req.env, req.gpus, leases)
+        except ChildEnvError as exc:
+            return _error(400, "bad_env", str(exc))
+        self.leaser.note_child(owner, child.pid)
+        return web.json_response(child.to_dict(), status=201)
+
+    async def _kill(self, request: web.Request) -> web.Response:
+        req = await _parse(request, KillRequest)
+        owner = self._owner(req)
+        child = self.children.latest(req.role, req.index)
+        gone = True
+        if child is not None:
+            gone = await self.children.kill(
+                child, self.config.kill_wait_s if req.wait_s is None else req.wait_s
+            )
+        released = _ports(self.leaser.release(owner))
+        if not gone:
+            assert child is not None
+            tail = self.children.tail(child.stderr)
+            return _error(
+                500,
+                "kill_failed",
+                f"{req.role}/{req.index} process group {child.pgid} survived SIGKILL; "
+                f"stderr {child.stderr} ends with:\n{tail}",
+            )
+        body = (
+            child.to_dict()
+            if child is not None
+            else {"role": req.role, "index": req.index, "state": "absent"}
+        )
+        return web.json_response({**body, "released": released})
+
+    async def _shutdown(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        req = await _parse(request, ShutdownRequest) if body.strip() else ShutdownRequest()
+        self.start_teardown(req.checkpoint)
+        return web.json_response({"status": "shutting_down"}, status=202)
+
+    def _owner(self, req: SlotRequest) -> PortOwner:
+        if req.role == GUARD_ROLE:
+            raise web.HTTPForbidden(
+                text=f"role {GUARD_ROLE!r} is the guard itself: its leases are not for clients"
+            )
+        return PortOwner.create(self.config.job_id, req.role, req.index)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _ports(leases: list[Any]) -> dict[str, int]:
+    return {x.name: x.port for x in leases}
+
+
+async def _parse(request: web.Request, model: type[_M]) -> _M:
+    """Parse the JSON body into `model`; a 400 naming the problem otherwise."""
+    try:
+        data = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise web.HTTPBadRequest(text=f"{model.__name__}: {describe_validation_error(exc)}") from None
