@@ -1,0 +1,88 @@
+"""The train and scoring engine protocols (DESIGN.md §5), apart from their implementations.
+
+Backends: `torch_engine` (transformers models, CPU or GPU) and megatron (megatron-core, GPU only).
+The loss configuration is bound to a train engine ONCE, when it is built: `train_step(batch)` applies
+that bound loss (the `loss` of DESIGN.md §5's `train_step(batch, loss)`), and a batch carries only
+per-sample tensors.
+
+Shape legend: B rows, T response positions, K top-k tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.mopd.topk import TeacherTopK
+
+
+class EngineError(ValueError):
+    """An engine was asked for something its configuration or state cannot give (bad device or dtype,
+    a batch missing what the bound loss reads, weights offloaded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyReport:
+    """What an offload/onload did: `action` ("offload" | "onload"), `moved` (False for the CPU no-op),
+    `bytes_moved` (parameters + gradients + optimizer state), `device` the engine's compute device,
+    and a human `message` (also logged)."""
+
+    action: str
+    moved: bool
+    bytes_moved: int
+    device: str
+    message: str
+
+
+@runtime_checkable
+class ScoringEngine(Protocol):
+    """Forward-only engine of a teacher (or reference model): no optimizer state, no gradient."""
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """[B, T] float32 log π(y_t) of the response tokens; 0 at padded positions."""
+        ...
+
+    def topk(self, batch: TokenBatch, k: int) -> TeacherTopK:
+        """The k most likely tokens at each response position: [B, T, min(k, V)]."""
+        ...
+
+    def offload(self) -> ResidencyReport:
+        """Move weights to host memory (a real move on GPU; a logged no-op on CPU)."""
+        ...
+
+    def onload(self) -> ResidencyReport:
+        """Move weights back onto the compute device."""
+        ...
+
+
+@runtime_checkable
+class TrainEngine(ScoringEngine, Protocol):
+    """The actor's engine: a scoring engine plus one optimizer step with the bound loss."""
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Forward, loss (bound at construction), backward, gradient clipping, optimizer step.
+
+        Returns floats: `loss`, `grad_norm` (before clipping), the loss terms' statistics (`mopd/*`,
+        `topk/*`, `grpo/*`) and `tokens`.
+        """
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model": ..., "optimizer": ...}: what a checkpoint needs to resume bit-for-bit."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s output (tensors may be on CPU)."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF state_dict name, tensor) of every weight, for weight sync to the rollout engines."""
+        ...
+
+    def save_pretrained(self, directory: str) -> None:
+        """Export the student as an HF checkpoint (config.json + safetensors)."""
+        ...

@@ -1,0 +1,196 @@
+"""The `teacher` role entry point the guard runs: `python -m mopd_hpc.engines.teacher_main`.
+
+    python -m mopd_hpc.engines.teacher_main --teacher-id ID --model PATH [--port N] [--host 127.0.0.1]
+        [--device auto|cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16] [--run-dir DIR]
+        [--max-batch-rows 64] [--num-threads N]
+
+Each flag not given falls back to its variable of `ENV` (read once, in `main`). The checkpoint is loaded
+once; when the server listens and `--run-dir` is known, it writes `run_dir/endpoints/teacher-<id>.json`
+atomically ({teacher_id, host, port, url, pid, model_path, fingerprint}) and logs "teacher server ready".
+SIGTERM or SIGINT stops it cleanly (exit 0) and removes the endpoint file. Routes: `teacher_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from mopd_hpc.atomic import atomic_write_json
+
+log = logging.getLogger("mopd_hpc.teacher")
+
+#: Logical key → environment variable (read at the edge, in `main`).
+ENV = {
+    "teacher_id": "MOPD_TEACHER_ID",
+    "model_path": "MOPD_MODEL_PATH",
+    "port": "MOPD_PORT_HTTP",
+    "run_dir": "MOPD_RUN_DIR",
+    "host": "MOPD_BIND_HOST",
+    "advertise_host": "MOPD_HOST",
+    "device": "MOPD_DEVICE",
+    "dtype": "MOPD_DTYPE",
+}
+#: Bind addresses that cannot be connected to as given: the endpoint file advertises MOPD_HOST instead.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True, slots=True)
+class TeacherArgs:
+    """The resolved command line. Build with `TeacherArgs.from_argv(argv, environ)`."""
+
+    teacher_id: str
+    model_path: str
+    host: str
+    port: int
+    advertise_host: str
+    device: str = "auto"
+    dtype: str = "float32"
+    run_dir: str | None = None
+    max_batch_rows: int = 64
+    num_threads: int | None = None
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None, environ: Mapping[str, str]) -> TeacherArgs:
+        """Parse `argv` with `environ` as fallback; exits with status 2 naming the missing flag/variable."""
+        p = argparse.ArgumentParser(
+            prog="python -m mopd_hpc.engines.teacher_main", description=__doc__.split("\n")[0]
+        )
+        p.add_argument("--teacher-id", help=f"teacher id (env {ENV['teacher_id']})")
+        p.add_argument("--model", dest="model_path", help=f"HF checkpoint dir (env {ENV['model_path']})")
+        p.add_argument("--host", default=None, help=f"bind address (env {ENV['host']}; default 127.0.0.1)")
+        p.add_argument("--port", type=int, default=None, help=f"TCP port, 0 = any (env {ENV['port']})")
+        p.add_argument("--device", default=None, help=f"auto | cpu | cuda | cuda:N (env {ENV['device']})")
+        p.add_argument(
+            "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help=f"env {ENV['dtype']}"
+        )
+        p.add_argument(
+            "--run-dir", default=None, help=f"run directory for the endpoint file (env {ENV['run_dir']})"
+        )
+        p.add_argument("--max-batch-rows", type=int, default=64, help="rows per forward pass at most")
+        p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        ns = p.parse_args(argv)
+        teacher_id = ns.teacher_id or environ.get(ENV["teacher_id"])
+        model_path = ns.model_path or environ.get(ENV["model_path"])
+        if not teacher_id:
+            p.error(f"no teacher id: pass --teacher-id or set {ENV['teacher_id']}")
+        if not model_path:
+            p.error(f"no model: pass --model or set {ENV['model_path']}")
+        port = ns.port
+        if port is None:
+            raw = environ.get(ENV["port"])
+            if raw is None:
+                p.error(f"no port: pass --port or set {ENV['port']}")
+            try:
+                port = int(raw)
+            except ValueError:
+                p.error(f"{ENV['port']}={raw!r}: expected a TCP port number")
+        if not 0 <= port <= 65535:
+            p.error(f"port={port}: expected a TCP port in [0, 65535]")
+        dtype = ns.dtype or environ.get(ENV["dtype"]) or "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            p.error(f"{ENV['dtype']}={dtype!r}: expected float32, bfloat16 or float16")
+        host = ns.host or environ.get(ENV["host"]) or "127.0.0.1"
+        advertise = (
+            host if host not in WILDCARD_HOSTS else environ.get(ENV["advertise_host"]) or socket.gethostname()
+        )
+        return cls(
+            teacher_id=teacher_id,
+            model_path=model_path,
+            host=host,
+            port=port,
+            advertise_host=advertise,
+            device=ns.device or environ.get(ENV["device"]) or "auto",
+            dtype=dtype,
+            run_dir=ns.run_dir or environ.get(ENV["run_dir"]),
+            max_batch_rows=ns.max_batch_rows,
+            num_threads=ns.num_threads,
+        )
+
+
+def endpoint_path(run_dir: str | Path, teacher_id: str) -> Path:
+    """`run_dir/endpoints/teacher-<id>.json`."""
+    return Path(run_dir) / "endpoints" / f"teacher-{teacher_id}.json"
+
+
+async def serve(args: TeacherArgs, stop: asyncio.Event | None = None) -> None:
+    """Load the checkpoint, listen, write the endpoint file, and serve until `stop` (or SIGTERM/SIGINT)."""
+    import torch
+
+    from mopd_hpc.engines.teacher_server import TeacherServer
+    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = await asyncio.to_thread(
+        TorchScoringEngine.from_pretrained,
+        args.model_path,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_rows=args.max_batch_rows,
+    )
+    pad_id = getattr(engine.model.config, "pad_token_id", None) or 0
+    server = TeacherServer(engine, args.teacher_id, args.model_path, pad_id=pad_id)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    url = f"http://{args.advertise_host}:{port}"
+    if args.run_dir:
+        path = endpoint_path(args.run_dir, args.teacher_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "teacher_id": args.teacher_id,
+            "host": args.advertise_host,
+            "port": port,
+            "url": url,
+            "pid": os.getpid(),
+            "model_path": args.model_path,
+            "fingerprint": server.fingerprint,
+        }
+        atomic_write_json(path, record)
+    log.info(
+        "teacher server ready: %s on %s (model %s, device %s)",
+        args.teacher_id,
+        url,
+        args.model_path,
+        engine.device,
+    )
+    try:
+        await stop.wait()
+    finally:
+        log.info("teacher server %s stopping", args.teacher_id)
+        if args.run_dir:  # a stale endpoint would send the controller to a closed port
+            with contextlib.suppress(FileNotFoundError):
+                endpoint_path(args.run_dir, args.teacher_id).unlink()
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: reads os.environ once, here, and passes it down."""
+    environ = dict(os.environ)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    args = TeacherArgs.from_argv(argv, environ)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

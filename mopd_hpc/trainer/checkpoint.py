@@ -1,0 +1,215 @@
+"""Atomic training checkpoints with a `latest` pointer, keep-last-N, and RNG capture/restore.
+
+Layout under a checkpoint root:
+
+    root/step_000050/model.pt        engine state (`TrainEngine.state_dict()`: model, optimizer, ...)
+    root/step_000050/rng.pt          RNG states (python, numpy if present, torch CPU, every CUDA device)
+    root/step_000050/state.json      {"step", "data_state", "extra", "format"} (JSON-serializable)
+    root/latest                      "step_000050\\n": the newest complete checkpoint
+
+A save writes every file (each through `mopd_hpc.atomic`: temp file, fsync, rename) into a hidden
+`root/.step_000050.tmp-<pid>/`, renames that directory to `step_000050` (atomic on POSIX), and only then
+rewrites `latest` atomically. A crash at any point leaves `latest` naming the previous complete checkpoint;
+a half-written temp directory is ignored by `load_latest` and removed by the next save. Loading uses
+`torch.load(weights_only=True)`: a checkpoint never executes pickled code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mopd_hpc.atomic import atomic_open, atomic_write_json, atomic_write_text
+
+#: Name of the pointer file.
+LATEST = "latest"
+#: Version of the on-disk layout, written to state.json.
+FORMAT_VERSION = 1
+#: Checkpoints kept by default (the newest N; `latest` is never removed).
+DEFAULT_KEEP_LAST = 3
+
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint root is inconsistent (pointer to a missing directory, unreadable state) or a save
+    argument is invalid."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A loaded checkpoint: `step`, its directory, the engine state, the data-stream state, RNG states and
+    `extra` (JSON), as given to `save_checkpoint`. Tensors are on the CPU."""
+
+    step: int
+    path: Path
+    engine_state: dict[str, Any]
+    data_state: dict[str, Any]
+    rng_state: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def step_dir_name(step: int) -> str:
+    """`50` → `"step_000050"`."""
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoint directories under `root`, oldest first, as (step, path)."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in base.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    return sorted(found)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from, in a form `torch.load(weights_only=True)` accepts."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional
+        pass
+    else:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what `capture_rng_state` captured (keys absent from `state` are left alone)."""
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    with atomic_open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    engine_state: Mapping[str, Any],
+    *,
+    data_state: Mapping[str, Any] | None = None,
+    rng_state: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int = DEFAULT_KEEP_LAST,
+) -> Path:
+    """Write `root/step_<step>/` completely, then point `latest` at it, then keep the newest `keep_last`.
+
+    Args:
+        root: checkpoint root (created if absent).
+        step: the number of completed training steps, ≥ 0.
+        engine_state: `TrainEngine.state_dict()` (tensors on any device).
+        data_state: where the data stream continues (JSON-serializable).
+        rng_state: `capture_rng_state()` by default.
+        extra: anything else JSON-serializable (e.g. the metrics line count, the config hash).
+        keep_last: checkpoints to keep, ≥ 1.
+
+    Returns:
+        the checkpoint directory.
+
+    Raises:
+        CheckpointError: step < 0, keep_last < 1, or data_state/extra not JSON-serializable (nothing is
+            written). OSError: the disk write failed; `latest` still names the previous checkpoint.
+    """
+    if step < 0:
+        raise CheckpointError(f"step is {step}; expected >= 0")
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last is {keep_last}; expected >= 1")
+    state = {
+        "step": step,
+        "data_state": dict(data_state or {}),
+        "extra": dict(extra or {}),
+        "format": FORMAT_VERSION,
+    }
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"data_state/extra of step {step} are not JSON-serializable: {err}") from None
+    base = Path(root)
+    base.mkdir(parents=True, exist_ok=True)
+    for stale in base.glob(".step_*.tmp-*"):  # left by a save that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    final = base / step_dir_name(step)
+    tmp = base / f".{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        _torch_save(dict(engine_state), tmp / "model.pt")
+        _torch_save(dict(rng_state if rng_state is not None else capture_rng_state()), tmp / "rng.pt")
+        atomic_write_json(tmp / "state.json", state)
+        if final.exists():  # re-saving a step (after a resume): retire the old copy first
+            retired = base / f".{final.name}.tmp-old-{os.getpid()}"
+            final.rename(retired)
+            shutil.rmtree(retired, ignore_errors=True)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(base / LATEST, final.name + "\n")
+    for _, old in list_checkpoints(base)[:-keep_last]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_latest(root: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint | None:
+    """The checkpoint `root/latest` names, or None when there is no `latest` (a fresh run).
+
+    Raises:
+        CheckpointError: `latest` names a directory that is missing or incomplete.
+    """
+    base = Path(root)
+    try:
+        name = (base / LATEST).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    if not _STEP_RE.match(name):
+        raise CheckpointError(f"{base / LATEST} holds {name!r}; expected a name like 'step_000050'")
+    return load_checkpoint(base / name, map_location)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Load one checkpoint directory. Raises CheckpointError naming the missing file."""
+    directory = Path(path)
+    for name in ("model.pt", "rng.pt", "state.json"):
+        if not (directory / name).is_file():
+            raise CheckpointError(
+                f"checkpoint {directory} has no {name}; expected a directory save_checkpoint wrote"
+            )
+    state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory / 'state.json'}: format {state.get('format')!r}; expected {FORMAT_VERSION}"
+        )
+    return Checkpoint(
+        step=int(state["step"]),
+        path=directory,
+        engine_state=torch.load(directory / "model.pt", map_location=map_location, weights_only=True),
+        data_state=state["data_state"],
+        rng_state=torch.load(directory / "rng.pt", map_location="cpu", weights_only=True),
+        extra=state["extra"],
+    )
