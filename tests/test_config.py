@@ -345,3 +345,12 @@ def test_round_trip_through_a_file(tmp_path: Path) -> None:
     path.write_text(cfg.to_yaml())
     assert RunConfig.from_yaml(path) == cfg
     assert load_run_config(path) == cfg
+
+
+def test_yaml_round_trip_of_a_line_break_character_pyyaml_writes_raw() -> None:
+    """U+0085 (NEL) in a path: PyYAML's unicode output reads back as a space; the dump escapes it."""
+    from mopd_hpc.config.yaml_io import dump_yaml, load_yaml_text
+
+    data = {"path": "x\x85y", "name": "蒸馏"}
+    assert load_yaml_text(dump_yaml(data))[0] == data
+    assert "蒸馏" in dump_yaml({"name": "蒸馏"})  # readable unicode where it round-trips

@@ -79,5 +79,14 @@ def load_yaml_value(text: str) -> Any:
 
 
 def dump_yaml(data: Any) -> str:
-    """Block-style YAML, keys in declaration order, unicode kept."""
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=False, width=110)
+    """Block-style YAML, keys in declaration order, unicode kept where it reads back unchanged.
+
+    PyYAML writes some characters raw that its own reader takes as line breaks (U+0085 NEL inside a
+    single-quoted scalar): when the unicode form does not load back equal, every non-ASCII character is
+    escaped instead, so `load_yaml_text(dump_yaml(d)) == d` always holds.
+    """
+    options = dict(sort_keys=False, default_flow_style=False, width=110)
+    text = yaml.safe_dump(data, allow_unicode=True, **options)
+    if load_yaml_text(text)[0] != data:
+        text = yaml.safe_dump(data, allow_unicode=False, **options)
+    return text
