@@ -28,41 +28,41 @@ from mopd_hpc.launch.jobids import (
 )
 
 SACCT_HET_RUNNING = """\
-JobID|JobName|State|ExitCode|Restarts|NodeList
-14+0|mopd-demo|RUNNING|0:0|0|n1
-14+0.batch|batch|RUNNING|0:0||n1
-14+0.extern|extern|RUNNING|0:0||n1
-14+0.0|node.sh|RUNNING|0:0||n1
-14+1|mopd-demo|RUNNING|0:0|0|n[2-3]
-14+1.extern|extern|RUNNING|0:0||n[2-3]
-14+1.1|node.sh|RUNNING|0:0||n[2-3]
+JobID|JobName|State|ExitCode|NodeList
+14+0|mopd-demo|RUNNING|0:0|n1
+14+0.batch|batch|RUNNING|0:0|n1
+14+0.extern|extern|RUNNING|0:0|n1
+14+0.0|node.sh|RUNNING|0:0|n1
+14+1|mopd-demo|RUNNING|0:0|n[2-3]
+14+1.extern|extern|RUNNING|0:0|n[2-3]
+14+1.1|node.sh|RUNNING|0:0|n[2-3]
 """
 SACCT_HET_FAILED = """\
-JobID|JobName|State|ExitCode|Restarts|NodeList
-14+0|mopd-demo|FAILED|3:0|0|n1
-14+0.batch|batch|FAILED|3:0||n1
-14+0.extern|extern|COMPLETED|0:0||n1
-14+0.0|node.sh|CANCELLED by 0|0:15||n1
-14+1|mopd-demo|FAILED|3:0|0|n[2-3]
-14+1.extern|extern|COMPLETED|0:0||n[2-3]
-14+1.1|node.sh|FAILED|3:0||n[2-3]
+JobID|JobName|State|ExitCode|NodeList
+14+0|mopd-demo|FAILED|3:0|n1
+14+0.batch|batch|FAILED|3:0|n1
+14+0.extern|extern|COMPLETED|0:0|n1
+14+0.0|node.sh|CANCELLED by 0|0:15|n1
+14+1|mopd-demo|FAILED|3:0|n[2-3]
+14+1.extern|extern|COMPLETED|0:0|n[2-3]
+14+1.1|node.sh|FAILED|3:0|n[2-3]
 """
 SACCT_COLOCATED_DONE = """\
-JobID|JobName|State|ExitCode|Restarts|NodeList
-21|mopd-colocated|COMPLETED|0:0|0|n1
-21.batch|batch|COMPLETED|0:0||n1
-21.extern|extern|COMPLETED|0:0||n1
-21.0|node.sh|COMPLETED|0:0||n1
-22|mopd-next|PENDING|0:0|0|None assigned
+JobID|JobName|State|ExitCode|NodeList
+21|mopd-colocated|COMPLETED|0:0|n1
+21.batch|batch|COMPLETED|0:0|n1
+21.extern|extern|COMPLETED|0:0|n1
+21.0|node.sh|COMPLETED|0:0|n1
+22|mopd-next|PENDING|0:0|None assigned
 """
 SACCT_REQUEUED_DUPLICATES = """\
-JobID|JobName|State|ExitCode|Restarts|NodeList
-30|mopd-demo|REQUEUED|0:0|0|n1
-30.batch|batch|CANCELLED|0:15||n1
-30.0|node.sh|COMPLETED|0:0||n1
-30|mopd-demo|RUNNING|0:0|1|n1
-30.batch|batch|RUNNING|0:0||n1
-30.0|node.sh|RUNNING|0:0||n1
+JobID|JobName|State|ExitCode|NodeList
+30|mopd-demo|REQUEUED|0:0|n1
+30.batch|batch|CANCELLED|0:15|n1
+30.0|node.sh|COMPLETED|0:0|n1
+30|mopd-demo|RUNNING|0:0|n1
+30.batch|batch|RUNNING|0:0|n1
+30.0|node.sh|RUNNING|0:0|n1
 """
 SQUEUE_HET = """\
 14+0|RUNNING|n1|None
@@ -206,7 +206,7 @@ def test_query_status_sacct_first() -> None:
     assert run.calls[0] == [
         "sacct",
         "--parsable2",
-        "--format=JobID,JobName,State,ExitCode,Restarts,NodeList",
+        "--format=JobID,JobName,State,ExitCode,NodeList",
         "--jobs=14",
     ]
 
@@ -224,3 +224,13 @@ def test_query_status_falls_back_to_squeue() -> None:
 def test_query_status_unknown_when_nobody_knows() -> None:
     status = query_status("99", Runner({"sacct": None, "squeue": None}))
     assert status == JobStatus(leader="99", source="none") and status.state is JobState.UNKNOWN
+
+
+@pytest.mark.slurm
+def test_sacct_and_squeue_accept_our_columns_on_real_slurm(slurm_cluster) -> None:
+    """The recorded texts above are only as good as the columns: the real sacct/squeue must accept them."""
+    sacct = slurm_cluster.run(sacct_command(["1"]), check=False)
+    assert sacct.returncode == 0, sacct.stderr
+    assert sacct.stdout.splitlines()[0].split("|") == ["JobID", "JobName", "State", "ExitCode", "NodeList"]
+    squeue = slurm_cluster.run(squeue_command(["1"]), check=False)
+    assert "Invalid field" not in squeue.stderr and "Invalid job format" not in squeue.stderr

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
+
+from mopd_hpc.cli.base import dispatch
+
+#: verb → module (each module: HELP, add_arguments(parser), run(args) -> int).
+VERBS: dict[str, str] = {
+    "summarize": "mopd_hpc.cli.logs_summarize",
+    "tail": "mopd_hpc.cli.logs_tail",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    print("mopd-logs: not implemented yet (issue 7)", file=sys.stderr)
-    return 2
+    return dispatch("mopd-logs", __doc__ or "", VERBS, argv)
 
 
 if __name__ == "__main__":

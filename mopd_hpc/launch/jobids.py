@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 #: The sacct columns `parse_sacct` needs (any extra columns are ignored; order does not matter).
-SACCT_COLUMNS = ("JobID", "JobName", "State", "ExitCode", "Restarts", "NodeList")
+#: Slurm 22.05 has no `Restarts` column (`Invalid field requested`); requeues show as repeated rows of
+#: `--duplicates` instead.
+SACCT_COLUMNS = ("JobID", "JobName", "State", "ExitCode", "NodeList")
 #: The squeue output format `parse_squeue` reads: id, full state name, node list, reason.
 SQUEUE_FORMAT = "%i|%T|%N|%r"
 #: Seconds a sacct/squeue call may take before it counts as failed.

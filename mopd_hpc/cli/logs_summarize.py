@@ -1,0 +1,85 @@
+"""`mopd-logs summarize RUN_DIR|JOB_ID [--json] [--plot out.png]`: one screen about a run (or its --json).
+
+A job id is looked up in the job index (`mopd_hpc.logs.index`, under `$XDG_STATE_HOME`); the environment is
+read here, at the edge, and nowhere below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TextIO
+
+from rich.console import Console
+
+from mopd_hpc.cli.base import EXIT_USAGE
+from mopd_hpc.launch.jobids import JobIdError, fold_job_id
+from mopd_hpc.logs.index import JobIndexError, find_run_dir, state_home_from_env
+from mopd_hpc.logs.plot import PlotError, plot_summary
+from mopd_hpc.logs.render import render_summary
+from mopd_hpc.logs.sacct import SacctRunner
+from mopd_hpc.logs.summary import RunDirMissingError, no_sacct, summarize_run
+
+HELP = "summarize a run: job state, children per node, the first failure and its cause, training progress"
+#: Exit code when the summary found a failure (so scripts can branch on it).
+EXIT_FAILED_RUN = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "target", metavar="RUN_DIR|JOB_ID", help="a run directory, or a job id from mopd-submit"
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON (docs/en/logs.md)")
+    parser.add_argument(
+        "--plot", metavar="PNG", help="also write losses, reverse KL and accuracy to this PNG"
+    )
+    parser.add_argument("--no-sacct", action="store_true", help="do not ask Slurm accounting")
+
+
+def resolve_target(target: str, env: Mapping[str, str]) -> Path:
+    """A directory as given; otherwise a job id looked up in the job index of `env`'s state home.
+
+    Raises:
+        JobIndexError: `target` is neither an existing directory nor an indexed job id.
+    """
+    path = Path(target).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        fold_job_id(target)
+    except JobIdError:
+        raise JobIndexError(f"{target!r} is neither a run directory nor a Slurm job id") from None
+    return find_run_dir(target, state_home_from_env(env))
+
+
+def run(
+    args: argparse.Namespace,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    env: Mapping[str, str] | None = None,
+    sacct_runner: SacctRunner | None = None,
+) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        run_dir = resolve_target(args.target, os.environ if env is None else env)
+        if args.no_sacct:
+            sacct_runner = no_sacct
+        summary = summarize_run(run_dir, sacct_runner=sacct_runner)
+    except (JobIndexError, RunDirMissingError) as exc:
+        print(f"mopd-logs summarize: {exc}", file=err)
+        return EXIT_USAGE
+    if args.json:
+        out.write(summary.to_json() + "\n")
+    else:
+        render_summary(summary, Console(file=out, width=max(100, Console().width), soft_wrap=False))
+    if args.plot:
+        try:
+            plot_summary(summary, args.plot)
+        except PlotError as exc:
+            print(f"mopd-logs summarize: {exc}", file=err)
+            return EXIT_USAGE
+    return EXIT_FAILED_RUN if summary.first_failure is not None else 0

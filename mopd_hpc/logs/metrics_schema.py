@@ -1,0 +1,107 @@
+"""The metrics line contract: `run_dir/metrics.jsonl`, one JSON object per training step (issue 6 writes it).
+
+Every line is an object with these keys (floats unless said; unknown extra keys are allowed and ignored by
+readers that do not know them):
+
+| key | meaning, unit |
+|---|---|
+| `step` (int, >= 0) | the training step this line reports (lines come in step order; a resumed run may repeat steps: the last line of a step wins) |
+| `ts` | Unix time in seconds when the step ended |
+| `loss/total`, `loss/mopd`, `loss/rl` | the loss terms L = c_rl·L_RL + c_d·L_MOPD (DESIGN.md §3) |
+| `mopd/reverse_kl` | per-token reverse KL(π_θ ‖ Σ_j w_j π_j), averaged over response tokens (nats) |
+| `mopd/rho_mean` | mean importance ratio ρ_t after truncation/masking |
+| `mopd/ratio_capped_frac`, `mopd/ratio_masked_frac` | fraction of tokens whose ratio was capped / masked, in [0, 1] |
+| `mopd/teacher_student_gap` | mean of S − W·log π_θ(y_t) over response tokens (nats) |
+| `reward/<route>`, `accuracy/<route>` | mean reward / accuracy of the step's rollouts of one route |
+| `perf/tokens_per_s` | trained tokens per second of wall time |
+| `time/rollout_s`, `time/teacher_s`, `time/drain_s`, `time/train_s`, `time/sync_s` | seconds per phase |
+
+Evaluation (`run_dir/eval.json`): `{"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc,
+"n": prompts}}}`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: File names inside a run directory.
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.json"
+#: Required keys of every metrics line.
+STEP_KEY = "step"
+TS_KEY = "ts"
+#: Loss and MOPD diagnostics the summary shows (in this order).
+LOSS_KEYS = ("loss/total", "loss/mopd", "loss/rl")
+MOPD_KEYS = (
+    "mopd/reverse_kl",
+    "mopd/rho_mean",
+    "mopd/ratio_capped_frac",
+    "mopd/ratio_masked_frac",
+    "mopd/teacher_student_gap",
+)
+TOKENS_PER_S_KEY = "perf/tokens_per_s"
+#: Per-route families: `<prefix><route>`.
+REWARD_PREFIX = "reward/"
+ACCURACY_PREFIX = "accuracy/"
+#: Phase timings, in the phase machine's order (DESIGN.md §3): key → phase name.
+PHASE_KEYS: Mapping[str, str] = {
+    "time/rollout_s": "rollout",
+    "time/teacher_s": "teacher",
+    "time/drain_s": "drain",
+    "time/train_s": "train",
+    "time/sync_s": "sync",
+}
+#: Keys whose series the summary keeps (sparklines, --plot); per-route keys are added as they appear.
+SERIES_KEYS = (*LOSS_KEYS, "mopd/reverse_kl", TOKENS_PER_S_KEY)
+
+
+class MetricsLineError(ValueError):
+    """A metrics line that breaks the contract (not an object, no int `step`, no numeric `ts`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsLine:
+    """One parsed metrics line.
+
+    Attributes:
+        step: the training step (int >= 0).
+        ts: Unix seconds (float).
+        values: every other numeric key → float (non-numeric extras dropped; NaN kept as NaN).
+    """
+
+    step: int
+    ts: float
+    values: Mapping[str, float]
+
+    @classmethod
+    def from_obj(cls, obj: Any) -> MetricsLine:
+        """Validate one decoded JSON line.
+
+        Raises:
+            MetricsLineError: `obj` is not an object, or `step`/`ts` is missing or of the wrong type.
+        """
+        if not isinstance(obj, dict):
+            raise MetricsLineError(f"metrics line is {type(obj).__name__}: expected a JSON object")
+        step = obj.get(STEP_KEY)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise MetricsLineError(f"metrics line step={step!r}: expected an integer >= 0")
+        ts = obj.get(TS_KEY)
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+            raise MetricsLineError(f"metrics line ts={ts!r} (step {step}): expected Unix seconds (a number)")
+        values = {
+            k: float(v)
+            for k, v in obj.items()
+            if k not in (STEP_KEY, TS_KEY) and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        return cls(step=step, ts=float(ts), values=values)
+
+
+def route_of(key: str) -> tuple[str, str] | None:
+    """`"reward/gsm8k"` → `("reward", "gsm8k")`; `"accuracy/x"` → `("accuracy", "x")`; else None."""
+    for prefix in (REWARD_PREFIX, ACCURACY_PREFIX):
+        if key.startswith(prefix) and len(key) > len(prefix):
+            return prefix[:-1], key[len(prefix) :]
+    return None

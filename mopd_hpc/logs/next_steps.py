@@ -1,0 +1,65 @@
+"""What to do next: exact `mopd-debug` / `mopd-submit` / `mopd-logs` commands for a cause (paths shell-quoted)."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+
+#: Commands per cause key; placeholders: {run_dir}, {config}, {job}, {host}, {role}, {rank}.
+_BY_CAUSE: Mapping[str, tuple[str, ...]] = {
+    "address_in_use": ("mopd-debug shell {job} --node {host}", "mopd-debug ports", "{resume}"),
+    "port_lease_denied": ("mopd-debug shell {job} --node {host}", "mopd-debug ports", "{resume}"),
+    "cuda_oom": ("mopd-submit {config} --check", "{resume}"),
+    "invalid_device_ordinal": ("mopd-debug shell {job} --node {host}", "mopd-debug topology", "{resume}"),
+    "nccl": ("mopd-debug shell {job} --node {host}", "mopd-debug topology", "{resume}"),
+    "tokenizer_mismatch": ("mopd-submit {config} --check",),
+    "config_error": ("mopd-submit {config} --check",),
+    "guard_unreachable": ("mopd-debug guard status {run_dir}", "{resume}"),
+    "time_limit": ("{resume}",),
+    "preempted": ("{resume}",),
+    "host_oom": ("sacct -j {job} --format=JobID,State,MaxRSS,MaxRSSNode,ReqMem", "{resume}"),
+    "killed_by_signal": ("sacct -j {job} --format=JobID,State,ExitCode,MaxRSS,MaxRSSNode", "{resume}"),
+    "node_fail": ("{resume}",),
+}
+_DEFAULT = ("mopd-logs tail {run_dir} --role {role} --rank {rank}", "{resume}")
+
+
+def next_steps(
+    run_dir: str,
+    cause_key: str | None,
+    job_id: str | None,
+    host: str | None,
+    role: str | None,
+    rank: int | None,
+    running: bool,
+) -> list[str]:
+    """The commands to run next, most useful first.
+
+    A running job gets `mopd-logs tail -f` and a shell on the node; a failed one the commands of its cause
+    (`_BY_CAUSE`); a finished one without failure nothing. Templates whose values are unknown are skipped.
+    """
+    q = shlex.quote
+    values = {
+        "run_dir": q(run_dir),
+        "config": q(f"{run_dir.rstrip('/')}/config.yaml"),
+        "job": q(job_id) if job_id else None,
+        "host": q(host) if host else None,
+        "role": q(role) if role else None,
+        "rank": str(rank) if rank is not None else None,
+    }
+    values["resume"] = f"mopd-submit {values['config']} --resume {values['run_dir']}"
+    if running:
+        templates: tuple[str, ...] = ("mopd-logs tail {run_dir} -f", "mopd-debug shell {job} --node {host}")
+    elif cause_key is None:
+        return []
+    else:
+        templates = _BY_CAUSE.get(cause_key, _DEFAULT)
+    out = []
+    for template in templates:
+        try:
+            command = template.format(**{k: v for k, v in values.items() if v is not None})
+        except KeyError:
+            continue
+        if command not in out:
+            out.append(command)
+    return out

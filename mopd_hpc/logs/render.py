@@ -1,0 +1,196 @@
+"""`render_summary(summary, console)`: one screen of rich output. Every string from a log is passed as a
+`Text` (never markup), so `[rank0]:` or `[/bold]` in a log line prints as written."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from mopd_hpc.logs.metrics_schema import LOSS_KEYS, MOPD_KEYS, TOKENS_PER_S_KEY
+from mopd_hpc.logs.progress import sparkline
+from mopd_hpc.logs.summary import RunSummary
+
+#: Traceback lines shown on screen (the --json output has the whole bounded window).
+SCREEN_TRACEBACK_LINES = 14
+_STATE_STYLE = {
+    "SUCCEEDED": "green",
+    "RUNNING": "cyan",
+    "PENDING": "yellow",
+    "FAILED": "bold red",
+    "CANCELLED": "red",
+    "running": "cyan",
+    "exited": "green",
+    "killed": "yellow",
+    "failed": "bold red",
+}
+
+
+def _ts(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _fmt(value: float | None) -> str:
+    if value is None or value != value:
+        return "-"
+    return f"{value:.4g}"
+
+
+def _job_panel(s: RunSummary) -> Panel:
+    job = s.job
+    head = Text()
+    head.append(f"job {job.job_id or '?'}", style="bold")
+    if job.name:
+        head.append(f"  {job.name}")
+    if job.shape:
+        head.append(f"  shape={job.shape}")
+    head.append("  state ")
+    head.append(job.state, style=_STATE_STYLE.get(job.state, ""))
+    head.append(f" (from {job.state_source})  restarts {job.restart_count}")
+    parts: list[Text | Table] = [head]
+    if job.sacct is not None:
+        table = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
+        for col in ("component", "name", "state", "exit", "elapsed/limit", "nodes", "runs"):
+            table.add_column(col)
+        for c in job.sacct.components:
+            table.add_row(
+                c.component_id,
+                Text(c.name),
+                Text(c.state, style=_STATE_STYLE.get(c.coarse_state, "")),
+                c.exit_code,
+                f"{c.elapsed}/{c.time_limit}",
+                Text(c.node_list),
+                str(c.incarnations),
+            )
+        parts.append(table)
+    elif job.components:
+        parts.append(Text(f"components: {', '.join(job.components)}"))
+    return Panel(Group(*parts), title=Text(f"mopd run {s.run_dir}"), title_align="left")
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5"."""
+    out, start, prev = [], None, None
+    for i in [*sorted(indices), None]:
+        if start is None:
+            start = prev = i
+        elif i is not None and prev is not None and i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = i
+    return ",".join(out)
+
+
+def _nodes_table(s: RunSummary) -> Table:
+    """One row per (host, role, state, how it ended): 64 ranks that failed alike take one line."""
+    table = Table(title="children per node and role", title_justify="left", box=None, header_style="dim")
+    for col in ("host", "role", "index", "state", "exit", "restarts"):
+        table.add_column(col)
+    groups: dict[tuple[str, str, str, str], list[tuple[int, int]]] = {}
+    for slot in s.children:
+        c = slot.latest
+        ended = c.signal or ("-" if c.exit_code is None else str(c.exit_code))
+        groups.setdefault((slot.host, slot.role, slot.state, ended), []).append((slot.index, slot.restarts))
+    for (host, role, state, ended), members in groups.items():
+        table.add_row(
+            Text(host),
+            Text(role),
+            _ranges([i for i, _ in members]),
+            Text(
+                f"{state} ×{len(members)}" if len(members) > 1 else state, style=_STATE_STYLE.get(state, "")
+            ),
+            ended,
+            str(sum(r for _, r in members)),
+        )
+    for g in s.guards:
+        if g.signals:
+            table.add_row(Text(g.host), "guard", "-", "signalled", ", ".join(n for _, n in g.signals), "")
+    return table
+
+
+def _failure_panel(s: RunSummary) -> Panel:
+    f = s.first_failure
+    if f is None:
+        return Panel(Text("no failure found", style="green"), title="first failure", title_align="left")
+    lines = Text()
+    lines.append(f.cause.title, style="bold red")
+    where = f" on {f.host}" if f.host else ""
+    who = f" {f.role}-{f.index}" if f.role is not None else ""
+    lines.append(f" —{who}{where} at {_ts(f.ts)}")
+    if f.exit_code is not None or f.signal:
+        lines.append(f" ({f.signal or f'exit code {f.exit_code}'})")
+    lines.append("\n")
+    if f.cause.evidence:
+        lines.append(f.cause.evidence + "\n", style="red")
+    if f.traceback:
+        shown = list(f.traceback[-SCREEN_TRACEBACK_LINES:])
+        if len(f.traceback) > len(shown):
+            lines.append(f"  ... ({len(f.traceback) - len(shown)} more lines in --json)\n", style="dim")
+        lines.append("\n".join(shown) + "\n", style="dim")
+    elif f.log_tail:
+        lines.append("\n".join(f.log_tail[-SCREEN_TRACEBACK_LINES:]) + "\n", style="dim")
+    if f.same_on:
+        names = ", ".join(f.same_on[:6]) + (", ..." if len(f.same_on) > 6 else "")
+        n = len(f.same_on)
+        lines.append(f"same on {n} other rank{'s' if n != 1 else ''}: {names}\n", style="yellow")
+    if f.cascade:
+        then = ", ".join(f"{label} ({key})" for label, key in f.cascade[:6])
+        lines.append(f"then (cascade): {then}\n", style="yellow")
+    if f.log_path:
+        lines.append(f"log: {f.log_path}", style="dim")
+    return Panel(lines, title="first failure", title_align="left", border_style="red")
+
+
+def _progress_panel(s: RunSummary) -> Panel:
+    p = s.progress
+    if p.n_lines == 0:
+        return Panel(
+            Text("no metrics yet (run_dir/metrics.jsonl)", style="dim"), title="training", title_align="left"
+        )
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column("metric")
+    table.add_column("last", justify="right")
+    table.add_column("trend")
+    for key in (*LOSS_KEYS, *MOPD_KEYS[:1], TOKENS_PER_S_KEY):
+        if key in p.last:
+            table.add_row(key, _fmt(p.last.get(key)), sparkline([v for _, v in p.series.get(key, [])]))
+    for route in p.routes:
+        for fam in ("reward", "accuracy"):
+            key = f"{fam}/{route}"
+            if key in p.last:
+                table.add_row(Text(key), _fmt(p.last[key]), sparkline([v for _, v in p.series.get(key, [])]))
+    share = "  ".join(f"{name} {frac:.0%}" for name, frac in p.phase_share.items() if frac > 0)
+    head = Text(f"step {p.last_step} at {_ts(p.last_ts)}   time per phase: {share or '-'}")
+    parts: list[Text | Table] = [head, table]
+    if p.eval:
+        ev = Table(title="eval", title_justify="left", box=None, header_style="dim")
+        for col in ("route", "teacher", "student start", "student end", "n"):
+            ev.add_column(col)
+        for route, row in p.eval.items():
+            if isinstance(row, dict):
+                ev.add_row(
+                    Text(str(route)),
+                    *(_fmt(row.get(k)) for k in ("teacher", "student_start", "student_end")),
+                    str(row.get("n", "-")),
+                )
+        parts.append(ev)
+    return Panel(Group(*parts), title="training", title_align="left")
+
+
+def render_summary(summary: RunSummary, console: Console) -> None:
+    """Print `summary` on `console` (job, children, first failure, training progress, next steps)."""
+    console.print(_job_panel(summary))
+    if summary.children or summary.guards:
+        console.print(_nodes_table(summary))
+    console.print(_failure_panel(summary))
+    console.print(_progress_panel(summary))
+    if summary.next_steps:
+        console.print(Text("next:", style="bold"))
+        for command in summary.next_steps:
+            console.print(Text(f"  {command}"))

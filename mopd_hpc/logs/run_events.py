@@ -1,0 +1,196 @@
+"""Read the guards' event logs (`run_dir/events/<host>.guard.jsonl`) into per-child and per-guard records.
+
+Format: `mopd_hpc.runtime.guard.events`. Files are streamed line by line; a torn or foreign line is skipped.
+A child's exit counts as *guard-initiated* when the guard sent its group a signal (`kill` event) before the
+exit, or the exit came after the guard was itself signalled (`guard_signal`: Slurm's SIGTERM/USR2 at
+preemption, time limit or scancel): such exits are teardown, never the first failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal as signal_mod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: A child ended by one of these signals up to this many seconds *before* its guard logged Slurm's signal is
+#: teardown too: Slurm signals every process of the step at once, so the child's exit may be logged first.
+TEARDOWN_SLACK_S = 2.0
+TEARDOWN_SIGNALS = frozenset({"SIGTERM", "SIGUSR2", "SIGINT", "SIGKILL"})
+#: Where the guards write, and the file suffix.
+EVENTS_DIR = "events"
+EVENTS_SUFFIX = ".guard.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class ChildRun:
+    """One generation of (role, index) on `host`, as the guard saw it.
+
+    Attributes:
+        spawn_ts, exit_ts: Unix seconds; `exit_ts` is None while running (or when the guard died first).
+        exit_code: the exit status, or None (killed by a signal, or not exited).
+        signal: the signal name that ended it ("SIGKILL"), or None.
+        guard_kill_ts: when the guard first signalled its group (None if never).
+        teardown: the exit was guard-initiated (see the module docstring).
+        stdout, stderr: the log paths the guard recorded (may be absolute paths of another machine).
+    """
+
+    host: str
+    role: str
+    index: int
+    generation: int
+    pid: int | None
+    spawn_ts: float | None
+    exit_ts: float | None
+    exit_code: int | None
+    signal: str | None
+    guard_kill_ts: float | None
+    teardown: bool
+    stdout: str | None
+    stderr: str | None
+
+    @property
+    def failed(self) -> bool:
+        """Ended badly: a non-zero exit code or a signal."""
+        return (self.exit_code not in (None, 0)) or self.signal is not None
+
+    @property
+    def signum(self) -> int | None:
+        try:
+            return int(signal_mod.Signals[self.signal]) if self.signal else None
+        except KeyError:
+            return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "role": self.role,
+            "index": self.index,
+            "generation": self.generation,
+            "pid": self.pid,
+            "spawn_ts": self.spawn_ts,
+            "exit_ts": self.exit_ts,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "teardown": self.teardown,
+            "stderr": self.stderr,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class GuardRun:
+    """One guard (one node of the job): start/ready/stop times and the signals it received."""
+
+    host: str
+    job_id: str | None
+    start_ts: float | None
+    ready_ts: float | None
+    stop_ts: float | None
+    signals: tuple[tuple[float, str], ...]
+
+    @property
+    def first_signal_ts(self) -> float | None:
+        return self.signals[0][0] if self.signals else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "job_id": self.job_id,
+            "start_ts": self.start_ts,
+            "ready_ts": self.ready_ts,
+            "stop_ts": self.stop_ts,
+            "signals": [{"ts": ts, "signal": name} for ts, name in self.signals],
+        }
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def read_guard_events(path: str | os.PathLike[str]) -> tuple[GuardRun, list[ChildRun]]:
+    """Stream one guard event log into its GuardRun and ChildRuns (sorted by spawn time).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    host = path.name.removesuffix(EVENTS_SUFFIX)
+    guard: dict[str, Any] = {"job_id": None, "start_ts": None, "ready_ts": None, "stop_ts": None}
+    signals: list[tuple[float, str]] = []
+    children: dict[tuple[str, int, int], dict[str, Any]] = {}
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(ev, dict):
+                continue
+            kind, ts = ev.get("event"), _float(ev.get("ts"))
+            host = str(ev.get("host") or host)
+            if kind == "guard_start":
+                guard["start_ts"] = ts
+                guard["job_id"] = None if ev.get("job_id") is None else str(ev["job_id"])
+            elif kind == "guard_ready":
+                guard["ready_ts"] = ts
+            elif kind == "guard_stop":
+                guard["stop_ts"] = ts
+            elif kind == "guard_signal":
+                signals.append((ts or 0.0, str(ev.get("signal"))))
+            elif kind in ("spawn", "exit", "kill"):
+                role, index, gen = ev.get("role"), _int(ev.get("index")), _int(ev.get("generation"))
+                if not isinstance(role, str) or index is None or gen is None:
+                    continue
+                rec = children.setdefault((role, index, gen), {"pid": _int(ev.get("pid"))})
+                if kind == "spawn":
+                    rec.update(spawn_ts=ts, stdout=ev.get("stdout"), stderr=ev.get("stderr"))
+                elif kind == "exit":
+                    rec.update(exit_ts=ts, exit_code=_int(ev.get("exit_code")), signal=ev.get("signal"))
+                elif rec.get("kill_ts") is None:
+                    rec["kill_ts"] = ts
+    first_signal = signals[0][0] if signals else None
+    runs = []
+    for (role, index, gen), rec in children.items():
+        exit_ts, kill_ts = rec.get("exit_ts"), rec.get("kill_ts")
+        slack = TEARDOWN_SLACK_S if rec.get("signal") in TEARDOWN_SIGNALS else 0.0
+        teardown = exit_ts is not None and (
+            (kill_ts is not None and kill_ts <= exit_ts)
+            or (first_signal is not None and first_signal <= exit_ts + slack)
+        )
+        runs.append(
+            ChildRun(
+                host=host,
+                role=role,
+                index=index,
+                generation=gen,
+                pid=rec.get("pid"),
+                spawn_ts=rec.get("spawn_ts"),
+                exit_ts=exit_ts,
+                exit_code=rec.get("exit_code"),
+                signal=rec.get("signal") if isinstance(rec.get("signal"), str) else None,
+                guard_kill_ts=kill_ts,
+                teardown=teardown,
+                stdout=rec.get("stdout") if isinstance(rec.get("stdout"), str) else None,
+                stderr=rec.get("stderr") if isinstance(rec.get("stderr"), str) else None,
+            )
+        )
+    runs.sort(key=lambda c: (c.spawn_ts or 0.0, c.role, c.index, c.generation))
+    return GuardRun(host=host, signals=tuple(signals), **guard), runs
+
+
+def read_run_events(run_dir: str | os.PathLike[str]) -> tuple[list[GuardRun], list[ChildRun]]:
+    """Every guard and child of the run directory (hosts in name order)."""
+    guards, children = [], []
+    events_dir = Path(run_dir) / EVENTS_DIR
+    if events_dir.is_dir():
+        for path in sorted(events_dir.glob(f"*{EVENTS_SUFFIX}")):
+            guard, runs = read_guard_events(path)
+            guards.append(guard)
+            children += runs
+    return guards, children

@@ -1,0 +1,256 @@
+"""`summarize_run(run_dir)`: every fact `mopd-logs summarize` shows, as one frozen record (`RunSummary`).
+
+Sources, each optional: the guards' event logs, the child logs (streamed by `scan`), the batch shell's
+`state/*.json`, `metrics.jsonl` / `eval.json`, and sacct (when the job id is a Slurm id and sacct answers).
+`RunSummary.to_dict()` is the `--json` output; its schema is documented in docs/en/logs.md and versioned by
+`SCHEMA_VERSION` (bump it when a key changes meaning or disappears; adding keys keeps the version).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mopd_hpc.launch.jobids import JobIdError, fold_job_id
+from mopd_hpc.logs.failure import FirstFailure, find_first_failure
+from mopd_hpc.logs.next_steps import next_steps
+from mopd_hpc.logs.progress import Progress, read_progress
+from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_events
+from mopd_hpc.logs.sacct import SacctJob, SacctRunner, query_sacct, run_sacct
+
+#: Version of the --json schema (docs/en/logs.md).
+SCHEMA_VERSION = 1
+_NUMERIC_JOB = re.compile(r"^[0-9]+(\+[0-9]+)?$")
+
+
+class RunDirMissingError(ValueError):
+    """The run directory does not exist or holds none of the files a run writes."""
+
+
+def no_sacct(argv: Sequence[str]) -> str:
+    """A sacct runner for machines without Slurm accounting (and for tests): always fails."""
+    raise OSError(f"sacct disabled: {' '.join(argv)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSlot:
+    """One (host, role, index) with all its generations. `restarts` = generations − 1; `state` is
+    "running", "exited", "killed" (by the guard: teardown) or "failed" for the latest generation."""
+
+    host: str
+    role: str
+    index: int
+    generations: tuple[ChildRun, ...]
+
+    @property
+    def latest(self) -> ChildRun:
+        return self.generations[-1]
+
+    @property
+    def restarts(self) -> int:
+        return len(self.generations) - 1
+
+    @property
+    def state(self) -> str:
+        c = self.latest
+        if c.exit_ts is None:
+            return "running"
+        if c.teardown:
+            return "killed"
+        return "failed" if c.failed else "exited"
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.latest
+        return {
+            "host": self.host,
+            "role": self.role,
+            "index": self.index,
+            "state": self.state,
+            "exit_code": c.exit_code,
+            "signal": c.signal,
+            "restarts": self.restarts,
+            "generations": [g.to_dict() for g in self.generations],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    """The job: id (leader), name, shape, component names, restart count, overall state and its source."""
+
+    job_id: str | None
+    name: str | None
+    shape: str | None
+    components: tuple[str, ...]
+    restart_count: int
+    requeues: int
+    state: str
+    state_source: str
+    sacct: SacctJob | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "name": self.name,
+            "shape": self.shape,
+            "components": list(self.components),
+            "restart_count": self.restart_count,
+            "requeues": self.requeues,
+            "state": self.state,
+            "state_source": self.state_source,
+            "sacct": self.sacct.to_dict() if self.sacct else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """Everything about one run (see module docstring). Build with `summarize_run`."""
+
+    run_dir: str
+    job: JobInfo
+    guards: tuple[GuardRun, ...]
+    children: tuple[ChildSlot, ...]
+    first_failure: FirstFailure | None
+    progress: Progress
+    next_steps: tuple[str, ...]
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys([g.host for g in self.guards] + [c.host for c in self.children]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run_dir": self.run_dir,
+            "job": self.job.to_dict(),
+            "nodes": [
+                {
+                    "host": host,
+                    "guard": next((g.to_dict() for g in self.guards if g.host == host), None),
+                    "children": [c.to_dict() for c in self.children if c.host == host],
+                }
+                for host in self.hosts
+            ],
+            "first_failure": self.first_failure.to_dict() if self.first_failure else None,
+            "progress": self.progress.to_dict(),
+            "next_steps": list(self.next_steps),
+        }
+
+    def to_json(self) -> str:
+        """`to_dict()` as strict JSON (NaN and infinities become null)."""
+        return json.dumps(_finite(self.to_dict()), indent=2, allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _slots(children: list[ChildRun]) -> tuple[ChildSlot, ...]:
+    groups: dict[tuple[str, str, int], list[ChildRun]] = {}
+    for c in children:
+        groups.setdefault((c.host, c.role, c.index), []).append(c)
+    return tuple(
+        ChildSlot(h, r, i, tuple(sorted(gens, key=lambda g: g.generation)))
+        for (h, r, i), gens in sorted(groups.items())
+    )
+
+
+def _job_state(
+    sacct: SacctJob | None, guards: list[GuardRun], slots: tuple[ChildSlot, ...], failed: bool
+) -> tuple[str, str]:
+    if sacct is not None and sacct.components:
+        states = [c.coarse_state for c in sacct.components]
+        for verdict in ("RUNNING", "PENDING"):
+            if verdict in states:
+                return verdict, "sacct"
+        for verdict in ("FAILED", "CANCELLED", "UNKNOWN"):
+            if verdict in states:
+                return verdict, "sacct"
+        return "SUCCEEDED", "sacct"
+    if not guards and not slots:
+        return ("FAILED" if failed else "UNKNOWN"), "run_dir"
+    if any(g.stop_ts is None for g in guards) and not failed:
+        return "RUNNING", "run_dir"
+    return ("FAILED" if failed else "SUCCEEDED"), "run_dir"
+
+
+def summarize_run(run_dir: str | os.PathLike[str], sacct_runner: SacctRunner | None = None) -> RunSummary:
+    """Read everything under `run_dir` (streamed) and decide the job state and first failure.
+
+    Args:
+        sacct_runner: runs a sacct argv and returns stdout; None uses the real `sacct` when it is on PATH,
+            `no_sacct` to skip Slurm accounting.
+    Raises:
+        RunDirMissingError: `run_dir` is not a directory.
+    """
+    root = Path(run_dir).expanduser().absolute()
+    if not root.is_dir():
+        raise RunDirMissingError(f"run dir {root} does not exist or is not a directory")
+    guards, children = read_run_events(root)
+    job_json = _read_json(root / "state" / "job.json") or {}
+    job_id = job_json.get("job_id") or next((g.job_id for g in guards if g.job_id), None)
+    job_id = None if job_id is None else str(job_id)
+    runner = sacct_runner if sacct_runner is not None else (run_sacct if shutil.which("sacct") else no_sacct)
+    sacct = None
+    if job_id and _NUMERIC_JOB.match(job_id):
+        try:
+            sacct = query_sacct(fold_job_id(job_id), runner)
+        except JobIdError:
+            sacct = None
+    slots = _slots(children)
+    failure = find_first_failure(root, guards, children, sacct, {})
+    state, source = _job_state(sacct, guards, slots, failure is not None)
+    restart_count = job_json.get("restart_count")
+    restart_count = restart_count if isinstance(restart_count, int) else 0
+    name = sacct.components[0].name if sacct and sacct.components else None
+    job = JobInfo(
+        job_id=fold_job_id(job_id) if job_id and _NUMERIC_JOB.match(job_id) else job_id,
+        name=name,
+        shape=job_json.get("shape") if isinstance(job_json.get("shape"), str) else None,
+        components=tuple(str(c) for c in job_json.get("components", []) if isinstance(c, str)),
+        restart_count=max(restart_count, sacct.requeues if sacct else 0),
+        requeues=sacct.requeues if sacct else restart_count,
+        state=state,
+        state_source=source,
+        sacct=sacct,
+    )
+    progress = read_progress(root)
+    running = state == "RUNNING"
+    steps = next_steps(
+        str(root),
+        failure.cause.key if failure else None,
+        job.job_id,
+        (failure.host if failure else None) or (slots[0].host if slots else None),
+        failure.role if failure else None,
+        failure.index if failure else None,
+        running,
+    )
+    return RunSummary(
+        run_dir=str(root),
+        job=job,
+        guards=tuple(guards),
+        children=slots,
+        first_failure=failure,
+        progress=progress,
+        next_steps=tuple(steps),
+    )
