@@ -95,14 +95,6 @@ def test_missing_file_exits_2(tmp_path: Path) -> None:
     assert "cannot read the config file: No such file or directory" in proc.stderr
 
 
-def test_without_check_says_submission_is_not_there_yet_and_validates() -> None:
-    """`make run` calls `mopd-submit configs/local_cpu.yaml --local`: until issue 5 it behaves as --check."""
-    proc = mopd_submit("configs/local_cpu.yaml", "--local")
-    assert proc.returncode == 0
-    assert proc.stderr.strip() == submit.NOT_YET
-    assert yaml.safe_load(proc.stdout)["name"] == "local-cpu"
-
-
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).with_name("mopd-submit")
     if not script.exists():

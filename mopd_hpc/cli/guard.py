@@ -1,13 +1,20 @@
 """`mopd-guard`: run this node's guard for one job in the foreground (what `launchers/` runs under srun).
 
-    mopd-guard --run-dir DIR --job-id ID [--host H] [--bind 127.0.0.1] [--port 0]
+    mopd-guard --run-dir DIR --job-id ID [--host H] [--bind 127.0.0.1|auto|ADDR] [--port 0]
                [--token-file FILE] [--kill-wait-s 10] [--checkpoint-wait-s 60]
-               [--port-range 20000-65535] [--extra-role NAME=MODULE ...]
+               [--port-range 20000-65535] [--extra-role NAME=MODULE ...] [--plan PLAN | --autostart]
+
+With `--plan run_dir/plan.json` (or `--autostart`, the same with the run dir's plan.json) the guard spawns
+its node's children of the job plan and exits when they are done (runtime/guard/autostart.py): 0 when all
+exited 0, the first failing child's code otherwise, 0 after USR2/TERM (a requested stop), 130 after SIGINT.
+`--bind auto` listens on this node's address (its host name resolved; 127.0.0.1 on the local backend), so
+that other nodes reach it.
 
 The token is read from `--token-file` (mode 0600; default `$MOPD_SECRET_FILE`, else
 `<run-dir>/guard.token`), never from argv or the environment. `--host` defaults to `$SLURMD_NODENAME`.
 The environment is read here, at the edge, and handed to the guard (children inherit it).
-Exit codes: 0 clean teardown, 2 bad arguments, 3 the guard could not start (token file, port lease).
+Exit codes: 0 clean teardown, 2 bad arguments (or a plan that does not fit this node), 3 the guard could
+not start (token file, port lease), 4 a child of the plan could not be spawned.
 """
 
 from __future__ import annotations
@@ -16,20 +23,26 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
 
+from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, GuardAuthError, read_token_file
+from mopd_hpc.runtime.guard.autostart import NodeAssignment, assign_node, run_plan, visible_gpus
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig, GuardConfigError
 from mopd_hpc.runtime.ports import DEFAULT_LEASE_RANGE, LeasePolicy, PortLeaseError, read_ephemeral_range
 from mopd_hpc.runtime.signals import EXIT_GUARD_START_FAILED, EXIT_USAGE
+from mopd_hpc.runtime.topology import TopologyError
 
 #: The token file's path as `launchers/node.sh` exports it (a path, never the token).
 SECRET_FILE_ENV = "MOPD_SECRET_FILE"
 #: Slurm's name for this node (several slurmd may share one host in a test cluster).
 NODENAME_ENV = "SLURMD_NODENAME"
+#: `--bind` value: listen on this node's own address.
+BIND_AUTO = "auto"
 
 HELP = "run this node's guard (port leases, authenticated spawn/kill/status of role children)"
 
@@ -42,7 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="this node's name in file names (default: $SLURMD_NODENAME, else hostname)",
     )
-    parser.add_argument("--bind", default="127.0.0.1", help="address the HTTP API listens on")
+    parser.add_argument(
+        "--bind",
+        default="127.0.0.1",
+        help="address the HTTP API listens on; 'auto': this node's address (other nodes reach it)",
+    )
     parser.add_argument("--port", type=int, default=0, help="HTTP port (0: lease one)")
     parser.add_argument(
         "--token-file",
@@ -62,6 +79,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--extra-role", action="append", default=[], metavar="NAME=MODULE", help="register another role"
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    plan = parser.add_mutually_exclusive_group()
+    plan.add_argument(
+        "--plan", default=None, help="job plan (plan.json): spawn this node's children, exit after"
+    )
+    plan.add_argument("--autostart", action="store_true", help="--plan <run-dir>/plan.json")
+
+
+def resolve_bind(bind: str, host: str, backend: str) -> str:
+    """The address to listen on: `bind` as given, or for 'auto' the IPv4 address `host` resolves to
+    (127.0.0.1 on the local backend). Raises ValueError naming the host when it does not resolve."""
+    if bind != BIND_AUTO:
+        return bind
+    if backend == "local":
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"--bind auto: host name {host!r} does not resolve ({exc}); pass --bind ADDR"
+        ) from None
+    return str(infos[0][4][0])
+
+
+def load_assignment(args: argparse.Namespace, env: dict[str, str]) -> NodeAssignment | None:
+    """This guard's children from `--plan`/`--autostart`, or None without them.
+
+    Raises:
+        PlanError: the plan is unreadable or does not fit this node. TopologyError: no valid topology.
+    """
+    path = args.plan or (os.path.join(args.run_dir, PLAN_FILE_NAME) if args.autostart else None)
+    if path is None:
+        return None
+    return assign_node(JobPlan.load(path), env)
 
 
 def build_config(args: argparse.Namespace, env: dict[str, str], ephemeral: tuple[int, int]) -> GuardConfig:
@@ -69,13 +119,15 @@ def build_config(args: argparse.Namespace, env: dict[str, str], ephemeral: tuple
     lo, sep, hi = args.port_range.partition("-")
     if not sep or not lo.isdigit() or not hi.isdigit():
         raise ValueError(f"--port-range {args.port_range!r} is invalid: expected LO-HI, e.g. 20000-65535")
+    host = args.host or env.get(NODENAME_ENV) or socket.gethostname()
+    backend = env.get("MOPD_BACKEND") or ("slurm" if env.get("SLURM_JOB_ID") else "local")
     return GuardConfig.create(
         args.run_dir,
         args.job_id,
-        args.host or env.get(NODENAME_ENV) or socket.gethostname(),
+        host,
         lease_policy=LeasePolicy.create(ephemeral, int(lo), int(hi)),
         base_env=env,
-        bind=args.bind,
+        bind=resolve_bind(args.bind, host, backend),
         port=args.port,
         kill_wait_s=args.kill_wait_s,
         checkpoint_wait_s=args.checkpoint_wait_s,
@@ -85,9 +137,12 @@ def build_config(args: argparse.Namespace, env: dict[str, str], ephemeral: tuple
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s guard %(message)s")
+    env = dict(os.environ)
     try:
-        config = build_config(args, dict(os.environ), read_ephemeral_range())
-    except (ValueError, GuardConfigError) as exc:
+        config = build_config(args, env, read_ephemeral_range())
+        assignment = load_assignment(args, env)
+        visible = visible_gpus(env) if assignment is not None else ()
+    except (ValueError, GuardConfigError, PlanError, TopologyError) as exc:
         print(f"mopd-guard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     token_file = (
@@ -98,10 +153,12 @@ def run(args: argparse.Namespace) -> int:
     except GuardAuthError as exc:
         print(f"mopd-guard: {exc}", file=sys.stderr)
         return EXIT_GUARD_START_FAILED
-    return asyncio.run(_serve(config, token))
+    return asyncio.run(_serve(config, token, assignment, visible))
 
 
-async def _serve(config: GuardConfig, token: str) -> int:
+async def _serve(
+    config: GuardConfig, token: str, assignment: NodeAssignment | None = None, visible: tuple[str, ...] = ()
+) -> int:
     guard = Guard(config, token)
     try:
         await guard.start()
@@ -112,7 +169,17 @@ async def _serve(config: GuardConfig, token: str) -> int:
         )
         guard.leaser.close()
         return EXIT_GUARD_START_FAILED
-    return await guard.wait_stopped()
+    if assignment is None:
+        return await guard.wait_stopped()
+    rc = await run_plan(guard, assignment, visible)
+    await guard.wait_stopped()
+    # Done: a late TERM/USR2 (srun's --kill-on-bad-exit, the batch shell's forwarding) must not turn this
+    # exit code into 143 after the loop restores the default handlers (srun reports the highest task code).
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGUSR2):
+        loop.remove_signal_handler(signum)
+        signal.signal(signum, signal.SIG_IGN)
+    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

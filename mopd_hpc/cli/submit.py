@@ -1,29 +1,50 @@
-"""`mopd-submit`: validate a run config, print it resolved, and (issue 5) render and submit the job.
+"""`mopd-submit`: validate a run config, plan the job, and render, print, submit or run it here.
 
-    mopd-submit --check configs/local_cpu.yaml           # validate + print the resolved config; exit 0 or 2
-    mopd-submit configs/local_cpu.yaml --local --set steps=3
+    mopd-submit run.yaml [--check] [--dry-run] [--render PATH] [--local] [--set KEY=VALUE ...]
+                         [--run-dir DIR] [--resume RUN_DIR] [--probe]
 
-Exit codes: 0 valid, 2 (EXIT_USAGE) a config error (every problem on stderr, one per line).
-Structure (STYLE.md rule 13): a thin CLI over functions that take their collaborators —
-`load_run_config` (mopd_hpc.config.loader) and `print_config(cfg, out)`; issue 5 adds `--dry-run`,
-`--render PATH` and submission as more functions behind the same parser.
+- `--check`: validate and print the resolved config; exit 0 or 2.
+- `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
+- `--dry-run`: print the sbatch command and script, then the rank map (component, node, role, index, GPUs,
+  named ports, AWEX transfer rank); no Slurm needed.
+- `--local` (or `cluster.backend: local`): run the job on this machine through one guard (launch/local.py);
+  exit code = the guard's. Otherwise (`slurm`): write run_dir/plan.json and run_dir/config.yaml, sbatch the
+  script, print the job id and the commands to follow it, and record the job in the job index.
+- `--run-dir DIR` replaces the config's run_dir; `--resume RUN_DIR` is the same for an existing run
+  directory (the trainer resumes from its checkpoints/latest).
+- `--probe` (hidden in --help, documented here): every child runs the `probe` role instead of its own,
+  keeping its placement, GPUs and ports — a dry run of the whole job on real nodes. It is also used, with a
+  notice, when a role's entry point is not installed yet.
+
+Exit codes: 0 done; 2 (EXIT_USAGE) a config, plan or argument error (every problem on stderr); 1 sbatch
+failed; a local run returns the guard's code. Structure (STYLE.md rule 13): a thin CLI over functions that
+take their collaborators (`execute(args, out, err, environ, python)`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TextIO
 
+from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
+from mopd_hpc.launch.jobspec import JobSpecError
+from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
+from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
 
-HELP = "Validate a run config and print it resolved (--check); submission lands with issue 5."
-#: Printed (stderr) when submission is asked for before issue 5 lands.
-NOT_YET = "mopd-submit: submission lands with issue 5; validating only (as --check)"
+HELP = "plan a run config's job, then print (--dry-run), render (--render), run here (--local) or submit it"
+#: Exit code when sbatch refused the job or could not be run.
+EXIT_SUBMIT_FAILED = 1
+#: The resolved config, written into the run directory (what `--resume` and mopd-logs read).
+CONFIG_FILE_NAME = "config.yaml"
 
-__all__ = ["HELP", "add_arguments", "load_run_config", "main", "print_config", "run"]
+__all__ = ["HELP", "add_arguments", "check", "execute", "load_run_config", "main", "print_config", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run on this machine (cluster.backend=local), whatever the YAML says",
     )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the sbatch script and the rank map, exit 0 (no Slurm)"
+    )
+    parser.add_argument(
+        "--render", metavar="PATH", default=None, help="write the sbatch script to PATH, exit 0"
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--run-dir", metavar="DIR", default=None, help="run directory (replaces run_dir)")
+    where.add_argument(
+        "--resume", metavar="RUN_DIR", default=None, help="run again in an existing run directory (resumes)"
+    )
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
 
 
 def summary(cfg: RunConfig) -> str:
@@ -83,10 +116,166 @@ def check(config: str, overrides: Sequence[str], force_local: bool, out: TextIO,
     return 0
 
 
+def unrunnable_roles(plan: JobPlan) -> list[str]:
+    """Roles of the plan whose entry-point module this interpreter cannot import (not written yet)."""
+    from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry
+
+    registry, missing = RoleRegistry.create(), []
+    for role in dict.fromkeys(c.role for c in plan.children):
+        try:
+            registry.module_for(role)
+        except RoleModuleMissingError:
+            missing.append(role)
+    return missing
+
+
+class UsageError(ValueError):
+    """A bad argument (run directory, resume target); the message names it."""
+
+
+def resolve_run_dir(cfg: RunConfig, run_dir: str | None, resume: str | None) -> Path:
+    """The absolute run directory: --resume, else --run-dir, else the config's (relative to the cwd).
+
+    Raises:
+        UsageError: --resume names a directory that holds no earlier run (no plan.json, no config.yaml).
+    """
+    path = Path(resume or run_dir or cfg.run_dir).expanduser().absolute()
+    if resume is not None and not ((path / PLAN_FILE_NAME).exists() or (path / CONFIG_FILE_NAME).exists()):
+        raise UsageError(
+            f"--resume {resume!r}: {path} holds no earlier run ({PLAN_FILE_NAME} or {CONFIG_FILE_NAME}); "
+            "pass the run directory of a submitted job, or use --run-dir for a new one"
+        )
+    return path
+
+
+def execute(
+    args: argparse.Namespace, *, out: TextIO, err: TextIO, environ: Mapping[str, str], python: str
+) -> int:
+    """Everything after argument parsing; collaborators passed in (streams, environment, interpreter)."""
+    if args.check:
+        return check(args.config, args.overrides, args.local, out, err)
+    from rich.console import Console
+
+    from mopd_hpc.launch.from_config import jobspec_from_config
+    from mopd_hpc.launch.rankmap import print_rank_map
+    from mopd_hpc.launch.render import render
+
+    try:
+        cfg = load_run_config(args.config, args.overrides, args.local)
+        path = resolve_run_dir(cfg, args.run_dir, args.resume)
+        cfg = cfg.model_copy(update={"run_dir": str(path)})
+        plan = JobPlan.from_config(cfg)
+        missing = unrunnable_roles(plan)
+        if missing and not args.probe and not args.render and not args.dry_run:
+            print(
+                f"mopd-submit: note: role(s) {', '.join(missing)} have no entry point installed yet: running the "
+                "probe-only plan (every child runs the `probe` role in its place; see --probe)",
+                file=err,
+            )
+        if args.probe or (missing and not args.render and not args.dry_run):
+            plan = plan.as_probe()
+        request = render(jobspec_from_config(cfg, path, python, plan))
+    except (ConfigError, PlanError, JobSpecError, UsageError) as exc:
+        print(str(exc) if isinstance(exc, ConfigError) else f"mopd-submit: {exc}", file=err)
+        return EXIT_USAGE
+    console = Console(file=out, soft_wrap=False, width=None if out.isatty() else 160)
+    if args.render:
+        atomic_write_text(args.render, request.script)
+        print(
+            f"wrote the sbatch script of {cfg.name!r} to {args.render}; submit it with: sbatch {shlex.quote(args.render)}",
+            file=out,
+        )
+        return 0
+    if args.dry_run:
+        print(request.show(), file=out)
+        print_rank_map(plan, console)
+        return 0
+    try:
+        run_dir = prepare_run_dir(path)
+    except RunDirError as exc:
+        print(f"mopd-submit: {exc}", file=err)
+        return EXIT_USAGE
+    atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
+    plan.write(run_dir.root / PLAN_FILE_NAME)
+    print_rank_map(plan, console)
+    if cfg.cluster.backend == "local":
+        return _run_local(plan, run_dir, out=out, environ=environ, python=python, console=console)
+    return _submit_slurm(cfg, request, run_dir, args.config, out=out, err=err, environ=environ, python=python)
+
+
+def _run_local(
+    plan: JobPlan, run_dir: RunDir, *, out: TextIO, environ: Mapping[str, str], python: str, console: object
+) -> int:
+    from mopd_hpc.launch.local import run_local
+    from mopd_hpc.launch.rankmap import probe_report_table, read_probe_reports
+
+    rc = run_local(plan, run_dir, python=python, environ=environ, out=out)
+    if plan.probe:
+        console.print(probe_report_table(read_probe_reports(run_dir.root)))  # type: ignore[attr-defined]
+    print(f"[local] done: exit code {rc}; run dir {run_dir.root}", file=out)
+    return rc
+
+
+def _submit_slurm(
+    cfg: RunConfig,
+    request: object,
+    run_dir: RunDir,
+    config_path: str,
+    *,
+    out: TextIO,
+    err: TextIO,
+    environ: Mapping[str, str],
+    python: str,
+) -> int:
+    from mopd_hpc.launch.slurm import SubmitError, submit
+
+    try:
+        job = submit(request, environ)  # type: ignore[arg-type]
+    except SubmitError as exc:
+        print(f"mopd-submit: {exc}", file=err)
+        return EXIT_SUBMIT_FAILED
+    job_id = str(job.job_id)
+    _append_index(job_id, run_dir, cfg.name, config_path, environ, err)
+    bindir = Path(python).parent
+    rd = shlex.quote(str(run_dir.root))
+    print(f"submitted job {job_id} ({cfg.name}); run dir {run_dir.root}", file=out)
+    print("follow it:", file=out)
+    print(f"  {bindir / 'mopd-logs'} summarize {job_id}", file=out)
+    print(f"  {bindir / 'mopd-logs'} tail {rd} -f", file=out)
+    het = " --het-group=1" if cfg.cluster.shape == "heterogeneous" else ""
+    print(
+        f"  srun --jobid={job_id}{het} --overlap {bindir / 'mopd-debug'} ports   # leases on its nodes",
+        file=out,
+    )
+    print(f"  scancel {job_id}", file=out)
+    return 0
+
+
+def _append_index(
+    job_id: str, run_dir: RunDir, name: str, config: str, environ: Mapping[str, str], err: TextIO
+) -> None:
+    """Record the job in the job index (mopd_hpc.logs.index) when that module is installed."""
+    try:
+        from mopd_hpc.logs.index import append_job_index, state_home_from_env
+    except ImportError:
+        return
+    import time
+
+    entry = {
+        "job_id": job_id,
+        "run_dir": str(run_dir.root),
+        "name": name,
+        "submitted_at": time.time(),
+        "config": str(Path(config).absolute()),
+    }
+    try:
+        append_job_index(entry, state_home_from_env(environ))
+    except (OSError, ValueError) as exc:
+        print(f"mopd-submit: warning: job {job_id} not recorded in the job index: {exc}", file=err)
+
+
 def run(args: argparse.Namespace) -> int:
-    if not args.check:
-        print(NOT_YET, file=sys.stderr)
-    return check(args.config, args.overrides, args.local, sys.stdout, sys.stderr)
+    return execute(args, out=sys.stdout, err=sys.stderr, environ=dict(os.environ), python=sys.executable)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,16 +5,25 @@ Started by a guard (`python -m mopd_hpc.runtime.probe`) for tests and `mopd-debu
     <MOPD_RUN_DIR>/probe/<host>-<role>-<index>.json
 
 with `role`, `index`, `generation`, `pid`, `host`, `topology` (`RankTopology.to_dict()`), `ports`
-(name → port, from `MOPD_PORT_<NAME>`), and `env`: the values of `CUDA_VISIBLE_DEVICES`, every `MOPD_*`
-variable, and the variables named in `MOPD_PROBE_ENV_KEYS` (comma-separated names), verbatim.
+(name → port, from `MOPD_PORT_<NAME>`), `transfer_ranks` (from the plan, `MOPD_TRANSFER_RANKS`),
+`plan_role`/`plan_index` (the role a probe-only plan's probe stands in for, or null), `restart_count`
+(`SLURM_RESTART_COUNT`, 0 when unset), `resume_checkpoint` (what `<run_dir>/checkpoints/latest` points to:
+a link's target or the file's text; null when absent), and `env`: the values of `CUDA_VISIBLE_DEVICES`,
+every `MOPD_*` variable, and the variables named in `MOPD_PROBE_ENV_KEYS` (comma-separated), verbatim.
+
+Test knobs (environment): `MOPD_PROBE_HOLD_S=N` keeps the probe alive N seconds after writing (USR2 or
+TERM end it with 0: it stands in for a child that checkpoints and exits); `MOPD_PROBE_EXIT_CODE=C` exits
+with C after writing, only in het group `MOPD_PROBE_EXIT_HET_GROUP` when that is set.
 Exit codes: 0 written; 2 (EXIT_USAGE) when the environment is not a guard child's or the topology is
-invalid (the message, naming the variable, goes to stderr).
+invalid (the message, naming the variable, goes to stderr); C as asked.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +34,24 @@ from mopd_hpc.runtime.signals import EXIT_OK, EXIT_USAGE
 
 #: Comma-separated names of extra variables the probe reports verbatim.
 PROBE_ENV_KEYS = "MOPD_PROBE_ENV_KEYS"
+#: Test knobs: hold after writing (seconds); exit code; the het group the exit code applies to.
+PROBE_HOLD_S = "MOPD_PROBE_HOLD_S"
+PROBE_EXIT_CODE = "MOPD_PROBE_EXIT_CODE"
+PROBE_EXIT_HET_GROUP = "MOPD_PROBE_EXIT_HET_GROUP"
+#: Where a trainer keeps its latest-checkpoint pointer, under the run directory.
+LATEST_CHECKPOINT = Path("checkpoints") / "latest"
+
+
+def resume_checkpoint(run_dir: Path) -> str | None:
+    """What `run_dir/checkpoints/latest` points to (a symlink's target, else the file's stripped text);
+    None when it does not exist."""
+    latest = run_dir / LATEST_CHECKPOINT
+    if latest.is_symlink():
+        return os.readlink(latest)
+    try:
+        return latest.read_text(encoding="utf-8").strip() or None
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
 
 
 def probe_report(env: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
@@ -46,9 +73,16 @@ def probe_report(env: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
     shown = {
         k: v for k, v in env.items() if k.startswith("MOPD_") or k == "CUDA_VISIBLE_DEVICES" or k in extra
     }
+    transfer = [int(r) for r in env.get("MOPD_TRANSFER_RANKS", "").split(",") if r.strip()]
+    restart = env.get("SLURM_RESTART_COUNT", "0").strip()
     report = {
         "role": role,
         "index": index,
+        "plan_role": env.get("MOPD_PLAN_ROLE"),
+        "plan_index": int(env["MOPD_PLAN_INDEX"]) if env.get("MOPD_PLAN_INDEX") else None,
+        "transfer_ranks": transfer,
+        "restart_count": int(restart) if restart.isdigit() else 0,
+        "resume_checkpoint": resume_checkpoint(Path(env["MOPD_RUN_DIR"])),
         "generation": int(env.get("MOPD_GENERATION", "0")),
         "pid": os.getpid(),
         "host": host,
@@ -73,8 +107,28 @@ def main(env: Mapping[str, str] | None = None) -> int:
         return EXIT_USAGE
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, report)
-    print(f"probe: wrote {path}")
+    print(f"probe: wrote {path}", flush=True)
+    code = env.get(PROBE_EXIT_CODE, "").strip()
+    group = env.get(PROBE_EXIT_HET_GROUP, "").strip()
+    if code and (not group or group == str(report["topology"]["het_group"])):
+        print(f"probe: exiting with {code} as {PROBE_EXIT_CODE} asks", flush=True)
+        return int(code)
+    hold_s = float(env.get(PROBE_HOLD_S, "0") or 0)
+    if hold_s > 0:
+        _hold(hold_s)
     return EXIT_OK
+
+
+def _hold(hold_s: float) -> None:
+    """Stay alive `hold_s` seconds; USR2 (checkpoint) or TERM end the wait early."""
+    stop: list[int] = []
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(signum, lambda s, _f: stop.append(s))
+    deadline = time.monotonic() + hold_s
+    while not stop and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if stop:
+        print(f"probe: got {signal.Signals(stop[0]).name}: exiting", flush=True)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,8 @@ class Guard:
         self._runner: web.AppRunner | None = None
         self._stopped = asyncio.Event()
         self._teardown_task: asyncio.Task[None] | None = None
+        #: The signal that started the teardown, if one did (autostart turns it into 128 + signum).
+        self.stop_signal: int | None = None
         self.app = web.Application(middlewares=[self._errors, self._auth])
         self.app.add_routes(
             [
@@ -175,9 +177,20 @@ class Guard:
         return EXIT_OK
 
     def _on_signal(self, signum: int, checkpoint: bool) -> None:
+        if self._teardown_task is None and self.stop_signal is None:
+            self.stop_signal = signum
         self.events.emit("guard_signal", signal=signal_name(signum), pid=_pid())
         log.info("guard got %s: tearing down (checkpoint=%s)", signal_name(signum), checkpoint)
         self.start_teardown(checkpoint)
+
+    @property
+    def stopping(self) -> bool:
+        """True once the teardown has started (signal, `POST /shutdown`, or `start_teardown`)."""
+        return self._teardown_task is not None
+
+    async def wait_teardown(self) -> None:
+        """Wait until a teardown has started and finished (children killed, leases released)."""
+        await self._stopped.wait()
 
     def start_teardown(self, checkpoint: bool) -> asyncio.Task[None]:
         if self._teardown_task is None:

@@ -1,0 +1,189 @@
+"""The local backend: the same job on this machine, no Slurm — one guard that runs every child of the plan.
+
+`run_local(plan, run_dir, ...)` writes `run_dir/plan.json`, starts ONE `mopd-guard --plan` subprocess with
+`MOPD_BACKEND=local` (its own session, a parent-death SIGTERM as a backstop, inherited Slurm variables
+scrubbed: a shell inside an allocation must not make the local job look like a Slurm step), streams a
+short status from the guard's event log, and waits. SIGINT/SIGTERM to this process are forwarded to the
+guard (SIGINT: stop now; SIGTERM: checkpoint, then stop), which kills its children and releases their
+ports; if it has not exited `stop_wait_s` after that, its process group is killed. The exit code is the
+guard's (a signal becomes 128 + its number; a guard that stopped cleanly on a forwarded signal gives
+128 + that signal's number).
+
+The guard's own output goes to `run_dir/logs/guard.local.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from mopd_hpc.launch.env import scrub_slurm_env
+from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan
+from mopd_hpc.launch.rundir import RunDir
+from mopd_hpc.runtime.guard.children import PDEATH_EXEC
+from mopd_hpc.runtime.guard.events import events_path
+from mopd_hpc.runtime.signals import killpg_quiet
+
+#: Job ids of local runs: `local-<pid of mopd-submit>` (a valid port-lease owner id).
+LOCAL_JOB_PREFIX = "local"
+#: After forwarding a stop signal, how long the guard gets before its process group is killed, seconds.
+DEFAULT_STOP_WAIT_S = 60.0
+#: Guard log of a local run, under run_dir/logs.
+GUARD_LOG_NAME = "guard.local.log"
+
+
+def local_job_id(pid: int | None = None) -> str:
+    return f"{LOCAL_JOB_PREFIX}-{os.getpid() if pid is None else pid}"
+
+
+def local_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The guard's environment: `environ` without inherited Slurm/PMI variables or a token path, plus
+    MOPD_BACKEND=local."""
+    env = scrub_slurm_env(environ, keep=())
+    env.pop("MOPD_SECRET_FILE", None)
+    env["MOPD_BACKEND"] = "local"
+    return env
+
+
+def guard_argv(python: str, run_dir: RunDir, job_id: str, host: str) -> list[str]:
+    """argv of the local guard, behind the parent-death wrapper (SIGTERM when this process dies)."""
+    wrapper = [python, "-S", str(PDEATH_EXEC), str(os.getpid()), str(int(signal.SIGTERM))]
+    guard = [python, "-m", "mopd_hpc.cli.guard", "--run-dir", str(run_dir.root), "--job-id", job_id]
+    guard += [
+        "--host",
+        host,
+        "--token-file",
+        str(run_dir.secret_file),
+        "--plan",
+        str(run_dir.root / PLAN_FILE_NAME),
+    ]
+    return [*wrapper, *guard, "--bind", "auto"]
+
+
+class _EventFollower:
+    """Prints new guard events (spawn, exit, failures) as short status lines."""
+
+    def __init__(self, path: Path, plan: JobPlan, out: TextIO) -> None:
+        self.path, self.out, self._offset, self._buffer = path, out, 0, b""
+        self._labels = {(c.role, c.index): c.label for c in plan.children}
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._buffer = (self._buffer + data).split(b"\n")
+        for line in lines:
+            try:
+                self._show(json.loads(line))
+            except ValueError:
+                continue
+
+    def _show(self, ev: dict[str, Any]) -> None:
+        label = self._labels.get((ev.get("role"), ev.get("index")), f"{ev.get('role')}[{ev.get('index')}]")
+        kind = ev.get("event")
+        if kind == "guard_ready":
+            text = f"guard ready at {ev.get('url')}"
+        elif kind == "spawn":
+            ports = ", ".join(f"{k}={v}" for k, v in (ev.get("ports") or {}).items()) or "no ports"
+            text = f"started {label}: pid {ev.get('pid')}, {ports}"
+        elif kind == "exit":
+            how = f"signal {ev['signal']}" if ev.get("signal") else f"exit code {ev.get('exit_code')}"
+            text = f"{label} ended: {how}"
+        elif kind in ("plan_failed", "plan_spawn_failed"):
+            text = f"FAILED: {label}: {ev.get('error') or ev.get('signal') or ev.get('exit_code')}"
+        elif kind == "guard_signal":
+            text = f"guard got {ev.get('signal')}: stopping"
+        else:
+            return
+        print(f"[local {ev.get('host')}] {text}", file=self.out, flush=True)
+
+
+def run_local(
+    plan: JobPlan,
+    run_dir: RunDir,
+    *,
+    python: str,
+    environ: Mapping[str, str],
+    out: TextIO,
+    host: str | None = None,
+    job_id: str | None = None,
+    poll_s: float = 0.2,
+    stop_wait_s: float = DEFAULT_STOP_WAIT_S,
+) -> int:
+    """Run `plan` here through one guard (the run dir must be prepared: `prepare_run_dir`).
+
+    Args:
+        plan: the job plan (written to run_dir/plan.json here).
+        run_dir: the prepared run directory (0700, token file).
+        python: the interpreter that runs the guard (sys.executable at the CLI edge).
+        environ: this process's environment (read at the edge).
+        out: where status lines go.
+        host, job_id: defaults: this host's name, `local-<pid>`.
+    Returns:
+        the guard's exit code (128 + N when it died of signal N).
+    """
+    host = host or socket.gethostname()
+    job_id = job_id or local_job_id()
+    plan.write(run_dir.root / PLAN_FILE_NAME)
+    follower = _EventFollower(events_path(run_dir.root, host), plan, out)
+    follower._offset = _size(follower.path)  # only this run's events
+    log_path = run_dir.logs / GUARD_LOG_NAME
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            guard_argv(python, run_dir, job_id, host),
+            env=local_environment(environ),
+            cwd=run_dir.root,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    print(f"[local] job {job_id}: guard pid {proc.pid}, log {log_path}", file=out, flush=True)
+    stop_deadline: list[float] = []
+    forwarded: list[int] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+        forwarded.append(signum)
+        if not stop_deadline:
+            stop_deadline.append(time.monotonic() + stop_wait_s)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while proc.poll() is None:
+            follower.poll()
+            if stop_deadline and time.monotonic() > stop_deadline[0]:
+                print(f"[local] guard still running {stop_wait_s:.0f} s after the stop: killing it", file=out)
+                killpg_quiet(proc.pid, signal.SIGKILL)
+                stop_deadline[0] = float("inf")
+            time.sleep(poll_s)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if proc.poll() is None:  # interrupted by an exception: leave no guard behind
+            killpg_quiet(proc.pid, signal.SIGKILL)
+        rc = proc.wait()
+    follower.poll()
+    if rc < 0:
+        return 128 - rc
+    return 128 + forwarded[0] if rc == 0 and forwarded else rc
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0

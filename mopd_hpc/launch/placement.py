@@ -1,0 +1,237 @@
+"""Lay a RunConfig out into a `JobPlan`: which child runs on which node of which het group, with which GPUs.
+
+Rules (DESIGN.md §1, §4; config rules in `config/rules.py` already hold when this runs):
+
+- GPUs of a group are numbered node by node: slot (node, gpu). Without GPUs a group has one CPU slot per
+  node.
+- **actor**: one child per trainer slot (its trainer rank), the slots of the trainer group; in the
+  colocated shape with `rollout.mode: separated`, the last `count·tp` GPUs go to the rollout engines and
+  the actor gets the rest. Rank 0 gets the `master` port (torch.distributed rendezvous).
+- **teacher**: for each teacher (none when loss.distillation_coefficient is 0: ExecutionPlan), one child
+  per actor slot, on the actor's GPUs (the phase machine time-slices them, DESIGN.md §3); index =
+  teacher ordinal · world + rank; the first rank of each tensor-parallel replica serves `http`.
+- **rollout**: engine e takes GPUs [e·tp, (e+1)·tp) of the rollout group (an engine never spans nodes:
+  tp divides gpus_per_node); without GPUs engines go round-robin over the nodes. Ports http, nccl,
+  dist_init (SGLang's --port, --nccl-port, --dist-init-addr).
+- **GPU visibility**: in `separated` mode a child sees only its own GPUs; in `colocated` mode every child
+  sees all GPUs of its node and `device_index` says where it starts (AWEX's colocate reader pairs trainer
+  and rollout ranks on the same device ordinal).
+- Transfer ranks come from `runtime.layout.assign_transfer_ranks` (dense, unique, GPU exclusivity of
+  actor and rollout); its colocated (host, device) pairing is checked for `weight_sync.backend: awex`
+  only (torch.distributed sync has no such need). Teachers are checked here: they share GPUs with the
+  actor (and in colocated mode with rollout) by design, never with another rank of the same teacher.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from mopd_hpc.launch.plan import ChildSpec, GroupPlan, JobPlan, PlanError
+from mopd_hpc.runtime.layout import ChildPlacement, LayoutError, RolloutLayout, assign_transfer_ranks
+
+#: Named ports per role (DESIGN.md §4: ports are named, never positional).
+ROLLOUT_PORTS = ("http", "nccl", "dist_init")
+ACTOR_MASTER_PORTS = ("master",)
+ROLE_ORDER = {"actor": 0, "teacher": 1, "rollout": 2, "probe": 3}
+
+Slot = tuple[int, int | None]  # (node index, GPU ordinal or None on CPU)
+
+
+def _slots(nodes: int, gpus_per_node: int) -> list[Slot]:
+    if gpus_per_node == 0:
+        return [(n, None) for n in range(nodes)]
+    return [(n, g) for n in range(nodes) for g in range(gpus_per_node)]
+
+
+def _rank_env(rank: int, world: int, local_rank: int, local_world: int) -> dict[str, str]:
+    return {
+        "MOPD_RANK": str(rank),
+        "MOPD_WORLD_SIZE": str(world),
+        "MOPD_LOCAL_RANK": str(local_rank),
+        "MOPD_LOCAL_WORLD_SIZE": str(local_world),
+    }
+
+
+def _local_ranks(nodes: list[int]) -> list[tuple[int, int]]:
+    """(local rank, local world) of each item, given the node of each item."""
+    per_node = Counter(nodes)
+    seen: Counter[int] = Counter()
+    out = []
+    for node in nodes:
+        out.append((seen[node], per_node[node]))
+        seen[node] += 1
+    return out
+
+
+def _visibility(
+    slot_gpus: list[int | None], gpus_per_node: int, colocated: bool
+) -> tuple[list[str], int | None]:
+    """(CUDA_VISIBLE_DEVICES ordinals, device_index) of a child working on `slot_gpus` of one node."""
+    if slot_gpus[0] is None:
+        return [], None
+    if colocated:
+        return [str(g) for g in range(gpus_per_node)], slot_gpus[0]
+    return [str(g) for g in slot_gpus], None
+
+
+def place_children(cfg: Any) -> JobPlan:
+    """The JobPlan of a validated RunConfig.
+
+    Raises:
+        PlanError: the layout breaks a rule (a teacher's tensor-parallel size does not divide the actor's
+            ranks, transfer ranks not dense, a GPU given to two children that run at the same time, ...).
+    """
+    cluster, rollout = cfg.cluster, cfg.rollout
+    het = cluster.shape == "heterogeneous"
+    colocated = rollout.mode == "colocated"
+    groups = tuple(
+        GroupPlan(name, i, g.nodes, g.gpus_per_node) for i, (name, g) in enumerate(cluster.groups().items())
+    )
+    trainer_hg, rollout_hg = 0, (1 if het else 0)
+    tg, rg = cluster.trainer_group, cluster.rollout_group
+    count, tp = rollout.engines.count, rollout.engines.tensor_parallel
+    rollout_slots = _slots(rg.nodes, rg.gpus_per_node)
+    actor_slots = _slots(tg.nodes, tg.gpus_per_node)
+    if rg.gpus_per_node:
+        need = count * tp
+        split = not het and not colocated  # one group: rollout takes its last GPUs, the actor the rest
+        rollout_slots = rollout_slots[len(rollout_slots) - need :] if split else rollout_slots[:need]
+        if split:
+            actor_slots = actor_slots[: len(actor_slots) - need]
+        engines = [rollout_slots[e * tp : (e + 1) * tp] for e in range(count)]
+    else:
+        engines = [[rollout_slots[e % len(rollout_slots)]] for e in range(count)]
+    children: list[ChildSpec] = []
+    world = len(actor_slots)
+    actor_local = _local_ranks([n for n, _ in actor_slots])
+    for rank, ((node, gpu), (lr, lw)) in enumerate(zip(actor_slots, actor_local, strict=True)):
+        gpus, device = _visibility([gpu], tg.gpus_per_node, colocated)
+        children.append(
+            ChildSpec.create(
+                role="actor",
+                index=rank,
+                het_group=trainer_hg,
+                node_index=node,
+                gpus=gpus,
+                device_index=device,
+                port_names=ACTOR_MASTER_PORTS if rank == 0 else (),
+                env=_rank_env(rank, world, lr, lw),
+            )
+        )
+    teachers = cfg.models.teachers if cfg.loss.distillation_coefficient > 0 else []
+    for k, teacher in enumerate(teachers):
+        ttp = teacher.tensor_parallel
+        if world % ttp:
+            raise PlanError(
+                f"models.teachers[{k}] ({teacher.id!r}): tensor_parallel={ttp} does not divide the actor's "
+                f"{world} ranks, whose GPUs the teacher shares; choose a divisor of {world}"
+            )
+        for rank, ((node, gpu), (lr, lw)) in enumerate(zip(actor_slots, actor_local, strict=True)):
+            gpus, device = _visibility([gpu], tg.gpus_per_node, colocated)
+            ports = ("http",) if rank % ttp == 0 else ()
+            if rank == 0 and world > 1:
+                ports += ("master",)
+            children.append(
+                ChildSpec.create(
+                    role="teacher",
+                    index=k * world + rank,
+                    het_group=trainer_hg,
+                    node_index=node,
+                    gpus=gpus,
+                    device_index=device,
+                    port_names=ports,
+                    env={**_rank_env(rank, world, lr, lw), "MOPD_TEACHER_ID": teacher.id},
+                )
+            )
+    engine_local = _local_ranks([engine[0][0] for engine in engines])
+    for e, (engine, (lr, lw)) in enumerate(zip(engines, engine_local, strict=True)):
+        if len({n for n, _ in engine}) != 1:
+            raise PlanError(f"rollout engine {e} would span nodes {sorted({n for n, _ in engine})}")
+        gpus, device = _visibility([g for _, g in engine], rg.gpus_per_node, colocated)
+        children.append(
+            ChildSpec.create(
+                role="rollout",
+                index=e,
+                het_group=rollout_hg,
+                node_index=engine[0][0],
+                gpus=gpus,
+                device_index=device,
+                port_names=ROLLOUT_PORTS,
+                env={**_rank_env(e, count, lr, lw), "MOPD_ROLLOUT_TP": str(tp)},
+            )
+        )
+    children = _with_transfer_ranks(children, count, tp, cfg.weight_sync.backend == "awex", rollout.mode)
+    _check_gpu_sharing(children, rollout.mode, tp)
+    children.sort(key=lambda c: (c.het_group, c.node_index, ROLE_ORDER[c.role], c.index))
+    return JobPlan(
+        name=cfg.name,
+        shape=cluster.shape,
+        mode=rollout.mode,
+        groups=groups,
+        children=tuple(children),
+        infer_world=count * tp,
+        train_world=world,
+    )
+
+
+def _placement(child: ChildSpec, with_gpus: bool) -> ChildPlacement:
+    device = child.device_index
+    if device is None and child.role == "actor" and child.gpus:
+        device = 0
+    return ChildPlacement(
+        role=child.role,
+        index=child.index,
+        host=f"group{child.het_group}-node{child.node_index}",
+        gpu_tokens=child.gpus if with_gpus else (),
+        local_device_index=device if with_gpus else None,
+    )
+
+
+def _with_transfer_ranks(
+    children: list[ChildSpec], count: int, tp: int, awex: bool, mode: str
+) -> list[ChildSpec]:
+    """Children with their AWEX transfer ranks; LayoutError becomes PlanError."""
+    pairs = mode == "separated" or awex
+    placements = [_placement(c, with_gpus=pairs) for c in children if c.role in ("actor", "rollout")]
+    try:
+        layout = assign_transfer_ranks(placements, RolloutLayout(count, tp), mode if pairs else "separated")
+    except LayoutError as exc:
+        raise PlanError(f"job layout: {exc}") from None
+    out = []
+    for child in children:
+        ranks = tuple(r.transfer_rank for r in layout.for_child(child.role, child.index))
+        out.append(ChildSpec.create(**{**child.to_dict(), "transfer_ranks": ranks}))
+    return out
+
+
+def _used(child: ChildSpec, tp: int) -> list[str]:
+    """GPU ordinals (of its node) a child computes on."""
+    if not child.gpus:
+        return []
+    base = child.device_index or 0
+    if child.role == "rollout":
+        return list(child.gpus[base : base + tp])
+    return [child.gpus[base]]
+
+
+def _check_gpu_sharing(children: list[ChildSpec], mode: str, tp: int) -> None:
+    """No GPU given to two children that run at the same time (DESIGN.md §4), teachers included: children
+    of one role (one teacher id) never share; actor and teachers share by design; in colocated mode
+    every role shares with the others."""
+    owners: dict[tuple[int, int, str], list[ChildSpec]] = {}
+    for child in children:
+        for gpu in _used(child, tp):
+            key = (child.het_group, child.node_index, gpu)
+            for other in owners.get(key, []):
+                same = other.role == child.role and (
+                    child.role != "teacher"
+                    or other.env_dict.get("MOPD_TEACHER_ID") == child.env_dict.get("MOPD_TEACHER_ID")
+                )
+                by_design = mode == "colocated" or {other.role, child.role} <= {"actor", "teacher"}
+                if same or not by_design:
+                    raise PlanError(
+                        f"GPU {gpu} of het group {key[0]} node {key[1]} is given to both {other.label} and "
+                        f"{child.label}, which run at the same time ({mode} mode); give each its own GPU"
+                    )
+            owners.setdefault(key, []).append(child)
