@@ -247,3 +247,46 @@ def test_a_failing_component_ends_the_whole_job(slurm_cluster, tmp_path: Path) -
         wait_for(lambda: not job_processes(job_id), 10, f"no process of job {job_id} left")
     finally:
         stop(slurm_cluster, job_id)
+
+
+def test_preemption_signal_to_the_batch_shell_checkpoints_steps_and_requeues(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """`--signal=B:USR2@...` as Slurm delivers it: USR2 to the batch shell and its children (`scancel --batch`).
+
+    The batch shell must forward USR2 to the steps (the guards), not lose its own background sruns to it,
+    then requeue; the requeued job comes back with SLURM_RESTART_COUNT=1 (issue 5, item 4)."""
+    wait_idle(slurm_cluster)
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm_cluster, run_dir, MOPD_PROBE_HOLD_S="300")
+    try:
+        wait_for(lambda: len(reports(run_dir)) == PROBES, START_S, "5 probe reports")
+        slurm_cluster.run(["scancel", "--batch", "--signal=USR2", job_id])
+        signal = wait_for(
+            lambda: (p := run_dir / "state" / "last_signal.json").exists() and json.loads(p.read_text()),
+            30, "the batch shell's signal record",
+        )  # fmt: skip
+        assert signal["signal"] == "USR2" and signal["restart_count"] == 0
+        # every guard (one per node) got the forwarded USR2 through its step, and none died of it first
+        events = [
+            json.loads(line)
+            for path in (run_dir / "events").glob("*.guard.jsonl")
+            for line in path.read_text().splitlines()
+        ]
+        wait_for(
+            lambda: {
+                json.loads(line)["host"]
+                for path in (run_dir / "events").glob("*.guard.jsonl")
+                for line in path.read_text().splitlines()
+                if json.loads(line)["event"] == "guard_signal"
+            } == {"n1", "n2", "n3"},
+            30, "USR2 forwarded to the guards on n1, n2, n3",
+        )  # fmt: skip
+        assert all(e.get("signal") != "SIGKILL" for e in events if e["event"] == "exit")
+        got = wait_for(
+            lambda: (r := reports(run_dir)) and len(r) == PROBES and all(x["restart_count"] == 1 for x in r) and r,
+            120, "the requeued job's probes",
+        )  # fmt: skip
+        assert {r["topology"]["job_id"] for r in got} == {job_id}
+    finally:
+        stop(slurm_cluster, job_id)
