@@ -1,0 +1,206 @@
+"""`RolloutClient`: the trainer's asyncio client of a rollout server (hf or SGLang, same HTTP surface).
+
+Timeouts and retries: every call has a total timeout (`timeout_s`, seconds) and a connect timeout. A call
+that could not reach the server (connection refused; for GET also reset or timed out) is retried up to
+`retries` times with exponential backoff from `retry_backoff_s`; a 503 answer is retried for the
+idempotent GET endpoints only. A non-2xx answer raises `RolloutServerError` carrying the status and the
+server's message; exhausted retries raise `RolloutUnavailableError`.
+
+    async with RolloutClient("http://127.0.0.1:30000") as client:
+        samples = await client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16, n=4))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from mopd_hpc.engines.rollout.control import DEFAULT_GROUP_NAME, DistributedUpdateRequest, InitGroupRequest
+from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RolloutServerError(RuntimeError):
+    """The server answered with an error status; `status` and `message` are the server's."""
+
+    def __init__(self, method: str, url: str, status: int, message: str) -> None:
+        super().__init__(f"{method} {url} -> {status}: {message}")
+        self.status, self.message, self.url = status, message, url
+
+
+class RolloutUnavailableError(RuntimeError):
+    """The server could not be reached within the retries (connection refused, reset, timeout)."""
+
+
+class RolloutClient:
+    """Async client of one rollout server. Use as `async with`, or call `close()` when done."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        retries: int = 3,
+        retry_backoff_s: float = 0.5,
+    ) -> None:
+        if retries < 0 or timeout_s <= 0 or connect_timeout_s <= 0 or retry_backoff_s < 0:
+            raise ValueError(
+                f"timeout_s={timeout_s}, connect_timeout_s={connect_timeout_s}, retries={retries}, "
+                f"retry_backoff_s={retry_backoff_s}: expected positive timeouts and non-negative retries"
+            )
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self.retries, self.retry_backoff_s = retries, retry_backoff_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(self, method: str, path: str, body: Any = None, *, retry_503: bool = False) -> Any:
+        """Send one request; returns the decoded JSON body (None for an empty body)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        url = f"{self.base_url}{path}"
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                async with self._session.request(method, url, json=body) as resp:
+                    text = await resp.text()
+                    if resp.status == 503 and retry_503 and attempt < self.retries:
+                        last = RolloutServerError(method, url, resp.status, text)
+                        continue
+                    if resp.status >= 400:
+                        raise RolloutServerError(method, url, resp.status, _message(text))
+                    return await resp.json(content_type=None) if text.strip() else None
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                if method != "GET" and not isinstance(exc, aiohttp.ClientConnectorError):
+                    # the request may have reached the server: a retry could run it twice
+                    raise RolloutUnavailableError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+                last = exc
+                log.debug("%s %s attempt %d failed: %s", method, url, attempt + 1, exc)
+        raise RolloutUnavailableError(
+            f"{method} {url}: unreachable after {self.retries + 1} attempts: {last}"
+        )
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        return_logprob: bool = True,
+        rids: Sequence[str] | None = None,
+    ) -> list[GeneratedSample]:
+        """Generate for a batch of prompts; returns prompt-major samples (copy j of prompt i at i·n + j)."""
+        body: dict[str, Any] = {
+            "input_ids": [list(p) for p in input_ids],
+            "sampling_params": sampling.to_json(),
+            "return_logprob": return_logprob,
+        }
+        if rids is not None:
+            body["rid"] = list(rids)
+        items = await self.generate_raw(body)
+        items = items if isinstance(items, list) else [items]
+        return [
+            GeneratedSample.from_response(item, input_ids[k // sampling.n]) for k, item in enumerate(items)
+        ]
+
+    async def generate_raw(self, body: dict[str, Any]) -> Any:
+        """POST /generate with an SGLang-shaped body; returns the SGLang-shaped response (dict or list)."""
+        return await self.request("POST", "/generate", body)
+
+    # ---- state -------------------------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        """True when GET /health answers 200; False when it answers otherwise or is unreachable."""
+        try:
+            await self.request("GET", "/health")
+            return True
+        except (RolloutServerError, RolloutUnavailableError):
+            return False
+
+    async def wait_ready(self, timeout_s: float, poll_s: float = 0.2) -> None:
+        """Poll /health until 200; raises RolloutUnavailableError after timeout_s seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.health():
+            if loop.time() > deadline:
+                raise RolloutUnavailableError(f"{self.base_url}/health: not ready after {timeout_s}s")
+            await asyncio.sleep(poll_s)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.request("GET", "/model_info", retry_503=True)
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self.request("GET", "/server_info", retry_503=True)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """POST /pause_generation: mode "abort" (SGLang's default), "retract" or "in_place"."""
+        await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        """POST /continue_generation."""
+        await self.request("POST", "/continue_generation", {})
+
+    async def release(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """POST /release_memory_occupation; tags None = all of kv_cache, weights, cuda_graph."""
+        return await self.request(
+            "POST", "/release_memory_occupation", {"tags": None if tags is None else list(tags)}
+        )
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """POST /resume_memory_occupation; a tag that was not released → RolloutServerError(400)."""
+        return await self.request(
+            "POST", "/resume_memory_occupation", {"tags": None if tags is None else list(tags)}
+        )
+
+    # ---- weights -----------------------------------------------------------------------------------
+
+    async def init_weights_update_group(self, req: InitGroupRequest) -> dict[str, Any]:
+        """POST /init_weights_update_group; returns once the server joined (the trainer joins meanwhile)."""
+        return await self.request("POST", "/init_weights_update_group", req.to_json())
+
+    async def update_weights_from_distributed(self, req: DistributedUpdateRequest) -> dict[str, Any]:
+        """POST /update_weights_from_distributed; returns after the server received and loaded the tensors."""
+        return await self.request("POST", "/update_weights_from_distributed", req.to_json())
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict[str, Any]:
+        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self.request("POST", "/update_weights_from_disk", body)
+
+
+def _message(text: str) -> str:
+    """The server's error message from a JSON error body, else the raw text."""
+    import json
+
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error", {}).get("message") or text)
+    return text

@@ -1,0 +1,308 @@
+"""The HF rollout engine: a transformers causal LM, batched decoding, weight loading and offload.
+
+Shape legend: B rows in the batch, L padded prompt length, V vocabulary size.
+
+Decoding is a plain loop over the model's forward with a KV cache (no `model.generate`), so that each
+row keeps its own sampling parameters, its own seed and its exact behavior log-probs (`sampling.py`).
+Prompts are padded on the left; the attention mask hides the pads and position ids count real tokens
+only, so a row's logits do not depend on the other rows beyond float rounding. Finished rows leave the
+batch (their cache rows are dropped).
+
+Thread model: `generate` runs in the scheduler's worker thread; every forward pass and every weight
+change holds `self.lock`, taken per decoding step, so weights can change between two steps of a batch
+paused in place (as SGLang's in-place pause allows).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from mopd_hpc.engines.rollout.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
+from mopd_hpc.engines.rollout.sampling import behavior_logprobs, sample_next
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightLoadError(ValueError):
+    """Tensors given to the engine do not fit the model: unknown name or wrong shape."""
+
+
+class StepGate(Protocol):
+    """Asked between decoding steps; False ends the batch with finish_reason abort."""
+
+    def between_steps(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RowRequest:
+    """One row of a batch: a prompt and one copy's sampling parameters and seed."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+
+@dataclass(slots=True)
+class RowResult:
+    """What one row produced. finish: SGLang's finish_reason object ({type: stop|length|abort, ...}).
+
+    output_logprobs[t]: log μ(output_ids[t]), float. input_logprobs: one entry per prompt position from
+    logprob_start_len, None at position 0 (nothing predicts the first token). *_top: per position, the
+    top_logprobs_num (logprob, token_id) pairs of the same distribution.
+    """
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    finish: dict[str, Any] = field(default_factory=dict)
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+
+
+def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    values, ids = logp_row.topk(min(k, logp_row.shape[-1]))
+    return [(float(v), int(i)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
+
+
+class HFRolloutEngine:
+    """A transformers causal LM served for rollouts. Build with `HFRolloutEngine.load`."""
+
+    def __init__(self, model: Any, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.model_path = model_path
+        self.device = device
+        self.dtype = dtype
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.weights_on_device = True
+        self.lock = threading.Lock()
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+        cfg = model.config
+        self.vocab_size = int(cfg.vocab_size)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = cfg.eos_token_id if eos is None else eos
+        self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+
+    @classmethod
+    def load(cls, model_path: str, device: str = "cpu", dtype: str = "auto") -> HFRolloutEngine:
+        """Load an HF checkpoint directory onto `device` ("cpu", "cuda", "cuda:N") in `dtype`.
+
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+        Raises:
+            ValueError: unknown dtype or device.
+        """
+        from transformers import AutoModelForCausalLM
+
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected 'auto' or one of {sorted(DTYPES)}")
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available on this host")
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype="auto" if dtype == "auto" else DTYPES[dtype]
+        )
+        model = model.to(dev).eval()
+        model.requires_grad_(False)
+        return cls(model, model_path, dev, next(model.parameters()).dtype)
+
+    # ---- decoding -------------------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, keep_all: bool):
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+        if self._has_logits_to_keep and not keep_all:
+            kwargs["logits_to_keep"] = 1
+        with self.lock, torch.inference_mode():
+            if not self.weights_on_device:
+                raise RuntimeError("model weights are released (POST /resume_memory_occupation first)")
+            return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs).logits
+
+    def generate(self, rows: Sequence[RowRequest], gate: StepGate) -> list[RowResult]:
+        """Decode `rows` as one batch; returns one result per row, in order."""
+        from transformers import DynamicCache
+
+        n, dev = len(rows), self.device
+        results = [RowResult(weight_version=self.weight_version) for _ in rows]
+        lengths = [len(r.prompt_ids) for r in rows]
+        width = max(lengths)
+        ids = torch.zeros((n, width), dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - lengths[i] :] = torch.tensor(row.prompt_ids)
+            mask[i, width - lengths[i] :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        temperature = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
+        top_p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([r.sampling.top_k for r in rows], dtype=torch.long, device=dev)
+        generators = [torch.Generator(device=dev).manual_seed(r.seed) for r in rows]
+        stops = [
+            set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(self.eos_token_ids))
+            for r in rows
+        ]
+        cache = DynamicCache(config=self.model.config)
+        need_inputs = any(r.return_logprob and r.logprob_start_len >= 0 for r in rows)
+        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, keep_all=need_inputs)
+        if need_inputs:
+            self._input_logprobs(rows, results, logits, ids, width, lengths, temperature, top_p, top_k)
+        last = logits[:, -1]
+        active = list(range(n))
+        for i in list(active):
+            if rows[i].sampling.max_new_tokens == 0:
+                results[i].finish = {"type": "length", "length": 0}
+                active.remove(i)
+        keep = torch.tensor(active, dtype=torch.long, device=dev)
+        last, mask = last[keep], mask[keep]
+        if len(active) < n:
+            cache.batch_select_indices(keep)
+        sel = keep
+        while active:
+            if not gate.between_steps():
+                for i in active:
+                    results[i].finish = {"type": "abort", "message": "aborted by /pause_generation"}
+                break
+            out = sample_next(last, temperature[sel], top_p[sel], top_k[sel], [generators[i] for i in active])
+            tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
+            still: list[int] = []
+            for k, i in enumerate(active):
+                res, row = results[i], rows[i]
+                res.output_ids.append(tokens[k])
+                if row.return_logprob:
+                    res.output_logprobs.append(lps[k])
+                    if row.top_logprobs_num:
+                        res.output_top.append(_top(out.dist_logprobs[k], row.top_logprobs_num))
+                if tokens[k] in stops[i]:
+                    res.finish = {"type": "stop", "matched": tokens[k]}
+                elif len(res.output_ids) >= row.sampling.max_new_tokens:
+                    res.finish = {"type": "length", "length": row.sampling.max_new_tokens}
+                else:
+                    still.append(k)
+            if not still:
+                break
+            next_ids = out.token_ids[still][:, None]
+            if len(still) < len(active):
+                idx = torch.tensor(still, dtype=torch.long, device=dev)
+                cache.batch_select_indices(idx)
+                mask = mask[idx]
+                active = [active[k] for k in still]
+                sel = torch.tensor(active, dtype=torch.long, device=dev)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            pos = mask.sum(-1, keepdim=True) - 1
+            last = self._forward(next_ids, mask, pos, cache, keep_all=False)[:, -1]
+        for res in results:  # the version at completion, as SGLang reports it (weights may change mid-batch)
+            res.weight_version = self.weight_version
+        return results
+
+    def _input_logprobs(self, rows, results, logits, ids, width, lengths, temperature, top_p, top_k) -> None:
+        """Fill input_logprobs of rows that asked (logprob_start_len >= 0), SGLang's [None] + ... layout."""
+        for i, row in enumerate(rows):
+            if not (row.return_logprob and row.logprob_start_len >= 0):
+                continue
+            pad, start = width - lengths[i], min(row.logprob_start_len, lengths[i])
+            pred = logits[i, pad : width - 1]
+            if pred.shape[0]:
+                n = pred.shape[0]
+                logp = behavior_logprobs(
+                    pred, temperature[i].expand(n), top_p[i].expand(n), top_k[i].expand(n)
+                )
+            targets = ids[i, pad + 1 : width]
+            for j in range(start, lengths[i]):
+                if j == 0:
+                    results[i].input_logprobs.append(None)
+                    results[i].input_top.append(None)
+                    continue
+                results[i].input_logprobs.append(float(logp[j - 1, targets[j - 1]]))
+                results[i].input_top.append(
+                    _top(logp[j - 1], row.top_logprobs_num) if row.top_logprobs_num else None
+                )
+
+    # ---- weights -----------------------------------------------------------------------------------
+
+    def load_named_tensors(self, named: Mapping[str, torch.Tensor], weight_version: str | None) -> int:
+        """Copy tensors into the model's parameters (HF state_dict names); all or nothing.
+
+        Tied weights may come once or under both names. Dtypes are cast to the model's.
+        Returns:
+            the number of tensors loaded.
+        Raises:
+            WeightLoadError: an unknown name or a shape mismatch; nothing was changed.
+        """
+        state = self.model.state_dict(keep_vars=True)
+        for name, tensor in named.items():
+            if name not in state:
+                known = ", ".join(list(state)[:4])
+                raise WeightLoadError(f"weight {name!r}: not a parameter of the model (e.g. {known}, ...)")
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise WeightLoadError(
+                    f"weight {name!r}: shape {tuple(tensor.shape)} != model's {tuple(state[name].shape)}"
+                )
+        with self.lock, torch.no_grad():
+            for name, tensor in named.items():
+                state[name].data.copy_(tensor, non_blocking=False)
+            if weight_version is not None:
+                self.weight_version = weight_version
+        return len(named)
+
+    def load_from_disk(self, model_path: str, weight_version: str | None) -> int:
+        """Load every weight of the HF checkpoint at `model_path` (same architecture); all or nothing."""
+        from transformers import AutoModelForCausalLM
+
+        other = AutoModelForCausalLM.from_pretrained(model_path)
+        if type(other) is not type(self.model):
+            raise WeightLoadError(
+                f"model_path={model_path!r}: architecture {type(other).__name__} != served "
+                f"{type(self.model).__name__}"
+            )
+        count = self.load_named_tensors(other.state_dict(), weight_version)
+        self.model_path = model_path
+        return count
+
+    def offload_weights(self) -> str:
+        """Move the weights to host memory (a real offload on GPU; a no-op on CPU). Returns what was done."""
+        with self.lock:
+            self.weights_on_device = False
+            if self.device.type == "cpu":
+                return "device is cpu: weights stay in place (no-op)"
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            return f"weights moved from {self.device} to cpu"
+
+    def onload_weights(self) -> str:
+        """Move the weights back onto the serving device."""
+        with self.lock:
+            if self.device.type != "cpu":
+                self.model.to(self.device)
+            self.weights_on_device = True
+            return f"weights resident on {self.device}"
+
+    def device_memory_allocated(self) -> int | None:
+        """Bytes torch has allocated on the serving GPU; None on CPU."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.model.config
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "architectures": list(getattr(cfg, "architectures", None) or [type(self.model).__name__]),
+            "model_type": getattr(cfg, "model_type", None),
+            "served_model_name": self.model_path,
+            "vocab_size": self.vocab_size,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "backend": "hf",
+        }

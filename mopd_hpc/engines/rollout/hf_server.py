@@ -1,0 +1,192 @@
+"""The HF rollout server: SGLang 0.5.23's HTTP surface for RL over a transformers model (DESIGN.md §5).
+
+Run:  python -m mopd_hpc.engines.rollout.hf_server --model PATH --host 127.0.0.1 --port N
+      [--device cpu|cuda] [--dtype auto|float32|bfloat16|float16] [--ready-file PATH]
+
+The port comes from `--port` or, under the guard, from the named port in env `MOPD_PORT_HTTP`. When the
+server listens it writes the ready file (atomically; JSON {url, host, port, pid, model_path}) and logs
+"rollout server ready". Endpoints (shapes: ../shared/reference/algo_awex.md §3.2):
+
+  GET  /health /health_generate      200 once the model is loaded (empty body)
+  GET  /model_info /get_model_info   model_path, weight_version, architectures, ...
+  GET  /server_info                  arguments and internal state (paused, queue sizes, released tags)
+  POST /generate                     input_ids | text, sampling_params, return_logprob, logprob_start_len
+  POST /pause_generation {mode}      abort (default) | retract | in_place;  POST /continue_generation
+  GET|POST /release_memory_occupation, /resume_memory_occupation {tags}
+  POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+  POST /update_weights_from_disk {model_path, weight_version?};  GET|POST /flush_cache
+
+Errors are JSON {"success": false, "message", "error": {"message", "type", "code"}}: 400 for a bad
+request (field, value, expectation), 409 when the engine is busy, 503 while weights are released, 500 for
+a bug (the server keeps serving); see `http_app.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.engines.rollout.control import MEMORY_TAGS
+from mopd_hpc.engines.rollout.http_app import RolloutServer
+
+log = logging.getLogger("mopd_hpc.rollout")
+
+#: Environment variables read (once, in `main`) at the edge.
+ENV = {
+    "port": "MOPD_PORT_HTTP",
+    "ready_file": "MOPD_ROLLOUT_READY_FILE",
+    "model_path": "MOPD_ROLLOUT_MODEL",
+    "device": "MOPD_ROLLOUT_DEVICE",
+}
+#: Files of which at least one must exist for the checkpoint to carry a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerArgs:
+    """Command line of the server, resolved. Build with `ServerArgs.from_argv(argv, environ)`."""
+
+    model_path: str
+    host: str
+    port: int
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_batch_rows: int = 64
+    random_seed: int = 0
+    ready_file: str | None = None
+    num_threads: int | None = None
+    weight_sync_timeout_s: float = 600.0
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None, environ: Mapping[str, str]) -> ServerArgs:
+        """Parse `argv`; a flag not given falls back to its variable of `ENV` in `environ`.
+
+        Exits with status 2 (argparse) naming the flag or variable when the model path or port is missing
+        or malformed.
+        """
+        p = argparse.ArgumentParser(
+            prog="python -m mopd_hpc.engines.rollout.hf_server", description=__doc__.split("\n")[0]
+        )
+        p.add_argument(
+            "--model", "--model-path", dest="model_path", help=f"HF checkpoint dir (env {ENV['model_path']})"
+        )
+        p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+        p.add_argument("--port", type=int, default=None, help=f"TCP port, 0 = any (env {ENV['port']})")
+        p.add_argument(
+            "--device", default=None, help=f"cpu | cuda | cuda:N (env {ENV['device']}; default cpu)"
+        )
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        p.add_argument("--max-batch-rows", type=int, default=64, help="rows decoded together at most")
+        p.add_argument("--random-seed", type=int, default=0, help="seeds rows that carry no sampling_seed")
+        p.add_argument(
+            "--ready-file", default=None, help=f"JSON written when listening (env {ENV['ready_file']})"
+        )
+        p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        p.add_argument("--weight-sync-timeout-s", type=float, default=600.0, help="collective timeout, s")
+        ns = p.parse_args(argv)
+        model_path = ns.model_path or environ.get(ENV["model_path"])
+        if not model_path:
+            p.error(f"no model: pass --model or set {ENV['model_path']}")
+        port = ns.port
+        if port is None:
+            raw = environ.get(ENV["port"])
+            if raw is None:
+                p.error(f"no port: pass --port or set {ENV['port']}")
+            try:
+                port = int(raw)
+            except ValueError:
+                p.error(f"{ENV['port']}={raw!r}: expected a TCP port number")
+        if not 0 <= port <= 65535:
+            p.error(f"port={port}: expected a TCP port in [0, 65535]")
+        return cls(
+            **vars(ns)
+            | {
+                "model_path": model_path,
+                "port": port,
+                "device": ns.device or environ.get(ENV["device"]) or "cpu",
+                "ready_file": ns.ready_file or environ.get(ENV["ready_file"]),
+            }
+        )
+
+
+def _load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer, or None when it has none (then requests must send input_ids)."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        log.info("no tokenizer files in %s: requests must send input_ids, responses carry text ''", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
+    """Load the model, listen, write the ready file, and serve until `stop` is set (or SIGTERM/SIGINT)."""
+    import torch
+
+    from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = await asyncio.to_thread(HFRolloutEngine.load, args.model_path, args.device, args.dtype)
+    server = RolloutServer(args, engine, await asyncio.to_thread(_load_tokenizer, args.model_path))
+    server.scheduler.start()
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    url = f"http://{args.host}:{port}"
+    if args.ready_file:
+        ready = {
+            "url": url,
+            "host": args.host,
+            "port": port,
+            "pid": os.getpid(),
+            "model_path": args.model_path,
+        }
+        atomic_write_json(args.ready_file, ready)
+    log.info(
+        "rollout server ready on %s (model %s, device %s, tags %s)",
+        url,
+        args.model_path,
+        args.device,
+        MEMORY_TAGS,
+    )
+    try:
+        await stop.wait()
+    finally:
+        log.info("rollout server stopping")
+        server.scheduler.stop()
+        for group in list(server.groups.values()):
+            if group is not None:
+                group.close()
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: reads os.environ once, here, and passes it down."""
+    environ = dict(os.environ)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    args = ServerArgs.from_argv(argv, environ)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Weight sync actor → rollout (DESIGN.md §5): `torch` (torch.distributed broadcast, gloo/NCCL)."""
