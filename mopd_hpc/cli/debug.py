@@ -10,6 +10,9 @@ from mopd_hpc.cli.base import dispatch
 VERBS: dict[str, str] = {
     "topology": "mopd_hpc.cli.debug_topology",
     "ports": "mopd_hpc.cli.debug_ports",
+    "guard": "mopd_hpc.cli.debug_guard",
+    "shell": "mopd_hpc.cli.debug_shell",
+    "run": "mopd_hpc.cli.debug_run",
 }
 
 

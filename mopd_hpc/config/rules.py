@@ -249,6 +249,24 @@ def _awex(c: Any) -> Iterator[Problem]:
         )
 
 
+@rule("weight_sync", "rollout", "cluster")
+def _awex_colocate(c: Any) -> Iterator[Problem]:
+    """AWEX colocate mode pairs every trainer rank with one rollout rank on the same GPU (its reader
+    requires that bijection, algo_awex.md §2.3): the rollout ranks must cover the actor's GPUs exactly."""
+    if c.weight_sync.backend != "awex" or c.weight_sync.awex_mode != "colocate":
+        return
+    group, engines = c.cluster.trainer_group, c.rollout.engines
+    infer_world = engines.count * engines.tensor_parallel
+    if group.gpus_per_node and infer_world != group.gpus:
+        yield Problem(
+            "rollout.engines",
+            f"AWEX colocate pairs each of the actor's {group.gpus} GPUs with one rollout rank, but "
+            f"count·tensor_parallel = {engines.count}·{engines.tensor_parallel} = {infer_world}",
+            infer_world,
+            f"count·tensor_parallel = {group.gpus}, or weight_sync.awex_mode: separate",
+        )
+
+
 @rule("loss")
 def _kl_needs_rl(c: Any) -> Iterator[Problem]:
     if c.loss.kl_coefficient > 0 and c.loss.rl_coefficient == 0:

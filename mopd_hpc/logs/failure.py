@@ -186,7 +186,7 @@ def find_first_failure(
         return out, first_path
 
     failing = sorted(
-        (c for c in children if c.failed and not c.teardown and c.exit_ts is not None),
+        (c for c in children if c.failed and c.exit_ts is not None and not c.teardown),
         key=lambda c: (c.exit_ts, c.host, c.role, c.index),
     )
     if failing:

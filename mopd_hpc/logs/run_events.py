@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: A child ended by one of these signals up to this many seconds *before* its guard logged Slurm's signal is
+#: A child ended by the same signal up to this many seconds *before* its guard logged Slurm's signal is
 #: teardown too: Slurm signals every process of the step at once, so the child's exit may be logged first.
+#: A child ended by another signal just before (SIGKILL by the OOM killer or a user, then the batch shell's
+#: `scancel --signal=TERM` reaching the guard) is the failure that caused the stop, not teardown.
 TEARDOWN_SLACK_S = 2.0
 TEARDOWN_SIGNALS = frozenset({"SIGTERM", "SIGUSR2", "SIGINT", "SIGKILL"})
 #: Where the guards write, and the file suffix.
@@ -154,14 +156,15 @@ def read_guard_events(path: str | os.PathLike[str]) -> tuple[GuardRun, list[Chil
                     rec.update(exit_ts=ts, exit_code=_int(ev.get("exit_code")), signal=ev.get("signal"))
                 elif rec.get("kill_ts") is None:
                     rec["kill_ts"] = ts
-    first_signal = signals[0][0] if signals else None
+    first_signal = signals[0] if signals else None
     runs = []
     for (role, index, gen), rec in children.items():
         exit_ts, kill_ts = rec.get("exit_ts"), rec.get("kill_ts")
-        slack = TEARDOWN_SLACK_S if rec.get("signal") in TEARDOWN_SIGNALS else 0.0
+        same_signal = first_signal is not None and rec.get("signal") == first_signal[1]
+        slack = TEARDOWN_SLACK_S if same_signal and rec.get("signal") in TEARDOWN_SIGNALS else 0.0
         teardown = exit_ts is not None and (
             (kill_ts is not None and kill_ts <= exit_ts)
-            or (first_signal is not None and first_signal <= exit_ts + slack)
+            or (first_signal is not None and first_signal[0] <= exit_ts + slack)
         )
         runs.append(
             ChildRun(

@@ -1,0 +1,193 @@
+"""Actor → rollout weight sync on two GPUs (issue 8): the NCCL path of `TorchBroadcastSender` against the
+NCCL broadcast bandwidth measured in the same run.
+
+    python benchmarks/weight_sync.py               # 2 GPUs; writes benchmarks/results/weight_sync.json
+
+Setup per size (Qwen3 shapes ~0.6B and ~1.7B, bf16, random weights): the actor holds the model on GPU 0;
+an HF rollout server (`python -m mopd_hpc.engines.rollout.hf_server`, CUDA_VISIBLE_DEVICES=1) serves the
+same architecture on GPU 1. One sync = POST /update_weights_from_distributed while rank 0 broadcasts every
+tensor (flattened per dtype) and the server loads them into its model.
+
+`bandwidth_gbps`: a 2-process NCCL broadcast of a 1 GiB buffer GPU 0 → GPU 1 (median of 10).
+`sync_floor_ratio` = measured sync seconds / (bytes sent / bandwidth); goal ≤ 1.25.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mopd_hpc.atomic import atomic_write_json  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def _bw_rank(rank: int, port: int, nbytes: int, repeats: int, out: mp.Queue) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    times = []
+    for i in range(repeats + 3):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.broadcast(buf, src=0)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(nbytes / statistics.median(times) / 1e9)
+    dist.destroy_process_group()
+
+
+def nccl_broadcast_gbps(port: int, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """GB/s of a 2-rank NCCL broadcast GPU 0 → GPU 1 (median)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_bw_rank, args=(r, port, nbytes, repeats, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    gbps = out.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return gbps
+
+
+def write_checkpoint(shape: dict, directory: Path) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**shape, max_position_embeddings=4096, torch_dtype="bfloat16")
+    with torch.device("cuda:0"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(directory))
+    return model
+
+
+async def _wait_ready(ready: Path, proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rollout server exited with {proc.returncode}")
+        if ready.exists():
+            return json.loads(ready.read_text())["url"]
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"rollout server not ready after {timeout_s} s")
+
+
+async def measure(size: str, http_port: int, group_port: int, repeats: int, bw: float, tmp: Path) -> dict:
+    from mopd_hpc.engines.rollout.client import RolloutClient
+    from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender
+
+    ckpt = tmp / size
+    model = write_checkpoint(SHAPES[size], ckpt)
+    ready = tmp / f"{size}.ready.json"
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, "-m", "mopd_hpc.engines.rollout.hf_server", "--model", str(ckpt), "--port", str(http_port),
+           "--device", "cuda", "--dtype", "bfloat16", "--ready-file", str(ready)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        url = await _wait_ready(ready, proc)
+        async with RolloutClient(url) as client:
+            sender = TorchBroadcastSender("127.0.0.1", group_port, 2, backend="nccl", device="cuda:0")
+            await sender.init_group([client])
+            named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]  # tied: one copy
+            nbytes = sum(t.numel() * t.element_size() for _, t in named)
+            await sender.send(named, [client])  # warm-up
+            times = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                await sender.send(named, [client])
+                times.append(time.perf_counter() - t0)
+            info = await client.model_info()
+            await sender.destroy([client])
+        sync_s = statistics.median(times)
+        floor_s = nbytes / (bw * 1e9)
+        return {"size": size, "bytes": nbytes, "sync_s": round(sync_s, 4), "floor_s": round(floor_s, 4),
+                "sync_floor_ratio": round(sync_s / floor_s, 3), "effective_gbps": round(nbytes / sync_s / 1e9, 1),
+                "weight_version": info.get("weight_version"), "times_s": [round(t, 4) for t in times]}  # fmt: skip
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        del model
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="0.6b,1.7b")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--base-port", type=int, default=29610, help="bandwidth rendezvous; +1 http; +2 sync group"
+    )
+    p.add_argument("--out", type=Path, default=RESULTS / "weight_sync.json")
+    args = p.parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        print("weight_sync: needs 2 CUDA GPUs", file=sys.stderr)
+        return 2
+    bw = nccl_broadcast_gbps(args.base_port)
+    print(f"measured NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, size in enumerate(args.sizes.split(",")):
+            try:
+                row = asyncio.run(
+                    measure(
+                        size,
+                        args.base_port + 1 + 2 * k,
+                        args.base_port + 2 + 2 * k,
+                        args.repeats,
+                        bw,
+                        Path(tmp),
+                    )
+                )
+            except Exception as exc:  # noqa: BLE001 - report it in the table
+                row = {"size": size, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'size':6} {'GB':>6} {'sync s':>8} {'floor s':>8} {'ratio':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['size']:6} error: {r['error'][:90]}")
+        else:
+            print(
+                f"{r['size']:6} {r['bytes'] / 1e9:6.2f} {r['sync_s']:8.3f} {r['floor_s']:8.3f} {r['sync_floor_ratio']:6.2f}"
+            )
+    result = {"benchmark": "weight_sync", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "bandwidth_gbps": round(bw, 1), "rows": rows}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

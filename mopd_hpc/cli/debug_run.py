@@ -1,0 +1,112 @@
+"""`mopd-debug run run.yaml [--probe] [--run-dir DIR] [--set K=V]`: the job's steps in the foreground,
+inside an `salloc` allocation.
+
+The same plan, run directory, node launcher and guard as the batch script: one `srun [--het-group=N]` per
+component within the allocation, each node's guard spawning its children from `run_dir/plan.json`. The
+child logs are printed live with `[host role-index]` prefixes; Ctrl-C stops every guard (children killed,
+leases released) and exits 130. The allocation must fit the config (het groups and node counts), else exit
+2 with the `salloc` command that fits; outside an allocation, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.cli.base import EXIT_USAGE
+
+if TYPE_CHECKING:
+    from mopd_hpc.launch.debug_session import Allocation
+    from mopd_hpc.launch.jobspec import JobSpec
+
+HELP = "inside salloc: start the job's steps in the foreground with live role-prefixed logs (Ctrl-C stops)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="the run config (YAML), e.g. configs/slurm_het_cpu.yaml")
+    parser.add_argument("--run-dir", default=None, help="run directory (replaces the config's run_dir)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a value"
+    )
+    parser.add_argument(
+        "--probe", action="store_true", help="every child runs the `probe` role (a dry run on real nodes)"
+    )
+    parser.add_argument(
+        "--stop-wait-s", type=float, default=30.0, help="after Ctrl-C, seconds before srun kills the steps"
+    )
+
+
+def write_job_state(run_dir: Path, alloc: Allocation, spec: JobSpec) -> None:
+    """`run_dir/state/job.json` as the batch shell writes it (what `mopd-logs summarize` reads)."""
+    (run_dir / "state").mkdir(parents=True, exist_ok=True)
+    atomic_write_json(
+        run_dir / "state" / "job.json",
+        {
+            "job_id": alloc.job_id,
+            "restart_count": 0,
+            "shape": spec.shape,
+            "components": [c.name for c in spec.components],
+            "debug_run": True,
+        },
+    )
+
+
+def execute(
+    args: argparse.Namespace, *, out: TextIO, err: TextIO, environ: Mapping[str, str], python: str
+) -> int:
+    """Everything after argument parsing; collaborators passed in."""
+    from mopd_hpc.atomic import atomic_write_text
+    from mopd_hpc.cli.submit import CONFIG_FILE_NAME, unrunnable_roles
+    from mopd_hpc.config import ConfigError, load_run_config
+    from mopd_hpc.launch.debug_session import (
+        Allocation,
+        DebugSessionError,
+        check_fit,
+        run_steps,
+        step_argvs,
+    )
+    from mopd_hpc.launch.from_config import jobspec_from_config
+    from mopd_hpc.launch.jobspec import JobSpecError
+    from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
+    from mopd_hpc.launch.rundir import RunDirError, prepare_run_dir
+
+    try:
+        alloc = Allocation.from_env(environ)
+        cfg = load_run_config(args.config, args.overrides, False)
+        path = os.path.abspath(os.path.expanduser(args.run_dir or cfg.run_dir))
+        cfg = cfg.model_copy(update={"run_dir": path})
+        plan = JobPlan.from_config(cfg)
+        if args.probe or unrunnable_roles(plan):
+            plan = plan.as_probe()
+        check_fit(alloc, plan)
+        spec = jobspec_from_config(cfg, path, python, plan)
+        run_dir = prepare_run_dir(path)
+    except (ConfigError, DebugSessionError, PlanError, JobSpecError, RunDirError) as exc:
+        print(str(exc) if isinstance(exc, ConfigError) else f"mopd-debug run: {exc}", file=err)
+        return EXIT_USAGE
+    atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
+    plan.write(run_dir.root / PLAN_FILE_NAME)
+    write_job_state(run_dir.root, alloc, spec)
+    groups = ", ".join(f"{g.name}: {','.join(h)}" for g, h in zip(plan.groups, alloc.groups, strict=True))
+    print(f"[debug run] job {alloc.job_id} ({groups}); run dir {run_dir.root}; Ctrl-C stops", file=out)
+    try:
+        return run_steps(
+            step_argvs(spec),
+            run_dir.root,
+            environ=environ,
+            out=out,
+            python=python,
+            stop_wait_s=args.stop_wait_s,
+        )
+    except DebugSessionError as exc:
+        print(f"mopd-debug run: {exc}", file=err)
+        return EXIT_USAGE
+
+
+def run(args: argparse.Namespace) -> int:
+    return execute(args, out=sys.stdout, err=sys.stderr, environ=dict(os.environ), python=sys.executable)

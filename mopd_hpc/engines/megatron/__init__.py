@@ -1,0 +1,5 @@
+"""The megatron backend (DESIGN.md §5): megatron-core GPTModel engines for Qwen3 dense shapes (GPU only).
+
+`convert` (HF Qwen3 ⇄ Megatron state dicts) is pure torch and runs anywhere; `model` and `engine` import
+megatron-core lazily (the `megatron` extra).
+"""

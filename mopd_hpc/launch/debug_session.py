@@ -1,0 +1,393 @@
+"""srun debug sessions (`mopd-debug shell | run`): the logic, with Slurm's commands as seams.
+
+- `shell_argv(job_id, node, components)`: `srun --jobid=J [--het-group=N] --overlap --pty --nodes=1
+  --ntasks=1 --nodelist=NODE bash -c '<mopd-debug topology>; exec bash -i'` on a node of a running job;
+  the het group is the component whose node list holds the node (`scontrol show job -o` parsed by
+  `parse_scontrol_job`).
+- `Allocation.from_env(env)` + `check_fit(alloc, plan)` + `step_argvs(spec)`: what `mopd-debug run` starts
+  inside an `salloc` allocation: the batch script's steps (one `srun [--het-group=N]` per component, each
+  running `launchers/node.sh` → `mopd-guard --plan`), in the foreground (`run_steps`).
+
+Ctrl-C (`run_steps`): the sruns run in their own session (the terminal's SIGINT reaches only this process)
+with `--disable-status`, so one SIGINT forwarded to each srun reaches the guards at once (srun turns its own
+SIGTERM into a SIGKILL of its tasks: not a clean stop); each guard kills its children and releases their
+leases, then exits. After `stop_wait_s` (or a second Ctrl-C) srun gets SIGTERM (tasks SIGKILLed), then
+SIGKILL. Every srun runs behind the parent-death wrapper: if this process dies, srun gets SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from mopd_hpc.launch.jobspec import JobSpec
+from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.logs.tailing import find_child_logs
+from mopd_hpc.runtime.guard.children import PDEATH_EXEC
+from mopd_hpc.runtime.hostlist import expand_hostlist
+from mopd_hpc.runtime.signals import killpg_quiet
+
+#: After the stop (Ctrl-C, or a step that ended), seconds the steps get before srun is told to kill them.
+DEFAULT_STOP_WAIT_S = 30.0
+#: Step log of `mopd-debug run`, per component, under run_dir/logs (`%t`: Slurm's task id).
+STEP_LOG_PATTERN = "{name}.debug.t%t.log"
+#: Exit code after Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 128 + int(signal.SIGINT)
+#: Period of the foreground loop (step exits, new log lines), seconds.
+_POLL_S = 0.2
+
+
+class DebugSessionError(ValueError):
+    """A debug session cannot start; the message names what is wrong and the way out."""
+
+
+class OutsideAllocationError(DebugSessionError):
+    """`mopd-debug run` was started outside a Slurm allocation (no SLURM_JOB_ID)."""
+
+
+class AllocationShapeError(DebugSessionError):
+    """The allocation's het groups or node counts do not fit the config."""
+
+
+class JobLookupError(DebugSessionError):
+    """The job of `mopd-debug shell` is unknown, not running, or has no such node."""
+
+
+# ---- shell -------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class JobComponent:
+    """One component of a job as `scontrol show job -o` reports it."""
+
+    job_id: str
+    het_group: int | None
+    state: str
+    nodes: tuple[str, ...]
+
+
+_SCONTROL_FIELD = re.compile(r"(?:^|\s)(JobId|HetJobId|HetJobOffset|JobState|NodeList)=(\S*)")
+
+
+def parse_scontrol_job(text: str) -> tuple[JobComponent, ...]:
+    """The components in `scontrol show job -o JOB` output (one line per component; `(null)` node lists of
+    pending jobs are empty). Raises JobLookupError when no line names a job."""
+    comps = []
+    for line in text.splitlines():
+        fields = dict(_SCONTROL_FIELD.findall(line))
+        if "JobId" not in fields:
+            continue
+        offset = fields.get("HetJobOffset")
+        nodes = fields.get("NodeList", "")
+        comps.append(
+            JobComponent(
+                job_id=fields["JobId"],
+                het_group=int(offset) if offset and offset.isdigit() else None,
+                state=fields.get("JobState", "UNKNOWN"),
+                nodes=tuple(expand_hostlist(nodes)) if nodes and nodes != "(null)" else (),
+            )
+        )
+    if not comps:
+        raise JobLookupError(f"scontrol printed no job record: {text.strip()[:200]!r}")
+    return tuple(sorted(comps, key=lambda c: c.het_group or 0))
+
+
+def pick_component(
+    job_id: str, components: Sequence[JobComponent], node: str | None
+) -> tuple[JobComponent, str]:
+    """The running component holding `node` (default: the first node of the first component) and the node.
+
+    Raises:
+        JobLookupError: the job is not running, or `node` is not one of its nodes (the message lists them).
+    """
+    running = [c for c in components if c.state == "RUNNING" and c.nodes]
+    if not running:
+        states = ", ".join(f"{c.job_id} {c.state}" for c in components)
+        raise JobLookupError(f"job {job_id} is not running ({states}): a shell needs a running job")
+    if node is None:
+        return running[0], running[0].nodes[0]
+    for comp in running:
+        if node in comp.nodes:
+            return comp, node
+    where = "; ".join(
+        f"{','.join(c.nodes)}" + (f" (het group {c.het_group})" if c.het_group is not None else "")
+        for c in running
+    )
+    raise JobLookupError(f"--node {node!r} is not a node of job {job_id}: its nodes are {where}")
+
+
+def debug_command(python: str) -> list[str]:
+    """argv of `mopd-debug` beside `python` (its venv), else `python -m mopd_hpc.cli.debug`."""
+    script = Path(python).with_name("mopd-debug")
+    return [str(script)] if script.exists() else [python, "-m", "mopd_hpc.cli.debug"]
+
+
+def shell_argv(
+    job_id: str, components: Sequence[JobComponent], node: str | None, python: str, srun: str = "srun"
+) -> list[str]:
+    """The `srun --pty` argv of an interactive shell on `node` of running job `job_id`, printing the node's
+    topology first (`mopd-debug topology`, with MOPD_HET_GROUP naming the component). Raises JobLookupError."""
+    comp, host = pick_component(job_id, components, node)
+    leader = job_id.split("+", 1)[0]
+    argv = [srun, f"--jobid={leader}"]
+    where = f"job {leader}"
+    if comp.het_group is not None and len(components) > 1:
+        argv.append(f"--het-group={comp.het_group}")
+        where += f" het group {comp.het_group} (component job {comp.job_id})"
+    # The step sees its own node only (an srun from outside the batch shell gets no SLURM_HET_* variables).
+    banner = shlex.quote(f"mopd-debug shell: {where}, node {host}; the step's rank topology:")
+    topology = " ".join(shlex.quote(a) for a in [*debug_command(python), "topology"])
+    script = f"echo {banner}; {topology} || echo 'mopd-debug topology failed (see above)'; exec bash -i"
+    argv += ["--overlap", "--pty", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "bash", "-c", script]
+    return argv
+
+
+# ---- run ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """The Slurm allocation this process runs in: its job id and the hosts of each het group."""
+
+    job_id: str
+    groups: tuple[tuple[str, ...], ...]
+    heterogeneous: bool
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Allocation:
+        """Read SLURM_JOB_ID, SLURM_HET_SIZE and the node lists (`SLURM_JOB_NODELIST_HET_GROUP_<n>`, else
+        SLURM_JOB_NODELIST). Raises OutsideAllocationError without SLURM_JOB_ID, AllocationShapeError when
+        a node list is missing."""
+        job_id = env.get("SLURM_JOB_ID", "").strip()
+        if not job_id:
+            raise OutsideAllocationError(
+                "mopd-debug run starts the job's steps inside an allocation, but SLURM_JOB_ID is unset: "
+                "run it under salloc, e.g. `salloc -N1 : -N2 mopd-debug run run.yaml` for a 2-group het job"
+            )
+        het_size = env.get("SLURM_HET_SIZE", "").strip()
+        if het_size.isdigit() and int(het_size) > 0:
+            groups = []
+            for n in range(int(het_size)):
+                nodelist = env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{n}")
+                if not nodelist:
+                    raise AllocationShapeError(
+                        f"SLURM_HET_SIZE={het_size} but SLURM_JOB_NODELIST_HET_GROUP_{n} is unset"
+                    )
+                groups.append(tuple(expand_hostlist(nodelist)))
+            return cls(job_id, tuple(groups), True)
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise AllocationShapeError(f"job {job_id}: SLURM_JOB_NODELIST is unset")
+        return cls(job_id, (tuple(expand_hostlist(nodelist)),), False)
+
+
+def salloc_hint(plan: JobPlan) -> str:
+    """The salloc command whose allocation fits `plan` (`salloc -N1 : -N2` for a 2-group het job)."""
+    return "salloc " + " : ".join(f"-N{g.nodes}" for g in plan.groups)
+
+
+def check_fit(alloc: Allocation, plan: JobPlan) -> None:
+    """Raise AllocationShapeError unless the allocation has the plan's het groups with its node counts."""
+    hint = salloc_hint(plan)
+    want = [g.nodes for g in plan.groups]
+    have = [len(g) for g in alloc.groups]
+    if plan.het_size > 1 and not alloc.heterogeneous:
+        raise AllocationShapeError(
+            f"config {plan.name!r} is a heterogeneous job with groups "
+            f"{', '.join(f'{g.name}={g.nodes} node(s)' for g in plan.groups)}, but allocation {alloc.job_id} "
+            f"is not a het job ({have[0]} node(s) {','.join(alloc.groups[0])}): allocate with `{hint} ...`"
+        )
+    if have != want:
+        detail = "; ".join(
+            f"het group {i} ({g.name}) needs {g.nodes} node(s)"
+            + (f", has {have[i]} ({','.join(alloc.groups[i])})" if i < len(have) else ", missing")
+            for i, g in enumerate(plan.groups)
+        )
+        raise AllocationShapeError(
+            f"allocation {alloc.job_id} does not fit config {plan.name!r}: {detail}; "
+            f"the allocation has {len(have)} group(s) of {have} node(s): allocate with `{hint} ...`"
+        )
+
+
+def step_argvs(spec: JobSpec, srun: str = "srun") -> list[tuple[str, list[str]]]:
+    """(component name, srun argv) per component: the batch script's steps (sbatch_templates/_control.sh.j2),
+    plus `--disable-status` (one Ctrl-C forwards SIGINT to the guards)."""
+    logs = f"{spec.run_dir.rstrip('/')}/logs"
+    out = []
+    for c in spec.components:
+        argv = [srun]
+        if spec.shape == "heterogeneous":
+            argv.append(f"--het-group={c.het_group}")
+        argv += [f"--nodes={c.nodes}", f"--ntasks={c.nodes}", "--ntasks-per-node=1"]
+        argv.append(f"--cpus-per-task={c.cpus_per_task}")
+        if c.gpus_per_node:
+            argv.append(f"--gpus-per-node={c.gpus_per_node}")
+        if c.overlap:
+            argv.append("--overlap")
+        argv += ["--kill-on-bad-exit=1", "--mpi=none", "--unbuffered", "--disable-status"]
+        argv.append("--output=" + logs.replace("%", "%%") + "/" + STEP_LOG_PATTERN.format(name=c.name))
+        argv += [spec.launcher, "--het-group", str(c.het_group), "--component", c.name]
+        argv += ["--roles", ",".join(c.roles), "--run-dir", spec.run_dir, "--secret-file", spec.secret_file]
+        argv += ["--", *spec.guard_command]
+        out.append((c.name, argv))
+    return out
+
+
+class _Follower:
+    """Prints new lines of the child logs (`[host role-index] line`), the step logs (`[component step]`) and
+    the guards' spawn/exit events (`[host guard]`); files that exist at the start are followed from their end."""
+
+    def __init__(self, run_dir: Path, out: TextIO) -> None:
+        self.run_dir, self.out = run_dir, out
+        self.offsets: dict[Path, int] = {}
+        self.partial: dict[Path, bytes] = {}
+        for path, _ in self._files():
+            self.offsets[path] = path.stat().st_size if path.exists() else 0
+
+    def _files(self) -> list[tuple[Path, str]]:
+        files = [(log.path, log.prefix) for log in find_child_logs(self.run_dir)]
+        logs = self.run_dir / "logs"
+        files += [(p, f"[{p.name.split('.')[0]} step]") for p in sorted(logs.glob("*.debug.t*.log"))]
+        events = self.run_dir / "events"
+        files += [(p, "") for p in sorted(events.glob("*.guard.jsonl"))] if events.is_dir() else []
+        return files
+
+    def poll(self) -> None:
+        for path, prefix in self._files():
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            start = self.offsets.get(path, 0)
+            if size <= start:
+                continue
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                data = self.partial.get(path, b"") + fh.read(size - start)
+            self.offsets[path] = size
+            cut = data.rfind(b"\n") + 1
+            self.partial[path] = data[cut:]
+            for raw in data[:cut].splitlines():
+                line = raw.decode("utf-8", errors="replace")
+                text = _event_line(line) if not prefix else f"{prefix} {line}"
+                if text:
+                    self.out.write(text + "\n")
+        self.out.flush()
+
+
+def _event_line(line: str) -> str | None:
+    try:
+        ev = json.loads(line)
+    except ValueError:
+        return None
+    kind, host = ev.get("event"), ev.get("host")
+    who = f"{ev.get('role')}-{ev.get('index')}"
+    if kind == "guard_ready":
+        return f"[{host} guard] ready at {ev.get('url')}"
+    if kind == "spawn":
+        ports = ", ".join(f"{k}={v}" for k, v in (ev.get("ports") or {}).items()) or "no ports"
+        return f"[{host} guard] started {who}: pid {ev.get('pid')}, {ports}"
+    if kind == "exit":
+        how = f"signal {ev['signal']}" if ev.get("signal") else f"exit code {ev.get('exit_code')}"
+        return f"[{host} guard] {who} ended: {how}"
+    if kind in ("plan_failed", "plan_spawn_failed", "guard_signal", "guard_stop"):
+        detail = ev.get("error") or ev.get("signal") or ev.get("code") or ""
+        return f"[{host} guard] {kind.replace('_', ' ')} {detail}".rstrip()
+    return None
+
+
+def run_steps(
+    steps: Sequence[tuple[str, Sequence[str]]],
+    run_dir: Path,
+    *,
+    environ: Mapping[str, str],
+    out: TextIO,
+    python: str = sys.executable,
+    stop_wait_s: float = DEFAULT_STOP_WAIT_S,
+    poll_s: float = _POLL_S,
+) -> int:
+    """Start every step (srun argv) in the foreground, print the run's logs live, and stop them all when one
+    ends or on Ctrl-C (module docstring).
+
+    Returns:
+        130 after Ctrl-C; else the exit code of the first step that failed (0 when all ended 0).
+    """
+    follower = _Follower(run_dir, out)
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+    wrapper = [python, "-S", str(PDEATH_EXEC), str(os.getpid()), str(int(signal.SIGTERM))]
+    interrupts: list[float] = []
+    previous = {
+        s: signal.signal(s, lambda n, _f: interrupts.append(time.monotonic()))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    stop_at: float | None = None
+    escalated = 0
+    first_rc: int | None = None
+
+    def stop_all(signum: int) -> None:
+        for _, proc in procs:
+            if proc.poll() is None:
+                killpg_quiet(proc.pid, signum)
+
+    try:
+        for name, argv in steps:
+            program = shutil.which(argv[0], path=environ.get("PATH"))
+            if program is None:
+                raise DebugSessionError(f"{argv[0]} is not on PATH: mopd-debug run needs Slurm's srun")
+            proc = subprocess.Popen(
+                [*wrapper, program, *argv[1:]],
+                env=dict(environ),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            procs.append((name, proc))
+            print(f"[debug run] started the step of {name}: srun pid {proc.pid}", file=out, flush=True)
+        handled = 0
+        while any(p.poll() is None for _, p in procs):
+            follower.poll()
+            if len(interrupts) > handled:
+                handled = len(interrupts)
+                if stop_at is None:
+                    print("[debug run] interrupted: stopping the guards (SIGINT)", file=out, flush=True)
+                    stop_all(signal.SIGINT)
+                    stop_at = time.monotonic() + stop_wait_s
+                else:
+                    stop_at = time.monotonic()  # a second Ctrl-C: escalate now
+            for name, proc in procs:
+                rc = proc.poll()
+                if rc is not None and stop_at is None:
+                    print(
+                        f"[debug run] the step of {name} ended with code {rc}: stopping the others", file=out
+                    )
+                    first_rc = rc
+                    stop_all(signal.SIGINT)
+                    stop_at = time.monotonic() + stop_wait_s
+            if stop_at is not None and time.monotonic() >= stop_at:
+                escalated += 1
+                sig = signal.SIGTERM if escalated == 1 else signal.SIGKILL
+                print(f"[debug run] steps still running: sending {sig.name} to srun", file=out, flush=True)
+                stop_all(sig)
+                stop_at = time.monotonic() + 10.0
+            time.sleep(poll_s)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                killpg_quiet(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    follower.poll()
+    codes = {name: proc.returncode for name, proc in procs}
+    print(f"[debug run] done: step exit codes {codes}", file=out, flush=True)
+    if interrupts:
+        return EXIT_INTERRUPTED
+    if first_rc:
+        return first_rc
+    return next((rc for rc in codes.values() if rc), 0)

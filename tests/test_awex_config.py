@@ -1,0 +1,201 @@
+"""AWEX configuration from the job plan, its 0.9.0 gaps, and AWEX transfer plans validated on CPU with awex's
+own TransferPlanBuilder (replayed on CPU tensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.engines.megatron.convert import Qwen3Shape
+from mopd_hpc.engines.weight_sync.awex import (
+    META_SERVER_FILE,
+    AwexConfigError,
+    AwexJobConfig,
+    AwexUnavailableError,
+    drives_reader,
+    patch_colocate_writer,
+    read_meta_server_address,
+    require_awex,
+    write_meta_server_address,
+)
+from mopd_hpc.engines.weight_sync.awex_plan import simulate_transfer_plan
+from mopd_hpc.launch.plan import JobPlan
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
+MICRO = Qwen3Shape.create(
+    num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, head_dim=8,
+    ffn_hidden_size=32, vocab_size=64, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def _plan(**cluster_rollout: object) -> JobPlan:
+    data = yaml.safe_load(CONFIG.read_text())
+    if cluster_rollout:
+        data["rollout"].update(cluster_rollout.get("rollout", {}))
+        data["weight_sync"] = cluster_rollout.get("weight_sync", data["weight_sync"])
+        data["models"]["actor"].update(cluster_rollout.get("actor", {}))
+        data["models"]["teachers"][0].update(cluster_rollout.get("actor", {}))
+    return JobPlan.from_config(RunConfig.from_dict(data))
+
+
+def test_colocate_config_from_the_8gpu_plan(tmp_path: Path) -> None:
+    write_meta_server_address(tmp_path, "10.0.0.7", 41234)
+    assert json.loads((tmp_path / META_SERVER_FILE).read_text()) == {"host": "10.0.0.7", "port": 41234}
+    cfg = AwexJobConfig.from_plan(_plan()).with_meta_server(read_meta_server_address(tmp_path))
+    assert (cfg.mode, cfg.num_engines, cfg.engine_tp, cfg.infer_world, cfg.train_world) == (
+        "colocate",
+        8,
+        1,
+        8,
+        8,
+    )
+    assert cfg.trainer_config() == {
+        "meta_server_addr": "10.0.0.7:41234",
+        "comm_backend": "nccl",
+        "enable_colocate_mode": True,
+        "weights_exchange_ipc_backend": "cuda",
+        "enable_debug_mode": False,
+        "weights_validation_steps": 0,
+        "disable_weights_exchange_pipeline": False,
+    }
+    inf = cfg.inference_config(engine_rank=5)
+    assert inf["engine_rank"] == 5 and inf["num_engines"] == 8 and inf["tp_size"] == 1
+    assert inf["node_rank"] == 0 and inf["nnodes"] == 1 and inf["enable_memory_saver"] is True
+    assert cfg.transfer_rank("rollout", 5) == 5 and cfg.transfer_rank("actor", 3) == 11
+    assert cfg.trainer_env(3, "10.0.0.7", 3) == {"AWEX_MASTER_ADDR": "10.0.0.7", "DEVICE": "3"}
+
+
+def test_separate_mode_and_bad_inputs(tmp_path: Path) -> None:
+    plan = _plan(rollout={"mode": "separated", "engines": {"count": 2, "tensor_parallel": 2}}, weight_sync={"backend": "awex"}, actor={"tensor_parallel": 4})  # fmt: skip
+    cfg = AwexJobConfig.from_plan(plan, meta_server_addr="h:1")
+    assert (cfg.mode, cfg.infer_world, cfg.train_world, cfg.engine_tp) == ("separate", 4, 4, 2)
+    assert cfg.transfer_rank("rollout", 1, rank_in_engine=1) == 3 and cfg.transfer_rank("actor", 0) == 4
+    with pytest.raises(AwexConfigError, match="not registered in awex 0.9.0"):
+        AwexJobConfig.from_plan(plan, model_arch="LlamaForCausalLM")
+    with pytest.raises(AwexConfigError, match="meta_server_addr is empty"):
+        AwexJobConfig.from_plan(plan).trainer_config()
+    with pytest.raises(AwexConfigError, match="expected 'host:port'"):
+        cfg.with_meta_server("nohost")
+    with pytest.raises(AwexConfigError, match="does not exist after 0"):
+        read_meta_server_address(tmp_path)
+    (tmp_path / META_SERVER_FILE).write_text("{}")
+    with pytest.raises(AwexConfigError, match="malformed"):
+        read_meta_server_address(tmp_path)
+
+
+def test_plan_transfer_ranks_must_follow_awex_numbering() -> None:
+    plan = _plan()
+    rollout0 = next(c for c in plan.children if c.role == "rollout" and c.index == 0)
+    broken = SimpleNamespace(
+        name=plan.name,
+        mode=plan.mode,
+        by_role=lambda role: tuple(
+            SimpleNamespace(**{**_fields(c), "transfer_ranks": (3,)}) if c is rollout0 else c
+            for c in plan.by_role(role)
+        ),
+    )
+    with pytest.raises(AwexConfigError, match=r"rollout\[0\].*transfer_ranks=\(3,\), AWEX expects \(0,\)"):
+        AwexJobConfig.from_plan(broken)
+
+
+def _fields(child: object) -> dict:
+    out = {name: getattr(child, name) for name in child.__slots__}
+    out["env_dict"] = child.env_dict
+    out["label"] = child.label
+    return out
+
+
+# ------------------------------------------------------------------------------------- 0.9.0 gaps
+
+
+def test_gap1_import_awex_needs_megatron_core() -> None:
+    def no_megatron(name: str) -> object | None:
+        return None if name.startswith("megatron") else object()
+
+    with pytest.raises(AwexUnavailableError, match="imports megatron.core.*also in rollout processes"):
+        require_awex(find_spec=no_megatron)
+    with pytest.raises(AwexUnavailableError, match="awex extra is not installed"):
+        require_awex(find_spec=lambda name: None)
+    require_awex(find_spec=lambda name: object())
+
+
+def test_gap2_node_rank_is_always_set() -> None:
+    assert drives_reader(0) is True and drives_reader(1) is False
+    cfg = AwexJobConfig.from_plan(_plan(), meta_server_addr="h:1")
+    assert cfg.inference_config(2, node_rank=1, nnodes=2)["node_rank"] == 1
+    with pytest.raises(AwexConfigError, match="node_rank in"):
+        cfg.inference_config(0, node_rank=2, nnodes=2)
+    pytest.importorskip("awex", reason="awex (the awex extra) is not installed")
+    from awex import InferenceConfig
+
+    assert InferenceConfig().node_rank is None  # the gap: SGLangEngine.initialize() would skip its reader
+    inf = InferenceConfig.from_dict(cfg.inference_config(7))
+    inf.validate()
+    assert inf.node_rank == 0 and inf.engine_rank == 7 and inf.num_engines == 8 and inf.enable_colocate_mode
+
+
+def test_gap3_colocate_writer_gets_its_train_config() -> None:
+    writer = SimpleNamespace()
+    assert patch_colocate_writer(writer, "cpu").asystem_train_config == {
+        "weights_exchange_ipc_backend": "cpu"
+    }
+    patch_colocate_writer(writer, "cuda")  # idempotent: an existing config is kept
+    assert writer.asystem_train_config == {"weights_exchange_ipc_backend": "cpu"}
+    with pytest.raises(AwexConfigError, match="ipc_backend='shm'"):
+        patch_colocate_writer(SimpleNamespace(), "shm")
+    pytest.importorskip("awex", reason="awex (the awex extra) is not installed")
+    import inspect
+
+    from awex import NCCLWeightsWriter
+
+    source = inspect.getsource(NCCLWeightsWriter._init_writer_in_colocate_mode)
+    assert "self.asystem_train_config" in source  # the attribute awex reads and never sets
+    real = object.__new__(NCCLWeightsWriter)
+    assert not hasattr(real, "asystem_train_config")
+    assert patch_colocate_writer(real).asystem_train_config["weights_exchange_ipc_backend"] == "cuda"
+
+
+# ------------------------------------------------------------------------------ CPU plan replay
+
+
+@pytest.mark.parametrize(
+    ("engines", "engine_tp", "train_world", "train_tp"),
+    [(8, 1, 8, 8), (2, 2, 4, 4), (1, 2, 4, 2), (2, 1, 2, 1)],
+    ids=["8gpu-colocated-d8t1-tp8", "d2t2-tp4", "d1t2-tp2dp2", "d2t1-tp1dp2"],
+)
+def test_transfer_plan_replays_exactly_on_cpu(
+    engines: int, engine_tp: int, train_world: int, train_tp: int
+) -> None:
+    pytest.importorskip("awex", reason="awex (the awex extra) is not installed")
+    cfg = AwexJobConfig(
+        mode="separate", comm_backend="nccl", ipc_backend="cuda", meta_server_addr="h:1", num_engines=engines,
+        engine_tp=engine_tp, engine_pp=1, infer_world=engines * engine_tp, train_world=train_world,
+        model_arch="Qwen3ForCausalLM",
+    )  # fmt: skip
+    check = simulate_transfer_plan(MICRO, cfg, train_tp=train_tp)
+    assert check.params == 2 * 11 + 3
+    sharded = 2 * 64 * 16 + 2 * (
+        32 * 16 + 2 * 16 * 16 + 16 * 32 + 3 * 32 * 16
+    )  # embeddings, lm_head, linears
+    replicated = 2 * (16 + 8 + 8 + 16) + 16  # norms: every rollout rank holds its own copy
+    assert check.numel == engines * (sharded + replicated * engine_tp)  # every rollout element, exactly once
+    assert check.op_count >= engines * check.params
+
+
+def test_replay_catches_a_plan_that_misses_elements(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("awex", reason="awex (the awex extra) is not installed")
+    from awex.transfer.transfer_plan import TransferPlanBuilder
+
+    real = TransferPlanBuilder.build_weights_mapping_operations
+    monkeypatch.setattr(
+        TransferPlanBuilder, "build_weights_mapping_operations", lambda *a, **k: real(*a, **k)[:-1]
+    )
+    cfg = AwexJobConfig.from_plan(_plan(), meta_server_addr="h:1")
+    with pytest.raises(AwexConfigError, match="on rollout transfer rank .* is not fully written"):
+        simulate_transfer_plan(MICRO, cfg, train_tp=8)

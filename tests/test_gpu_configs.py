@@ -1,0 +1,100 @@
+"""The 8-GPU colocated production shape (issue 9): `--check` passes, the `--dry-run` rank map is right, and a
+config AWEX colocate mode cannot serve is rejected at validation (config/rules.py `_awex_colocate`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.config.problems import ConfigError
+from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.rankmap import rank_map_rows
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
+
+
+def mopd_submit(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}
+    return subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.submit", *map(str, args)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_check_passes() -> None:
+    proc = mopd_submit("--check", CONFIG)
+    assert proc.returncode == 0, proc.stderr
+    assert "is valid" in proc.stdout
+    cfg = RunConfig.from_yaml(CONFIG)
+    assert cfg.models.actor.engine == "megatron" and cfg.models.actor.tensor_parallel == 8
+    assert (cfg.rollout.backend, cfg.rollout.engines.count, cfg.rollout.engines.tensor_parallel) == (
+        "sglang",
+        8,
+        1,
+    )
+    assert (cfg.weight_sync.backend, cfg.weight_sync.awex_mode) == ("awex", "colocate")
+    assert cfg.rollout.mode == "colocated" and cfg.rollout.forked is True
+
+
+def test_dry_run_rank_map() -> None:
+    plan = JobPlan.from_config(RunConfig.from_yaml(CONFIG))
+    assert (plan.infer_world, plan.train_world, plan.transfer_world) == (8, 8, 16)
+    actors, teachers, rollouts = (
+        sorted(plan.by_role(r), key=lambda c: c.index) for r in ("actor", "teacher", "rollout")
+    )
+    assert len(actors) == 8 and len(teachers) == 8 and len(rollouts) == 8
+    all_gpus = tuple(str(g) for g in range(8))
+    for i in range(8):
+        a, t, r = actors[i], teachers[i], rollouts[i]
+        assert a.gpus == t.gpus == r.gpus == all_gpus  # colocated: each child sees the node's GPUs
+        # the colocated pair: trainer rank i, teacher rank i and rollout engine i all compute on GPU i
+        assert a.gpus[a.device_index] == t.gpus[t.device_index] == r.gpus[r.device_index] == str(i)
+        assert r.transfer_ranks == (i,) and a.transfer_ranks == (8 + i,)
+        assert t.transfer_ranks == ()
+        assert r.port_names == ("http", "nccl", "dist_init")
+    assert sorted(x for c in plan.children for x in c.transfer_ranks) == list(range(16))  # dense
+    assert {c.node_index for c in plan.children} == {0} and {c.het_group for c in plan.children} == {0}
+    rows = rank_map_rows(plan)
+    assert len(rows) == 24
+    assert [r["transfer_rank"] for r in rows if r["role"] == "rollout"] == [str(i) for i in range(8)]
+    proc = mopd_submit("--dry-run", CONFIG)
+    assert proc.returncode == 0, proc.stderr
+    assert "AWEX infer world 8 + train world 8 = 16" in proc.stdout
+
+
+def _with(**changes: object) -> dict:
+    data = yaml.safe_load(CONFIG.read_text())
+    for dotted, value in changes.items():
+        node = data
+        *path, last = dotted.split("__")
+        for key in path:
+            node = node[key]
+        node[last] = value
+    return data
+
+
+def test_awex_colocate_needs_one_rollout_rank_per_actor_gpu() -> None:
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(_with(rollout__engines__count=4))
+    text = str(err.value)
+    assert "rollout.engines" in text and "AWEX colocate pairs each of the actor's 8 GPUs" in text
+    assert "count·tensor_parallel = 4·1 = 4" in text
+    # the same fleet is fine with the torch broadcast, or with AWEX in separated mode
+    RunConfig.from_dict(_with(rollout__engines__count=4, weight_sync={"backend": "torch"}))
+    ok = RunConfig.from_dict(_with(rollout__engines__count=2, rollout__engines__tensor_parallel=4))
+    assert ok.rollout.engines.count == 2
+
+
+def test_awex_colocate_rejected_by_check_cli(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_with(rollout__engines__count=2)))
+    proc = mopd_submit("--check", bad)
+    assert proc.returncode == 2
+    assert "AWEX colocate" in proc.stderr + proc.stdout
