@@ -135,6 +135,8 @@ class BroadcastGroup:
             dev = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
             if dev.type != "cuda":
                 raise WeightSyncConfigError(f"device={dev}: the nccl backend broadcasts CUDA tensors")
+            if dev.index is None:  # "cuda": the current device (NCCL needs an index to bind the communicator)
+                dev = torch.device("cuda", torch.cuda.current_device())
         store = dist.TCPStore(
             master_address,
             master_port,
