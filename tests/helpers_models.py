@@ -40,3 +40,32 @@ def build_micro_models(out: Path, threads: int = 1) -> int:
         return load_builder().main(["--out", str(out), "--micro", "--threads", str(threads)])
     finally:
         torch.set_num_threads(before)
+
+
+def save_micro_qwen3(
+    path: Path, seed: int, *, vocab_size: int = 32, initializer_range: float | None = None
+) -> Path:
+    """A 1-layer Qwen3ForCausalLM (hidden 32, 2 heads, GQA 2:1, tied embeddings) saved as an HF checkpoint.
+
+    Seeded: the same `seed` gives the same weights. No tokenizer (tests talk in token ids). Built in
+    well under a second; `initializer_range` None keeps transformers' default (0.02), 0.2 makes the
+    distributions far from uniform.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    extra = {} if initializer_range is None else {"initializer_range": initializer_range}
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+        **extra,
+    )
+    Qwen3ForCausalLM(cfg).save_pretrained(str(path))
+    return path

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
@@ -105,23 +106,7 @@ def test_bad_arguments_and_broken_pointer(tmp_path):
 
 @pytest.fixture(scope="module")
 def student(tmp_path_factory) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-    )
-    path = tmp_path_factory.mktemp("ckpt") / "student"
-    Qwen3ForCausalLM(cfg).save_pretrained(str(path))
-    return path
+    return save_micro_qwen3(tmp_path_factory.mktemp("ckpt") / "student", 0, initializer_range=0.2)
 
 
 def engine_for(path: Path) -> TorchTrainEngine:

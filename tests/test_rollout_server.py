@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError, RolloutUnavailableError
 from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestError, SamplingParams
@@ -27,24 +28,6 @@ from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestErr
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
 TOL = 1e-5
-
-
-def build_micro_model(path: Path, seed: int) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        tie_word_embeddings=True,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return path
 
 
 def free_port() -> int:
@@ -99,7 +82,7 @@ def oracle_logprobs(model, ids: list[int], temperature: float) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory) -> Path:
-    return build_micro_model(tmp_path_factory.mktemp("m0") / "model", seed=0)
+    return save_micro_qwen3(tmp_path_factory.mktemp("m0") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

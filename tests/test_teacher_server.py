@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.teacher_main import TeacherArgs, endpoint_path
 from mopd_hpc.engines.teacher_server import TeacherClient, TeacherClientError, checkpoint_fingerprint
@@ -26,25 +27,6 @@ VOCAB = 32
 ROWS = [[1, 2, 3, 11, 12, 13], [4, 5, 15], [6, 7, 8, 9, 16, 17, 18, 19]]
 STARTS = [3, 2, 4]
 STARTUP_DEADLINE_S = 120
-
-
-def build_micro_qwen3(path: Path, seed: int) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(str(path))
-    return path
 
 
 def direct_scores(
@@ -79,7 +61,7 @@ async def call(url: str, method: str, *args, **kwargs):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("teacher")
-    model = build_micro_qwen3(root / "teacher", seed=1)
+    model = save_micro_qwen3(root / "teacher", seed=1, vocab_size=VOCAB, initializer_range=0.2)
     run_dir = root / "run"
     env = dict(os.environ) | {
         "MOPD_TEACHER_ID": "t1",
@@ -178,7 +160,9 @@ def test_reload_only_when_checkpoint_changes(server):
     assert first["reloaded"] is False and first["weight_version"] == "1"
     old = run(call(server["url"], "score", ROWS, STARTS)).logprobs
     time.sleep(0.01)  # a distinct mtime even on coarse-clock filesystems
-    build_micro_qwen3(model, seed=2)  # a different checkpoint at the same path
+    save_micro_qwen3(
+        model, seed=2, vocab_size=VOCAB, initializer_range=0.2
+    )  # a different checkpoint at the same path
     second = run(call(server["url"], "reload"))
     assert second["reloaded"] is True and second["weight_version"] == "2"
     assert second["fingerprint"] == checkpoint_fingerprint(model) != first["fingerprint"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
@@ -21,25 +22,6 @@ from mopd_hpc.mopd import aggregate_teacher_targets
 VOCAB = 32
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
 OUTPUTS = [[11, 12, 13, 14], [15], [16, 17], [18, 19, 20]]
-
-
-def build_micro_qwen3(path: Path, seed: int, init: float = 0.2) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        tie_word_embeddings=True,
-        initializer_range=init,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,8 +36,8 @@ def _one_thread():
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("micro")
     return {
-        "student": build_micro_qwen3(root / "student", 0),
-        "teacher": build_micro_qwen3(root / "teacher", 1),
+        "student": save_micro_qwen3(root / "student", 0, vocab_size=VOCAB, initializer_range=0.2),
+        "teacher": save_micro_qwen3(root / "teacher", 1, vocab_size=VOCAB, initializer_range=0.2),
     }
 
 

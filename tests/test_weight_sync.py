@@ -10,7 +10,8 @@ import socket
 
 import pytest
 import torch
-from test_rollout_server import TOL, build_micro_model, start_server, stop_server
+from helpers_models import save_micro_qwen3
+from test_rollout_server import TOL, start_server, stop_server
 
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError
 from mopd_hpc.engines.rollout.protocol import SamplingParams
@@ -54,8 +55,8 @@ def models(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("models")
-    served = build_micro_model(root / "served", seed=0)
-    trainer_dir = build_micro_model(root / "trainer", seed=1)
+    served = save_micro_qwen3(root / "served", seed=0)
+    trainer_dir = save_micro_qwen3(root / "trainer", seed=1)
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
     return served, trainer_dir, load(served), load(trainer_dir)
 
