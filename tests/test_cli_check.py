@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,8 +50,8 @@ def test_bad_config_exits_2_with_every_problem_on_stderr(tmp_path: Path) -> None
     text = (REPO / "configs" / "local_cpu.yaml").read_text()
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        text.replace("chain: {chain: 1.0}", "chain: {reasoner: 1.0}").replace(
-            "batch_size: 64", "batch_size: 0"
+        re.sub(
+            r"batch_size: \d+", "batch_size: 0", text.replace("chain: {chain: 1.0}", "chain: {reasoner: 1.0}")
         )
     )
     proc = mopd_submit("--check", bad)
