@@ -31,6 +31,7 @@ from mopd_hpc.launch.rundir import RunDir
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.guard.events import events_path
 from mopd_hpc.runtime.signals import killpg_quiet
+from mopd_hpc.trainer import local_setup
 
 #: Job ids of local runs: `local-<pid of mopd-submit>` (a valid port-lease owner id).
 LOCAL_JOB_PREFIX = "local"
@@ -136,6 +137,7 @@ def run_local(
     """
     host = host or socket.gethostname()
     job_id = job_id or local_job_id()
+    progress = local_setup.prepare_local_run(run_dir.root, environ, out, python, probe=plan.probe)
     plan.write(run_dir.root / PLAN_FILE_NAME)
     follower = _EventFollower(events_path(run_dir.root, host), plan, out)
     follower._offset = _size(follower.path)  # only this run's events
@@ -165,6 +167,7 @@ def run_local(
     try:
         while proc.poll() is None:
             follower.poll()
+            progress.poll()  # training progress from run_dir/metrics.jsonl
             if stop_deadline and time.monotonic() > stop_deadline[0]:
                 print(f"[local] guard still running {stop_wait_s:.0f} s after the stop: killing it", file=out)
                 killpg_quiet(proc.pid, signal.SIGKILL)
@@ -177,6 +180,7 @@ def run_local(
             killpg_quiet(proc.pid, signal.SIGKILL)
         rc = proc.wait()
     follower.poll()
+    local_setup.after_local_run(run_dir.root, out, progress)  # the evaluation table, if any
     if rc < 0:
         return 128 - rc
     return 128 + forwarded[0] if rc == 0 and forwarded else rc

@@ -19,7 +19,8 @@ from types import MappingProxyType
 ROLE_MODULES: Mapping[str, str] = MappingProxyType(
     {
         "actor": "mopd_hpc.trainer.actor_main",
-        "teacher": "mopd_hpc.engines.teacher_main",
+        # the run's teacher: settings from run_dir/config.yaml, then engines.teacher_main.serve
+        "teacher": "mopd_hpc.trainer.teacher_role",
         "rollout": "mopd_hpc.engines.rollout_main",
         "probe": "mopd_hpc.runtime.probe",
     }

@@ -1,0 +1,122 @@
+"""The `rollout` role entry point the guard runs: `python -m mopd_hpc.engines.rollout_main`.
+
+It wraps the hf rollout server (`engines/rollout/hf_server.py`) for one engine of a run: everything comes
+from the guard-given environment (read once, in `main`; `trainer/role_env.py`) and the run's resolved
+config `run_dir/config.yaml`:
+
+    model        models.actor.path (the student: the rollout samples from the behavior policy μ = π_θ)
+    port         the named port `http` (MOPD_PORT_HTTP); bind 127.0.0.1 locally, every interface on Slurm
+    dtype        models.actor.dtype;  device: cuda when the child sees a GPU, else cpu
+    rows/batch   data.batch_size · data.samples_per_prompt (one step's rollouts decode together)
+    seed         run seed + engine index (rows without a sampling_seed)
+
+Once the server listens it writes `run_dir/endpoints/rollout-<index>.json` atomically
+({url, host, port, pid, index, job_id, model_path}) and serves until SIGTERM/SIGINT or until the actor
+announces the end of the job (`trainer/job_end.py`); then it removes the endpoint file and exits 0.
+SIGUSR2 (Slurm's checkpoint signal, sent to every process of the step) is ignored: a rollout server has
+no state to save, and the actor and the guard decide when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.config import RunConfig
+from mopd_hpc.engines.rollout.hf_server import ServerArgs
+from mopd_hpc.trainer.job_end import stop_on_job_end
+from mopd_hpc.trainer.role_env import RoleEnv, endpoint_file, load_run
+
+log = logging.getLogger("mopd_hpc.rollout")
+
+#: Torch CPU threads of a rollout server on CPU (the phases time-slice the node's cores).
+CPU_THREADS = 1
+
+
+def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> ServerArgs:
+    """The hf server's arguments for this engine (module docstring)."""
+    gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
+    base = environ.get("MOPD_BASE_GPU_ID")
+    device = (f"cuda:{base}" if base else "cuda") if gpu else "cpu"
+    return ServerArgs(
+        model_path=cfg.models.actor.path,
+        host=role.bind_host,
+        port=role.port("http"),
+        device=device,
+        dtype=cfg.models.actor.dtype,
+        max_batch_rows=cfg.data.batch_size * cfg.data.samples_per_prompt,
+        random_seed=cfg.seed + role.index,
+        ready_file=str(role.run_dir / "endpoints" / f".rollout-{role.index}.ready.json"),
+        num_threads=None if gpu else CPU_THREADS,
+    )
+
+
+async def _publish(role: RoleEnv, args: ServerArgs, stop: asyncio.Event) -> None:
+    """Wait for the server's ready file, then write the endpoint record others connect to."""
+    ready = Path(args.ready_file or "")
+    while not stop.is_set() and not ready.exists():
+        await asyncio.sleep(0.05)
+    if stop.is_set():
+        return
+    info = json.loads(ready.read_text(encoding="utf-8"))
+    port = int(info["port"])
+    record = {
+        "url": f"http://{role.advertise_host}:{port}",
+        "host": role.advertise_host,
+        "port": port,
+        "pid": os.getpid(),
+        "index": role.index,
+        "job_id": role.job_id,
+        "model_path": args.model_path,
+    }
+    atomic_write_json(endpoint_file(role.run_dir, "rollout", str(role.index)), record)
+    log.info("rollout engine %d published at %s", role.index, record["url"])
+
+
+async def run(role: RoleEnv, args: ServerArgs) -> None:
+    """Serve until SIGTERM/SIGINT or the end of the job; the endpoint file is removed on the way out."""
+    from mopd_hpc.engines.rollout.hf_server import serve
+
+    stop = asyncio.Event()
+    endpoint = endpoint_file(role.run_dir, "rollout", str(role.index))
+    endpoint.parent.mkdir(parents=True, exist_ok=True)
+    Path(args.ready_file or "").unlink(missing_ok=True)
+    tasks = [
+        asyncio.create_task(_publish(role, args, stop)),
+        asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop)),
+    ]
+    try:
+        await serve(args, stop)
+    finally:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        for path in (endpoint, Path(args.ready_file or "")):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                path.unlink()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: reads os.environ once, here. Exit 0 after a clean stop."""
+    del argv
+    environ = dict(os.environ)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    role = RoleEnv.from_env(environ)
+    cfg = load_run(role.run_dir, environ)
+    asyncio.run(run(role, server_args(role, cfg, environ)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

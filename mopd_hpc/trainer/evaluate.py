@@ -1,0 +1,129 @@
+"""Per-route greedy accuracy of the student and of each route's best teacher, at the start and end of a run.
+
+Accuracy = share of held-out prompts whose greedy completion (at most `rollout.sampling.max_new_tokens`
+tokens) scores exactly 1 with the dataset's own reward (`mopd_hpc.data.evaluation`). The held-out prompts
+are `trainer/data_setup.eval_prompts`. A route's `teacher` accuracy is the best over the teachers the route
+gives a positive weight; teachers are loaded read-only, once, at the start (their accuracy does not change
+during the run; it is kept in eval.json, so a resumed run does not load them again).
+
+`run_dir/eval.json` (written atomically):
+
+    {"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc | null, "n": prompts}},
+     "teachers": {ROUTE: {TEACHER_ID: acc}}}
+
+Accuracies are fractions in [0, 1]; `student_end` is null until the run ends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.data import Prompt
+from mopd_hpc.data.evaluation import evaluate_prompts
+from mopd_hpc.logs.metrics_schema import EVAL_FILE
+
+
+def student_accuracy(
+    model: Any, tokenizer: Any, prompts: Mapping[str, Sequence[Prompt]], max_new_tokens: int
+) -> dict[str, float]:
+    """route → greedy accuracy of `model` on the route's held-out prompts."""
+    return {
+        route: evaluate_prompts(
+            model, tokenizer, list(p), source=route, max_new_tokens=max_new_tokens
+        ).accuracy
+        for route, p in prompts.items()
+    }
+
+
+def teacher_accuracy(
+    teacher_paths: Mapping[str, str],
+    route_weights: Mapping[str, Mapping[str, float]],
+    tokenizer: Any,
+    prompts: Mapping[str, Sequence[Prompt]],
+    max_new_tokens: int,
+) -> dict[str, dict[str, float]]:
+    """route → {teacher id: greedy accuracy} for every teacher with a positive weight on the route; each
+    teacher checkpoint is loaded once (CPU, float32) and released after."""
+    import torch
+
+    from mopd_hpc.engines.torch_engine import load_causal_lm
+
+    needed: dict[str, list[str]] = {}
+    for route in prompts:
+        for teacher, w in route_weights[route].items():
+            if w > 0 and teacher in teacher_paths:
+                needed.setdefault(teacher, []).append(route)
+    out: dict[str, dict[str, float]] = {route: {} for route in prompts}
+    for teacher, routes in needed.items():
+        model = load_causal_lm(teacher_paths[teacher], "float32", torch.device("cpu")).eval()
+        for route in routes:
+            out[route][teacher] = evaluate_prompts(
+                model, tokenizer, list(prompts[route]), source=route, max_new_tokens=max_new_tokens
+            ).accuracy
+        del model
+    return out
+
+
+def read_eval(run_dir: Path) -> dict[str, Any] | None:
+    """run_dir/eval.json, or None when absent or unreadable."""
+    try:
+        return json.loads((run_dir / EVAL_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def eval_record(
+    teachers: Mapping[str, Mapping[str, float]],
+    student_start: Mapping[str, float],
+    student_end: Mapping[str, float] | None,
+    counts: Mapping[str, int],
+) -> dict[str, Any]:
+    """The eval.json object (module docstring)."""
+    routes = {}
+    for route, n in counts.items():
+        best = max(teachers.get(route, {}).values(), default=None)
+        routes[route] = {
+            "teacher": best,
+            "student_start": student_start.get(route),
+            "student_end": None if student_end is None else student_end.get(route),
+            "n": n,
+        }
+    return {"routes": routes, "teachers": {r: dict(t) for r, t in teachers.items()}}
+
+
+def write_eval(run_dir: Path, record: Mapping[str, Any]) -> Path:
+    path = run_dir / EVAL_FILE
+    atomic_write_json(path, dict(record))
+    return path
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def format_eval_table(record: Mapping[str, Any]) -> str:
+    """A plain-text table: route, n, teacher, student start, student end, end as % of teacher."""
+    head = f"{'route':<14} {'n':>5} {'teacher':>8} {'start':>8} {'end':>8} {'end/teacher':>12}"
+    lines = [head, "-" * len(head)]
+    for route, r in record.get("routes", {}).items():
+        teacher, end = r.get("teacher"), r.get("student_end")
+        ratio = "-" if not teacher or end is None else f"{100 * end / teacher:.1f}%"
+        lines.append(
+            f"{route:<14} {r.get('n', 0):>5} {_pct(teacher):>8} {_pct(r.get('student_start')):>8} "
+            f"{_pct(end):>8} {ratio:>12}"
+        )
+    return "\n".join(lines)
+
+
+def print_eval_table(run_dir: Path, out: TextIO) -> bool:
+    """Print the run's evaluation table (when eval.json exists); returns whether it printed."""
+    record = read_eval(run_dir)
+    if record is None:
+        return False
+    print(f"evaluation ({run_dir / EVAL_FILE}):", file=out)
+    print(format_eval_table(record), file=out, flush=True)
+    return True

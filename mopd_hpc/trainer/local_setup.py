@@ -1,0 +1,138 @@
+"""Before a local run: build the tiny models on first use, and pin the run's paths.
+
+`prepare_local_run(run_dir, environ, out, python)` is called by the local backend (`launch/local.py`)
+after `mopd-submit` wrote `run_dir/config.yaml` and before the guard starts:
+
+1. every relative model, tokenizer and jsonl path of the config is made absolute against the directory
+   `mopd-submit` runs in (the children run in the run directory), and config.yaml is rewritten atomically;
+2. when a model directory is missing and its name is one that `tools/build_tiny_models.py` builds
+   (teacher_chain_sum, teacher_leg_counting, student), the builder runs once into that directory's parent
+   (`python tools/build_tiny_models.py --out DIR --threads N`; seeded, cached by fingerprint), its output
+   streamed to `out`. A missing model the builder does not make is left for the actor's clear error.
+
+While the guard runs, `LocalProgress.poll()` (returned by `prepare_local_run`) follows run_dir/metrics.jsonl
+and shows the training progress in the submitting terminal (a rich bar on a TTY, a line every ~1 % otherwise;
+the actor's own output goes to its log file). `after_local_run(run_dir, out, progress)` closes it and prints
+the evaluation table of the run (run_dir/eval.json) when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TextIO
+
+from mopd_hpc.atomic import atomic_write_text
+from mopd_hpc.config import RunConfig
+from mopd_hpc.logs.metrics import METRICS_FILE
+from mopd_hpc.trainer.evaluate import print_eval_table
+from mopd_hpc.trainer.progress import Progress
+from mopd_hpc.trainer.role_env import CONFIG_FILE_NAME, with_absolute_paths
+
+#: The tiny-model builder of this repository (tools/ is not a package).
+BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_tiny_models.py"
+#: Model directories the builder makes.
+BUILT_NAMES = ("teacher_chain_sum", "teacher_leg_counting", "student")
+
+
+class LocalSetupError(RuntimeError):
+    """The tiny-model builder failed (its exit code and the command are named)."""
+
+
+def missing_builder_dirs(cfg: RunConfig) -> list[Path]:
+    """Parent directories in which builder-made models of `cfg` are missing (deduplicated, in order)."""
+    paths = [cfg.models.actor.path, cfg.models.tokenizer.path, *(t.path for t in cfg.models.teachers)]
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.name in BUILT_NAMES and not (path / "config.json").exists() and path.parent not in out:
+            out.append(path.parent)
+    return out
+
+
+def build_tiny_models(out_dir: Path, python: str, out: TextIO, threads: int = 2) -> None:
+    """Run the builder into `out_dir`. Raises LocalSetupError when it fails."""
+    argv = [python, str(BUILDER), "--out", str(out_dir), "--threads", str(threads)]
+    print(
+        f"[local] building the tiny models into {out_dir} (first use; cached afterwards)",
+        file=out,
+        flush=True,
+    )
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(f"[build] {line.rstrip()}", file=out, flush=True)
+    rc = proc.wait()
+    if rc != 0:
+        raise LocalSetupError(f"the tiny-model builder failed with exit code {rc}: {' '.join(argv)}")
+
+
+class LocalProgress:
+    """Follows run_dir/metrics.jsonl from its current end; `poll()` shows new steps; `close()` ends it."""
+
+    def __init__(self, run_dir: Path, total: int | None, out: TextIO) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.total, self.out = total, out
+        self._offset = self.path.stat().st_size if self.path.exists() else 0
+        self._buffer = b""
+        self._progress: Progress | None = None
+        self._last_ts: float | None = None
+
+    def poll(self) -> None:
+        if self.total is None:
+            return
+        try:
+            with open(self.path, "rb") as f:
+                if f.seek(0, 2) < self._offset:  # rolled back by a resume: follow the new file
+                    self._offset, self._buffer = 0, b""
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._buffer = (self._buffer + data).split(b"\n")
+        for raw in lines:
+            try:
+                line = json.loads(raw)
+                step = int(line["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if self._progress is None:
+                self._progress = Progress(self.out, step - 1, self.total).__enter__()
+            ts = float(line.get("ts") or 0.0)
+            step_s = ts - self._last_ts if self._last_ts is not None else None
+            self._last_ts = ts
+            self._progress.update(step, line, step_s)
+
+    def close(self) -> None:
+        self.poll()
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+            self._progress = None
+
+
+def prepare_local_run(
+    run_dir: Path, environ: Mapping[str, str], out: TextIO, python: str, *, probe: bool = False
+) -> LocalProgress:
+    """Steps 1-2 of the module docstring; returns the progress follower of the run. A probe-only run (no
+    model is loaded) or a run directory without config.yaml is left alone (the follower then shows nothing)."""
+    path = Path(run_dir) / CONFIG_FILE_NAME
+    if probe or not path.is_file():
+        return LocalProgress(run_dir, None, out)
+    cfg = RunConfig.from_yaml(path)
+    base = {"MOPD_SUBMIT_DIR": os.getcwd(), **{k: v for k, v in environ.items() if k == "MOPD_SUBMIT_DIR"}}
+    cfg = with_absolute_paths(cfg, base)
+    for directory in missing_builder_dirs(cfg):
+        build_tiny_models(directory, python, out)
+    atomic_write_text(path, cfg.to_yaml())
+    return LocalProgress(run_dir, cfg.steps, out)
+
+
+def after_local_run(run_dir: Path, out: TextIO, progress: LocalProgress | None = None) -> None:
+    """Close the progress display and print the run's evaluation table, if the run wrote one."""
+    if progress is not None:
+        progress.close()
+    print_eval_table(Path(run_dir), out)

@@ -1,0 +1,199 @@
+"""The environment of a guard child, read once at the edge, and the run it belongs to.
+
+A guard child (actor, teacher, rollout) learns who it is from the environment the guard gives it
+(`runtime/guard/children.py` identity keys, `launch/plan.py::child_environment`, named ports):
+
+    MOPD_RUN_DIR, MOPD_ROLE, MOPD_INDEX, MOPD_JOB_ID, MOPD_HOST, MOPD_BACKEND,
+    MOPD_RANK, MOPD_WORLD_SIZE, MOPD_PORT_<NAME>
+
+`RoleEnv.from_env(environ)` validates them into a frozen record; `load_run(run_dir, environ)` reads the
+resolved run config `run_dir/config.yaml` (written by `mopd-submit`) and makes its model paths absolute.
+
+Relative model paths in a config are relative to the directory `mopd-submit` ran in, while a child's
+working directory is the run directory: `resolve_path` tries, in order, MOPD_SUBMIT_DIR, SLURM_SUBMIT_DIR,
+PWD (the submitter's shell), then the run directory's parent, and keeps the first base under which the
+path exists (`prepare_local_run` writes absolute paths into config.yaml, so local runs never need this).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.runtime.ports import PORT_ENV_PREFIX
+
+#: Logical key → environment variable (read only here).
+ENV = {
+    "run_dir": "MOPD_RUN_DIR",
+    "role": "MOPD_ROLE",
+    "index": "MOPD_INDEX",
+    "job_id": "MOPD_JOB_ID",
+    "host": "MOPD_HOST",
+    "backend": "MOPD_BACKEND",
+    "rank": "MOPD_RANK",
+    "world_size": "MOPD_WORLD_SIZE",
+}
+#: Environment variables naming the directory relative model paths are relative to, in order.
+SUBMIT_DIR_KEYS = ("MOPD_SUBMIT_DIR", "SLURM_SUBMIT_DIR", "PWD")
+#: The resolved config in the run directory (cli/submit.py CONFIG_FILE_NAME).
+CONFIG_FILE_NAME = "config.yaml"
+#: Where children publish their endpoints, and where the actor says the job is over.
+ENDPOINTS_DIR = "endpoints"
+JOB_END_FILE = "state/job_end.json"
+
+
+class RoleEnvError(ValueError):
+    """A guard child's environment lacks a variable or holds a malformed one (named, with its value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoleEnv:
+    """Who this child is. Build with `RoleEnv.from_env(environ)`.
+
+    Attributes:
+        run_dir: the run directory (absolute).
+        role, index: the child's role and index within the role.
+        job_id: the job (Slurm job id, or `local-<pid>`).
+        host: this node's name as the guard knows it.
+        backend: "local" or "slurm".
+        rank, world_size: rank within the role's group (MOPD_RANK / MOPD_WORLD_SIZE; 0 / 1 if absent).
+        ports: named ports leased for this child (`master`, `http`, ...), name → TCP port.
+    """
+
+    run_dir: Path
+    role: str
+    index: int
+    job_id: str
+    host: str
+    backend: str
+    rank: int = 0
+    world_size: int = 1
+    ports: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> RoleEnv:
+        """Validate the guard-given variables. Raises RoleEnvError naming the variable and value."""
+
+        def need(key: str) -> str:
+            value = environ.get(ENV[key])
+            if not value:
+                raise RoleEnvError(
+                    f"{ENV[key]} is not set: this entry point runs as a child of mopd-guard "
+                    "(mopd-submit starts it); set it by hand only for debugging"
+                )
+            return value
+
+        def integer(key: str, default: int | None) -> int:
+            raw = environ.get(ENV[key])
+            if raw is None and default is not None:
+                return default
+            try:
+                value = int(raw or "")
+            except ValueError:
+                raise RoleEnvError(f"{ENV[key]}={raw!r}: expected an integer >= 0") from None
+            if value < 0:
+                raise RoleEnvError(f"{ENV[key]}={raw!r}: expected an integer >= 0")
+            return value
+
+        ports = {}
+        for key, raw in environ.items():
+            if key.startswith(PORT_ENV_PREFIX):
+                try:
+                    ports[key[len(PORT_ENV_PREFIX) :].lower()] = int(raw)
+                except ValueError:
+                    raise RoleEnvError(f"{key}={raw!r}: expected a TCP port number") from None
+        world = integer("world_size", 1)
+        if world < 1:
+            raise RoleEnvError(f"{ENV['world_size']}={world}: expected >= 1")
+        return cls(
+            run_dir=Path(need("run_dir")).absolute(),
+            role=need("role"),
+            index=integer("index", None),
+            job_id=need("job_id"),
+            host=environ.get(ENV["host"]) or "localhost",
+            backend=environ.get(ENV["backend"]) or "local",
+            rank=integer("rank", 0),
+            world_size=world,
+            ports=MappingProxyType(ports),
+        )
+
+    def port(self, name: str) -> int:
+        """The named port. Raises RoleEnvError naming the ports this child has."""
+        if name not in self.ports:
+            raise RoleEnvError(
+                f"{self.role}[{self.index}] has no {port_env_name(name)} (named ports: "
+                f"{sorted(self.ports) or 'none'}); the job plan must lease port {name!r} for it"
+            )
+        return self.ports[name]
+
+    @property
+    def bind_host(self) -> str:
+        """Where a server of this child listens: loopback locally, every interface on a cluster node."""
+        return "127.0.0.1" if self.backend == "local" else "0.0.0.0"
+
+    @property
+    def advertise_host(self) -> str:
+        """The address others reach this child's servers at (endpoint files carry it)."""
+        return "127.0.0.1" if self.backend == "local" else self.host
+
+
+def port_env_name(name: str) -> str:
+    return PORT_ENV_PREFIX + name.upper()
+
+
+def resolve_path(path: str, environ: Mapping[str, str], run_dir: Path | None = None) -> str:
+    """`path` made absolute: kept when absolute; else joined to the first base (module docstring) under
+    which it exists; else joined to the first base given (the error then names that path)."""
+    if os.path.isabs(path):
+        return path
+    bases = [environ[k] for k in SUBMIT_DIR_KEYS if environ.get(k)]
+    if run_dir is not None:
+        bases.append(str(run_dir.parent))
+    for base in bases:
+        candidate = Path(base) / path
+        if candidate.exists():
+            return str(candidate.resolve())
+    return str((Path(bases[0]) if bases else Path.cwd()) / path)
+
+
+def with_absolute_paths(cfg: RunConfig, environ: Mapping[str, str], run_dir: Path | None = None) -> RunConfig:
+    """`cfg` with every model and tokenizer path and jsonl source path made absolute (`resolve_path`)."""
+    data = cfg.model_dump(mode="json")
+    models = data["models"]
+    models["actor"]["path"] = resolve_path(models["actor"]["path"], environ, run_dir)
+    for teacher in models["teachers"]:
+        teacher["path"] = resolve_path(teacher["path"], environ, run_dir)
+    models["tokenizer"]["path"] = resolve_path(models["tokenizer"]["path"], environ, run_dir)
+    for source in data["data"]["sources"]:
+        if source.get("kind") == "jsonl":
+            source["path"] = resolve_path(source["path"], environ, run_dir)
+    return RunConfig.from_dict(data, source=str(run_dir or "<config>"))
+
+
+def load_run(run_dir: Path, environ: Mapping[str, str]) -> RunConfig:
+    """The run's resolved config (`run_dir/config.yaml`) with absolute paths.
+
+    Raises:
+        ConfigError: the file is missing, unreadable or invalid (named).
+    """
+    cfg = RunConfig.from_yaml(run_dir / CONFIG_FILE_NAME)
+    return with_absolute_paths(cfg, environ, run_dir)
+
+
+def endpoint_file(run_dir: Path, role: str, key: str) -> Path:
+    """`run_dir/endpoints/<role>-<key>.json` (teacher: key = teacher id; rollout: key = engine index)."""
+    return run_dir / ENDPOINTS_DIR / f"{role}-{key}.json"
+
+
+def read_job_end(run_dir: Path) -> dict[str, Any] | None:
+    """The actor's end-of-job record (`state/job_end.json`), or None when absent or unreadable."""
+    try:
+        return json.loads((run_dir / JOB_END_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

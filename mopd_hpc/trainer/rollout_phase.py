@@ -1,0 +1,194 @@
+"""ROLLOUT: the step's prompts → responses with their behavior log-probs μ, and their rewards.
+
+The prompts are encoded with the shared tokenizer (special tokens included: `<bos>` first for the tiny
+models) and spread over the rollout engines in contiguous blocks; every prompt is sampled
+`samples_per_prompt` times (SGLang `n`; copy j of prompt i at row i·n + j, so GRPO groups are contiguous).
+Each prompt carries its own `sampling_seed`, a hash of (run seed, step, prompt position): a rerun of a
+step (after a resume) samples the same responses from the same weights.
+
+μ(y_t) is the engine's log-probability of the sampled token under the exact distribution it sampled from
+(`return_logprob`); it is kept as it came, immutable, up to the loss (DESIGN.md §3). The reward of every
+response is its source's own `score` (reasoning-gym `score_answer`), computed for monitoring even when no
+loss term uses it; accuracy counts rewards of exactly 1.
+
+Shape legend: B = prompts · samples_per_prompt rows, T response positions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mopd_hpc.config.rollout import SamplingConfig
+from mopd_hpc.data import PromptSource, is_correct
+from mopd_hpc.engines.batch import TokenBatch
+from mopd_hpc.engines.rollout.client import RolloutClient
+from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
+from mopd_hpc.mopd.routing import RoutedSample
+
+
+class RolloutPhaseError(ValueError):
+    """A prompt is too long, or an engine returned something the step cannot use (named)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rollouts:
+    """One step's rollouts, row b = copy (b mod n) of prompt (b div n).
+
+    Attributes:
+        draws: the routed prompts, one per row (repeated n times).
+        rows: prompt + response token ids per row; `starts[b]` is where row b's response begins.
+        tokens: the `TokenBatch` of `rows`.
+        behavior_logprobs: [B, T] float32 log μ(y_t), 0 at padding.
+        rewards: [B] float32 rewards; `correct`: [B] bool (reward exactly 1).
+        completions: decoded responses (special tokens skipped).
+        weight_versions: the weight version each row was sampled with.
+    """
+
+    draws: tuple[RoutedSample, ...]
+    rows: tuple[tuple[int, ...], ...]
+    starts: tuple[int, ...]
+    tokens: TokenBatch
+    behavior_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    completions: tuple[str, ...]
+    weight_versions: tuple[str, ...]
+
+    @property
+    def routes(self) -> tuple[str, ...]:
+        return tuple(d.route for d in self.draws)
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.tokens.response_mask.sum())
+
+    def route_means(self) -> dict[str, tuple[float, float]]:
+        """route → (mean reward, accuracy) over this step's rows of that route."""
+        out: dict[str, tuple[float, float]] = {}
+        for route in dict.fromkeys(self.routes):
+            rows = torch.tensor([r == route for r in self.routes])
+            out[route] = (float(self.rewards[rows].mean()), float(self.correct[rows].float().mean()))
+        return out
+
+
+def sampling_seed(seed: int, step: int, position: int) -> int:
+    """A 31-bit seed from (run seed, step, prompt position)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def encode_prompts(tokenizer: Any, draws: Sequence[RoutedSample], max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt text (special tokens added). Raises RolloutPhaseError for a long prompt."""
+    encoded = tokenizer([d.sample.text for d in draws])["input_ids"]
+    for draw, ids in zip(draws, encoded, strict=True):
+        if len(ids) > max_prompt_tokens:
+            raise RolloutPhaseError(
+                f"prompt {draw.sample.text[:60]!r} of source {draw.source!r} has {len(ids)} tokens; "
+                f"data.max_prompt_tokens is {max_prompt_tokens}"
+            )
+    return [list(ids) for ids in encoded]
+
+
+async def generate(
+    clients: Sequence[RolloutClient],
+    prompt_ids: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    n: int,
+    seeds: Sequence[int],
+) -> list[GeneratedSample]:
+    """Sample n responses per prompt, prompts split over the engines in contiguous blocks (order kept)."""
+    per = -(-len(prompt_ids) // len(clients))
+    calls = []
+    for e, client in enumerate(clients):
+        block = list(range(e * per, min(len(prompt_ids), (e + 1) * per)))
+        if not block:
+            continue
+        params = [
+            SamplingParams(
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                sampling_seed=seeds[i],
+                n=n,
+            ).to_json()
+            for i in block
+        ]
+        body = {
+            "input_ids": [list(prompt_ids[i]) for i in block],
+            "sampling_params": params,
+            "return_logprob": True,
+        }
+        calls.append(_generate_block(client, body, [prompt_ids[i] for i in block], n))
+    samples: list[GeneratedSample] = []
+    for part in await asyncio.gather(*calls):
+        samples.extend(part)
+    return samples
+
+
+async def _generate_block(
+    client: RolloutClient, body: dict[str, Any], prompts: Sequence[Sequence[int]], n: int
+) -> list[GeneratedSample]:
+    items = await client.generate_raw(body)
+    items = items if isinstance(items, list) else [items]
+    if len(items) != len(prompts) * n:
+        raise RolloutPhaseError(
+            f"{client.base_url} returned {len(items)} responses for {len(prompts)} prompts × n={n}"
+        )
+    return [GeneratedSample.from_response(item, prompts[k // n]) for k, item in enumerate(items)]
+
+
+async def collect_rollouts(
+    clients: Sequence[RolloutClient],
+    draws: Sequence[RoutedSample],
+    *,
+    tokenizer: Any,
+    sources: Mapping[str, PromptSource],
+    sampling: SamplingConfig,
+    samples_per_prompt: int,
+    max_prompt_tokens: int,
+    seed: int,
+    step: int,
+    pad_id: int,
+) -> Rollouts:
+    """The ROLLOUT phase of `step` (module docstring).
+
+    Raises:
+        RolloutPhaseError: a prompt too long, or a response without behavior log-probs.
+        RolloutServerError / RolloutUnavailableError: an engine failed.
+    """
+    if not clients:
+        raise RolloutPhaseError("no rollout engine to sample from")
+    prompt_ids = encode_prompts(tokenizer, draws, max_prompt_tokens)
+    seeds = [sampling_seed(seed, step, i) for i in range(len(draws))]
+    samples = await generate(clients, prompt_ids, sampling, samples_per_prompt, seeds)
+    n = samples_per_prompt
+    row_draws = tuple(draws[k // n] for k in range(len(samples)))
+    for k, s in enumerate(samples):
+        if len(s.behavior_logprobs) != len(s.output_ids):
+            raise RolloutPhaseError(
+                f"response {k} has {len(s.output_ids)} tokens but {len(s.behavior_logprobs)} behavior "
+                "log-probs; the engine must answer return_logprob"
+            )
+    tokens = TokenBatch.from_samples([s.prompt_ids for s in samples], [s.output_ids for s in samples], pad_id)
+    behavior = tokens.pad_response_values([s.behavior_logprobs for s in samples])
+    completions = tuple(tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in samples)
+    rewards = [
+        float(sources[d.source].score(d.sample, text)) for d, text in zip(row_draws, completions, strict=True)
+    ]
+    return Rollouts(
+        draws=row_draws,
+        rows=tuple(tuple(s.prompt_ids) + tuple(s.output_ids) for s in samples),
+        starts=tuple(len(s.prompt_ids) for s in samples),
+        tokens=tokens,
+        behavior_logprobs=behavior,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        correct=torch.tensor([is_correct(r) for r in rewards], dtype=torch.bool),
+        completions=completions,
+        weight_versions=tuple(s.weight_version for s in samples),
+    )

@@ -1,0 +1,140 @@
+"""TEACHER: each teacher scores only the rollouts of the routes that give it weight; S and W per token.
+
+For teacher j, the rows b with w_j(route(b)) > 0 are sent to its scoring server in one /score call (the
+teachers are called concurrently). Every call returns log π_j(y_t) of the sampled tokens; with the `topk`
+estimator it also returns the teacher's top-k (k = loss.topk) at each response position. Rows a teacher did
+not score hold NaN log-probs / zero top-k, and weight 0 (`aggregate_teacher_targets` and the top-k loss never
+read them). Then (DESIGN.md §3; AReaL feature/mopd `aggregate_mopd_targets`):
+
+    S[b, t] = Σ_j w_j·log π_j(y_t)      W[b, t] = Σ_j w_j
+
+Shape legend: B rows, T response positions, K top-k tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mopd_hpc.engines.batch import TokenBatch
+from mopd_hpc.engines.teacher_server import ScoreResponse, TeacherClient
+from mopd_hpc.mopd.targets import TeacherTargets, aggregate_teacher_targets
+from mopd_hpc.mopd.topk import TeacherTopK
+
+
+class TeacherPhaseError(ValueError):
+    """A teacher's answer does not fit the batch (row count, response lengths); names the teacher."""
+
+
+@dataclass(frozen=True, slots=True)
+class TeacherScores:
+    """The TEACHER phase's output.
+
+    Attributes:
+        targets: S, W [B, T] float32.
+        topk: teacher id → `TeacherTopK` [B, T, K] (estimator topk only; else empty).
+        weights: teacher id → [B] float32 w_j of each row (0 where the teacher did not score).
+        rows_scored: teacher id → number of rows it scored.
+    """
+
+    targets: TeacherTargets
+    topk: Mapping[str, TeacherTopK]
+    weights: Mapping[str, torch.Tensor]
+    rows_scored: Mapping[str, int]
+
+
+def rows_per_teacher(
+    routes: Sequence[str], route_weights: Mapping[str, Mapping[str, float]], teachers: Sequence[str]
+) -> dict[str, list[int]]:
+    """teacher id → rows whose route gives it a positive weight (teachers with none are absent)."""
+    out: dict[str, list[int]] = {}
+    for teacher in teachers:
+        rows = [b for b, r in enumerate(routes) if route_weights[r].get(teacher, 0.0) > 0]
+        if rows:
+            out[teacher] = rows
+    return out
+
+
+async def score_teachers(
+    clients: Mapping[str, TeacherClient],
+    rows: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    tokens: TokenBatch,
+    routes: Sequence[str],
+    route_weights: Mapping[str, Mapping[str, float]],
+    *,
+    top_k: int | None,
+) -> TeacherScores:
+    """The TEACHER phase (module docstring). top_k: k of the topk estimator, None for `sampled`.
+
+    Raises:
+        TeacherPhaseError: an answer with the wrong number of rows or response positions.
+        TeacherClientError: a teacher server failed.
+    """
+    assignment = rows_per_teacher(routes, route_weights, list(clients))
+    missing = {t for r in set(routes) for t, w in route_weights[r].items() if w > 0} - set(clients)
+    if missing:
+        raise TeacherPhaseError(
+            f"routes {sorted(set(routes))} need teachers {sorted(missing)}: not connected"
+        )
+    calls = [
+        clients[t].score([rows[b] for b in idx], [starts[b] for b in idx], top_k)
+        for t, idx in assignment.items()
+    ]
+    answers = dict(zip(assignment, await asyncio.gather(*calls), strict=True))
+    batch, width = tokens.batch_size, tokens.response_width
+    lengths = tokens.response_lengths.tolist()
+    logprobs: dict[str, torch.Tensor] = {}
+    topk: dict[str, TeacherTopK] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for teacher, idx in assignment.items():
+        answer = answers[teacher]
+        _check(teacher, answer, idx, lengths)
+        lp = torch.full((batch, width), float("nan"), dtype=torch.float32)
+        for k, b in enumerate(idx):
+            if lengths[b]:
+                lp[b, : lengths[b]] = torch.tensor(answer.logprobs[k], dtype=torch.float32)
+        logprobs[teacher] = lp
+        w = torch.zeros(batch, dtype=torch.float32)
+        for b in idx:
+            w[b] = float(route_weights[routes[b]][teacher])
+        weights[teacher] = w
+        if top_k is not None:
+            topk[teacher] = _topk_tensor(teacher, answer, idx, lengths, batch, width)
+    sample_weights = [{t: float(w) for t, w in route_weights[r].items() if w > 0} for r in routes]
+    targets = aggregate_teacher_targets(logprobs, sample_weights)
+    return TeacherScores(
+        targets=targets,
+        topk=topk,
+        weights=weights,
+        rows_scored={t: len(idx) for t, idx in assignment.items()},
+    )
+
+
+def _check(teacher: str, answer: ScoreResponse, idx: Sequence[int], lengths: Sequence[int]) -> None:
+    if len(answer.logprobs) != len(idx):
+        raise TeacherPhaseError(f"teacher {teacher!r} answered {len(answer.logprobs)} rows; sent {len(idx)}")
+    for k, b in enumerate(idx):
+        if len(answer.logprobs[k]) != lengths[b]:
+            raise TeacherPhaseError(
+                f"teacher {teacher!r}: row {b} has {len(answer.logprobs[k])} log-probs; expected {lengths[b]}"
+            )
+
+
+def _topk_tensor(
+    teacher: str, answer: ScoreResponse, idx: Sequence[int], lengths: Sequence[int], batch: int, width: int
+) -> TeacherTopK:
+    if answer.topk_ids is None or answer.topk_logprobs is None:
+        raise TeacherPhaseError(f"teacher {teacher!r} returned no top-k; the topk estimator asked for it")
+    k = max((len(pos) for row in answer.topk_ids for pos in row), default=1)
+    ids = torch.zeros((batch, width, k), dtype=torch.int64)
+    vals = torch.zeros((batch, width, k), dtype=torch.float32)
+    for j, b in enumerate(idx):
+        n = lengths[b]
+        if n:
+            ids[b, :n] = torch.tensor(answer.topk_ids[j], dtype=torch.int64)
+            vals[b, :n] = torch.tensor(answer.topk_logprobs[j], dtype=torch.float32)
+    return TeacherTopK(indices=ids, logprobs=vals)

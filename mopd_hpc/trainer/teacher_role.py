@@ -1,0 +1,81 @@
+"""The `teacher` role of a run: `python -m mopd_hpc.trainer.teacher_role` (the guard's role table runs it).
+
+The teacher scoring server (`engines/teacher_main.py`) takes its checkpoint and port from flags or its own
+variables; inside a job its settings come from the run instead: MOPD_TEACHER_ID (the job plan sets it)
+names the entry of `models.teachers` in `run_dir/config.yaml`, which gives the checkpoint path and dtype;
+the port is the named port `http`. This module resolves them (env read once, in `main`) and runs
+`teacher_main.serve` until SIGTERM/SIGINT or until the actor announces the end of the job
+(`trainer/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has nothing to checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.engines.teacher_main import TeacherArgs
+from mopd_hpc.trainer.job_end import stop_on_job_end
+from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, load_run
+
+#: The plan's variable naming the teacher of this child.
+TEACHER_ID_ENV = "MOPD_TEACHER_ID"
+#: Torch CPU threads of a teacher on CPU.
+CPU_THREADS = 1
+
+
+def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> TeacherArgs:
+    """The scoring server's arguments for this child. Raises RoleEnvError (no or unknown teacher id)."""
+    teacher_id = environ.get(TEACHER_ID_ENV)
+    if not teacher_id:
+        raise RoleEnvError(f"{TEACHER_ID_ENV} is not set: the job plan names the teacher of each child")
+    try:
+        teacher = cfg.models.teacher(teacher_id)
+    except KeyError as exc:
+        raise RoleEnvError(f"{TEACHER_ID_ENV}={teacher_id!r}: {exc.args[0]}") from None
+    gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
+    base = environ.get("MOPD_BASE_GPU_ID")
+    return TeacherArgs(
+        teacher_id=teacher.id,
+        model_path=teacher.path,
+        host=role.bind_host,
+        port=role.port("http"),
+        advertise_host=role.advertise_host,
+        device=(f"cuda:{base}" if base else "cuda") if gpu else "cpu",
+        dtype=teacher.dtype,
+        run_dir=str(role.run_dir),
+        max_batch_rows=max(64, cfg.data.batch_size * cfg.data.samples_per_prompt),
+        num_threads=None if gpu else CPU_THREADS,
+    )
+
+
+async def run(role: RoleEnv, args: TeacherArgs) -> None:
+    from mopd_hpc.engines.teacher_main import serve
+
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop))
+    try:
+        await serve(args, stop)
+    finally:
+        watcher.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    del argv
+    environ = dict(os.environ)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    role = RoleEnv.from_env(environ)
+    cfg = load_run(role.run_dir, environ)
+    asyncio.run(run(role, teacher_args(role, cfg, environ)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The whole local path of the main job, as `make run` takes it: `mopd-submit CONFIG --local` → the local backend's
+guard → actor (controller), teachers, rollout engine → metrics, checkpoints, evaluation table; 3 steps on micro
+models. The config names its models by paths relative to the submit directory: the local setup hook makes them
+absolute before the children (which run in the run directory) read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers_models import build_micro_models
+from test_controller import assert_metrics, micro_config
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.trainer.local_setup import missing_builder_dirs
+
+
+@pytest.fixture(scope="module")
+def micro_models(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("models")
+    assert build_micro_models(out) == 0
+    return out
+
+
+def test_local_smoke_through_mopd_submit(micro_models, tmp_path):
+    run_dir = tmp_path / "run"
+    config = micro_config(micro_models, run_dir, tmp_path / "c.yaml", **{"loss.estimator": "topk"})
+    doc = yaml.safe_load(config.read_text())
+    rel = os.path.relpath(micro_models, tmp_path)
+    for model in (doc["models"]["actor"], doc["models"]["tokenizer"], *doc["models"]["teachers"]):
+        model["path"] = str(Path(rel) / Path(model["path"]).name)
+    config.write_text(yaml.safe_dump(doc))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
+    env["PWD"] = "/nonexistent"  # relative paths must not depend on the submitter's shell variable
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = assert_metrics(run_dir, 3)
+    assert [line["rollout/weight_version"] for line in lines] == [0.0, 1.0, 2.0]
+    assert all(line["time/teacher_s"] > 0 for line in lines)
+    assert "end/teacher" in proc.stdout and "legs" in proc.stdout  # the evaluation table, printed
+    resolved = RunConfig.from_yaml(run_dir / "config.yaml")
+    assert Path(resolved.models.actor.path) == (micro_models / "student").resolve()
+    record = json.loads((run_dir / "eval.json").read_text())
+    assert {r: sorted(v) for r, v in record["routes"].items()} == {
+        r: ["n", "student_end", "student_start", "teacher"] for r in ("chain", "legs")
+    }
+    assert (run_dir / "student_final" / "model.safetensors").is_file()
+    events = [json.loads(x) for f in (run_dir / "events").glob("*.jsonl") for x in f.read_text().splitlines()]
+    exits = {(e["role"], e["index"]): e.get("exit_code") for e in events if e.get("event") == "exit"}
+    assert exits == {("actor", 0): 0, ("teacher", 0): 0, ("teacher", 1): 0, ("rollout", 0): 0}
+
+
+def test_missing_tiny_models_are_built_on_first_use(tmp_path):
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "local_cpu.yaml").read_text())
+    base = tmp_path / "cache"
+    doc["models"]["actor"]["path"] = doc["models"]["tokenizer"]["path"] = str(base / "student")
+    doc["models"]["teachers"][0]["path"] = str(base / "teacher_chain_sum")
+    doc["models"]["teachers"][1]["path"] = str(tmp_path / "own" / "my_teacher")  # not a builder model
+    cfg = RunConfig.from_dict(doc)
+    assert missing_builder_dirs(cfg) == [base]
+    (base / "student").mkdir(parents=True)
+    (base / "student" / "config.json").write_text("{}")
+    (base / "teacher_chain_sum").mkdir()
+    (base / "teacher_chain_sum" / "config.json").write_text("{}")
+    assert missing_builder_dirs(cfg) == []
