@@ -76,3 +76,31 @@ def test_missing_tiny_models_are_built_on_first_use(tmp_path):
     (base / "teacher_chain_sum").mkdir()
     (base / "teacher_chain_sum" / "config.json").write_text("{}")
     assert missing_builder_dirs(cfg) == []
+
+
+def test_summarizer_on_the_smoke_runs_real_run_dir(micro_models, tmp_path):
+    """`mopd-logs summarize` on a real main-job run dir: no failure, progress and evaluation read back."""
+    from mopd_hpc.logs.summary import no_sacct, summarize_run
+
+    run_dir = tmp_path / "run"
+    config = micro_config(micro_models, run_dir, tmp_path / "c.yaml", **{"loss.estimator": "topk"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = summarize_run(run_dir, sacct_runner=no_sacct)
+    assert summary.first_failure is None
+    assert summary.progress.last_step == 3
+    assert set(summary.progress.routes) == {"chain", "legs"}
+    assert summary.progress.eval is not None and set(summary.progress.eval) == {"chain", "legs"}
+    assert {(c.role, c.index): c.state for c in summary.children} == {
+        ("actor", 0): "exited", ("teacher", 0): "exited", ("teacher", 1): "exited", ("rollout", 0): "exited",
+    }  # fmt: skip
+    cli = subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.logs", "summarize", str(run_dir), "--json"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["progress"]["last_step"] == 3
