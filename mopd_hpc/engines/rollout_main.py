@@ -24,7 +24,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
 from mopd_hpc.trainer.job_end import stop_on_job_end
-from mopd_hpc.trainer.role_env import RoleEnv, endpoint_file, load_run
+from mopd_hpc.trainer.role_env import RoleEnv, endpoint_file, start_server_role
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -108,12 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: reads os.environ once, here. Exit 0 after a clean stop."""
     del argv
     environ = dict(os.environ)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    role = RoleEnv.from_env(environ)
-    cfg = load_run(role.run_dir, environ)
+    role, cfg = start_server_role(environ)
     asyncio.run(run(role, server_args(role, cfg, environ)))
     return 0
 

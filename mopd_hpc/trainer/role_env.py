@@ -176,6 +176,25 @@ def with_absolute_paths(cfg: RunConfig, environ: Mapping[str, str], run_dir: Pat
     return RunConfig.from_dict(data, source=str(run_dir or "<config>"))
 
 
+def start_server_role(environ: Mapping[str, str]) -> tuple[RoleEnv, RunConfig]:
+    """The common start of a server child (teacher, rollout): logging to stderr, SIGUSR2 ignored (a server
+    holds no training state to checkpoint; the actor does), then the role's environment and its run's config.
+
+    Raises:
+        RoleEnvError: a missing or malformed MOPD_* variable; ConfigError: the run's config.yaml.
+    """
+    import logging
+    import signal
+    import sys
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    role = RoleEnv.from_env(environ)
+    return role, load_run(role.run_dir, environ)
+
+
 def load_run(run_dir: Path, environ: Mapping[str, str]) -> RunConfig:
     """The run's resolved config (`run_dir/config.yaml`) with absolute paths.
 

@@ -11,16 +11,14 @@ the port is the named port `http`. This module resolves them (env read once, in 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.teacher_main import TeacherArgs
 from mopd_hpc.trainer.job_end import stop_on_job_end
-from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, load_run
+from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, start_server_role
 
 #: The plan's variable naming the teacher of this child.
 TEACHER_ID_ENV = "MOPD_TEACHER_ID"
@@ -67,12 +65,7 @@ async def run(role: RoleEnv, args: TeacherArgs) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     del argv
     environ = dict(os.environ)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    role = RoleEnv.from_env(environ)
-    cfg = load_run(role.run_dir, environ)
+    role, cfg = start_server_role(environ)
     asyncio.run(run(role, teacher_args(role, cfg, environ)))
     return 0
 
