@@ -325,7 +325,7 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
     ),
     (
         "eval-overlaps-training",
-        set_("data.eval.seed", 100),
+        seq(set_("steps", 200), set_("data.batch_size", 64), set_("data.eval.seed", 100)),
         [
             "data.eval.seed: held-out items [100, 300) overlap the training items [0, 12800) (got 100; a seed ≥ 12800)"
         ],

@@ -301,7 +301,7 @@ def test_run_under_salloc_then_ctrl_c_leaves_no_process_and_no_lease(slurm_clust
     require_netns(slurm_cluster)
     wait_idle(slurm_cluster)
     run_dir = tmp_path / "run"
-    argv = ["salloc", "-N1", ":", "-N2", str(BIN / "mopd-debug"), "run", str(CONFIG), "--probe"]
+    argv = ["salloc", "-N1", "-c2", ":", "-N2", "-c2", str(BIN / "mopd-debug"), "run", str(CONFIG), "--probe"]
     term = Pty([*argv, "--run-dir", str(run_dir)], {**slurm_cluster.env, "MOPD_PROBE_HOLD_S": "300"})
     job_id = None
     try:
@@ -341,7 +341,7 @@ def test_run_under_salloc_a_failing_rollout_ends_the_run_and_the_summary_names_i
     run_dir = tmp_path / "run"
     knobs = {"MOPD_PROBE_HOLD_S": "300", "MOPD_PROBE_EXIT_CODE": "3", "MOPD_PROBE_EXIT_HET_GROUP": "1"}
     proc = subprocess.run(
-        ["salloc", "-N1", ":", "-N2", str(BIN / "mopd-debug"), "run", str(CONFIG), "--probe", "--run-dir",
+        ["salloc", "-N1", "-c2", ":", "-N2", "-c2", str(BIN / "mopd-debug"), "run", str(CONFIG), "--probe", "--run-dir",
          str(run_dir)], env={**slurm_cluster.env, **knobs}, capture_output=True, text=True, timeout=120,
         stdin=subprocess.DEVNULL, check=False,
     )  # fmt: skip
