@@ -17,16 +17,14 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import web
-
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.engines.serving import start_app
 
 log = logging.getLogger("mopd_hpc.teacher")
 
@@ -141,15 +139,7 @@ async def serve(args: TeacherArgs, stop: asyncio.Event | None = None) -> None:
     )
     pad_id = getattr(engine.model.config, "pad_token_id", None) or 0
     server = TeacherServer(engine, args.teacher_id, args.model_path, pad_id=pad_id)
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    runner, port, stop = await start_app(server.app(), args.host, args.port, stop)
     url = f"http://{args.advertise_host}:{port}"
     if args.run_dir:
         path = endpoint_path(args.run_dir, args.teacher_id)

@@ -27,17 +27,15 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.engines.rollout.control import MEMORY_TAGS
 from mopd_hpc.engines.rollout.http_app import RolloutServer
+from mopd_hpc.engines.serving import start_app
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -140,15 +138,7 @@ async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
     engine = await asyncio.to_thread(HFRolloutEngine.load, args.model_path, args.device, args.dtype)
     server = RolloutServer(args, engine, await asyncio.to_thread(_load_tokenizer, args.model_path))
     server.scheduler.start()
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    runner, port, stop = await start_app(server.app(), args.host, args.port, stop)
     url = f"http://{args.host}:{port}"
     if args.ready_file:
         ready = {

@@ -1,0 +1,37 @@
+"""Start an aiohttp server for a child process (teacher, rollout): bind, learn the port, stop on TERM/INT.
+
+One place for what every server child does the same way; its own readiness record stays with each server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from aiohttp import web
+
+
+async def start_app(
+    app: web.Application, host: str, port: int, stop: asyncio.Event | None = None
+) -> tuple[web.AppRunner, int, asyncio.Event]:
+    """Serve `app` on (host, port) and return (runner, the bound port, the stop event).
+
+    Args:
+        port: the port to bind; 0 lets the kernel choose (the returned port says which).
+        stop: set by the caller to stop; a new event when None. SIGTERM and SIGINT set it too.
+    Raises:
+        OSError: the address cannot be bound (e.g. EADDRINUSE); nothing is left listening.
+    """
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_port = runner.addresses[0][1]
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return runner, bound_port, stop
