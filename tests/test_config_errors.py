@@ -331,6 +331,19 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         ],
     ),
     (
+        "warmup-beyond-run",
+        seq(set_("steps", 50), set_("models.actor.optimizer.warmup_steps", 50)),
+        [
+            "models.actor.optimizer.warmup_steps: the warm-up does not end within the run (50 steps) "
+            "(got 50; < 50)"
+        ],
+    ),
+    (
+        "schedule-unknown",
+        set_("models.actor.optimizer.schedule", "linear"),
+        ["models.actor.optimizer.schedule:", "(got 'linear'"],
+    ),
+    (
         "signal-after-time-limit",
         set_("cluster.time_min", 2),
         ["cluster.signal: fires 120 s before the end of a 2-minute job", "(got 'B:USR2@120'"],
@@ -389,7 +402,7 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
     (
         "missing-nested-key",
         drop("models.actor.optimizer.lr"),
-        ["models.actor.optimizer.lr: required key is missing (expected: Learning rate"],
+        ["models.actor.optimizer.lr: required key is missing (expected: Peak learning rate"],
     ),
     (
         "unknown-key",

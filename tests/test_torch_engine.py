@@ -6,6 +6,7 @@ over the whole vocabulary; `grpo_policy_loss` on the engine's own log-probs; Ada
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -163,7 +164,7 @@ def test_topk_with_k_at_least_vocab_is_exact_reverse_kl(models):
     batch = TrainBatch.create(
         tokens, torch.zeros(4, 4), teacher_topk={"t": top}, teacher_weights={"t": torch.ones(4)}
     )
-    loss, stats = engine.compute_loss(batch)
+    loss, _, stats = engine.compute_loss(batch)
     loss.backward()
     got = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
     engine.model.zero_grad(set_to_none=True)
@@ -211,7 +212,7 @@ def test_grad_clip_is_honoured(models):
     targets = aggregate_teacher_targets({"t": teacher.logprobs(tokens)}, [{"t": 1.0}] * 4)
     batch = TrainBatch.create(tokens, mu, targets=targets)
     # Oracle of the pre-clip norm: the same loss, backward, no step.
-    loss, _ = engine.compute_loss(batch)
+    loss, _, _ = engine.compute_loss(batch)
     loss.backward()
     want_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in engine.model.parameters())))
     engine.model.zero_grad(set_to_none=True)
@@ -301,3 +302,80 @@ def test_gpu_logprobs_residency_and_bf16_step(models):
     )
     stats = bf16.train_step(batch)
     assert all(torch.isfinite(torch.tensor(v)) for v in stats.values()), stats
+
+
+def teacher_batch(engine: TorchTrainEngine, teacher_path: Path) -> TrainBatch:
+    """PROMPTS/OUTPUTS with μ = the engine's log-probs and the teacher's sampled-token targets."""
+    teacher = TorchScoringEngine.from_pretrained(teacher_path)
+    tokens = TokenBatch.from_samples(PROMPTS, OUTPUTS, pad_id=0)
+    targets = aggregate_teacher_targets({"t": teacher.logprobs(tokens)}, [{"t": 1.0}] * 4)
+    return TrainBatch.create(tokens, engine.logprobs(tokens).clone(), targets=targets)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "warmup", "expected"),
+    [
+        # transformers' schedules: warm-up 0, lr/2, then lr; cosine: 0.1 + 0.9·½(1 + cos(π·(s − 2)/4))
+        ("constant", 2, [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]),
+        (
+            "cosine",
+            2,
+            [
+                0.0,
+                0.5,
+                1.0,
+                0.1 + 0.9 * math.cos(math.pi / 8) ** 2,
+                0.55,
+                0.1 + 0.9 * math.sin(math.pi / 8) ** 2,
+            ],
+        ),
+    ],
+)
+def test_lr_schedule_per_step_and_across_resume(models, schedule, warmup, expected):
+    """The lr each step used follows the schedule, and a reloaded engine continues it (not restarts it)."""
+    opt = OptimizerConfig(lr=1e-2, schedule=schedule, warmup_steps=warmup, min_lr_ratio=0.1)
+
+    def engine() -> TorchTrainEngine:
+        return TorchTrainEngine.from_pretrained(
+            models["student"], dtype="float32", device="cpu", optimizer=opt, loss=LossConfig(), total_steps=6
+        )
+
+    first = engine()
+    batch = teacher_batch(first, models["teacher"])
+    lrs = [first.train_step(batch)["lr"] for _ in range(3)]
+    second = engine()
+    second.load_state_dict(first.state_dict())
+    lrs += [second.train_step(batch)["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([1e-2 * f for f in expected], abs=1e-9)
+
+
+def test_schedule_that_does_not_fit_the_run_is_refused(models):
+    opt = OptimizerConfig(lr=1e-2, warmup_steps=5)
+    with pytest.raises(EngineError, match="warmup_steps=5 with total_steps=5"):
+        TorchTrainEngine.from_pretrained(
+            models["student"], dtype="float32", device="cpu", optimizer=opt, loss=LossConfig(), total_steps=5
+        )
+
+
+def test_observe_sees_the_step_logprobs_before_the_update(models):
+    """`observe` gets the log-probs the loss used (= a no-grad forward before the step), detached."""
+    engine = TorchTrainEngine.from_pretrained(
+        models["student"],
+        dtype="float32",
+        device="cpu",
+        optimizer=OptimizerConfig(lr=1e-2),
+        loss=LossConfig(),
+    )
+    batch = teacher_batch(engine, models["teacher"])
+    before = engine.logprobs(batch.tokens)
+    seen: list[torch.Tensor] = []
+
+    def observe(lp: torch.Tensor) -> dict[str, float]:
+        seen.append(lp)
+        return {"probe/mean": float(lp.sum())}
+
+    stats = engine.train_step(batch, observe=observe)
+    assert not seen[0].requires_grad
+    torch.testing.assert_close(seen[0], before, rtol=1e-5, atol=1e-6)
+    assert stats["probe/mean"] == pytest.approx(float(before.sum()), rel=1e-5)
+    assert not torch.equal(engine.logprobs(batch.tokens), before)  # the step changed the weights

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -12,9 +12,21 @@ from mopd_hpc.config.types import Dtype, Engine, Identifier, NonEmptyStr
 
 
 class OptimizerConfig(Section):
-    """AdamW of the actor."""
+    """AdamW of the actor, and its learning-rate schedule over the run's `steps`.
 
-    lr: float = Field(gt=0, allow_inf_nan=False, description="Learning rate (per step, constant).")
+    lr(s) for step s = 1..steps (transformers' schedules, `transformers.get_scheduler`):
+    linear warm-up from 0 to lr over the first `warmup_steps` steps, then `constant` (lr) or
+    `cosine` (half a cosine period from lr down to min_lr_ratio·lr, reached just after the last step).
+    """
+
+    lr: float = Field(gt=0, allow_inf_nan=False, description="Peak learning rate (after the warm-up).")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After the warm-up: 'constant' lr, or 'cosine' decay to min_lr_ratio·lr."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in steps (must be < steps).")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False, description="'cosine': the final lr as a fraction of lr."
+    )
     weight_decay: float = Field(
         0.0, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay (dimensionless)."
     )

@@ -32,12 +32,9 @@ from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
 from mopd_hpc.trainer.job_end import stop_on_job_end
-from mopd_hpc.trainer.role_env import RoleEnv, endpoint_file, start_server_role
+from mopd_hpc.trainer.role_env import RoleEnv, cpu_threads, endpoint_file, start_server_role
 
 log = logging.getLogger("mopd_hpc.rollout")
-
-#: Torch CPU threads of a rollout server on CPU (the phases time-slice the node's cores).
-CPU_THREADS = 1
 
 
 def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> ServerArgs:
@@ -54,7 +51,7 @@ def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> Se
         max_batch_rows=cfg.data.batch_size * cfg.data.samples_per_prompt,
         random_seed=cfg.seed + role.index,
         ready_file=str(role.run_dir / "endpoints" / f".rollout-{role.index}.ready.json"),
-        num_threads=None if gpu else CPU_THREADS,
+        num_threads=None if gpu else cpu_threads(),  # the phases time-slice the node's cores
     )
 
 

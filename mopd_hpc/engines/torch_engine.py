@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -206,9 +206,36 @@ class TorchScoringEngine:
         return self.residency.onload()
 
 
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The `OptimizerConfig` schedule as transformers' LambdaLR (warm-up, then constant or cosine to
+    min_lr_ratio·lr at `total_steps`); stepped once per optimizer step.
+
+    Raises:
+        EngineError: total_steps < 1 or warmup_steps >= total_steps.
+    """
+    from transformers import get_scheduler
+
+    if total_steps < 1 or config.warmup_steps >= total_steps:
+        raise EngineError(
+            f"optimizer.warmup_steps={config.warmup_steps} with total_steps={total_steps}: "
+            "expected total_steps >= 1 and warmup_steps < total_steps"
+        )
+    if config.schedule == "cosine":
+        return get_scheduler(
+            "cosine_with_min_lr",
+            optimizer,
+            num_warmup_steps=config.warmup_steps,
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs={"min_lr_rate": config.min_lr_ratio},
+        )
+    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=config.warmup_steps)
+
+
 class TorchTrainEngine:
-    """The actor's engine: transformers model + AdamW + the bound loss section. Build with
-    `from_pretrained`."""
+    """The actor's engine: transformers model + AdamW (+ its lr schedule over `total_steps`) + the bound
+    loss section. Build with `from_pretrained`."""
 
     def __init__(
         self,
@@ -218,6 +245,7 @@ class TorchTrainEngine:
         optimizer: OptimizerConfig,
         loss: LossConfig,
         backend: Backend = "auto",
+        total_steps: int = 1,
     ) -> None:
         if loss.estimator == "topk" and loss.orm_alpha > 0:
             raise EngineError(
@@ -230,6 +258,7 @@ class TorchTrainEngine:
         self.forward = CausalLMForward(model, device, backend)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
+        self.scheduler = lr_scheduler(self.optimizer, optimizer, total_steps)
         self.residency = Residency(model, device, self.optimizer)
         self.steps = 0
 
@@ -243,15 +272,18 @@ class TorchTrainEngine:
         optimizer: OptimizerConfig,
         loss: LossConfig,
         logprob_backend: Backend = "auto",
+        total_steps: int = 1,
     ) -> TorchTrainEngine:
-        """Load the student from `path`; dtype is the parameter and compute dtype (`ActorConfig.dtype`).
+        """Load the student from `path`; dtype is the parameter and compute dtype (`ActorConfig.dtype`);
+        total_steps is the run's length, over which the lr schedule runs (`lr_scheduler`).
 
         Raises:
-            EngineError: bad dtype/device, or a loss section this engine cannot apply.
+            EngineError: bad dtype/device, a schedule that does not fit total_steps, or a loss section
+                this engine cannot apply.
         """
         dev = resolve_device(device)
         model = load_causal_lm(path, dtype, dev)
-        return cls(model, str(path), dev, optimizer, loss, logprob_backend)
+        return cls(model, str(path), dev, optimizer, loss, logprob_backend, total_steps)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -280,8 +312,9 @@ class TorchTrainEngine:
         with torch.no_grad():
             return TeacherTopK.from_logits(self.forward.response_logits(batch.to(self.device)), k)
 
-    def compute_loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The bound loss of `batch` (already on the device) with its statistics; carries the gradient.
+    def compute_loss(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The bound loss of `batch` (already on the device), the [B, T] float32 log π_θ(y_t) it was
+        computed from (carrying the gradient), and the terms' statistics.
 
         Raises:
             EngineError: the batch lacks what a positive coefficient's term reads.
@@ -329,42 +362,53 @@ class TorchTrainEngine:
             stats.update(s)
             return value
 
-        return compose_loss(cfg, rl=rl, distill=distill), stats
+        return compose_loss(cfg, rl=rl, distill=distill), logprobs, stats
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(
+        self,
+        batch: TrainBatch,
+        observe: Callable[[torch.Tensor], Mapping[str, float]] | None = None,
+    ) -> dict[str, float]:
         """One optimizer step on `batch` with the bound loss (module docstring). Returns floats: `loss`,
-        `grad_norm` (L2, before clipping), `grad_clip_coef` (≤ 1), `step_skipped`, `lr`, `tokens`, and the
-        terms' statistics (`mopd/*` or `topk/*`, `grpo/*`)."""
+        `grad_norm` (L2, before clipping), `grad_clip_coef` (≤ 1), `step_skipped`, `lr` (the one this
+        step used), `tokens`, the terms' statistics (`mopd/*` or `topk/*`, `grpo/*`), and what
+        `observe` returns when given the step's detached [B, T] float32 log π_θ(y_t) (before the update:
+        monitoring statistics without a second forward pass)."""
         self._require_resident("train_step")
         self.model.train()
         batch = batch.to(self.device)
-        loss, stats = self.compute_loss(batch)
+        loss, logprobs, stats = self.compute_loss(batch)
+        observed = dict(observe(logprobs.detach())) if observe is not None else {}
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clip = self.optimizer_config.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=math.inf if clip is None else clip))
         finite = math.isfinite(grad_norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
         self.steps += 1
-        out = {name: float(value) for name, value in stats.items()}
+        out = {name: float(value) for name, value in stats.items()} | observed
         out |= {
             "loss": float(loss.detach()),
             "grad_norm": grad_norm,
             "grad_clip_coef": min(1.0, clip / (grad_norm + 1e-6)) if clip is not None and finite else 1.0,
             "step_skipped": 0.0 if finite else 1.0,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": lr,
             "tokens": float(batch.tokens.response_mask.sum()),
         }
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """{"model": model state_dict, "optimizer": AdamW state_dict, "steps": int}."""
+        """{"model": model state_dict, "optimizer": AdamW state_dict, "scheduler": its lr schedule's state,
+        "steps": int}."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "steps": self.steps,
         }
 
@@ -373,6 +417,8 @@ class TorchTrainEngine:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state.get("steps", 0))
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, detached tensor) of every weight; tied weights appear under each of their names."""

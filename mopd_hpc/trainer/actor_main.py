@@ -29,7 +29,7 @@ from mopd_hpc.config import ConfigError, RunConfig
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.runtime.signals import CheckpointRequest
-from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, load_run
+from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, cpu_threads, load_run
 
 log = logging.getLogger("mopd_hpc.trainer")
 
@@ -87,6 +87,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
         device="cuda" if gpu else "cpu",
         optimizer=cfg.models.actor.optimizer,
         loss=cfg.loss,
+        total_steps=cfg.steps,
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.models.tokenizer.path)
     data = build_run_data(cfg)
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     threads = environ.get(THREADS_ENV)
-    torch.set_num_threads(int(threads) if threads else 1)
+    torch.set_num_threads(int(threads) if threads else cpu_threads())
     torch.manual_seed(cfg.seed)
     try:
         return asyncio.run(run_actor(role, cfg, environ, sys.stdout))

@@ -24,6 +24,7 @@ the servers (`trainer/job_end.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -206,10 +207,11 @@ class Controller:
             scores = await self._teacher_phases(rollouts, teachers, timings)
             t0 = time.perf_counter()
             batch = train_batch(rollouts, scores, self.plan, self.cfg.data.samples_per_prompt)
-            extra = {}
+            observe = None
             if self.plan.estimator == "topk" and self.plan.requires_teacher_scoring:
-                extra = ratio_stats(self.engine.logprobs(batch.tokens), batch, self.cfg.loss)
-            stats = self.engine.train_step(batch)
+                # ρ statistics from the train step's own log π_θ (no second forward pass)
+                observe = functools.partial(ratio_stats, batch=batch, loss=self.cfg.loss)
+            stats = self.engine.train_step(batch, observe=observe)
             timings["train"] = time.perf_counter() - t0
             self.machine.transition(Phase.SYNC)
             t0 = time.perf_counter()
@@ -221,7 +223,7 @@ class Controller:
                 self.machine.transition(Phase.ABORT)
             raise
         self.step = step
-        values = step_metrics(stats, extra, rollouts, timings, self.cfg.loss, self.routes)
+        values = step_metrics(stats, rollouts, timings, self.cfg.loss, self.routes)
         values["rollout/weight_version"] = _as_number(rollouts.weight_versions[0])
         return values
 

@@ -143,6 +143,13 @@ class RoleEnv:
         return "127.0.0.1" if self.backend == "local" else self.host
 
 
+def cpu_threads(share: int = 1) -> int:
+    """Torch CPU threads for a role child: the CPUs this process may run on (its affinity mask, which
+    Slurm sets per task) split between the `share` children that compute at the same time (the phases
+    time-slice the rest: rollout, teachers and actor never compute together). At least 1."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, share))
+
+
 def port_env_name(name: str) -> str:
     return PORT_ENV_PREFIX + name.upper()
 

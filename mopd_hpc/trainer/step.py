@@ -76,7 +76,6 @@ def ratio_stats(student_logprobs: torch.Tensor, batch: TrainBatch, loss: LossCon
 
 def step_metrics(
     stats: Mapping[str, float],
-    extra: Mapping[str, float],
     rollouts: Rollouts,
     timings: Mapping[str, float],
     loss: LossConfig,
@@ -84,7 +83,7 @@ def step_metrics(
 ) -> dict[str, Any]:
     """The metrics line's values (without `step` and `ts`).
 
-    stats: `TorchTrainEngine.train_step` output. extra: `ratio_stats` (topk estimator) or {}.
+    stats: `TorchTrainEngine.train_step` output (with `ratio_stats` observed under the topk estimator).
     timings: phase name → seconds (absent phases: 0). routes: every route of the run (a route absent from
     this step's rollouts gets NaN reward/accuracy, written as null).
     """
@@ -102,7 +101,7 @@ def step_metrics(
         "mopd/ratio_masked_frac",
         "mopd/teacher_student_gap",
     ):
-        values[key] = extra.get(key, stats.get(key, float("nan")))
+        values[key] = stats.get(key, float("nan"))
     means = rollouts.route_means()
     for route in routes:
         reward, accuracy = means.get(route, (float("nan"), float("nan")))

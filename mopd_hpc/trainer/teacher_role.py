@@ -18,12 +18,10 @@ from collections.abc import Mapping, Sequence
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.teacher_main import TeacherArgs
 from mopd_hpc.trainer.job_end import stop_on_job_end
-from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, start_server_role
+from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, cpu_threads, start_server_role
 
 #: The plan's variable naming the teacher of this child.
 TEACHER_ID_ENV = "MOPD_TEACHER_ID"
-#: Torch CPU threads of a teacher on CPU.
-CPU_THREADS = 1
 
 
 def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> TeacherArgs:
@@ -47,7 +45,8 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         dtype=teacher.dtype,
         run_dir=str(role.run_dir),
         max_batch_rows=max(64, cfg.data.batch_size * cfg.data.samples_per_prompt),
-        num_threads=None if gpu else CPU_THREADS,
+        # on CPU the teachers of a step score concurrently: each takes its share of the cores
+        num_threads=None if gpu else cpu_threads(share=len(cfg.models.teachers)),
     )
 
 
