@@ -331,12 +331,9 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         ],
     ),
     (
-        "warmup-beyond-run",
-        seq(set_("steps", 50), set_("models.actor.optimizer.warmup_steps", 50)),
-        [
-            "models.actor.optimizer.warmup_steps: the warm-up does not end within the run (50 steps) "
-            "(got 50; < 50)"
-        ],
+        "warmup-whole-run",
+        set_("models.actor.optimizer.warmup_ratio", 1.0),
+        ["models.actor.optimizer.warmup_ratio:", "(got 1.0"],
     ),
     (
         "schedule-unknown",

@@ -333,7 +333,7 @@ def teacher_batch(engine: TorchTrainEngine, teacher_path: Path) -> TrainBatch:
 )
 def test_lr_schedule_per_step_and_across_resume(models, schedule, warmup, expected):
     """The lr each step used follows the schedule, and a reloaded engine continues it (not restarts it)."""
-    opt = OptimizerConfig(lr=1e-2, schedule=schedule, warmup_steps=warmup, min_lr_ratio=0.1)
+    opt = OptimizerConfig(lr=1e-2, schedule=schedule, warmup_ratio=warmup / 6, min_lr_ratio=0.1)
 
     def engine() -> TorchTrainEngine:
         return TorchTrainEngine.from_pretrained(
@@ -349,11 +349,15 @@ def test_lr_schedule_per_step_and_across_resume(models, schedule, warmup, expect
     assert lrs == pytest.approx([1e-2 * f for f in expected], abs=1e-9)
 
 
-def test_schedule_that_does_not_fit_the_run_is_refused(models):
-    opt = OptimizerConfig(lr=1e-2, warmup_steps=5)
-    with pytest.raises(EngineError, match="warmup_steps=5 with total_steps=5"):
+def test_schedule_needs_a_run_length(models):
+    with pytest.raises(EngineError, match="total_steps=0: expected >= 1"):
         TorchTrainEngine.from_pretrained(
-            models["student"], dtype="float32", device="cpu", optimizer=opt, loss=LossConfig(), total_steps=5
+            models["student"],
+            dtype="float32",
+            device="cpu",
+            optimizer=OptimizerConfig(lr=1e-2),
+            loss=LossConfig(),
+            total_steps=0,
         )
 
 

@@ -15,7 +15,7 @@ class OptimizerConfig(Section):
     """AdamW of the actor, and its learning-rate schedule over the run's `steps`.
 
     lr(s) for step s = 1..steps (transformers' schedules, `transformers.get_scheduler`):
-    linear warm-up from 0 to lr over the first `warmup_steps` steps, then `constant` (lr) or
+    linear warm-up from 0 to lr over the first round(warmup_ratio·steps) steps, then `constant` (lr) or
     `cosine` (half a cosine period from lr down to min_lr_ratio·lr, reached just after the last step).
     """
 
@@ -23,7 +23,9 @@ class OptimizerConfig(Section):
     schedule: Literal["constant", "cosine"] = Field(
         "constant", description="After the warm-up: 'constant' lr, or 'cosine' decay to min_lr_ratio·lr."
     )
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in steps (must be < steps).")
+    warmup_ratio: float = Field(
+        0.0, ge=0, lt=1, allow_inf_nan=False, description="Linear warm-up, as a fraction of the run's steps."
+    )
     min_lr_ratio: float = Field(
         0.0, ge=0, le=1, allow_inf_nan=False, description="'cosine': the final lr as a fraction of lr."
     )

@@ -306,18 +306,6 @@ def _eval_split(c: Any) -> Iterator[Problem]:
         )
 
 
-@rule("models", "steps")
-def _warmup_within_run(c: Any) -> Iterator[Problem]:
-    opt = c.models.actor.optimizer
-    if opt.warmup_steps >= c.steps:
-        yield Problem(
-            "models.actor.optimizer.warmup_steps",
-            f"the warm-up does not end within the run ({c.steps} steps)",
-            opt.warmup_steps,
-            f"< {c.steps}",
-        )
-
-
 def config_warnings(cfg: Any) -> list[str]:
     """Legal but suspicious settings of a valid RunConfig, rendered as problems (not errors)."""
     out = []

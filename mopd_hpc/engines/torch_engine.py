@@ -209,28 +209,27 @@ class TorchScoringEngine:
 def lr_scheduler(
     optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The `OptimizerConfig` schedule as transformers' LambdaLR (warm-up, then constant or cosine to
-    min_lr_ratio·lr at `total_steps`); stepped once per optimizer step.
+    """The `OptimizerConfig` schedule as transformers' LambdaLR: a linear warm-up over
+    round(warmup_ratio·total_steps) steps, then constant, or cosine to min_lr_ratio·lr just after
+    `total_steps`; stepped once per optimizer step.
 
     Raises:
-        EngineError: total_steps < 1 or warmup_steps >= total_steps.
+        EngineError: total_steps < 1.
     """
     from transformers import get_scheduler
 
-    if total_steps < 1 or config.warmup_steps >= total_steps:
-        raise EngineError(
-            f"optimizer.warmup_steps={config.warmup_steps} with total_steps={total_steps}: "
-            "expected total_steps >= 1 and warmup_steps < total_steps"
-        )
+    if total_steps < 1:
+        raise EngineError(f"total_steps={total_steps}: expected >= 1 (the run's steps)")
+    warmup = round(config.warmup_ratio * total_steps)
     if config.schedule == "cosine":
         return get_scheduler(
             "cosine_with_min_lr",
             optimizer,
-            num_warmup_steps=config.warmup_steps,
+            num_warmup_steps=warmup,
             num_training_steps=total_steps,
             scheduler_specific_kwargs={"min_lr_rate": config.min_lr_ratio},
         )
-    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=config.warmup_steps)
+    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
 
 
 class TorchTrainEngine:
@@ -278,8 +277,7 @@ class TorchTrainEngine:
         total_steps is the run's length, over which the lr schedule runs (`lr_scheduler`).
 
         Raises:
-            EngineError: bad dtype/device, a schedule that does not fit total_steps, or a loss section
-                this engine cannot apply.
+            EngineError: bad dtype/device, total_steps < 1, or a loss section this engine cannot apply.
         """
         dev = resolve_device(device)
         model = load_causal_lm(path, dtype, dev)
