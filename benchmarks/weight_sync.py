@@ -1,12 +1,22 @@
-"""Actor → rollout weight sync on two GPUs (issue 8): the NCCL path of `TorchBroadcastSender` against the
-NCCL broadcast bandwidth measured in the same run.
+"""Actor → rollout weight sync on two GPUs (issue 8): the NCCL path of `TorchBroadcastSender` and the AWEX
+path (awex 0.9.0's NCCL writer on a Megatron actor → `awex_hf` reader in the HF engine), against the NCCL
+broadcast bandwidth measured in the same run.
 
     python benchmarks/weight_sync.py               # 2 GPUs; writes benchmarks/results/weight_sync.json
+    python benchmarks/weight_sync.py --methods awex --sizes 0.6b
 
 Setup per size (Qwen3 shapes ~0.6B and ~1.7B, bf16, random weights): the actor holds the model on GPU 0;
 an HF rollout server (`python -m mopd_hpc.engines.rollout.hf_server`, CUDA_VISIBLE_DEVICES=1) serves the
 same architecture on GPU 1. One sync = POST /update_weights_from_distributed while rank 0 broadcasts every
 tensor (flattened per dtype) and the server loads them into its model.
+
+AWEX (method "awex"): a writer process (GPU 0: `MegatronTrainEngine` built from the checkpoint,
+`AwexActorPublisher`, the MetaServer) and a reader process (GPU 1: `HFRolloutEngine` + `hf_awex_engine`);
+one sync = `publish(step)` on the writer while the reader's `update_weights()` waits (the reader is
+given 0.5 s to reach its receive first); timed on the writer, device synchronized. The first update
+(metadata exchange, plan, NCCL group) is reported apart as `first_s`. awex sends the tied embedding twice
+(as model.embed_tokens and as the lm_head alias both sides add): `sent_bytes`; `bytes` (the floor) counts
+each weight once, as the torch rows do.
 
 `bandwidth_gbps`: a 2-process NCCL broadcast of a 1 GiB buffer GPU 0 → GPU 1 (median of 10).
 `sync_floor_ratio` = measured sync seconds / (bytes sent / bandwidth); goal ≤ 1.25.
@@ -141,6 +151,97 @@ async def measure(size: str, http_port: int, group_port: int, repeats: int, bw: 
         torch.cuda.empty_cache()
 
 
+def _awex_role(role: str, run_dir: Path, port: int, repeats: int) -> None:
+    """One side of the AWEX benchmark (run in its own process, see `measure_awex`)."""
+    from mopd_hpc.engines.weight_sync.awex import AwexJobConfig, read_meta_server_address
+
+    ckpt = run_dir / "ckpt"
+    cfg = AwexJobConfig(mode="separate", comm_backend="nccl", ipc_backend="cuda", meta_server_addr="",
+                        num_engines=1, engine_tp=1, engine_pp=1, infer_world=1, train_world=1,
+                        model_arch="Qwen3ForCausalLM")  # fmt: skip
+    os.environ.update(cfg.trainer_env(0, "127.0.0.1", 0))
+    steps = range(1, repeats + 2)
+    if role == "writer":
+        from mopd_hpc.config.loss import LossConfig
+        from mopd_hpc.config.models import OptimizerConfig
+        from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
+        from mopd_hpc.engines.weight_sync.awex_actor import AwexActorPublisher, start_run_meta_server
+
+        device = initialize_parallel(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
+                                     tensor_parallel=1, device_index=0)  # fmt: skip
+        addr = start_run_meta_server(run_dir, host="127.0.0.1")
+        config = json.loads((ckpt / "config.json").read_text())
+        model, shape = build_from_hf(ckpt, config, "bfloat16", device)
+        actor = MegatronTrainEngine(model, shape, config, LossConfig(), OptimizerConfig(lr=1e-6), device)
+        publisher = AwexActorPublisher(cfg.with_meta_server(addr), actor)
+        publisher.initialize()
+        for step in steps:
+            time.sleep(0.5)
+            publisher.publish(step)
+        (run_dir / "writer.json").write_text(json.dumps({"seconds": publisher.seconds}))
+        while not (run_dir / "reader.json").exists():  # the MetaServer lives in this process
+            time.sleep(0.2)
+        return
+    from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
+    from mopd_hpc.engines.weight_sync.awex_hf import hf_awex_engine
+
+    engine = HFRolloutEngine.load(str(ckpt), "cuda:1", "bfloat16")
+    addr = read_meta_server_address(run_dir, timeout_s=300)
+    awex_engine = hf_awex_engine(cfg.with_meta_server(addr).inference_config(engine_rank=0), engine)
+    awex_engine.initialize()
+    seconds = []
+    for step in steps:
+        awex_engine.set_global_step(step)
+        t0 = time.perf_counter()
+        awex_engine.update_weights()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    (run_dir / "reader.json").write_text(json.dumps({"seconds": seconds, "version": engine.weight_version}))
+
+
+def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path) -> dict:
+    """The AWEX path for one size: writer and reader processes (module docstring)."""
+    run_dir = tmp / f"awex_{size}"
+    run_dir.mkdir()
+    model = write_checkpoint(SHAPES[size], run_dir / "ckpt")
+    named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    embed = model.state_dict()["model.embed_tokens.weight"]
+    sent = nbytes + (embed.numel() * embed.element_size() if SHAPES[size]["tie_word_embeddings"] else 0)
+    del model, named, embed
+    torch.cuda.empty_cache()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    procs = []
+    for role in ("writer", "reader"):
+        log = open(run_dir / f"{role}.log", "w")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, __file__, "--awex-role", role, "--run-dir", str(run_dir), "--repeats", str(repeats),
+               "--base-port", str(port)]  # fmt: skip
+        procs.append((role, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for role, proc, _ in procs:
+            if proc.wait(timeout=480) != 0:
+                tail = (run_dir / f"{role}.log").read_text()[-1500:]
+                raise RuntimeError(f"awex {role} exited {proc.returncode}: {tail}")
+    finally:
+        for _, proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    writer = json.loads((run_dir / "writer.json").read_text())["seconds"]
+    reader = json.loads((run_dir / "reader.json").read_text())
+    sync_s = statistics.median(writer[1:])
+    floor_s = nbytes / (bw * 1e9)
+    return {"method": "awex", "size": size, "bytes": nbytes, "sent_bytes": sent, "sync_s": round(sync_s, 4),
+            "floor_s": round(floor_s, 4), "sync_floor_ratio": round(sync_s / floor_s, 3),
+            "effective_gbps": round(nbytes / sync_s / 1e9, 1), "first_s": round(writer[0], 3),
+            "times_s": [round(t, 4) for t in writer[1:]], "reader_times_s": [round(t, 4) for t in reader["seconds"][1:]],
+            "weight_version": reader["version"]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="0.6b,1.7b")
@@ -149,41 +250,48 @@ def main(argv: list[str] | None = None) -> int:
         "--base-port", type=int, default=29610, help="bandwidth rendezvous; +1 http; +2 sync group"
     )
     p.add_argument("--out", type=Path, default=RESULTS / "weight_sync.json")
+    p.add_argument("--methods", default="torch,awex", help="comma list of torch, awex")
+    p.add_argument("--awex-role", choices=("writer", "reader"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.awex_role is not None:
+        _awex_role(args.awex_role, args.run_dir, args.base_port, args.repeats)
+        return 0
     if torch.cuda.device_count() < 2:
         print("weight_sync: needs 2 CUDA GPUs", file=sys.stderr)
         return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     bw = nccl_broadcast_gbps(args.base_port)
     print(f"measured NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for k, size in enumerate(args.sizes.split(",")):
-            try:
-                row = asyncio.run(
-                    measure(
-                        size,
-                        args.base_port + 1 + 2 * k,
-                        args.base_port + 2 + 2 * k,
-                        args.repeats,
-                        bw,
-                        Path(tmp),
-                    )
-                )
-            except Exception as exc:  # noqa: BLE001 - report it in the table
-                row = {"size": size, "error": f"{type(exc).__name__}: {exc}"[:300]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(f"\n{'size':6} {'GB':>6} {'sync s':>8} {'floor s':>8} {'ratio':>6}")
+        for method in args.methods.split(","):
+            for k, size in enumerate(args.sizes.split(",")):
+                try:
+                    if method == "awex":
+                        row = measure_awex(size, args.base_port + 10 + k, args.repeats, bw, Path(tmp))
+                    else:
+                        ports = (args.base_port + 1 + 2 * k, args.base_port + 2 + 2 * k)
+                        row = {"method": "torch"} | asyncio.run(
+                            measure(size, *ports, args.repeats, bw, Path(tmp))
+                        )
+                except Exception as exc:  # noqa: BLE001 - report it in the table
+                    row = {"method": method, "size": size, "error": f"{type(exc).__name__}: {exc}"[:1500]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                partial = {"benchmark": "weight_sync", "bandwidth_gbps": round(bw, 1), "rows": rows}
+                atomic_write_json(args.out, partial)  # survives a run cut short
+    print(f"\n{'method':6} {'size':6} {'GB':>6} {'sync s':>8} {'floor s':>8} {'ratio':>6}")
     for r in rows:
         if "error" in r:
-            print(f"{r['size']:6} error: {r['error'][:90]}")
+            print(f"{r['method']:6} {r['size']:6} error: {r['error'][:300]}")
         else:
             print(
-                f"{r['size']:6} {r['bytes'] / 1e9:6.2f} {r['sync_s']:8.3f} {r['floor_s']:8.3f} {r['sync_floor_ratio']:6.2f}"
+                f"{r['method']:6} {r['size']:6} {r['bytes'] / 1e9:6.2f} {r['sync_s']:8.3f} {r['floor_s']:8.3f} "
+                f"{r['sync_floor_ratio']:6.2f}"
             )
     result = {"benchmark": "weight_sync", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "bandwidth_gbps": round(bw, 1), "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0

@@ -306,6 +306,20 @@ def _eval_split(c: Any) -> Iterator[Problem]:
         )
 
 
+@rule("models")
+def _megatron_schedule(c: Any) -> Iterator[Problem]:
+    """The megatron engine keeps Megatron's optimizer at a constant lr (no schedule wired in yet)."""
+    actor = c.models.actor
+    opt = actor.optimizer
+    if actor.engine == "megatron" and (opt.schedule != "constant" or opt.warmup_ratio > 0):
+        yield Problem(
+            "models.actor.optimizer.schedule",
+            f"the megatron engine trains at a constant lr (warmup_ratio {opt.warmup_ratio})",
+            opt.schedule,
+            "schedule: constant and warmup_ratio: 0 with engine: megatron, or engine: torch",
+        )
+
+
 def config_warnings(cfg: Any) -> list[str]:
     """Legal but suspicious settings of a valid RunConfig, rendered as problems (not errors)."""
     out = []

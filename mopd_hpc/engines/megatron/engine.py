@@ -11,7 +11,10 @@ labels_p = input_ids_{p+1}, the log-prob of response token t of row b sits at po
 response_start[b] + t − 1 (`TokenBatch.logit_positions`). Rows are right-padded: causal attention alone is exact.
 
 The train step (sampled estimator; loss bound at construction, `mopd.loss.mopd_loss`):
-    zero DDP grad buffers → loss → backward → DDP finish_grad_sync → MegatronOptimizer.step()
+    zero DDP grad buffers → loss → backward → finalize_model_grads → MegatronOptimizer.step()
+(`finalize_model_grads` = DDP's finish_grad_sync plus the tensor-parallel all-reduce of replicated
+weights whose gradients differ per TP rank: q/k layernorm, each rank seeing its own heads; with only
+finish_grad_sync, TP ranks drifted apart after one step — seen on 2 H200s, issue 8.)
 (clipping to optimizer.grad_clip and the norm are the optimizer's: `clip_grad`, returned grad_norm).
 """
 
@@ -217,6 +220,8 @@ class MegatronTrainEngine:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One step: zero grad buffers, MOPD loss, backward, grad sync, Megatron optimizer step."""
+        from megatron.core.distributed import finalize_model_grads
+
         self._require_resident("train_step")
         if batch.targets is None:
             raise EngineError("estimator 'sampled' needs batch.targets (S, W); got None")
@@ -231,7 +236,7 @@ class MegatronTrainEngine:
             tokens.response_mask, self.loss_config, orm_advantages=batch.orm_advantages,
         )  # fmt: skip
         loss.backward()
-        self.ddp.finish_grad_sync()
+        finalize_model_grads([self.ddp])
         ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
         out = {name: float(value) for name, value in stats.items()}

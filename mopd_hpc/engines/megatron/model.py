@@ -135,7 +135,7 @@ def build_gpt_model(
     cfg = transformer_config(
         shape, dtype, tensor_parallel, layernorm_epsilon=layernorm_epsilon, cpu_init=cpu_init
     )
-    return GPTModel(
+    model = GPTModel(
         config=cfg,
         transformer_layer_spec=layer_spec(fused_attention),
         vocab_size=shape.padded_vocab_size,
@@ -146,6 +146,14 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(rope_theta),
     )
+    # The local spec's norms are torch.nn.RMSNorm built in the default dtype (float32) whatever params_dtype
+    # says: cast every parameter to `dtype` (as HF stores them, and as AWEX requires: its plan refuses a
+    # dtype that differs between trainer and rollout). Buffers (RoPE inv_freq) keep float32.
+    torch_dtype = DTYPES[dtype]
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != torch_dtype:
+            param.data = param.data.to(torch_dtype)
+    return model
 
 
 def load_mcore_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

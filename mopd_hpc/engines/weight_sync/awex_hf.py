@@ -1,0 +1,279 @@
+"""AWEX's inference-engine interface for the HF rollout engine (issue 8): awex 0.9.0's reader side
+(`WeightsReader` → `NCCLWorkerWeightsReader`) updates the transformers model that
+`engines/rollout/hf_engine.py` serves, in place, from AWEX's NCCL writer on the Megatron actor.
+
+What the SGLang adapter (`awex/engine/sglang.py` + its worker hooks) gives the reader, and the HF
+equivalent here (the smallest set the reader touches):
+- `execute_task_in_model_worker(fn, **kw)`: SGLang ships `fn` to every TP worker over ZMQ and returns
+  the results in rank order; the HF model lives in this process (TP 1), so it is one direct call
+  `[fn(model=..., model_context=..., **kw)]`, under the engine's lock so no decoding step reads a
+  half-written weight;
+- `model_context`: the keys awex's rank extractors read (tp/pp/dp/attn ranks and sizes, world size,
+  global and local rank), `infer_engine_config` (the awex InferenceConfig) and `scheduler`: the
+  reader uses `scheduler.gpu_id` (its CUDA device) and `scheduler.flush_cache()` after each update
+  (SGLang drops its radix cache; the HF engine keeps no cache across requests: True);
+- parameter metadata: the served model's `named_parameters()` are already HF names, so the infer-side
+  converter is the identity (no fused qkv/gate_up as in SGLang); the tied `lm_head.weight` alias is added
+  by awex itself; sharding: TP 1, every tensor whole (awex's generic `ShardingStrategy`);
+- update in place: the reader receives (NCCL recv) straight into the `nn.Parameter` objects it got from
+  the converter; they stay valid across `offload_weights`/`onload_weights` (module.to() swaps `.data`);
+- a default torch.distributed group: SGLang's scheduler has one (its TP world) and awex's
+  `init_weights_update_group` asserts it; the HF engine is one process, so `initialize()` creates a
+  world-1 default group on an in-memory HashStore (no port) when none exists;
+- memory: `release_memory_occupation(["weights"])` / resume map to the engine's offload/onload
+  ("kv_cache" is a no-op: nothing persists between requests).
+
+awex 0.9.0 dispatches engine names with if-chains (`get_rank_info_extractor`,
+`get_sharding_strategy_builder`, `get_infer_weights_converter`; unknown names raise), with no registry:
+`register_hf_engine()` wraps the three factories (in their modules and where they were imported by name)
+so that "hf" resolves, and delegates every other name unchanged. Idempotent.
+
+The three 0.9.0 gaps (awex.py): 1. `require_awex()` before any awex import; 2. `HFAwexEngine.initialize`
+refuses a config whose node_rank is unset instead of silently skipping the reader (SGLangEngine's
+behaviour); 3. colocate is not offered here (one HF process per GPU, separate mode; the colocate writer
+patch lives in `awex_actor.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mopd_hpc.engines.weight_sync.awex import AwexConfigError, require_awex
+
+log = logging.getLogger(__name__)
+
+ENGINE_NAME = "hf"
+#: awex modules that imported a factory by name (each keeps its own reference) and the names they hold.
+_FACTORY_HOLDERS = {
+    "awex.sharding.param_sharding": ("get_rank_info_extractor", "get_sharding_strategy_builder"),
+    "awex.sharding": ("get_rank_info_extractor", "get_sharding_strategy_builder"),
+    "awex.models.registry": ("get_infer_weights_converter",),
+    "awex.models": ("get_infer_weights_converter",),
+    "awex.meta.infer_meta_resolver": (
+        "get_rank_info_extractor",
+        "get_sharding_strategy_builder",
+        "get_infer_weights_converter",
+    ),
+    "awex.reader.weights_reader": ("get_rank_info_extractor", "get_infer_weights_converter"),
+}
+
+
+class HFToHFWeightConverter:
+    """The infer-side converter of the HF engine: names are HF already; tensors are the parameters
+    themselves (so the reader writes into them)."""
+
+    def __init__(self, hf_config: Any, infer_engine_config: Any, rank_info: Any) -> None:
+        self.model_config, self.infer_engine_config, self.rank_info = (
+            hf_config,
+            infer_engine_config,
+            rank_info,
+        )
+
+    def convert_param(self, name: str, parameter: Any) -> list[tuple[str, Any]]:
+        return [(name, parameter)]
+
+
+def hf_rank_info(model_context: Mapping[str, Any], engine_rank: int) -> Any:
+    """awex RankInfo of the HF engine's (only) worker, from `model_context` (vLLM's generic extractor)."""
+    from awex.sharding.vllm_sharding import get_vllm_rank_info
+
+    return get_vllm_rank_info(model_context, engine_rank)
+
+
+def hf_sharding_strategy(model_name: str, infer_engine_config: Any, rank_info: Any, **kwargs: Any) -> Any:
+    """awex's ShardingStrategy of `model_name` (registered or the generic one) with engine name "hf"."""
+    from awex.models import get_sharding_strategy
+
+    return get_sharding_strategy(model_name)(
+        engine_name=ENGINE_NAME, enable_dp_attention=False, enable_dp_lm_head=False,
+        moe_dense_tp_size=rank_info.tp_size, tp_size=rank_info.tp_size, ep_size=1, ep_tp_size=1,
+        rank_info=rank_info, device_backend=getattr(infer_engine_config, "device_backend", None), **kwargs,
+    )  # fmt: skip
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(original, "_mopd_hf", False):
+        return original
+    if name == "get_rank_info_extractor":
+
+        def wrapped(engine_name: str) -> Any:
+            return hf_rank_info if engine_name == ENGINE_NAME else original(engine_name)
+    elif name == "get_sharding_strategy_builder":
+
+        def wrapped(engine_name: str) -> Any:
+            return hf_sharding_strategy if engine_name == ENGINE_NAME else original(engine_name)
+    else:
+
+        def wrapped(
+            engine_name: str, model_name: str, hf_config: Any, rank_info: Any, infer_engine_config: Any
+        ):
+            if engine_name == ENGINE_NAME:
+                return HFToHFWeightConverter(hf_config, infer_engine_config, rank_info)
+            return original(engine_name, model_name, hf_config, rank_info, infer_engine_config)
+
+    wrapped._mopd_hf = True  # type: ignore[attr-defined]
+    wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapped
+
+
+def register_hf_engine() -> None:
+    """Make awex 0.9.0 resolve the engine name "hf" (module docstring). Idempotent.
+
+    Raises:
+        AwexUnavailableError: awex or megatron.core is not importable.
+    """
+    import importlib
+
+    require_awex()
+    for module_name, names in _FACTORY_HOLDERS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            setattr(module, name, _wrap(name, getattr(module, name)))
+
+
+class HFScheduler:
+    """What awex's worker reader uses of SGLang's scheduler: gpu_id, server_args, flush_cache()."""
+
+    def __init__(self, gpu_id: int, server_args: Any) -> None:
+        self.gpu_id, self.local_rank, self.server_args = gpu_id, gpu_id, server_args
+        self.flushes = 0
+
+    def flush_cache(self) -> bool:
+        """SGLang drops its prefix cache here; the HF engine keeps none between requests."""
+        self.flushes += 1
+        return True
+
+
+def hf_model_context(config: Any, gpu_id: int) -> dict[str, Any]:
+    """The `model_context` awex tasks receive for the HF engine's single worker (TP 1, PP 1, DP 1)."""
+    return {
+        "tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0,
+        "attn_tp_size": 1, "attn_tp_rank": 0, "attn_dp_rank": 0, "ep_size": 1, "ep_rank": 0,
+        "world_size": 1, "global_rank": 0, "local_rank": gpu_id,
+        "scheduler": HFScheduler(gpu_id, config), "infer_engine_config": config,
+    }  # fmt: skip
+
+
+def ensure_default_group() -> None:
+    """A world-1 default process group (HashStore, no port) unless one exists: awex's reader asserts one."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _engine_base() -> type:
+    require_awex()
+    from awex.engine.core import InferenceEngine
+
+    return InferenceEngine
+
+
+def hf_awex_engine(config: Mapping[str, Any] | Any, engine: Any) -> Any:
+    """An awex `InferenceEngine` serving `engine` (an `HFRolloutEngine`); config: `AwexJobConfig.
+    inference_config(...)` or an awex InferenceConfig. Registers the "hf" engine name first.
+
+    Raises:
+        AwexConfigError: tp/pp/dp is not 1 (the HF engine is one process), or node_rank is unset (gap 2).
+    """
+    register_hf_engine()
+    return _engine_class()(config, engine)
+
+
+_CLASS: list[type] = []
+
+
+def _engine_class() -> type:
+    if _CLASS:
+        return _CLASS[0]
+    from awex.config import InferenceConfig
+    from awex.reader.weights_reader import get_weights_exchange_reader
+
+    class HFAwexEngine(_engine_base()):  # type: ignore[misc]
+        """awex's inference-engine interface over an in-process HFRolloutEngine (module docstring)."""
+
+        def __init__(self, config: Mapping[str, Any] | Any, engine: Any) -> None:
+
+            cfg = InferenceConfig.from_dict(dict(config)) if isinstance(config, Mapping) else config
+            sizes = {"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "dp_size": cfg.dp_size}
+            if any(v not in (None, 1) for v in sizes.values()):
+                raise AwexConfigError(
+                    f"HF engine AWEX config {sizes}: the HF engine is one process, expected 1"
+                )
+            if cfg.node_rank is None:
+                raise AwexConfigError(
+                    "InferenceConfig.node_rank is None: awex 0.9.0 would silently skip the reader "
+                    "(gap 2); build the config with AwexJobConfig.inference_config(engine_rank, node_rank=0)"
+                )
+            cfg.tp_size = cfg.pp_size = cfg.dp_size = cfg.ep_size = 1
+            cfg.enable_dp_attention = cfg.enable_dp_lm_head = False
+            hf_config = engine.model.config
+            if not getattr(hf_config, "architectures", None):
+                hf_config.architectures = [type(engine.model).__name__]
+            super().__init__(hf_config)
+            self._config, self.engine = cfg, engine
+            gpu = engine.device.index if engine.device.type == "cuda" else 0
+            self.model_context = hf_model_context(cfg, gpu if gpu is not None else 0)
+            self.released_tags: set[str] = set()
+            self.weights_exchange_reader: Any = None
+
+        @property
+        def engine_name(self) -> str:
+            return ENGINE_NAME
+
+        @property
+        def config(self) -> Any:
+            return self._config
+
+        @property
+        def num_engines(self) -> int:
+            return self._config.num_engines
+
+        @property
+        def engine_rank(self) -> int:
+            return self._config.engine_rank
+
+        def initialize(self) -> None:
+            """Build awex's reader (publishes the engine count; metadata is resolved here, on CPU-cheap
+            calls into the model). Only node 0 of an engine drives it (gap 2, checked at construction)."""
+            if self._config.node_rank != 0:
+                log.info("node_rank=%s: this node does not drive the AWEX reader", self._config.node_rank)
+                return
+            ensure_default_group()
+            self.weights_exchange_reader = get_weights_exchange_reader(self)
+            self.weights_exchange_reader.initialize()
+
+        def execute_task_in_model_worker(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+            """Run an awex task in the (in-process) model worker; results in worker order (one)."""
+            with self.engine.lock:
+                return [fn(model=self.engine.model, model_context=self.model_context, **kwargs)]
+
+        def update_weights(self, **kwargs: Any) -> None:
+            """Receive one AWEX update for step `global_step` (blocks until the writer sends it); the
+            engine's weight_version becomes str(global_step)."""
+            if self.weights_exchange_reader is None:
+                raise AwexConfigError("update_weights before initialize(): the AWEX reader is not built")
+            self.weights_exchange_reader.update_weights(step_id=self.global_step, **kwargs)
+            self.engine.weight_version = str(self.global_step)
+
+        def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
+            self.engine.load_from_disk(model_path, str(self.global_step))
+
+        def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+            tags = [tags] if isinstance(tags, str) else list(tags or ["kv_cache", "weights"])
+            if "weights" in tags and "weights" not in self.released_tags:
+                self.engine.offload_weights()
+            self.released_tags |= set(tags)
+
+        def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+            tags = [tags] if isinstance(tags, str) else list(tags or ["kv_cache", "weights"])
+            if "weights" in tags and "weights" in self.released_tags:
+                self.engine.onload_weights()
+            self.released_tags -= set(tags)
+
+    _CLASS.append(HFAwexEngine)
+    return HFAwexEngine
