@@ -98,3 +98,20 @@ def test_awex_colocate_rejected_by_check_cli(tmp_path: Path) -> None:
     proc = mopd_submit("--check", bad)
     assert proc.returncode == 2
     assert "AWEX colocate" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    "config", ["configs/qwen3_8gpu_colocated.yaml", "configs/gsm8k_qwen3_14b_to_0_6b.yaml"]
+)
+def test_production_engines_are_refused_at_submit_not_substituted(config: str, tmp_path: Path) -> None:
+    """The job's roles run the torch engines only: a megatron/sglang/awex config is valid (--check warns,
+    --dry-run works) but mopd-submit refuses to run it, naming each field, before any process starts."""
+    check = mopd_submit("--check", REPO / config)
+    assert check.returncode == 0, check.stderr
+    assert "# warning: not run by the job's roles yet: models.actor.engine: the actor role runs the torch " \
+        "engine only (got 'megatron'; torch)" in check.stdout  # fmt: skip
+    run = mopd_submit(REPO / config, "--run-dir", tmp_path / "run")
+    assert run.returncode == 2
+    for field in ("models.actor.engine", "rollout.backend", "weight_sync.backend"):
+        assert f"{field}: " in run.stderr, run.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made

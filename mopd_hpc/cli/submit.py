@@ -34,6 +34,7 @@ from typing import TextIO
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
+from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
@@ -174,6 +175,12 @@ def execute(
             )
         if args.probe or (missing and not args.render and not args.dry_run):
             plan = plan.as_probe()
+        elif not args.render and not args.dry_run and (gaps := job_gaps(cfg)):
+            raise UsageError(
+                "this config is valid but asks for what the job's roles do not run yet (issue 8): "
+                + "; ".join(gap.render() for gap in gaps)
+                + " — use --dry-run/--render to review it, or --probe to run the control plane of this shape"
+            )
         request = render(jobspec_from_config(cfg, path, python, plan))
     except (ConfigError, PlanError, JobSpecError, UsageError) as exc:
         print(str(exc) if isinstance(exc, ConfigError) else f"mopd-submit: {exc}", file=err)

@@ -320,9 +320,56 @@ def _megatron_schedule(c: Any) -> Iterator[Problem]:
         )
 
 
-def config_warnings(cfg: Any) -> list[str]:
-    """Legal but suspicious settings of a valid RunConfig, rendered as problems (not errors)."""
+def job_gaps(cfg: Any) -> list[Problem]:
+    """Valid settings that the job's roles do not run yet, one problem each (issue 8).
+
+    The roles (trainer/actor_main, trainer/teacher_role, engines/rollout_main, the controller's weight sync)
+    build the torch engines, the HF rollout server and torch.distributed weight sync. The megatron-core
+    engines, the SGLang backend and the AWEX path exist as components (engines/megatron,
+    engines/rollout/sglang_backend, engines/weight_sync/awex*) with their tests and benchmarks, but no role
+    builds them yet: such a config passes --check, --dry-run, --render and --probe, and mopd-submit refuses
+    to run it (rather than run the torch engines in their place).
+    """
     out = []
+    if cfg.models.actor.engine != "torch":
+        out.append(
+            Problem(
+                "models.actor.engine",
+                "the actor role runs the torch engine only",
+                cfg.models.actor.engine,
+                "torch",
+            )
+        )
+    for i, teacher in enumerate(cfg.models.teachers):
+        if teacher.engine != "torch":
+            out.append(
+                Problem(
+                    join_path("models", "teachers", i, "engine"),
+                    "the teacher role runs the torch scoring engine only",
+                    teacher.engine,
+                    "torch",
+                )
+            )
+    if cfg.rollout.backend != "hf":
+        out.append(
+            Problem("rollout.backend", "the rollout role runs the hf server only", cfg.rollout.backend, "hf")
+        )
+    if cfg.weight_sync.backend != "torch":
+        out.append(
+            Problem(
+                "weight_sync.backend",
+                "the controller syncs weights with torch.distributed only",
+                cfg.weight_sync.backend,
+                "torch",
+            )
+        )
+    return out
+
+
+def config_warnings(cfg: Any) -> list[str]:
+    """Legal but suspicious settings of a valid RunConfig, rendered as problems (not errors); `job_gaps`
+    first, as "not run by the job's roles yet: ..."."""
+    out = [f"not run by the job's roles yet: {gap.render()}" for gap in job_gaps(cfg)]
     for i, teacher in enumerate(cfg.models.teachers):
         if not any(weights.get(teacher.id, 0) > 0 for weights in cfg.routes.values()):
             out.append(
