@@ -270,3 +270,18 @@ def test_sbatch_output_parsing(output: str, job_id: str) -> None:
     assert launch_slurm.HetSlurmExecutor._get_job_id_from_submission_command(output) == job_id
     with pytest.raises(SubmitError, match="could not read a job id"):
         launch_slurm.HetSlurmExecutor._get_job_id_from_submission_command("sbatch: error: nope")
+
+
+def test_cpu_threads_budget_is_affinity_capped_by_slurm_cpus_per_task() -> None:
+    import os
+
+    from mopd_hpc.trainer.role_env import RoleEnvError, cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads({}) == cores
+    assert cpu_threads({}, share=2) == max(1, cores // 2)
+    assert cpu_threads({}, share=10 * cores) == 1  # never 0
+    assert cpu_threads({"SLURM_CPUS_PER_TASK": "1"}) == 1  # the task asked for 1 CPU: 1 thread
+    assert cpu_threads({"SLURM_CPUS_PER_TASK": str(cores + 8)}) == cores  # never above the affinity
+    with pytest.raises(RoleEnvError, match="SLURM_CPUS_PER_TASK='two': expected a positive integer"):
+        cpu_threads({"SLURM_CPUS_PER_TASK": "two"})

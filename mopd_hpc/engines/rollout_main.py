@@ -37,6 +37,12 @@ from mopd_hpc.trainer.role_env import RoleEnv, cpu_threads, endpoint_file, start
 log = logging.getLogger("mopd_hpc.rollout")
 
 
+def engines_per_node(cfg: RunConfig) -> int:
+    """Rollout engines that share a node: the engine count over the rollout group's nodes (rounded up)."""
+    nodes = max(1, cfg.cluster.rollout_group.nodes)
+    return -(-cfg.rollout.engines.count // nodes)
+
+
 def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> ServerArgs:
     """The hf server's arguments for this engine (module docstring)."""
     gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
@@ -51,7 +57,8 @@ def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> Se
         max_batch_rows=cfg.data.batch_size * cfg.data.samples_per_prompt,
         random_seed=cfg.seed + role.index,
         ready_file=str(role.run_dir / "endpoints" / f".rollout-{role.index}.ready.json"),
-        num_threads=None if gpu else cpu_threads(),  # the phases time-slice the node's cores
+        # the engines of a node sample at the same time; the other phases time-slice the node's cores
+        num_threads=None if gpu else cpu_threads(environ, share=engines_per_node(cfg)),
     )
 
 

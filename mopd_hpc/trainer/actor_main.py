@@ -121,13 +121,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         role = RoleEnv.from_env(environ)
         cfg = load_run(role.run_dir, environ)
+        threads = int(environ[THREADS_ENV]) if environ.get(THREADS_ENV) else cpu_threads(environ)
     except (RoleEnvError, ConfigError) as exc:
         print(f"actor: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except ValueError:
+        print(f"actor: {THREADS_ENV}={environ[THREADS_ENV]!r}: expected a positive integer", file=sys.stderr)
+        return EXIT_CONFIG
     import torch
 
-    threads = environ.get(THREADS_ENV)
-    torch.set_num_threads(int(threads) if threads else cpu_threads())
+    torch.set_num_threads(max(1, threads))
     torch.manual_seed(cfg.seed)
     try:
         return asyncio.run(run_actor(role, cfg, environ, sys.stdout))

@@ -46,7 +46,7 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         run_dir=str(role.run_dir),
         max_batch_rows=max(64, cfg.data.batch_size * cfg.data.samples_per_prompt),
         # on CPU the teachers of a step score concurrently: each takes its share of the cores
-        num_threads=None if gpu else cpu_threads(share=len(cfg.models.teachers)),
+        num_threads=None if gpu else cpu_threads(environ, share=len(cfg.models.teachers)),
     )
 
 
