@@ -363,13 +363,7 @@ def test_schedule_needs_a_run_length(models):
 
 def test_observe_sees_the_step_logprobs_before_the_update(models):
     """`observe` gets the log-probs the loss used (= a no-grad forward before the step), detached."""
-    engine = TorchTrainEngine.from_pretrained(
-        models["student"],
-        dtype="float32",
-        device="cpu",
-        optimizer=OptimizerConfig(lr=1e-2),
-        loss=LossConfig(),
-    )
+    engine = make_engine(models["student"])
     batch = teacher_batch(engine, models["teacher"])
     before = engine.logprobs(batch.tokens)
     seen: list[torch.Tensor] = []
