@@ -19,6 +19,7 @@ from rich.console import Console
 from mopd_hpc.cli import logs as logs_cli
 from mopd_hpc.cli import logs_summarize
 from mopd_hpc.logs.index import append_job_index
+from mopd_hpc.logs.progress import SPARK_CHARS, TREND_WIDTH, bucket_index, sparkline
 from mopd_hpc.logs.render import render_summary
 from mopd_hpc.logs.summary import SCHEMA_VERSION, no_sacct, summarize_run
 from mopd_hpc.runtime.guard.children import child_log_paths
@@ -343,6 +344,7 @@ def test_healthy_run_progress_json_schema_and_plot(tmp_path: Path) -> None:
         "state",
         "state_source",
         "sacct",
+        "end",
     }
     assert set(doc["nodes"][0]) == {"host", "guard", "children"}
     assert set(doc["nodes"][0]["children"][0]) == {
@@ -357,6 +359,8 @@ def test_healthy_run_progress_json_schema_and_plot(tmp_path: Path) -> None:
     }
     assert set(doc["progress"]) == {
         "n_lines",
+        "first_step",
+        "trend",
         "last_step",
         "last_ts",
         "loss",
@@ -452,3 +456,136 @@ def test_logs_without_events_fall_back_to_tracebacks(tmp_path: Path, tracebacks:
         "n1",
     )
     assert (s.first_failure.role, s.first_failure.index) == ("actor", 0)
+
+
+def test_sparkline_covers_the_whole_run_in_bucket_means(tmp_path: Path) -> None:
+    """2500 steps, loss falling linearly 2.73 → 0.12 with a null every 7th step and noise confined to the
+    last 24 lines: the sparkline falls monotonically over all 24 buckets and is labelled steps 1–2500."""
+    root = tmp_path / "run"
+    root.mkdir()
+    with open(root / "metrics.jsonl", "w") as fh:
+        for step in range(1, 2501):
+            loss = 2.73 - (2.73 - 0.12) * (step - 1) / 2499
+            if step > 2476:
+                loss += 0.5 * (-1) ** step  # the tail alone would draw noise
+            value = None if step % 7 == 0 else loss
+            fh.write(json.dumps({"step": step, "ts": T0 + step, "loss/total": value}) + "\n")
+    s = summarize_run(root, sacct_runner=no_sacct)
+    p = s.progress
+    assert (p.first_step, p.last_step, p.trend_steps) == (1, 2500, (1, 2500))
+    means = p.trend["loss/total"]
+    assert len(means) == TREND_WIDTH == 24
+    # bucket 0 holds the steps with (step - 1) * 24 // 2500 == 0, i.e. 1..105; nulls are skipped
+    first_bucket = [st for st in range(1, 2501) if bucket_index(st, 1, 2500, 24) == 0]
+    assert (first_bucket[0], first_bucket[-1]) == (1, 105)
+    expected0 = [2.73 - 2.61 * (st - 1) / 2499 for st in first_bucket if st % 7]
+    assert means[0] == pytest.approx(sum(expected0) / len(expected0))
+    assert all(a > b for a, b in zip(means, means[1:], strict=False))
+    line = sparkline(means)
+    assert len(line) == 24 and line[0] == "█" and line[-1] == "▁"
+    ranks = [SPARK_CHARS.index(ch) for ch in line]
+    assert ranks == sorted(ranks, reverse=True)
+    screen = _render(s)
+    assert "trend, steps 1–2500 (mean per ~104 steps)" in screen
+    row = next(r for r in screen.splitlines() if "loss/total" in r)
+    assert line in row and " 0.62 " in row  # the last value column: the last line's (noisy) value, as before
+    doc = json.loads(s.to_json())
+    assert doc["progress"]["trend"]["steps"] == [1, 2500] and doc["progress"]["trend"]["buckets"] == 24
+    assert doc["progress"]["trend"]["means"]["loss/total"] == pytest.approx(means)
+
+
+def test_short_run_gets_one_bucket_per_step(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    root.mkdir()
+    lines = [{"step": st, "ts": T0, "loss/total": float(10 - st)} for st in range(5)]
+    (root / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    p = summarize_run(root, sacct_runner=no_sacct).progress
+    assert p.trend["loss/total"] == [10.0, 9.0, 8.0, 7.0, 6.0]
+    assert sparkline(p.trend["loss/total"]) == "█▆▅▃▁"
+    assert sparkline([1.0, None, float("nan"), 0.0]) == "█  ▁"
+
+
+def _clean_run(root: Path, reason: str, step: int, job_id: str = "4242") -> Path:
+    b = RunBuilder(root, job_id=job_id)
+    b.guard("n1")
+    b.child("n1", "actor", 0, 1, exit_at=100, exit_code=0, out="done\n")
+    b.child("n1", "teacher", 0, 1, exit_at=101, exit_code=0)
+    b.guard_stop("n1", 102)
+    b.metrics(step)
+    (root / "state" / "job_end.json").write_text(
+        json.dumps({"job_id": job_id, "reason": reason, "step": step, "ts": T0 + 100})
+    )
+    return b.write()
+
+
+def test_checkpoint_signal_run_is_checkpointed_and_resumable(tmp_path: Path) -> None:
+    root = _clean_run(tmp_path / "run", "checkpoint_signal", 37)
+    s = summarize_run(root, sacct_runner=no_sacct)
+    assert s.first_failure is None
+    assert (s.job.state, s.job.state_source, s.job.end_reason, s.job.end_step) == (
+        "CHECKPOINTED",
+        "run_dir",
+        "checkpoint_signal",
+        37,
+    )
+    resume = f"mopd-submit {root}/config.yaml --resume {root}"
+    assert s.next_steps == (resume,)
+    screen = _render(s)
+    assert "state CHECKPOINTED" in screen and "SUCCEEDED" not in screen
+    assert "stopped at step 37 on a checkpoint signal" in screen and "re-running the same command" in screen
+    out = io.StringIO()
+    assert logs_summarize.run(logs_cli_args(str(root), json_out=True), out=out, env={}) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["job"]["state"] == "CHECKPOINTED"
+    assert doc["job"]["end"] == {"reason": "checkpoint_signal", "step": 37}
+    assert doc["next_steps"] == [resume]
+    # sacct says COMPLETED (the actor exited 0): still CHECKPOINTED, from sacct
+    recorded = (DATA / "sacct" / "sacct_timeout.txt").read_text().replace("53", "4242")
+    recorded = recorded.replace("TIMEOUT", "COMPLETED").replace("CANCELLED|0:15", "COMPLETED|0:0")
+    s2 = summarize_run(root, sacct_runner=lambda argv: recorded)
+    assert [c.coarse_state for c in s2.job.sacct.components] == ["SUCCEEDED"]
+    assert (s2.job.state, s2.job.state_source) == ("CHECKPOINTED", "sacct")
+
+
+def test_finished_run_stays_succeeded_and_stale_marker_is_ignored(tmp_path: Path) -> None:
+    root = _clean_run(tmp_path / "run", "finished", 50)
+    s = summarize_run(root, sacct_runner=no_sacct)
+    assert (s.job.state, s.job.end_reason, s.job.end_step, s.next_steps) == ("SUCCEEDED", "finished", 50, ())
+    assert json.loads(s.to_json())["job"]["end"] == {"reason": "finished", "step": 50}
+    assert "checkpoint signal" not in _render(s)
+    # a checkpoint marker of another job (an earlier job in the same run dir) does not count
+    other = _clean_run(tmp_path / "run2", "checkpoint_signal", 5)
+    (other / "state" / "job_end.json").write_text(
+        json.dumps({"job_id": "999", "reason": "checkpoint_signal", "step": 5, "ts": T0})
+    )
+    s2 = summarize_run(other, sacct_runner=no_sacct)
+    assert (s2.job.state, s2.job.end_reason) == ("SUCCEEDED", None)
+
+
+def test_no_cli_help_mentions_internal_issues() -> None:
+    """Every verb's help and every program description of mopd_hpc/cli is free of "issue N" references."""
+    import argparse
+    import importlib
+    import pkgutil
+    import re
+
+    import mopd_hpc.cli as cli_pkg
+
+    texts = []
+    for info in pkgutil.iter_modules(cli_pkg.__path__):
+        module = importlib.import_module(f"mopd_hpc.cli.{info.name}")
+        texts.append((info.name, module.__doc__ or ""))
+        if hasattr(module, "add_arguments") and hasattr(module, "HELP"):
+            parser = argparse.ArgumentParser(prog=info.name, description=module.HELP)
+            module.add_arguments(parser)
+            texts.append((info.name, parser.format_help()))
+    assert len(texts) > 10
+    assert [name for name, text in texts if re.search(r"\bissues? ?#?[0-9]", text, re.IGNORECASE)] == []
+    parser_help = io.StringIO()
+    with pytest.raises(SystemExit):
+        import contextlib
+
+        with contextlib.redirect_stdout(parser_help):
+            logs_cli.main(["--help"])
+    assert "summarize and tail a run's logs." in parser_help.getvalue()
+    assert "issue" not in parser_help.getvalue().lower()

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Mapping, Sequence
 
 #: Exit code for bad input (config, topology, arguments): the argparse convention.
 EXIT_USAGE = 2
+#: Exit status when the reader of stdout went away (128 + SIGPIPE, as a shell reports it).
+EXIT_BROKEN_PIPE = 141
 
 
 def dispatch(prog: str, description: str, verbs: Mapping[str, str], argv: Sequence[str] | None) -> int:
@@ -34,4 +37,8 @@ def dispatch(prog: str, description: str, verbs: Mapping[str, str], argv: Sequen
         p = sub.add_parser(verb, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    return int(modules[args.verb].run(args))
+    try:
+        return int(modules[args.verb].run(args))
+    except BrokenPipeError:  # `... | head` closed the pipe: stop quietly (Python's documented recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

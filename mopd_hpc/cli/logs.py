@@ -1,4 +1,4 @@
-"""`mopd-logs`: summarize and tail a run's logs (issue 7)."""
+"""`mopd-logs`: summarize and tail a run's logs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`mopd-logs tail RUN_DIR [--role R] [--rank N] [-n LINES] [-f]`: child logs merged with `[host role-index]`
-prefixes; `-f` follows new lines (polling) until Ctrl-C."""
+"""`mopd-logs tail RUN_DIR [--role R] [--rank N] [-n LINES] [-f]`: child logs merged by time with
+`[host role-index]` prefixes (`mopd_hpc.logs.tailing`); `-f` follows new lines (polling) until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ from pathlib import Path
 from typing import TextIO
 
 from mopd_hpc.cli.base import EXIT_USAGE
-from mopd_hpc.logs.tailing import FOLLOW_POLL_S, find_child_logs, follow, print_tail
+from mopd_hpc.logs.tailing import FOLLOW_POLL_S, find_child_logs, follow, known_roles, print_tail
 
-HELP = "print the last lines of every child log with [host role-index] prefixes; -f follows"
+HELP = (
+    "print the last lines of every child log, merged by their timestamps, with [host role-index] prefixes; "
+    "-f follows"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR")
-    parser.add_argument("--role", help="only this role (actor, teacher, rollout, ...)")
+    parser.add_argument("--role", help="only this role (actor, teacher, rollout, probe)")
     parser.add_argument("--rank", type=int, help="only this child index within its role")
     parser.add_argument("-n", "--lines", type=int, default=20, help="last lines per log (default 20)")
     parser.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
@@ -29,6 +32,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     run_dir = Path(args.run_dir)
     if not (run_dir / "logs").is_dir():
         print(f"mopd-logs tail: {run_dir}/logs is not a directory: expected a run directory", file=err)
+        return EXIT_USAGE
+    if args.role is not None and args.role not in (roles := known_roles(run_dir)):
+        print(
+            f"mopd-logs tail: --role {args.role!r} is not a known role: expected one of {', '.join(roles)}",
+            file=err,
+        )
         return EXIT_USAGE
     logs = find_child_logs(run_dir, args.role, args.rank)
     if not logs and not args.follow:

@@ -37,6 +37,7 @@ from mopd_hpc.config import ConfigError, RunConfig, load_run_config
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
+from mopd_hpc.launch.resume import ResumeError, check_resume
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
 
 HELP = "plan a run config's job, then print (--dry-run), render (--render), run here (--local) or submit it"
@@ -177,7 +178,7 @@ def execute(
             plan = plan.as_probe()
         elif not args.render and not args.dry_run and (gaps := job_gaps(cfg)):
             raise UsageError(
-                "this config is valid but asks for what the job's roles do not run yet (issue 8): "
+                "this config is valid but asks for what the job's roles do not run yet: "
                 + "; ".join(gap.render() for gap in gaps)
                 + " — use --dry-run/--render to review it, or --probe to run the control plane of this shape"
             )
@@ -198,10 +199,13 @@ def execute(
         print_rank_map(plan, console)
         return 0
     try:
+        resumed_from = check_resume(path, cfg)
         run_dir = prepare_run_dir(path)
-    except RunDirError as exc:
+    except (RunDirError, ResumeError) as exc:
         print(f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
+    if resumed_from is not None:
+        print(f"resuming the run in {path} from checkpoints/{resumed_from}", file=out)
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
     plan.write(run_dir.root / PLAN_FILE_NAME)
     print_rank_map(plan, console)

@@ -19,11 +19,13 @@ class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads `1e-4` (no dot: a string in YAML 1.1) as a float, as YAML 1.2 does."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings `_Loader` would read as floats (`'0E0'`, `'1e-4'`)."""
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
 def _duplicates(node: yaml.Node, path: tuple[str | int, ...] = ()) -> Iterator[Problem]:
@@ -86,7 +88,7 @@ def dump_yaml(data: Any) -> str:
     escaped instead, so `load_yaml_text(dump_yaml(d)) == d` always holds.
     """
     options = dict(sort_keys=False, default_flow_style=False, width=110)
-    text = yaml.safe_dump(data, allow_unicode=True, **options)
+    text = yaml.dump(data, Dumper=_Dumper, allow_unicode=True, **options)
     if load_yaml_text(text)[0] != data:
-        text = yaml.safe_dump(data, allow_unicode=False, **options)
+        text = yaml.dump(data, Dumper=_Dumper, allow_unicode=False, **options)
     return text

@@ -180,7 +180,7 @@ def run_local(
             killpg_quiet(proc.pid, signal.SIGKILL)
         rc = proc.wait()
     follower.poll()
-    local_setup.after_local_run(run_dir.root, out, progress)  # the evaluation table, if any
+    local_setup.after_local_run(run_dir.root, out, progress, rc, job_id)  # how the job ended
     if rc < 0:
         return 128 - rc
     return 128 + forwarded[0] if rc == 0 and forwarded else rc

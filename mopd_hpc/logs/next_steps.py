@@ -20,6 +20,7 @@ _BY_CAUSE: Mapping[str, tuple[str, ...]] = {
     "host_oom": ("sacct -j {job} --format=JobID,State,MaxRSS,MaxRSSNode,ReqMem", "{resume}"),
     "killed_by_signal": ("sacct -j {job} --format=JobID,State,ExitCode,MaxRSS,MaxRSSNode", "{resume}"),
     "node_fail": ("{resume}",),
+    "checkpoint_signal": ("{resume}",),  # not a failure: the actor checkpointed on SIGUSR2 and stopped
 }
 _DEFAULT = ("mopd-logs tail {run_dir} --role {role} --rank {rank}", "{resume}")
 
@@ -36,7 +37,8 @@ def next_steps(
     """The commands to run next, most useful first.
 
     A running job gets `mopd-logs tail -f` and a shell on the node; a failed one the commands of its cause
-    (`_BY_CAUSE`); a finished one without failure nothing. Templates whose values are unknown are skipped.
+    (`_BY_CAUSE`); one that stopped on a checkpoint signal (cause_key "checkpoint_signal") the resume command;
+    a finished one without failure nothing. Templates whose values are unknown are skipped.
     """
     q = shlex.quote
     values = {

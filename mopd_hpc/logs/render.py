@@ -11,13 +11,14 @@ from rich.table import Table
 from rich.text import Text
 
 from mopd_hpc.logs.metrics_schema import LOSS_KEYS, MOPD_KEYS, TOKENS_PER_S_KEY
-from mopd_hpc.logs.progress import sparkline
-from mopd_hpc.logs.summary import RunSummary
+from mopd_hpc.logs.progress import Progress, sparkline
+from mopd_hpc.logs.summary import CHECKPOINTED, RunSummary
 
 #: Traceback lines shown on screen (the --json output has the whole bounded window).
 SCREEN_TRACEBACK_LINES = 14
 _STATE_STYLE = {
     "SUCCEEDED": "green",
+    "CHECKPOINTED": "yellow",
     "RUNNING": "cyan",
     "PENDING": "yellow",
     "FAILED": "bold red",
@@ -53,6 +54,15 @@ def _job_panel(s: RunSummary) -> Panel:
     head.append(job.state, style=_STATE_STYLE.get(job.state, ""))
     head.append(f" (from {job.state_source})  restarts {job.restart_count}")
     parts: list[Text | Table] = [head]
+    if job.state == CHECKPOINTED:
+        at = f"step {job.end_step}" if job.end_step is not None else "its last checkpoint"
+        parts.append(
+            Text(
+                f"stopped at {at} on a checkpoint signal (SIGUSR2): not finished; resume it by re-running "
+                "the same command (see next:)",
+                style="yellow",
+            )
+        )
     if job.sacct is not None:
         table = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
         for col in ("component", "name", "state", "exit", "elapsed/limit", "nodes", "runs"):
@@ -147,24 +157,31 @@ def _failure_panel(s: RunSummary) -> Panel:
     return Panel(lines, title="first failure", title_align="left", border_style="red")
 
 
+def _trend_label(p: Progress) -> str:
+    """ "trend, steps 1–2500 (mean per ~104 steps)": the whole range the sparklines cover."""
+    if p.trend_steps is None:
+        return "trend"
+    first, last = p.trend_steps
+    buckets = max((len(v) for v in p.trend.values()), default=0)
+    per = (last - first + 1) / buckets if buckets else 0
+    each = "each step" if per <= 1 else f"mean per {'' if per == int(per) else '~'}{per:.0f} steps"
+    return f"trend, steps {first}–{last} ({each})"
+
+
 def _progress_panel(s: RunSummary) -> Panel:
     p = s.progress
     if p.n_lines == 0:
         return Panel(
             Text("no metrics yet (run_dir/metrics.jsonl)", style="dim"), title="training", title_align="left"
         )
-    table = Table(box=None, show_header=False, pad_edge=False)
+    table = Table(box=None, show_header=True, pad_edge=False, header_style="dim")
     table.add_column("metric")
     table.add_column("last", justify="right")
-    table.add_column("trend")
-    for key in (*LOSS_KEYS, *MOPD_KEYS[:1], TOKENS_PER_S_KEY):
-        if key in p.last:
-            table.add_row(key, _fmt(p.last.get(key)), sparkline([v for _, v in p.series.get(key, [])]))
-    for route in p.routes:
-        for fam in ("reward", "accuracy"):
-            key = f"{fam}/{route}"
-            if key in p.last:
-                table.add_row(Text(key), _fmt(p.last[key]), sparkline([v for _, v in p.series.get(key, [])]))
+    table.add_column(_trend_label(p))
+    keys = [k for k in (*LOSS_KEYS, *MOPD_KEYS[:1], TOKENS_PER_S_KEY) if k in p.last]
+    keys += [f"{fam}/{r}" for r in p.routes for fam in ("reward", "accuracy") if f"{fam}/{r}" in p.last]
+    for key in keys:
+        table.add_row(Text(key), _fmt(p.last.get(key)), sparkline(p.trend.get(key, [])))
     share = "  ".join(f"{name} {frac:.0%}" for name, frac in p.phase_share.items() if frac > 0)
     head = Text(f"step {p.last_step} at {_ts(p.last_ts)}   time per phase: {share or '-'}")
     parts: list[Text | Table] = [head, table]

@@ -24,7 +24,10 @@ from mopd_hpc.logs.next_steps import next_steps
 from mopd_hpc.logs.progress import Progress, read_progress
 from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_events
 from mopd_hpc.logs.sacct import SacctJob, SacctRunner, query_sacct, run_sacct
+from mopd_hpc.trainer.role_env import JOB_END_FILE
 
+#: The state of a run that stopped cleanly on a checkpoint signal (resumable); see `JobInfo`.
+CHECKPOINTED = "CHECKPOINTED"
 #: Version of the --json schema (docs/en/logs.md).
 SCHEMA_VERSION = 1
 _NUMERIC_JOB = re.compile(r"^[0-9]+(\+[0-9]+)?$")
@@ -82,7 +85,13 @@ class ChildSlot:
 
 @dataclass(frozen=True, slots=True)
 class JobInfo:
-    """The job: id (leader), name, shape, component names, restart count, overall state and its source."""
+    """The job: id (leader), name, shape, component names, restart count, overall state and its source.
+
+    `state` is one of RUNNING, PENDING, FAILED, CANCELLED, UNKNOWN, SUCCEEDED, or CHECKPOINTED: every part
+    ended cleanly because the actor checkpointed on a checkpoint signal (SIGUSR2) and stopped at step
+    `end_step`; re-running the same command resumes it. `end_reason`/`end_step` are the actor's
+    `state/job_end.json` ("finished", "checkpoint_signal", "failed"), None when it wrote none.
+    """
 
     job_id: str | None
     name: str | None
@@ -93,6 +102,8 @@ class JobInfo:
     state: str
     state_source: str
     sacct: SacctJob | None
+    end_reason: str | None = None
+    end_step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +116,7 @@ class JobInfo:
             "state": self.state,
             "state_source": self.state_source,
             "sacct": self.sacct.to_dict() if self.sacct else None,
+            "end": None if self.end_reason is None else {"reason": self.end_reason, "step": self.end_step},
         }
 
 
@@ -194,6 +206,26 @@ def _job_state(
     return ("FAILED" if failed else "SUCCEEDED"), "run_dir"
 
 
+def _job_end(root: Path, job_id: str | None) -> tuple[str | None, int | None]:
+    """(reason, step) of the actor's end-of-job marker; (None, None) when absent, malformed, or written by
+    another job than `job_id` (when both ids are known)."""
+    record = _read_json(root / JOB_END_FILE)
+    if record is None or not isinstance(record.get("reason"), str):
+        return None, None
+    marker_job = record.get("job_id")
+    if job_id is not None and marker_job is not None and _leader(str(marker_job)) != _leader(job_id):
+        return None, None
+    step = record.get("step")
+    return record["reason"], step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _leader(job_id: str) -> str:
+    try:
+        return fold_job_id(job_id)
+    except JobIdError:
+        return job_id
+
+
 def summarize_run(run_dir: str | os.PathLike[str], sacct_runner: SacctRunner | None = None) -> RunSummary:
     """Read everything under `run_dir` (streamed) and decide the job state and first failure.
 
@@ -220,6 +252,9 @@ def summarize_run(run_dir: str | os.PathLike[str], sacct_runner: SacctRunner | N
     slots = _slots(children)
     failure = find_first_failure(root, guards, children, sacct, {})
     state, source = _job_state(sacct, guards, slots, failure is not None)
+    end_reason, end_step = _job_end(root, job_id)
+    if state == "SUCCEEDED" and end_reason == "checkpoint_signal":
+        state = CHECKPOINTED
     restart_count = job_json.get("restart_count")
     restart_count = restart_count if isinstance(restart_count, int) else 0
     name = sacct.components[0].name if sacct and sacct.components else None
@@ -233,12 +268,14 @@ def summarize_run(run_dir: str | os.PathLike[str], sacct_runner: SacctRunner | N
         state=state,
         state_source=source,
         sacct=sacct,
+        end_reason=end_reason,
+        end_step=end_step,
     )
     progress = read_progress(root)
     running = state == "RUNNING"
     steps = next_steps(
         str(root),
-        failure.cause.key if failure else None,
+        failure.cause.key if failure else ("checkpoint_signal" if state == CHECKPOINTED else None),
         job.job_id,
         (failure.host if failure else None) or (slots[0].host if slots else None),
         failure.role if failure else None,

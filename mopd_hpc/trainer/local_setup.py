@@ -12,8 +12,9 @@ after `mopd-submit` wrote `run_dir/config.yaml` and before the guard starts:
 
 While the guard runs, `LocalProgress.poll()` (returned by `prepare_local_run`) follows run_dir/metrics.jsonl
 and shows the training progress in the submitting terminal (a rich bar on a TTY, a line every ~1 % otherwise;
-the actor's own output goes to its log file). `after_local_run(run_dir, out, progress)` closes it and prints
-the evaluation table of the run (run_dir/eval.json) when there is one.
+the actor's own output goes to its log file). `after_local_run(run_dir, out, progress, rc, job_id)` closes it and
+says how the job ended (the evaluation table of a finished run; the saved step of a checkpoint stop; where to
+look after a failure).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.logs.metrics import METRICS_FILE
 from mopd_hpc.trainer.evaluate import print_eval_table
 from mopd_hpc.trainer.progress import Progress
-from mopd_hpc.trainer.role_env import CONFIG_FILE_NAME, with_absolute_paths
+from mopd_hpc.trainer.role_env import CONFIG_FILE_NAME, read_job_end, with_absolute_paths
 
 #: The tiny-model builder of this repository (tools/ is not a package).
 BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_tiny_models.py"
@@ -131,8 +132,28 @@ def prepare_local_run(
     return LocalProgress(run_dir, cfg.steps, out)
 
 
-def after_local_run(run_dir: Path, out: TextIO, progress: LocalProgress | None = None) -> None:
-    """Close the progress display and print the run's evaluation table, if the run wrote one."""
+def after_local_run(
+    run_dir: Path, out: TextIO, progress: LocalProgress | None = None, rc: int = 0, job_id: str | None = None
+) -> None:
+    """Close the progress display, then say how the job ended: the evaluation table of a finished run
+    (run_dir/eval.json); for a job that stopped on a checkpoint signal (this job's state/job_end.json says
+    so), the step it saved and how to resume; for a failed job (rc != 0), where to look — never an older
+    run's table, which would read as this job's result."""
     if progress is not None:
         progress.close()
-    print_eval_table(Path(run_dir), out)
+    run_dir = Path(run_dir)
+    if rc != 0:
+        print(
+            f"[local] the job failed (exit code {rc}): `mopd-logs summarize {run_dir}` says what failed first",
+            file=out,
+        )
+        return
+    end = read_job_end(run_dir)
+    if end is not None and end.get("reason") == "checkpoint_signal" and end.get("job_id") in (job_id, None):
+        print(
+            f"[local] stopped on a checkpoint signal after step {end.get('step')}: re-run the same command "
+            "to resume",
+            file=out,
+        )
+        return
+    print_eval_table(run_dir, out)

@@ -1,0 +1,70 @@
+"""Before a run starts in a run directory that already holds checkpoints: may this config resume there?
+
+A resumed run restores the data stream (its position in every source), the RNG states and the optimizer
+(with its lr schedule) from the newest checkpoint. The sources' sizes are steps × batch_size × their share,
+and the lr schedule runs over `steps`, so these settings must equal the checkpointed run's
+(`RESUME_FIXED`); anything else (the loss, the lr, the cluster shape) may change on resume. Checking here,
+in `mopd-submit`, turns what would be the actor's RoutingError after every process started into one line
+that names the field, both values and the way out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mopd_hpc.config import RunConfig
+
+#: The checkpoint pointer of a run directory (trainer/checkpoint.py's layout: checkpoints/latest).
+LATEST_POINTER = Path("checkpoints") / "latest"
+#: The config the run directory was last started with (mopd-submit writes it).
+CONFIG_FILE = "config.yaml"
+
+
+class ResumeError(ValueError):
+    """The config differs from the checkpointed run's in a setting a resume cannot change."""
+
+
+def resume_fixed(cfg: RunConfig) -> dict[str, Any]:
+    """The settings a resume must keep, by YAML path: steps, seed, and the data stream's shape (sources
+    without their file paths, which a submission may rewrite to absolute ones)."""
+    sources = [{k: v for k, v in s.model_dump(mode="json").items() if k != "path"} for s in cfg.data.sources]
+    return {
+        "steps": cfg.steps,
+        "seed": cfg.seed,
+        "data.batch_size": cfg.data.batch_size,
+        "data.samples_per_prompt": cfg.data.samples_per_prompt,
+        "data.mixture": cfg.data.mixture,
+        "data.sources": sources,
+    }
+
+
+def checkpoint_name(run_dir: Path) -> str | None:
+    """The newest checkpoint's directory name (e.g. 'step_000500'), or None when the run has none."""
+    try:
+        return (run_dir / LATEST_POINTER).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def check_resume(run_dir: Path, cfg: RunConfig) -> str | None:
+    """The checkpoint `cfg` will resume from in `run_dir` (None: a fresh start).
+
+    Raises:
+        ResumeError: the run has a checkpoint and `cfg` changes a `resume_fixed` setting of the run's
+            config.yaml; the message names the first such field, the run's value and this config's.
+    """
+    name = checkpoint_name(run_dir)
+    if name is None or not (run_dir / CONFIG_FILE).is_file():
+        return name
+    before, now = resume_fixed(RunConfig.from_yaml(run_dir / CONFIG_FILE)), resume_fixed(cfg)
+    for key, value in before.items():
+        if now[key] != value:
+            shown = (value, now[key]) if key != "data.sources" else ("(its sources)", "(other sources)")
+            raise ResumeError(
+                f"{key}: the run in {run_dir} was checkpointed ({name}) with {key} = {shown[0]}, this config "
+                f"has {shown[1]}; a resume keeps steps, seed and the data stream (the checkpoint's stream "
+                "position and lr schedule are built on them): keep the run's value, or start a new run "
+                "with --run-dir"
+            )
+    return name
