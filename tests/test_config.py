@@ -364,3 +364,14 @@ def test_yaml_round_trip_of_a_line_break_character_pyyaml_writes_raw() -> None:
     data = {"path": "x\x85y", "name": "蒸馏"}
     assert load_yaml_text(dump_yaml(data))[0] == data
     assert "蒸馏" in dump_yaml({"name": "蒸馏"})  # readable unicode where it round-trips
+
+
+def test_a_bad_set_key_does_not_hide_the_other_problems() -> None:
+    """Every problem at once: an unknown --set key, and the bad values the other --set items bring."""
+    with pytest.raises(ConfigError) as err:
+        load_run_config(
+            REPO / "configs" / "local_cpu.yaml",
+            ["loss.estimater=topk", "steps=abc", "loss.correction=maks", "data.batch_size=0"],
+        )
+    paths = sorted(p.path for p in err.value.problems)
+    assert paths == ["--set loss.estimater", "data.batch_size", "loss.correction", "steps"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from mopd_hpc.config.overrides import apply_overrides
+from mopd_hpc.config.overrides import overrides_applied
 from mopd_hpc.config.problems import ConfigError, Problem
 from mopd_hpc.config.run import RunConfig, read_config_text
 from mopd_hpc.config.yaml_io import load_yaml_text
@@ -35,10 +35,8 @@ def load_run_config(
         raise ConfigError(problems, source)
     items = [*overrides, *([LOCAL_OVERRIDE] if force_local else [])]
     if items and isinstance(document, dict):
-        try:
-            document = apply_overrides(document, items)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
+        document, bad = overrides_applied(document, items)  # the good ones still apply: report them all
+        problems.extend(bad)
     try:
         cfg = RunConfig.from_dict(document, source)
     except ConfigError as exc:

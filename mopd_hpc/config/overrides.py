@@ -67,6 +67,17 @@ def apply_overrides(
     Raises:
         ConfigError: listing every bad override (`--set <key>: <what> (got ...; known: ...)`).
     """
+    out, problems = overrides_applied(data, overrides, root)
+    if problems:
+        raise ConfigError(problems, "--set")
+    return out
+
+
+def overrides_applied(
+    data: Mapping[str, Any] | None, overrides: Iterable[str], root: Any = None
+) -> tuple[dict[str, Any], list[Problem]]:
+    """`apply_overrides` without raising: (the copy with every good override applied, the bad ones'
+    problems), so that validation can still report what is wrong in the rest of the config."""
     if root is None:
         from mopd_hpc.config.run import RunConfig
 
@@ -90,9 +101,7 @@ def apply_overrides(
         problem = _set(out, parts, parse_value(text), root)
         if problem is not None:
             problems.append(problem)
-    if problems:
-        raise ConfigError(problems, "--set")
-    return out
+    return out, problems
 
 
 def _set(data: dict[str, Any], parts: list[str | int], value: Any, root: Any) -> Problem | None:
