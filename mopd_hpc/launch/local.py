@@ -152,7 +152,12 @@ def run_local(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    print(f"[local] job {job_id}: guard pid {proc.pid}, log {log_path}", file=out, flush=True)
+    print(
+        f"[local] job {job_id}: guard pid {proc.pid}, log {log_path}; follow it with "
+        f"`mopd-logs summarize {run_dir.root}` (local jobs are found by run directory, not by id)",
+        file=out,
+        flush=True,
+    )
     stop_deadline: list[float] = []
     forwarded: list[int] = []
 
