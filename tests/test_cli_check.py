@@ -127,3 +127,22 @@ def test_main_parses_argv(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     with pytest.raises(SystemExit) as info:
         submit.main([])
     assert info.value.code == 2
+
+
+def test_check_warns_about_model_directories_missing_here(tmp_path: Path) -> None:
+    from mopd_hpc.cli.submit import missing_model_paths
+    from mopd_hpc.config import load_run_config
+
+    cfg = load_run_config(
+        REPO / "configs" / "local_cpu.yaml",
+        ["models.teachers[0].path=.cache/models/teacher_chainsum", "models.teachers[1].path=Qwen/Qwen3-0.6B"],
+    )
+    (tmp_path / ".cache" / "models" / "student").mkdir(parents=True)
+    assert missing_model_paths(cfg, cwd=tmp_path) == [
+        "models.teachers[0].path: no such directory here: .cache/models/teacher_chainsum "
+        "(the job fails at start unless it exists there)"
+    ]  # the student exists, a hub id is not a directory
+    (tmp_path / ".cache" / "models" / "student").rmdir()
+    assert missing_model_paths(cfg, cwd=tmp_path)[0] == (
+        "models.actor.path: .cache/models/student is not built yet (`--local` builds the tiny models on first use)"
+    )

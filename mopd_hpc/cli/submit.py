@@ -93,6 +93,33 @@ def summary(cfg: RunConfig) -> str:
     )
 
 
+def missing_model_paths(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
+    """Model and tokenizer paths that name a directory (a leading '.', '/' or '~', or more than one '/':
+    not a hub id like 'Qwen/Qwen3-0.6B') and do not exist here, one warning each. On a cluster they may
+    exist only on the job's nodes, so this warns; the job checks them at start."""
+    from mopd_hpc.trainer.local_setup import BUILT_NAMES
+
+    base = cwd or Path.cwd()
+    paths = [
+        ("models.actor.path", cfg.models.actor.path),
+        ("models.tokenizer.path", cfg.models.tokenizer.path),
+    ]
+    paths += [(f"models.teachers[{i}].path", t.path) for i, t in enumerate(cfg.models.teachers)]
+    out = []
+    for field, value in dict.fromkeys(paths):
+        if not (value.startswith((".", "/", "~")) or value.count("/") > 1):
+            continue
+        if (base / Path(value).expanduser()).exists():
+            continue
+        if Path(value).name in BUILT_NAMES:
+            out.append(f"{field}: {value} is not built yet (`--local` builds the tiny models on first use)")
+        else:
+            out.append(
+                f"{field}: no such directory here: {value} (the job fails at start unless it exists there)"
+            )
+    return out
+
+
 def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
     """Print the resolved config as syntax-highlighted YAML (plain text when `out` is not a terminal)."""
     from rich.console import Console
@@ -100,7 +127,7 @@ def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
 
     console = Console(file=out, soft_wrap=True)
     console.print(f"# {source or 'config'} is valid — {summary(cfg)}", markup=False, highlight=False)
-    for warning in cfg.warnings():
+    for warning in [*cfg.warnings(), *missing_model_paths(cfg)]:
         console.print(f"# warning: {warning}", markup=False, highlight=False)
     console.print(
         Syntax(cfg.to_yaml(), "yaml", theme="ansi_dark", background_color="default", word_wrap=False)
