@@ -222,6 +222,12 @@ def execute(
         )
         return 0
     if args.dry_run:
+        if cfg.cluster.backend == "local":
+            print(
+                "# cluster.backend is local: the job runs here, without Slurm (one guard, the rank map below);"
+                " the script is what `cluster.backend: slurm` would submit",
+                file=out,
+            )
         print(request.show(), file=out)
         print_rank_map(plan, console)
         return 0
