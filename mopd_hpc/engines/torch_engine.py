@@ -3,7 +3,8 @@
 Log-probs of the response tokens are computed from the logits of the response positions only: the
 decoder runs over [B, L], its hidden states are gathered at the T positions that predict response tokens,
 and the LM head gives [B, T, V] logits in the model's dtype; `mopd.token_logprobs` turns them into float32
-log-probs without a float32 [B, T, V] copy (fused Triton on CUDA, chunked on CPU). No [B, L, V] logits exist.
+log-probs without a float32 [B, T, V] copy (fused Triton on CUDA, chunked on CPU). No [B, L, V] logits exist
+(`engines/hf_model.py`: loading and that forward pass; `engines/lr_schedule.py`: the actor's lr schedule).
 
 The train step (DESIGN.md §3; the loss section is bound once, at construction):
 
@@ -29,89 +30,15 @@ import torch
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.hf_model import TOKENIZER_FILES, CausalLMForward, load_causal_lm, resolve_device
+from mopd_hpc.engines.lr_schedule import lr_scheduler
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.engines.residency import Residency
 from mopd_hpc.mopd.compose import compose_loss
 from mopd_hpc.mopd.grpo import grpo_policy_loss
-from mopd_hpc.mopd.logprobs import Backend, token_logprobs
+from mopd_hpc.mopd.logprobs import Backend
 from mopd_hpc.mopd.loss import mopd_loss
 from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl_loss
-
-DTYPES: Mapping[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-#: Tokenizer files copied beside an exported student so the export is a complete HF checkpoint.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-
-
-def resolve_device(device: str) -> torch.device:
-    """ "auto" → cuda (current device) when available, else cpu; "cuda"/"cuda:N" must be available.
-
-    Raises:
-        EngineError: CUDA asked for but not available, or an unparsable device string.
-    """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as err:
-        raise EngineError(f"device={device!r}: {err}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EngineError(f"device={device!r}: CUDA is not available on this host; use 'cpu' or 'auto'")
-    return dev
-
-
-def load_causal_lm(path: str | Path, dtype: str, device: torch.device) -> torch.nn.Module:
-    """An HF checkpoint directory as a transformers `AutoModelForCausalLM` in `dtype` on `device`.
-
-    Raises:
-        EngineError: dtype not one of `DTYPES`. OSError: no checkpoint at `path`.
-    """
-    from transformers import AutoModelForCausalLM
-
-    if dtype not in DTYPES:
-        raise EngineError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
-    return model.to(device)
-
-
-class CausalLMForward:
-    """The forward pass both engines share: response-position logits and log-probs of a `TokenBatch`."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device, backend: Backend = "auto") -> None:
-        self.model = model
-        self.device = device
-        self.backend: Backend = backend
-        self.softcap = getattr(model.config, "final_logit_softcapping", None)
-
-    def response_logits(self, batch: TokenBatch) -> torch.Tensor:
-        """[B, T, V] logits (model dtype) at the positions that predict each response token."""
-        body = self.model.get_decoder()
-        head = self.model.get_output_embeddings()
-        out = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-        hidden = out.last_hidden_state
-        pos = batch.logit_positions[..., None].expand(-1, -1, hidden.shape[-1])
-        logits = head(hidden.gather(1, pos))
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def token_logprobs(self, logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-        """[B, T] float32 log π(y_t) of the response tokens from `response_logits`; 0 at padding."""
-        mask = batch.response_mask
-        index = torch.where(mask, batch.response_ids, 0)
-        return torch.where(mask, token_logprobs(logits, index, backend=self.backend), 0.0)
 
 
 class TorchScoringEngine:
@@ -204,32 +131,6 @@ class TorchScoringEngine:
 
     def onload(self) -> ResidencyReport:
         return self.residency.onload()
-
-
-def lr_scheduler(
-    optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """The `OptimizerConfig` schedule as transformers' LambdaLR: a linear warm-up over
-    round(warmup_ratio·total_steps) steps, then constant, or cosine to min_lr_ratio·lr just after
-    `total_steps`; stepped once per optimizer step.
-
-    Raises:
-        EngineError: total_steps < 1.
-    """
-    from transformers import get_scheduler
-
-    if total_steps < 1:
-        raise EngineError(f"total_steps={total_steps}: expected >= 1 (the run's steps)")
-    warmup = round(config.warmup_ratio * total_steps)
-    if config.schedule == "cosine":
-        return get_scheduler(
-            "cosine_with_min_lr",
-            optimizer,
-            num_warmup_steps=warmup,
-            num_training_steps=total_steps,
-            scheduler_specific_kwargs={"min_lr_rate": config.min_lr_ratio},
-        )
-    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
 
 
 class TorchTrainEngine:

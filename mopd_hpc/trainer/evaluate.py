@@ -50,7 +50,7 @@ def teacher_accuracy(
     teacher checkpoint is loaded once (CPU, float32) and released after."""
     import torch
 
-    from mopd_hpc.engines.torch_engine import load_causal_lm
+    from mopd_hpc.engines.hf_model import load_causal_lm
 
     needed: dict[str, list[str]] = {}
     for route in prompts:
