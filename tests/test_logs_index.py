@@ -42,3 +42,18 @@ def test_state_home_from_env() -> None:
     assert state_home_from_env({"XDG_STATE_HOME": "/x/state", "HOME": "/h"}) == Path("/x/state")
     assert state_home_from_env({"XDG_STATE_HOME": "relative", "HOME": "/h"}) == Path("/h/.local/state")
     assert state_home_from_env({"HOME": "/h"}) == Path("/h/.local/state")
+
+
+def test_local_job_ids_are_indexed_as_they_are(tmp_path: Path) -> None:
+    """`mopd-submit --local` records `local-<pid>`: `mopd-logs summarize local-42` finds its run dir."""
+    from mopd_hpc.cli.logs_summarize import resolve_target
+    from mopd_hpc.logs.index import index_key
+
+    assert index_key("local-42") == "local-42" and index_key("123+1.0") == "123"
+    append_job_index({"job_id": "local-42", "run_dir": str(tmp_path / "a")}, tmp_path)
+    append_job_index({"job_id": "42", "run_dir": str(tmp_path / "b")}, tmp_path)
+    assert find_run_dir("local-42", tmp_path) == tmp_path / "a"
+    assert find_run_dir("42", tmp_path) == tmp_path / "b"  # a Slurm job 42 is another job
+    assert resolve_target("local-42", {"XDG_STATE_HOME": str(tmp_path)}) == tmp_path / "a"
+    with pytest.raises(JobIndexError, match=r"'local-x' is neither a run directory nor a job id"):
+        resolve_target("local-x", {"XDG_STATE_HOME": str(tmp_path)})

@@ -16,8 +16,8 @@ from typing import TextIO
 from rich.console import Console
 
 from mopd_hpc.cli.base import EXIT_USAGE
-from mopd_hpc.launch.jobids import JobIdError, fold_job_id
-from mopd_hpc.logs.index import JobIndexError, find_run_dir, state_home_from_env
+from mopd_hpc.launch.jobids import JobIdError
+from mopd_hpc.logs.index import JobIndexError, find_run_dir, index_key, state_home_from_env
 from mopd_hpc.logs.plot import PlotError, plot_summary
 from mopd_hpc.logs.render import render_summary
 from mopd_hpc.logs.sacct import SacctRunner
@@ -49,9 +49,11 @@ def resolve_target(target: str, env: Mapping[str, str]) -> Path:
     if path.is_dir():
         return path
     try:
-        fold_job_id(target)
+        index_key(target)
     except JobIdError:
-        raise JobIndexError(f"{target!r} is neither a run directory nor a Slurm job id") from None
+        raise JobIndexError(
+            f"{target!r} is neither a run directory nor a job id (123, 123+1, local-42)"
+        ) from None
     return find_run_dir(target, state_home_from_env(env))
 
 

@@ -243,17 +243,29 @@ def execute(
     plan.write(run_dir.root / PLAN_FILE_NAME)
     print_rank_map(plan, console)
     if cfg.cluster.backend == "local":
-        return _run_local(plan, run_dir, out=out, environ=environ, python=python, console=console)
+        return _run_local(
+            plan, run_dir, args.config, out=out, err=err, environ=environ, python=python, console=console
+        )
     return _submit_slurm(cfg, request, run_dir, args.config, out=out, err=err, environ=environ, python=python)
 
 
 def _run_local(
-    plan: JobPlan, run_dir: RunDir, *, out: TextIO, environ: Mapping[str, str], python: str, console: object
+    plan: JobPlan,
+    run_dir: RunDir,
+    config_path: str,
+    *,
+    out: TextIO,
+    err: TextIO,
+    environ: Mapping[str, str],
+    python: str,
+    console: object,
 ) -> int:
-    from mopd_hpc.launch.local import run_local
+    from mopd_hpc.launch.local import local_job_id, run_local
     from mopd_hpc.launch.rankmap import probe_report_table, read_probe_reports
 
-    rc = run_local(plan, run_dir, python=python, environ=environ, out=out)
+    job_id = local_job_id()
+    _append_index(job_id, run_dir, plan.name, config_path, environ, err)  # `mopd-logs summarize local-N`
+    rc = run_local(plan, run_dir, python=python, environ=environ, out=out, job_id=job_id)
     if plan.probe:
         console.print(probe_report_table(read_probe_reports(run_dir.root)))  # type: ignore[attr-defined]
     print(f"[local] done: exit code {rc}; run dir {run_dir.root}", file=out)

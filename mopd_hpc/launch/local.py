@@ -154,7 +154,7 @@ def run_local(
         )
     print(
         f"[local] job {job_id}: guard pid {proc.pid}, log {log_path}; follow it with "
-        f"`mopd-logs summarize {run_dir.root}` (local jobs are found by run directory, not by id)",
+        f"`mopd-logs summarize {job_id}` (or the run directory)",
         file=out,
         flush=True,
     )

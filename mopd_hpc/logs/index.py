@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mopd_hpc.launch.jobids import JobIdError, fold_job_id
+
+#: A local-backend job id (`launch/local.py`: `local-<pid>`); kept as is, never folded.
+LOCAL_JOB_ID = re.compile(r"^local-[0-9]+$")
 
 #: Index location under the state home.
 INDEX_RELPATH = Path("mopd_hpc") / "jobs.jsonl"
@@ -47,10 +51,10 @@ class JobIndexEntry:
         """
         job_id = str(obj.get("job_id", ""))
         try:
-            fold_job_id(job_id)
+            index_key(job_id)
         except JobIdError:
             raise JobIndexError(
-                f"job index entry job_id={job_id!r}: expected a Slurm job id like 123"
+                f"job index entry job_id={job_id!r}: expected a Slurm job id like 123 or a local one like local-42"
             ) from None
         run_dir = obj.get("run_dir")
         if not isinstance(run_dir, str) or not os.path.isabs(run_dir):
@@ -74,6 +78,15 @@ class JobIndexEntry:
             "submitted_at": self.submitted_at,
             "config": self.config,
         }
+
+
+def index_key(job_id: str) -> str:
+    """The key a job is found by: a Slurm id folded to its leader (`123+1.0` → `123`), a local id as is.
+
+    Raises:
+        JobIdError: neither form.
+    """
+    return job_id if LOCAL_JOB_ID.match(job_id) else fold_job_id(job_id)
 
 
 def state_home_from_env(env: Mapping[str, str]) -> Path:
@@ -108,7 +121,8 @@ def append_job_index(entry: JobIndexEntry | Mapping[str, Any], state_home: str |
 
 
 def find_run_dir(job_id: str, state_home: str | os.PathLike[str]) -> Path:
-    """The run directory of `job_id` (any form: `123`, `123+1`, `123+1.0`); the latest submission wins.
+    """The run directory of `job_id` (any form: `123`, `123+1`, `123+1.0`, `local-42`); the latest submission
+    wins.
 
     The index is streamed line by line; malformed lines are skipped.
 
@@ -117,9 +131,11 @@ def find_run_dir(job_id: str, state_home: str | os.PathLike[str]) -> Path:
             names the index path).
     """
     try:
-        leader = fold_job_id(job_id)
+        leader = index_key(job_id)
     except JobIdError:
-        raise JobIndexError(f"job id {job_id!r}: expected a Slurm job id like 123 or 123+1") from None
+        raise JobIndexError(
+            f"job id {job_id!r}: expected a Slurm job id like 123 or 123+1, or local-N"
+        ) from None
     path = index_path(state_home)
     found: str | None = None
     try:
@@ -129,7 +145,7 @@ def find_run_dir(job_id: str, state_home: str | os.PathLike[str]) -> Path:
                     entry = JobIndexEntry.from_dict(json.loads(line))
                 except (ValueError, AttributeError):
                     continue
-                if fold_job_id(entry.job_id) == leader:
+                if index_key(entry.job_id) == leader:
                     found = entry.run_dir
     except FileNotFoundError:
         raise JobIndexError(
