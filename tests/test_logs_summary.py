@@ -410,7 +410,7 @@ def test_cli_by_job_id_through_the_index(tmp_path: Path, tracebacks: dict[str, s
     )
     assert rc == 2 and "job 778 is not in the job index" in err.getvalue()
     assert logs_cli.main(["summarize", str(tmp_path / "nope"), "--no-sacct"]) == 2
-    assert "neither a run directory nor a Slurm job id" in capsys.readouterr().err
+    assert "neither a run directory nor a job id (123, 123+1, local-42)" in capsys.readouterr().err
 
 
 def test_guard_that_never_got_ready_and_batch_first_failure(tmp_path: Path) -> None:
