@@ -3,7 +3,7 @@
 A resumed run restores the data stream (its position in every source), the RNG states and the optimizer
 (with its lr schedule) from the newest checkpoint. The sources' sizes are steps × batch_size × their share,
 and the lr schedule runs over `steps`, so these settings must equal the checkpointed run's
-(`RESUME_FIXED`); anything else (the loss, the lr, the cluster shape) may change on resume. Checking here,
+(`resume_fixed`); anything else (the loss, the lr, the cluster shape) may change on resume. Checking here,
 in `mopd-submit`, turns what would be the actor's RoutingError after every process started into one line
 that names the field, both values and the way out.
 """
@@ -65,6 +65,6 @@ def check_resume(run_dir: Path, cfg: RunConfig) -> str | None:
                 f"{key}: the run in {run_dir} was checkpointed ({name}) with {key} = {shown[0]}, this config "
                 f"has {shown[1]}; a resume keeps steps, seed and the data stream (the checkpoint's stream "
                 "position and lr schedule are built on them): keep the run's value, or start a new run "
-                "with --run-dir"
+                f"with --run-dir (or remove {run_dir} to start it over)"
             )
     return name
