@@ -292,7 +292,8 @@ def test_run_refuses_an_allocation_of_the_wrong_shape(slurm_cluster, tmp_path: P
          str(tmp_path / "run")], check=False, timeout_s=60,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "is not a het job (1 node(s) n4): allocate with `salloc -N1 : -N2 ...`" in proc.stderr
+    # the hint carries the CPUs per task of each group (the steps' srun needs them)
+    assert "is not a het job (1 node(s) n4): allocate with `salloc -N1 -c2 : -N2 -c1 ...`" in proc.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written or started
 
 

@@ -57,7 +57,11 @@ def test_render_writes_a_bash_clean_script(tmp_path: Path) -> None:
     script = target.read_text()
     assert script.startswith("#!/bin/bash") and "--plan" in script and "--bind auto" in script
     assert subprocess.run(["bash", "-n", str(target)], check=False).returncode == 0
-    assert not (tmp_path / "run").exists()
+    # the run dir is prepared as for a submission: `sbatch job.sbatch` runs as written
+    run = tmp_path / "run"
+    assert {"config.yaml", "plan.json", "guard.token", "logs"} <= {p.name for p in run.iterdir()}
+    assert (run / "guard.token").stat().st_mode & 0o777 == 0o600
+    assert f"prepared its run dir {run}" in proc.stdout
 
 
 def test_probe_flag_swaps_every_role_keeping_placement() -> None:

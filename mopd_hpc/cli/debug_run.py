@@ -66,8 +66,10 @@ def execute(
     from mopd_hpc.launch.debug_session import (
         Allocation,
         DebugSessionError,
+        OutsideAllocationError,
         check_fit,
         run_steps,
+        salloc_hint,
         step_argvs,
     )
     from mopd_hpc.launch.from_config import jobspec_from_config
@@ -76,14 +78,20 @@ def execute(
     from mopd_hpc.launch.rundir import RunDirError, prepare_run_dir
 
     try:
-        alloc = Allocation.from_env(environ)
         cfg = load_run_config(args.config, args.overrides, False)
         path = os.path.abspath(os.path.expanduser(args.run_dir or cfg.run_dir))
         cfg = cfg.model_copy(update={"run_dir": path})
         plan = JobPlan.from_config(cfg)
         if args.probe or unrunnable_roles(plan):
             plan = plan.as_probe()
-        check_fit(alloc, plan)
+        cpus = [g.cpus_per_task for g in cfg.cluster.groups().values()]
+        try:
+            alloc = Allocation.from_env(environ)
+        except OutsideAllocationError as exc:
+            raise OutsideAllocationError(
+                f"{exc}; for this config: `{salloc_hint(plan, cpus)} mopd-debug run {args.config}`"
+            ) from None
+        check_fit(alloc, plan, cpus)
         spec = jobspec_from_config(cfg, path, python, plan)
         run_dir = prepare_run_dir(path)
     except (ConfigError, DebugSessionError, PlanError, JobSpecError, RunDirError) as exc:

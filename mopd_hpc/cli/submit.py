@@ -214,13 +214,6 @@ def execute(
         print(str(exc) if isinstance(exc, ConfigError) else f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
     console = Console(file=out, soft_wrap=False, width=None if out.isatty() else 160)
-    if args.render:
-        atomic_write_text(args.render, request.script)
-        print(
-            f"wrote the sbatch script of {cfg.name!r} to {args.render}; submit it with: sbatch {shlex.quote(args.render)}",
-            file=out,
-        )
-        return 0
     if args.dry_run:
         if cfg.cluster.backend == "local":
             print(
@@ -237,10 +230,19 @@ def execute(
     except (RunDirError, ResumeError) as exc:
         print(f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
-    if resumed_from is not None:
-        print(f"resuming the run in {path} from checkpoints/{resumed_from}", file=out)
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
     plan.write(run_dir.root / PLAN_FILE_NAME)
+    if args.render:  # the run dir is prepared as for a submission, so the script runs as written
+        atomic_write_text(args.render, request.script)
+        print(
+            f"wrote the sbatch script of {cfg.name!r} to {args.render} and prepared its run dir {path} "
+            f"(config.yaml, plan.json, job token); submit it with: sbatch {shlex.quote(args.render)}, "
+            f"follow it with: mopd-logs summarize {shlex.quote(str(path))}",
+            file=out,
+        )
+        return 0
+    if resumed_from is not None:
+        print(f"resuming the run in {path} from checkpoints/{resumed_from}", file=out)
     print_rank_map(plan, console)
     if cfg.cluster.backend == "local":
         return _run_local(

@@ -188,14 +188,20 @@ class Allocation:
         return cls(job_id, (tuple(expand_hostlist(nodelist)),), False)
 
 
-def salloc_hint(plan: JobPlan) -> str:
-    """The salloc command whose allocation fits `plan` (`salloc -N1 : -N2` for a 2-group het job)."""
-    return "salloc " + " : ".join(f"-N{g.nodes}" for g in plan.groups)
+def salloc_hint(plan: JobPlan, cpus_per_task: Sequence[int] = ()) -> str:
+    """The salloc command whose allocation fits `plan`: `salloc -N1 -c2 : -N2 -c1` for a 2-group het job
+    whose groups ask for 2 and 1 CPUs per task (`cpus_per_task`, one per group in plan order; without it
+    the -c options are left out). The job's steps run one task per node with --cpus-per-task, so an
+    allocation without those CPUs fails at `srun` ("More processors requested than permitted")."""
+    cpus = list(cpus_per_task) or [None] * len(plan.groups)
+    return "salloc " + " : ".join(
+        f"-N{g.nodes}" + (f" -c{c}" if c else "") for g, c in zip(plan.groups, cpus, strict=True)
+    )
 
 
-def check_fit(alloc: Allocation, plan: JobPlan) -> None:
+def check_fit(alloc: Allocation, plan: JobPlan, cpus_per_task: Sequence[int] = ()) -> None:
     """Raise AllocationShapeError unless the allocation has the plan's het groups with its node counts."""
-    hint = salloc_hint(plan)
+    hint = salloc_hint(plan, cpus_per_task)
     want = [g.nodes for g in plan.groups]
     have = [len(g) for g in alloc.groups]
     if plan.het_size > 1 and not alloc.heterogeneous:
