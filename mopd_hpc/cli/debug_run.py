@@ -61,7 +61,7 @@ def execute(
 ) -> int:
     """Everything after argument parsing; collaborators passed in."""
     from mopd_hpc.atomic import atomic_write_text
-    from mopd_hpc.cli.submit import CONFIG_FILE_NAME, unrunnable_roles
+    from mopd_hpc.cli.submit import CONFIG_FILE_NAME, record_in_job_index, unrunnable_roles
     from mopd_hpc.config import ConfigError, load_run_config
     from mopd_hpc.launch.debug_session import (
         Allocation,
@@ -100,6 +100,9 @@ def execute(
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
     plan.write(run_dir.root / PLAN_FILE_NAME)
     write_job_state(run_dir.root, alloc, spec)
+    record_in_job_index(
+        alloc.job_id, run_dir, cfg.name, args.config, environ, err
+    )  # `mopd-logs summarize JOB`
     groups = ", ".join(f"{g.name}: {','.join(h)}" for g, h in zip(plan.groups, alloc.groups, strict=True))
     print(f"[debug run] job {alloc.job_id} ({groups}); run dir {run_dir.root}; Ctrl-C stops", file=out)
     try:

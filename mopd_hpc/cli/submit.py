@@ -266,7 +266,9 @@ def _run_local(
     from mopd_hpc.launch.rankmap import probe_report_table, read_probe_reports
 
     job_id = local_job_id()
-    _append_index(job_id, run_dir, plan.name, config_path, environ, err)  # `mopd-logs summarize local-N`
+    record_in_job_index(
+        job_id, run_dir, plan.name, config_path, environ, err
+    )  # `mopd-logs summarize local-N`
     rc = run_local(plan, run_dir, python=python, environ=environ, out=out, job_id=job_id)
     if plan.probe:
         console.print(probe_report_table(read_probe_reports(run_dir.root)))  # type: ignore[attr-defined]
@@ -293,7 +295,7 @@ def _submit_slurm(
         print(f"mopd-submit: {exc}", file=err)
         return EXIT_SUBMIT_FAILED
     job_id = str(job.job_id)
-    _append_index(job_id, run_dir, cfg.name, config_path, environ, err)
+    record_in_job_index(job_id, run_dir, cfg.name, config_path, environ, err)
     bindir = Path(python).parent
     rd = shlex.quote(str(run_dir.root))
     print(f"submitted job {job_id} ({cfg.name}); run dir {run_dir.root}", file=out)
@@ -309,7 +311,7 @@ def _submit_slurm(
     return 0
 
 
-def _append_index(
+def record_in_job_index(
     job_id: str, run_dir: RunDir, name: str, config: str, environ: Mapping[str, str], err: TextIO
 ) -> None:
     """Record the job in the job index (mopd_hpc.logs.index) when that module is installed."""
