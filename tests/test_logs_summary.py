@@ -345,7 +345,10 @@ def test_healthy_run_progress_json_schema_and_plot(tmp_path: Path) -> None:
         "state_source",
         "sacct",
         "end",
+        "earlier_jobs",
+        "later_jobs",
     }
+    assert doc["job"]["earlier_jobs"] == [] and doc["job"]["later_jobs"] == []
     assert set(doc["nodes"][0]) == {"host", "guard", "children"}
     assert set(doc["nodes"][0]["children"][0]) == {
         "host",

@@ -1,6 +1,7 @@
 """`mopd-logs summarize RUN_DIR|JOB_ID [--json] [--plot out.png]`: one screen about a run (or its --json).
 
-A job id is looked up in the job index (`mopd_hpc.logs.index`, under `$XDG_STATE_HOME`); the environment is
+The summary is of one job: the job id given, else the run dir's latest job (other jobs that reused the run
+dir are listed, never counted as this job's failure). A job id is looked up in the job index (`mopd_hpc.logs.index`, under `$XDG_STATE_HOME`); the environment is
 read here, at the edge, and nowhere below.
 """
 
@@ -68,9 +69,10 @@ def run(
     err = err or sys.stderr
     try:
         run_dir = resolve_target(args.target, os.environ if env is None else env)
+        job_id = None if Path(args.target).expanduser().is_dir() else args.target
         if args.no_sacct:
             sacct_runner = no_sacct
-        summary = summarize_run(run_dir, sacct_runner=sacct_runner)
+        summary = summarize_run(run_dir, sacct_runner=sacct_runner, job_id=job_id)
     except (JobIndexError, RunDirMissingError) as exc:
         print(f"mopd-logs summarize: {exc}", file=err)
         return EXIT_USAGE

@@ -266,9 +266,8 @@ def _run_local(
     from mopd_hpc.launch.rankmap import probe_report_table, read_probe_reports
 
     job_id = local_job_id()
-    record_in_job_index(
-        job_id, run_dir, plan.name, config_path, environ, err
-    )  # `mopd-logs summarize local-N`
+    # so that `mopd-logs summarize local-N` finds the run dir, as it does a Slurm job id
+    record_in_job_index(job_id, run_dir, plan.name, config_path, environ, err)
     rc = run_local(plan, run_dir, python=python, environ=environ, out=out, job_id=job_id)
     if plan.probe:
         console.print(probe_report_table(read_probe_reports(run_dir.root)))  # type: ignore[attr-defined]

@@ -75,12 +75,21 @@ CAUSE_PATTERNS: tuple[CausePattern, ...] = (
 )
 #: Keys that are not text patterns.
 KILLED_BY_SIGNAL = "killed_by_signal"
+INTERRUPTED = "interrupted"  # SIGINT to the guards (Ctrl-C)
 EXCEPTION = "exception"
 EXIT_CODE = "exit_code"
 STEP_FAILED = "step_failed"
 UNKNOWN = "unknown"
 #: Every cause key the summarizer may report.
-CAUSE_KEYS = (*(c.key for c in CAUSE_PATTERNS), KILLED_BY_SIGNAL, EXCEPTION, EXIT_CODE, STEP_FAILED, UNKNOWN)
+CAUSE_KEYS = (
+    *(c.key for c in CAUSE_PATTERNS),
+    KILLED_BY_SIGNAL,
+    INTERRUPTED,
+    EXCEPTION,
+    EXIT_CODE,
+    STEP_FAILED,
+    UNKNOWN,
+)
 #: A Python exception line: `pkg.mod.SomeError: message` or a bare `KeyboardInterrupt`.
 EXCEPTION_LINE_RE = re.compile(
     r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)\w*)(?::\s?(?P<msg>.*))?$"
@@ -132,3 +141,12 @@ def signal_cause(signal_name: str, signum: int | None) -> Cause:
 
 def exit_cause(exit_code: int) -> Cause:
     return Cause(EXIT_CODE, f"exited with code {exit_code}", f"exit_code={exit_code}")
+
+
+def guard_signal_cause(name: str) -> Cause:
+    """The cause of a stop by a signal to the guards, worded by the signal: SIGINT is Ctrl-C (key
+    "interrupted"), anything else Slurm's scancel, preemption or time limit (key "killed_by_signal")."""
+    if name == "SIGINT":
+        return Cause(INTERRUPTED, "interrupted (Ctrl-C)", f"guard got {name}")
+    cause = signal_cause(name, None)
+    return Cause(cause.key, f"guard got {name} (scancel, preemption or time limit)", cause.evidence)

@@ -11,6 +11,10 @@ own `kill` or after Slurm signalled the guard are teardown (`run_events`). Order
    unreachable), the batch shell's `state/first_failure.json`, a failed sacct component;
 3. without guard events: child logs with a traceback, oldest modification first.
 
+Only one job's evidence counts (a run dir is reused on resume, resubmission and requeue): the caller passes
+that job's guards and children (`jobs.select_job`), and `state/*.json`, `batch.<id>.log` and step logs
+(`<component>.r<restart>.t<task>.log`) written by another job id or an earlier incarnation are left out.
+
 Tracebacks are compared across ranks after `normalize_line` (numbers, addresses, times): "same on N other ranks".
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +34,10 @@ from mopd_hpc.logs.causes import (
     classify_text,
     exception_cause,
     exit_cause,
+    guard_signal_cause,
     signal_cause,
 )
+from mopd_hpc.logs.jobs import job_log_paths, leader_of, record_belongs
 from mopd_hpc.logs.run_events import ChildRun, GuardRun
 from mopd_hpc.logs.sacct import SacctJob
 from mopd_hpc.logs.scan import ScanResult, scan_log
@@ -47,6 +53,8 @@ SACCT_STATE_CAUSES: Mapping[str, tuple[str, str]] = {
     "OUT_OF_MEMORY": ("host_oom", "host out of memory (OOM killer)"),
     "NODE_FAIL": ("node_fail", "node failure"),
 }
+#: A job or step id in slurmstepd's lines ("*** JOB 365 ON n1 ...", "*** STEP 365.0 ON n1 ...").
+_SLURM_ID_RE = re.compile(r"\b(?:JOB|STEP) ([0-9]+)")
 _NORMALIZERS = (
     (re.compile(r"0x[0-9a-fA-F]+"), "0xADDR"),
     (re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?Z?"), "TIME"),
@@ -161,12 +169,20 @@ def classify_child(child: ChildRun, scans: list[ScanResult]) -> Cause:
 
 def find_first_failure(
     run_dir: Path,
-    guards: list[GuardRun],
-    children: list[ChildRun],
+    guards: Sequence[GuardRun],
+    children: Sequence[ChildRun],
     sacct: SacctJob | None,
     scans: Mapping[str, ScanResult],
+    job_id: str | None = None,
+    restart: int | None = None,
+    logs_fallback: bool = True,
 ) -> FirstFailure | None:
-    """Decide the first failure (module docstring); `scans` maps a log path to its scan (missing → scanned)."""
+    """Decide the first failure (module docstring); `scans` maps a log path to its scan (missing → scanned).
+
+    `guards`/`children` are one job's (`jobs.select_job`); `job_id` (leader) and `restart` (its incarnation,
+    SLURM_RESTART_COUNT) keep out the state files and job logs another job or an earlier incarnation wrote;
+    None does not filter. `logs_fallback=False` skips step 3 (the child logs are another job's).
+    """
     scan_cache = dict(scans)
 
     def scans_of(child: ChildRun, with_stdout: bool) -> tuple[list[ScanResult], Path | None]:
@@ -225,39 +241,50 @@ def find_first_failure(
             log_path=str(path) if path else None,
             log_tail=tuple(read_last_lines(path, EVIDENCE_TAIL_LINES)) if path else (),
         )
-    return _job_level_failure(run_dir, guards, children, sacct)
+    return _job_level_failure(run_dir, guards, children, sacct, job_id, restart, logs_fallback)
 
 
-def _read_state(run_dir: Path, name: str) -> dict[str, Any] | None:
+def _read_state(
+    run_dir: Path, name: str, job_id: str | None = None, restart: int | None = None
+) -> dict[str, Any] | None:
+    """`state/<name>` when it is of job `job_id`, incarnation `restart` (`jobs.record_belongs`), else None."""
     try:
         data = json.loads((run_dir / "state" / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not record_belongs(data, job_id, restart):
+        return None
+    return data
 
 
-def _job_logs(run_dir: Path) -> list[Path]:
-    """The batch and step logs (`logs/*.log`), which hold Slurm's and srun's own lines."""
-    logs = run_dir / "logs"
-    return sorted(p for p in logs.glob("*.log") if p.is_file()) if logs.is_dir() else []
-
-
-def _job_text_cause(run_dir: Path) -> tuple[Cause | None, Path | None]:
-    for path in _job_logs(run_dir):
+def _job_text_cause(
+    run_dir: Path, job_id: str | None, restart: int | None
+) -> tuple[Cause | None, Path | None]:
+    for path in job_log_paths(run_dir, job_id, restart):
         try:
             scan = scan_log(path)
         except OSError:
             continue
-        cause = classify_text(scan.evidence_lines())
+        lines = scan.evidence_lines()
+        if job_id is not None:  # slurmstepd names the job: "*** JOB 365 ON n1 CANCELLED ..."
+            leader = leader_of(job_id)
+            lines = [x for x in lines if all(m == leader for m in _SLURM_ID_RE.findall(x))]
+        cause = classify_text(lines)
         if cause is not None:
             return cause, path
     return None, None
 
 
 def _job_level_failure(
-    run_dir: Path, guards: list[GuardRun], children: list[ChildRun], sacct: SacctJob | None
+    run_dir: Path,
+    guards: Sequence[GuardRun],
+    children: Sequence[ChildRun],
+    sacct: SacctJob | None,
+    job_id: str | None = None,
+    restart: int | None = None,
+    logs_fallback: bool = True,
 ) -> FirstFailure | None:
-    text_cause, text_path = _job_text_cause(run_dir)
+    text_cause, text_path = _job_text_cause(run_dir, job_id, restart)
 
     def make(cause: Cause, source: str, host: str | None = None, ts: float | None = None) -> FirstFailure:
         path = text_path if text_cause is not None and cause.key == text_cause.key else None
@@ -277,7 +304,7 @@ def _job_level_failure(
     signalled = [g for g in guards if g.signals]
     if signalled:
         g = min(signalled, key=lambda x: x.first_signal_ts or 0.0)
-        requeue = _read_state(run_dir, "requeue.json")
+        requeue = _read_state(run_dir, "requeue.json", job_id, restart)
         if text_cause is not None and text_cause.key in ("time_limit", "preempted"):
             cause = text_cause
         elif sacct_cause is not None:
@@ -287,9 +314,7 @@ def _job_level_failure(
                 "preempted", "preempted/requeued", f"state/requeue.json signal={requeue.get('signal')}"
             )
         else:
-            name = g.signals[0][1]
-            cause = signal_cause(name, None)
-            cause = Cause(cause.key, f"guard got {name} (scancel, preemption or time limit)", cause.evidence)
+            cause = guard_signal_cause(g.signals[0][1])
         return make(cause, "slurm_signal", host=g.host, ts=g.first_signal_ts)
     for g in guards:
         if g.start_ts is not None and g.ready_ts is None:
@@ -297,7 +322,7 @@ def _job_level_failure(
                 "guard_unreachable", "guard unreachable", "guard_start without guard_ready"
             )
             return make(cause, "guard", host=g.host, ts=g.start_ts)
-    first = _read_state(run_dir, "first_failure.json")
+    first = _read_state(run_dir, "first_failure.json", job_id, restart)
     if first is not None:
         cause = text_cause or Cause(
             STEP_FAILED,
@@ -323,7 +348,7 @@ def _job_level_failure(
         return make(
             Cause("guard_unreachable", "guard unreachable", "no guard_stop event"), "guard", host=g.host
         )
-    if not children:
+    if not children and logs_fallback:
         return _logs_only_failure(run_dir)
     return None
 

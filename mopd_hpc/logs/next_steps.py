@@ -20,6 +20,7 @@ _BY_CAUSE: Mapping[str, tuple[str, ...]] = {
     "host_oom": ("sacct -j {job} --format=JobID,State,MaxRSS,MaxRSSNode,ReqMem", "{resume}"),
     "killed_by_signal": ("sacct -j {job} --format=JobID,State,ExitCode,MaxRSS,MaxRSSNode", "{resume}"),
     "node_fail": ("{resume}",),
+    "interrupted": ("{resume}",),
     "checkpoint_signal": ("{resume}",),  # not a failure: the actor checkpointed on SIGUSR2 and stopped
 }
 _DEFAULT = ("mopd-logs tail {run_dir} --role {role} --rank {rank}", "{resume}")

@@ -26,8 +26,10 @@ _STATE_STYLE = {
     "running": "cyan",
     "exited": "green",
     "killed": "yellow",
+    "stopped": "yellow",
     "failed": "bold red",
 }
+_TIMES = {1: "once", 2: "twice"}
 
 
 def _ts(ts: float | None) -> str:
@@ -54,6 +56,23 @@ def _job_panel(s: RunSummary) -> Panel:
     head.append(job.state, style=_STATE_STYLE.get(job.state, ""))
     head.append(f" (from {job.state_source})  restarts {job.restart_count}")
     parts: list[Text | Table] = [head]
+    if job.restart_count > 0:
+        n = job.restart_count
+        then = {
+            "SUCCEEDED": "finished",
+            "RUNNING": "running",
+            "CHECKPOINTED": "stopped on a checkpoint signal",
+        }
+        parts.append(
+            Text(
+                f"requeued {_TIMES.get(n, f'{n} times')}, resumed, {then.get(job.state, job.state.lower())}"
+                " (only this incarnation is summarized)"
+            )
+        )
+    for label, jobs in (("earlier", job.earlier_jobs), ("later", job.later_jobs)):
+        if jobs:
+            listed = ", ".join(f"{jid} {state}" for jid, state in jobs)
+            parts.append(Text(f"{label} jobs in this run dir: {listed}", style="dim"))
     if job.state == CHECKPOINTED:
         at = f"step {job.end_step}" if job.end_step is not None else "its last checkpoint"
         parts.append(

@@ -37,6 +37,8 @@ class ChildRun:
         guard_kill_ts: when the guard first signalled its group (None if never).
         teardown: the exit was guard-initiated (see the module docstring).
         stdout, stderr: the log paths the guard recorded (may be absolute paths of another machine).
+        job_id: the job id of the guard that ran it (its `guard_start`), None when unknown.
+        guard_done_ts: when its guard logged `plan_done` or `guard_stop` (the guard was done with it).
     """
 
     host: str
@@ -52,6 +54,8 @@ class ChildRun:
     teardown: bool
     stdout: str | None
     stderr: str | None
+    job_id: str | None = None
+    guard_done_ts: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -78,12 +82,16 @@ class ChildRun:
             "signal": self.signal,
             "teardown": self.teardown,
             "stderr": self.stderr,
+            "job_id": self.job_id,
         }
 
 
 @dataclass(frozen=True, slots=True)
 class GuardRun:
-    """One guard (one node of the job): start/ready/stop times and the signals it received."""
+    """One guard process (one node of one job incarnation): start/ready/stop times and the signals it got.
+
+    `plan_done_ts` is its `plan_done` event (it stopped watching its children); `last_ts` its last event.
+    """
 
     host: str
     job_id: str | None
@@ -91,6 +99,8 @@ class GuardRun:
     ready_ts: float | None
     stop_ts: float | None
     signals: tuple[tuple[float, str], ...]
+    plan_done_ts: float | None = None
+    last_ts: float | None = None
 
     @property
     def first_signal_ts(self) -> float | None:
@@ -103,6 +113,7 @@ class GuardRun:
             "start_ts": self.start_ts,
             "ready_ts": self.ready_ts,
             "stop_ts": self.stop_ts,
+            "plan_done_ts": self.plan_done_ts,
             "signals": [{"ts": ts, "signal": name} for ts, name in self.signals],
         }
 
@@ -115,48 +126,10 @@ def _float(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def read_guard_events(path: str | os.PathLike[str]) -> tuple[GuardRun, list[ChildRun]]:
-    """Stream one guard event log into its GuardRun and ChildRuns (sorted by spawn time).
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    path = Path(path)
-    host = path.name.removesuffix(EVENTS_SUFFIX)
-    guard: dict[str, Any] = {"job_id": None, "start_ts": None, "ready_ts": None, "stop_ts": None}
-    signals: list[tuple[float, str]] = []
-    children: dict[tuple[str, int, int], dict[str, Any]] = {}
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(ev, dict):
-                continue
-            kind, ts = ev.get("event"), _float(ev.get("ts"))
-            host = str(ev.get("host") or host)
-            if kind == "guard_start":
-                guard["start_ts"] = ts
-                guard["job_id"] = None if ev.get("job_id") is None else str(ev["job_id"])
-            elif kind == "guard_ready":
-                guard["ready_ts"] = ts
-            elif kind == "guard_stop":
-                guard["stop_ts"] = ts
-            elif kind == "guard_signal":
-                signals.append((ts or 0.0, str(ev.get("signal"))))
-            elif kind in ("spawn", "exit", "kill"):
-                role, index, gen = ev.get("role"), _int(ev.get("index")), _int(ev.get("generation"))
-                if not isinstance(role, str) or index is None or gen is None:
-                    continue
-                rec = children.setdefault((role, index, gen), {"pid": _int(ev.get("pid"))})
-                if kind == "spawn":
-                    rec.update(spawn_ts=ts, stdout=ev.get("stdout"), stderr=ev.get("stderr"))
-                elif kind == "exit":
-                    rec.update(exit_ts=ts, exit_code=_int(ev.get("exit_code")), signal=ev.get("signal"))
-                elif rec.get("kill_ts") is None:
-                    rec["kill_ts"] = ts
+def _segment_runs(host: str, seg: dict[str, Any]) -> tuple[GuardRun, list[ChildRun]]:
+    guard, signals, children = seg["guard"], seg["signals"], seg["children"]
     first_signal = signals[0] if signals else None
+    done = [ts for ts in (guard["plan_done_ts"], guard["stop_ts"]) if ts is not None]
     runs = []
     for (role, index, gen), rec in children.items():
         exit_ts, kill_ts = rec.get("exit_ts"), rec.get("kill_ts")
@@ -181,19 +154,103 @@ def read_guard_events(path: str | os.PathLike[str]) -> tuple[GuardRun, list[Chil
                 teardown=teardown,
                 stdout=rec.get("stdout") if isinstance(rec.get("stdout"), str) else None,
                 stderr=rec.get("stderr") if isinstance(rec.get("stderr"), str) else None,
+                job_id=guard["job_id"],
+                guard_done_ts=min(done) if done else None,
             )
         )
     runs.sort(key=lambda c: (c.spawn_ts or 0.0, c.role, c.index, c.generation))
     return GuardRun(host=host, signals=tuple(signals), **guard), runs
 
 
-def read_run_events(run_dir: str | os.PathLike[str]) -> tuple[list[GuardRun], list[ChildRun]]:
-    """Every guard and child of the run directory (hosts in name order)."""
-    guards, children = [], []
+def read_guard_segments(path: str | os.PathLike[str]) -> list[tuple[GuardRun, list[ChildRun]]]:
+    """Stream one guard event log into one (GuardRun, ChildRuns) per guard process, oldest first.
+
+    A run directory is reused on resume, resubmission and requeue, and every guard appends to the same
+    `<host>.guard.jsonl`: each `guard_start` opens a new segment (lines before the first one form a segment
+    without a job id). Teardown is decided within a segment only (a later job's signal never makes an
+    earlier job's exit teardown, nor the other way round).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    host = path.name.removesuffix(EVENTS_SUFFIX)
+    segments: list[dict[str, Any]] = []
+
+    def new_segment() -> dict[str, Any]:
+        guard = {"job_id": None, "start_ts": None, "ready_ts": None, "stop_ts": None}
+        seg = {"guard": {**guard, "plan_done_ts": None, "last_ts": None}, "signals": [], "children": {}}
+        segments.append(seg)
+        return seg
+
+    seg: dict[str, Any] | None = None
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(ev, dict):
+                continue
+            kind, ts = ev.get("event"), _float(ev.get("ts"))
+            host = str(ev.get("host") or host)
+            if seg is None or kind == "guard_start":
+                seg = new_segment()
+            guard, children = seg["guard"], seg["children"]
+            if ts is not None:
+                guard["last_ts"] = ts if guard["last_ts"] is None else max(guard["last_ts"], ts)
+            if kind == "guard_start":
+                guard["start_ts"] = ts
+                guard["job_id"] = None if ev.get("job_id") is None else str(ev["job_id"])
+            elif kind == "guard_ready":
+                guard["ready_ts"] = ts
+            elif kind == "guard_stop":
+                guard["stop_ts"] = ts
+            elif kind == "plan_done" and guard["plan_done_ts"] is None:
+                guard["plan_done_ts"] = ts
+            elif kind == "guard_signal":
+                seg["signals"].append((ts or 0.0, str(ev.get("signal"))))
+            elif kind in ("spawn", "exit", "kill"):
+                role, index, gen = ev.get("role"), _int(ev.get("index")), _int(ev.get("generation"))
+                if not isinstance(role, str) or index is None or gen is None:
+                    continue
+                rec = children.setdefault((role, index, gen), {"pid": _int(ev.get("pid"))})
+                if kind == "spawn":
+                    rec.update(spawn_ts=ts, stdout=ev.get("stdout"), stderr=ev.get("stderr"))
+                elif kind == "exit":
+                    rec.update(exit_ts=ts, exit_code=_int(ev.get("exit_code")), signal=ev.get("signal"))
+                elif rec.get("kill_ts") is None:
+                    rec["kill_ts"] = ts
+    return [_segment_runs(host, s) for s in segments]
+
+
+def read_guard_events(path: str | os.PathLike[str]) -> tuple[GuardRun, list[ChildRun]]:
+    """The latest guard process of one event log (`read_guard_segments`' last segment).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    segments = read_guard_segments(path)
+    if not segments:
+        return GuardRun(Path(path).name.removesuffix(EVENTS_SUFFIX), None, None, None, None, ()), []
+    return segments[-1]
+
+
+def read_run_segments(run_dir: str | os.PathLike[str]) -> list[tuple[GuardRun, list[ChildRun]]]:
+    """Every guard process of the run directory (hosts in name order, each host's oldest first)."""
+    out: list[tuple[GuardRun, list[ChildRun]]] = []
     events_dir = Path(run_dir) / EVENTS_DIR
     if events_dir.is_dir():
         for path in sorted(events_dir.glob(f"*{EVENTS_SUFFIX}")):
-            guard, runs = read_guard_events(path)
-            guards.append(guard)
-            children += runs
+            out += read_guard_segments(path)
+    return out
+
+
+def read_run_events(run_dir: str | os.PathLike[str]) -> tuple[list[GuardRun], list[ChildRun]]:
+    """Every guard process and child of the run directory, of every job that used it (see `mopd_hpc.logs.jobs`
+    to keep one job's)."""
+    guards, children = [], []
+    for guard, runs in read_run_segments(run_dir):
+        guards.append(guard)
+        children += runs
     return guards, children

@@ -1,5 +1,10 @@
 """`summarize_run(run_dir)`: every fact `mopd-logs summarize` shows, as one frozen record (`RunSummary`).
 
+The summary is of ONE job: the job id asked for, else the latest job of the run dir (the batch shell's
+`state/job.json`, else the guard that started last). A run dir is reused on resume, resubmission and requeue;
+events, state files and logs of other job ids, and of earlier incarnations of a requeued job, never count as
+this job's failure (`mopd_hpc.logs.jobs`); other jobs are listed by id with their state.
+
 Sources, each optional: the guards' event logs, the child logs (streamed by `scan`), the batch shell's
 `state/*.json`, `metrics.jsonl` / `eval.json`, and sacct (when the job id is a Slurm id and sacct answers).
 `RunSummary.to_dict()` is the `--json` output; its schema is documented in docs/en/logs.md and versioned by
@@ -14,15 +19,16 @@ import os
 import re
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mopd_hpc.launch.jobids import JobIdError, fold_job_id
 from mopd_hpc.logs.failure import FirstFailure, find_first_failure
+from mopd_hpc.logs.jobs import Segment, latest_job_id, leader_of, record_belongs, select_job
 from mopd_hpc.logs.next_steps import next_steps
 from mopd_hpc.logs.progress import Progress, read_progress
-from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_events
+from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_segments
 from mopd_hpc.logs.sacct import SacctJob, SacctRunner, query_sacct, run_sacct
 from mopd_hpc.trainer.role_env import JOB_END_FILE
 
@@ -30,6 +36,8 @@ from mopd_hpc.trainer.role_env import JOB_END_FILE
 CHECKPOINTED = "CHECKPOINTED"
 #: Version of the --json schema (docs/en/logs.md).
 SCHEMA_VERSION = 1
+#: At most this many other jobs of the run dir (the latest) are looked up in sacct for their state.
+OTHER_JOBS_ASKED = 3
 _NUMERIC_JOB = re.compile(r"^[0-9]+(\+[0-9]+)?$")
 
 
@@ -45,12 +53,15 @@ def no_sacct(argv: Sequence[str]) -> str:
 @dataclass(frozen=True, slots=True)
 class ChildSlot:
     """One (host, role, index) with all its generations. `restarts` = generations − 1; `state` is
-    "running", "exited", "killed" (by the guard: teardown) or "failed" for the latest generation."""
+    "running", "exited", "killed" (by the guard: teardown), "failed", or "stopped" (no exit event, but its
+    guard was done with it — `plan_done`/`guard_stop` — or the job is over: `job_over`) for the latest
+    generation."""
 
     host: str
     role: str
     index: int
     generations: tuple[ChildRun, ...]
+    job_over: bool = False
 
     @property
     def latest(self) -> ChildRun:
@@ -64,7 +75,7 @@ class ChildSlot:
     def state(self) -> str:
         c = self.latest
         if c.exit_ts is None:
-            return "running"
+            return "stopped" if c.guard_done_ts is not None or self.job_over else "running"
         if c.teardown:
             return "killed"
         return "failed" if c.failed else "exited"
@@ -91,6 +102,9 @@ class JobInfo:
     ended cleanly because the actor checkpointed on a checkpoint signal (SIGUSR2) and stopped at step
     `end_step`; re-running the same command resumes it. `end_reason`/`end_step` are the actor's
     `state/job_end.json` ("finished", "checkpoint_signal", "failed"), None when it wrote none.
+    `restart_count` is the incarnation shown (SLURM_RESTART_COUNT: a requeued job's earlier incarnations are
+    not part of the summary). `earlier_jobs`/`later_jobs`: (job id, state) of the other jobs that used the
+    run dir (state from sacct when it answers, else `jobs.events_verdict`).
     """
 
     job_id: str | None
@@ -104,6 +118,8 @@ class JobInfo:
     sacct: SacctJob | None
     end_reason: str | None = None
     end_step: int | None = None
+    earlier_jobs: tuple[tuple[str, str], ...] = ()
+    later_jobs: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +133,8 @@ class JobInfo:
             "state_source": self.state_source,
             "sacct": self.sacct.to_dict() if self.sacct else None,
             "end": None if self.end_reason is None else {"reason": self.end_reason, "step": self.end_step},
+            "earlier_jobs": [{"job_id": j, "state": st} for j, st in self.earlier_jobs],
+            "later_jobs": [{"job_id": j, "state": st} for j, st in self.later_jobs],
         }
 
 
@@ -177,7 +195,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _slots(children: list[ChildRun]) -> tuple[ChildSlot, ...]:
+def _slots(children: Sequence[ChildRun]) -> tuple[ChildSlot, ...]:
     groups: dict[tuple[str, str, int], list[ChildRun]] = {}
     for c in children:
         groups.setdefault((c.host, c.role, c.index), []).append(c)
@@ -187,8 +205,16 @@ def _slots(children: list[ChildRun]) -> tuple[ChildSlot, ...]:
     )
 
 
+def _sacct_state(sacct: SacctJob) -> str:
+    states = [c.coarse_state for c in sacct.components]
+    for verdict in ("RUNNING", "PENDING", "FAILED", "CANCELLED", "UNKNOWN"):
+        if verdict in states:
+            return verdict
+    return "SUCCEEDED"
+
+
 def _job_state(
-    sacct: SacctJob | None, guards: list[GuardRun], slots: tuple[ChildSlot, ...], failed: bool
+    sacct: SacctJob | None, guards: Sequence[GuardRun], slots: tuple[ChildSlot, ...], failed: bool
 ) -> tuple[str, str]:
     if sacct is not None and sacct.components:
         states = [c.coarse_state for c in sacct.components]
@@ -213,63 +239,114 @@ def _job_end(root: Path, job_id: str | None) -> tuple[str | None, int | None]:
     if record is None or not isinstance(record.get("reason"), str):
         return None, None
     marker_job = record.get("job_id")
-    if job_id is not None and marker_job is not None and _leader(str(marker_job)) != _leader(job_id):
+    if job_id is not None and marker_job is not None and leader_of(str(marker_job)) != leader_of(job_id):
         return None, None
     step = record.get("step")
     return record["reason"], step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def _leader(job_id: str) -> str:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _query(job_id: str | None, runner: SacctRunner) -> SacctJob | None:
+    if not job_id or not _NUMERIC_JOB.match(job_id):
+        return None
     try:
-        return fold_job_id(job_id)
+        return query_sacct(fold_job_id(job_id), runner)
     except JobIdError:
-        return job_id
+        return None
 
 
-def summarize_run(run_dir: str | os.PathLike[str], sacct_runner: SacctRunner | None = None) -> RunSummary:
-    """Read everything under `run_dir` (streamed) and decide the job state and first failure.
+def _target_job(root: Path, job_json: dict[str, Any], segments: Sequence[Segment]) -> str | None:
+    """The latest job of the run dir: `state/job.json`'s, unless a guard of another job started after the
+    batch shell wrote it (a local run after a Slurm one), else the guard that started last."""
+    from_events = latest_job_id(segments)
+    if job_json.get("job_id") is None:
+        return from_events
+    from_json = leader_of(str(job_json["job_id"]))
+    if from_events is None or from_events == from_json:
+        return from_json
+    try:
+        written = (root / "state" / "job.json").stat().st_mtime
+    except OSError:
+        return from_json
+    started = max((g.start_ts or 0.0) for g, _ in segments if leader_of(g.job_id) == from_events)
+    return from_events if started > written else from_json
+
+
+def _other_jobs(
+    others: Sequence[tuple[str, str]], runner: SacctRunner, asked: int
+) -> tuple[tuple[str, str], ...]:
+    """(job id, state): sacct's state for the `asked` nearest (last) ones when it answers, else the verdict."""
+    out = []
+    for n, (job_id, verdict) in enumerate(others):
+        sacct = _query(job_id, runner) if n >= len(others) - asked else None
+        out.append((job_id, _sacct_state(sacct) if sacct is not None and sacct.components else verdict))
+    return tuple(out)
+
+
+def summarize_run(
+    run_dir: str | os.PathLike[str], sacct_runner: SacctRunner | None = None, job_id: str | None = None
+) -> RunSummary:
+    """Read everything under `run_dir` (streamed) and decide the job state and first failure of one job.
 
     Args:
         sacct_runner: runs a sacct argv and returns stdout; None uses the real `sacct` when it is on PATH,
             `no_sacct` to skip Slurm accounting.
+        job_id: the job to describe (any form: `123`, `123+1`, `local-42`); None: the run dir's latest job.
     Raises:
         RunDirMissingError: `run_dir` is not a directory.
     """
     root = Path(run_dir).expanduser().absolute()
     if not root.is_dir():
         raise RunDirMissingError(f"run dir {root} does not exist or is not a directory")
-    guards, children = read_run_events(root)
+    segments = read_run_segments(root)
     job_json = _read_json(root / "state" / "job.json") or {}
-    job_id = job_json.get("job_id") or next((g.job_id for g in guards if g.job_id), None)
-    job_id = None if job_id is None else str(job_id)
+    target = leader_of(job_id) if job_id is not None else _target_job(root, job_json, segments)
+    events = select_job(segments, target)
+    guards, children = list(events.guards), list(events.children)
+    job_id = events.job_id if events.job_id is not None else target
+    if job_id is not None and not record_belongs(job_json, job_id, None):
+        job_json = {}  # the batch shell's record of another job
     runner = sacct_runner if sacct_runner is not None else (run_sacct if shutil.which("sacct") else no_sacct)
-    sacct = None
-    if job_id and _NUMERIC_JOB.match(job_id):
-        try:
-            sacct = query_sacct(fold_job_id(job_id), runner)
-        except JobIdError:
-            sacct = None
+    sacct = _query(job_id, runner)
+    restarts = [r for r in (job_json.get("restart_count"), events.incarnations - 1) if _is_int(r) and r >= 0]
+    restarts += [sacct.requeues] if sacct is not None and sacct.components else []
+    restart = max(restarts) if restarts else None
     slots = _slots(children)
-    failure = find_first_failure(root, guards, children, sacct, {})
+    failure = find_first_failure(
+        root,
+        guards,
+        children,
+        sacct,
+        {},
+        job_id=job_id,
+        restart=restart,
+        logs_fallback=not segments or bool(children),
+    )
     state, source = _job_state(sacct, guards, slots, failure is not None)
+    if state not in ("RUNNING", "PENDING"):
+        slots = tuple(replace(slot, job_over=True) for slot in slots)
     end_reason, end_step = _job_end(root, job_id)
     if state == "SUCCEEDED" and end_reason == "checkpoint_signal":
         state = CHECKPOINTED
-    restart_count = job_json.get("restart_count")
-    restart_count = restart_count if isinstance(restart_count, int) else 0
+    restart_count = restart or 0
     name = sacct.components[0].name if sacct and sacct.components else None
     job = JobInfo(
         job_id=fold_job_id(job_id) if job_id and _NUMERIC_JOB.match(job_id) else job_id,
         name=name,
         shape=job_json.get("shape") if isinstance(job_json.get("shape"), str) else None,
         components=tuple(str(c) for c in job_json.get("components", []) if isinstance(c, str)),
-        restart_count=max(restart_count, sacct.requeues if sacct else 0),
+        restart_count=restart_count,
         requeues=sacct.requeues if sacct else restart_count,
         state=state,
         state_source=source,
         sacct=sacct,
         end_reason=end_reason,
         end_step=end_step,
+        earlier_jobs=_other_jobs(events.earlier, runner, OTHER_JOBS_ASKED),
+        later_jobs=_other_jobs(events.later, runner, OTHER_JOBS_ASKED),
     )
     progress = read_progress(root)
     running = state == "RUNNING"
