@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_wait import wait_for
 
 from mopd_hpc.launch.debug_session import (
     Allocation,
@@ -50,17 +51,6 @@ SCONTROL_HET_RUNNING = (
     "JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 ExitCode=0:0 "
     "Partition=debug NodeList=n[2-3] BatchHost=n2 NumNodes=2 NumCPUs=2 ReqNodeList=(null) ExcNodeList=(null)\n"
 )
-
-
-def wait_for(pred, timeout_s: float, what: str, step_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(step_s)
 
 
 # ---- guard status on a real local guard ------------------------------------------------------------------

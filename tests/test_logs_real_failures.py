@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -69,23 +69,13 @@ if __name__ == "__main__":
 
 # ---- tests ----------------------------------------------------------------------------------------------
 import pytest  # noqa: E402
+from helpers_wait import wait_for  # noqa: E402
 
 from mopd_hpc.launch.rundir import prepare_run_dir  # noqa: E402
 from mopd_hpc.logs.summary import RunSummary, no_sacct, summarize_run  # noqa: E402
 from mopd_hpc.runtime.guard.client import GuardClient  # noqa: E402
 
 HOST = socket.gethostname()
-
-
-def wait_for(pred: Callable[[], object], timeout_s: float, what: str, step_s: float = 0.05) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(step_s)
 
 
 @contextlib.contextmanager

@@ -10,10 +10,10 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers_wait import wait_for
 
 from mopd_hpc.runtime.hostlist import expand_hostlist
 
@@ -24,17 +24,6 @@ CONFIG = REPO / "configs" / "slurm_het_cpu.yaml"
 SUBMIT = Path(sys.executable).with_name("mopd-submit")
 PROBES = 5  # actor, 2 teachers on the trainer node; 2 rollout engines on the rollout nodes
 START_S = 60  # het jobs sit PENDING 5-10 s before starting (slurm-local-findings.md §4)
-
-
-def wait_for(pred: Callable[[], object], timeout_s: float, what: str, step_s: float = 0.25) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(step_s)
 
 
 def wait_idle(cluster) -> None:

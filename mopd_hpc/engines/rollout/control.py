@@ -176,3 +176,15 @@ class DistributedUpdateRequest:
         if self.load_format is not None:
             out["load_format"] = self.load_format
         return out
+
+
+def add_memory_routes(router: Any, release: Any, resume: Any, flush: Any) -> None:
+    """Register SGLang's memory endpoints on an aiohttp router, for GET and POST as SGLang accepts them:
+    /release_memory_occupation, /resume_memory_occupation, /flush_cache (handlers given in that order)."""
+    for path, handler in (
+        ("/release_memory_occupation", release),
+        ("/resume_memory_occupation", resume),
+        ("/flush_cache", flush),
+    ):
+        router.add_get(path, handler)
+        router.add_post(path, handler)

@@ -26,6 +26,7 @@ from mopd_hpc.engines.rollout.control import (
     DistributedUpdateRequest,
     InitGroupRequest,
     MemoryTagsRequest,
+    add_memory_routes,
 )
 from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestError
 
@@ -108,13 +109,7 @@ class RolloutServer:
         r.add_put("/generate", self.generate)
         r.add_post("/pause_generation", self.pause)
         r.add_post("/continue_generation", self.resume)
-        for path, handler in (
-            ("/release_memory_occupation", self.release),
-            ("/resume_memory_occupation", self.resume_memory),
-            ("/flush_cache", self.flush_cache),
-        ):
-            r.add_get(path, handler)
-            r.add_post(path, handler)
+        add_memory_routes(r, self.release, self.resume_memory, self.flush_cache)
         r.add_post("/init_weights_update_group", self.init_group)
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_group)

@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mopd_hpc.engines.rollout.control import MemoryTagsRequest
+from mopd_hpc.engines.rollout.control import MemoryTagsRequest, add_memory_routes
 from mopd_hpc.engines.rollout.fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, GenerateRequest
 from mopd_hpc.runtime.ports import port_env_key
@@ -294,13 +294,7 @@ class SGLangRolloutServer:
         r.add_get("/model_info", self.model_info)
         r.add_get("/server_info", self.server_info)
         r.add_post("/generate", self.generate)
-        for path, handler in (
-            ("/release_memory_occupation", self.release),
-            ("/resume_memory_occupation", self.resume_memory),
-            ("/flush_cache", self.flush_cache),
-        ):
-            r.add_get(path, handler)
-            r.add_post(path, handler)
+        add_memory_routes(r, self.release, self.resume_memory, self.flush_cache)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
