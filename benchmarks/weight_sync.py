@@ -18,8 +18,18 @@ given 0.5 s to reach its receive first); timed on the writer, device synchronize
 (as model.embed_tokens and as the lm_head alias both sides add): `sent_bytes`; `bytes` (the floor) counts
 each weight once, as the torch rows do.
 
+AWEX colocate (method "awex_colocate", one GPU): writer and reader share GPU 0 (CUDA_VISIBLE_DEVICES=0 for
+both), as a colocated job's actor rank r and rollout engine r do. One publish = awex's colocate protocol:
+the actor's optimizer state goes to the host, its weights are copied into grouped buffers shared by CUDA
+IPC through the MetaServer, the actor's weights go to the host, the reader onloads the HF engine's weights
+and copies the shared buffers into them. `sync_s` is that publish (writer side); `onload_s` is the actor's
+onload that the next train step needs (optimizer state and weights back from the host), reported apart.
+
 `bandwidth_gbps`: a 2-process NCCL broadcast of a 1 GiB buffer GPU 0 → GPU 1 (median of 10).
+`copy_gbps` (colocate rows' floor): a 1 GiB device-to-device copy on GPU 0 (bytes copied per second).
 `sync_floor_ratio` = measured sync seconds / (bytes sent / bandwidth); goal ≤ 1.25.
+
+    python benchmarks/weight_sync.py --methods awex_colocate      # one GPU is enough
 """
 
 from __future__ import annotations
@@ -82,6 +92,23 @@ def nccl_broadcast_gbps(port: int, nbytes: int = 1 << 30, repeats: int = 10) -> 
     for p in procs:
         p.join(timeout=60)
     return gbps
+
+
+def copy_gbps(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """GB/s of a device-to-device copy of `nbytes` on GPU 0 (bytes copied per second, median)."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(times) / 1e9
 
 
 def write_checkpoint(shape: dict, directory: Path) -> torch.nn.Module:
@@ -151,12 +178,12 @@ async def measure(size: str, http_port: int, group_port: int, repeats: int, bw: 
         torch.cuda.empty_cache()
 
 
-def _awex_role(role: str, run_dir: Path, port: int, repeats: int) -> None:
+def _awex_role(role: str, run_dir: Path, port: int, repeats: int, mode: str) -> None:
     """One side of the AWEX benchmark (run in its own process, see `measure_awex`)."""
     from mopd_hpc.engines.weight_sync.awex import AwexJobConfig, read_meta_server_address
 
     ckpt = run_dir / "ckpt"
-    cfg = AwexJobConfig(mode="separate", comm_backend="nccl", ipc_backend="cuda", meta_server_addr="",
+    cfg = AwexJobConfig(mode=mode, comm_backend="nccl", ipc_backend="cuda", meta_server_addr="",
                         num_engines=1, engine_tp=1, engine_pp=1, infer_world=1, train_world=1,
                         model_arch="Qwen3ForCausalLM")  # fmt: skip
     os.environ.update(cfg.trainer_env(0, "127.0.0.1", 0))
@@ -175,17 +202,22 @@ def _awex_role(role: str, run_dir: Path, port: int, repeats: int) -> None:
         actor = MegatronTrainEngine(model, shape, config, LossConfig(), OptimizerConfig(lr=1e-6), device)
         publisher = AwexActorPublisher(cfg.with_meta_server(addr), actor)
         publisher.initialize()
+        actor.onload()  # colocate: awex released the actor's memory (no-op when resident)
+        onload_s = []
         for step in steps:
             time.sleep(0.5)
             publisher.publish(step)
-        (run_dir / "writer.json").write_text(json.dumps({"seconds": publisher.seconds}))
+            t0 = time.perf_counter()
+            actor.onload()  # what the next train step needs in colocate mode
+            onload_s.append(time.perf_counter() - t0)
+        (run_dir / "writer.json").write_text(json.dumps({"seconds": publisher.seconds, "onload_s": onload_s}))
         while not (run_dir / "reader.json").exists():  # the MetaServer lives in this process
             time.sleep(0.2)
         return
     from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
     from mopd_hpc.engines.weight_sync.awex_hf import hf_awex_engine
 
-    engine = HFRolloutEngine.load(str(ckpt), "cuda:1", "bfloat16")
+    engine = HFRolloutEngine.load(str(ckpt), "cuda:0" if mode == "colocate" else "cuda:1", "bfloat16")
     addr = read_meta_server_address(run_dir, timeout_s=300)
     awex_engine = hf_awex_engine(cfg.with_meta_server(addr).inference_config(engine_rank=0), engine)
     awex_engine.initialize()
@@ -199,9 +231,10 @@ def _awex_role(role: str, run_dir: Path, port: int, repeats: int) -> None:
     (run_dir / "reader.json").write_text(json.dumps({"seconds": seconds, "version": engine.weight_version}))
 
 
-def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path) -> dict:
-    """The AWEX path for one size: writer and reader processes (module docstring)."""
-    run_dir = tmp / f"awex_{size}"
+def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path, mode: str = "separate") -> dict:
+    """The AWEX path for one size: writer and reader processes (module docstring); `bw` in GB/s is the
+    floor's bandwidth (NCCL broadcast for separate, device copy for colocate)."""
+    run_dir = tmp / f"awex_{mode}_{size}"
     run_dir.mkdir()
     model = write_checkpoint(SHAPES[size], run_dir / "ckpt")
     named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
@@ -214,11 +247,13 @@ def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path) -> di
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
+    if mode == "colocate":
+        env["CUDA_VISIBLE_DEVICES"] = "0"
     procs = []
     for role in ("writer", "reader"):
         log = open(run_dir / f"{role}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, __file__, "--awex-role", role, "--run-dir", str(run_dir), "--repeats", str(repeats),
-               "--base-port", str(port)]  # fmt: skip
+               "--base-port", str(port), "--awex-mode", mode]  # fmt: skip
         procs.append((role, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     try:
         for role, proc, _ in procs:
@@ -231,11 +266,13 @@ def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path) -> di
                 proc.kill()
                 proc.wait()
             log.close()
-    writer = json.loads((run_dir / "writer.json").read_text())["seconds"]
+    written = json.loads((run_dir / "writer.json").read_text())
+    writer = written["seconds"]
     reader = json.loads((run_dir / "reader.json").read_text())
     sync_s = statistics.median(writer[1:])
     floor_s = nbytes / (bw * 1e9)
-    return {"method": "awex", "size": size, "bytes": nbytes, "sent_bytes": sent, "sync_s": round(sync_s, 4),
+    extra = {"onload_s": round(statistics.median(written["onload_s"][1:]), 4)} if mode == "colocate" else {}
+    return extra | {"method": "awex" if mode == "separate" else "awex_colocate", "size": size, "bytes": nbytes, "sent_bytes": sent, "sync_s": round(sync_s, 4),
             "floor_s": round(floor_s, 4), "sync_floor_ratio": round(sync_s / floor_s, 3),
             "effective_gbps": round(nbytes / sync_s / 1e9, 1), "first_s": round(writer[0], 3),
             "times_s": [round(t, 4) for t in writer[1:]], "reader_times_s": [round(t, 4) for t in reader["seconds"][1:]],
@@ -250,25 +287,39 @@ def main(argv: list[str] | None = None) -> int:
         "--base-port", type=int, default=29610, help="bandwidth rendezvous; +1 http; +2 sync group"
     )
     p.add_argument("--out", type=Path, default=RESULTS / "weight_sync.json")
-    p.add_argument("--methods", default="torch,awex", help="comma list of torch, awex")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma list of torch, awex, awex_colocate (default: all that fit the GPUs)",
+    )
     p.add_argument("--awex-role", choices=("writer", "reader"), default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--awex-mode", choices=("separate", "colocate"), default="separate", help=argparse.SUPPRESS
+    )
     p.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.awex_role is not None:
-        _awex_role(args.awex_role, args.run_dir, args.base_port, args.repeats)
+        _awex_role(args.awex_role, args.run_dir, args.base_port, args.repeats, args.awex_mode)
         return 0
-    if torch.cuda.device_count() < 2:
-        print("weight_sync: needs 2 CUDA GPUs", file=sys.stderr)
+    gpus = torch.cuda.device_count()
+    methods = (args.methods or ("torch,awex,awex_colocate" if gpus >= 2 else "awex_colocate")).split(",")
+    if gpus < 1 or (gpus < 2 and set(methods) - {"awex_colocate"}):
+        print(f"weight_sync: {gpus} CUDA GPU(s); torch and awex need 2, awex_colocate 1", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    bw = nccl_broadcast_gbps(args.base_port)
-    print(f"measured NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s", flush=True)
+    bw = nccl_broadcast_gbps(args.base_port) if gpus >= 2 else None
+    cbw = copy_gbps()
+    print(f"measured NCCL broadcast GPU0->GPU1: {bw} GB/s; device copy on GPU 0: {cbw:.1f} GB/s", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for method in args.methods.split(","):
+        for method in methods:
             for k, size in enumerate(args.sizes.split(",")):
                 try:
-                    if method == "awex":
+                    if method == "awex_colocate":
+                        row = measure_awex(
+                            size, args.base_port + 20 + k, args.repeats, cbw, Path(tmp), "colocate"
+                        )
+                    elif method == "awex":
                         row = measure_awex(size, args.base_port + 10 + k, args.repeats, bw, Path(tmp))
                     else:
                         ports = (args.base_port + 1 + 2 * k, args.base_port + 2 + 2 * k)
@@ -279,19 +330,20 @@ def main(argv: list[str] | None = None) -> int:
                     row = {"method": method, "size": size, "error": f"{type(exc).__name__}: {exc}"[:1500]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                partial = {"benchmark": "weight_sync", "bandwidth_gbps": round(bw, 1), "rows": rows}
+                partial = {"benchmark": "weight_sync", "bandwidth_gbps": bw and round(bw, 1),
+                           "copy_gbps": round(cbw, 1), "rows": rows}  # fmt: skip
                 atomic_write_json(args.out, partial)  # survives a run cut short
-    print(f"\n{'method':6} {'size':6} {'GB':>6} {'sync s':>8} {'floor s':>8} {'ratio':>6}")
+    print(f"\n{'method':13} {'size':6} {'GB':>6} {'sync s':>8} {'floor s':>8} {'ratio':>6} {'onload s':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['method']:6} {r['size']:6} error: {r['error'][:300]}")
+            print(f"{r['method']:13} {r['size']:6} error: {r['error'][:300]}")
         else:
             print(
-                f"{r['method']:6} {r['size']:6} {r['bytes'] / 1e9:6.2f} {r['sync_s']:8.3f} {r['floor_s']:8.3f} "
-                f"{r['sync_floor_ratio']:6.2f}"
+                f"{r['method']:13} {r['size']:6} {r['bytes'] / 1e9:6.2f} {r['sync_s']:8.3f} {r['floor_s']:8.3f} "
+                f"{r['sync_floor_ratio']:6.2f} {r.get('onload_s', ''):>8}"
             )
     result = {"benchmark": "weight_sync", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "bandwidth_gbps": round(bw, 1), "rows": rows}  # fmt: skip
+              "gpus": gpus, "bandwidth_gbps": bw and round(bw, 1), "copy_gbps": round(cbw, 1), "rows": rows}  # fmt: skip
     atomic_write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0

@@ -160,3 +160,49 @@ def test_trainer_and_hf_metadata_match_and_the_plan_replays_exactly(tmp_path: Pa
     assert report["train_dtypes"] == ["torch.float32"]
     assert "model.layers.0.input_layernorm.weight" in report["keys"]
     assert report["equal"] is True
+
+
+class _Reader:
+    """The attributes awex's NCCLWorkerWeightsReader handshake reads."""
+
+    def __init__(self, colocate: bool, world_size: int) -> None:
+        self.enable_colocate_mode, self.world_size, self.calls = colocate, world_size, 0
+
+
+def test_colocate_reader_of_one_rank_skips_the_self_handshake() -> None:
+    """Gap 6: with one rollout rank in colocate mode the handshake would NCCL-receive from itself."""
+    from awex.reader.nccl_reader import NCCLWorkerWeightsReader
+
+    from mopd_hpc.engines.weight_sync.awex_hf import _skip_self_handshake
+
+    register_hf_engine()
+    register_hf_engine()
+    installed = NCCLWorkerWeightsReader._shake_hands_with_writer
+    assert installed._mopd_hf and not getattr(installed.__wrapped__, "_mopd_hf", False)  # wrapped once
+    calls: list[_Reader] = []
+    shake = _skip_self_handshake(calls.append)
+    alone, pair, separate = _Reader(True, 1), _Reader(True, 2), _Reader(False, 1)
+    for reader in (alone, pair, separate):
+        shake(reader)
+    assert calls == [pair, separate]
+
+
+def test_colocate_writer_never_frees_parameter_storage() -> None:
+    """Gap 5: awex's colocate writer resizes the storage of every converted tensor to 0; views of a
+    protected model's parameters (one flat buffer, as with Megatron DDP) must survive it."""
+    from mopd_hpc.engines.weight_sync.awex_actor import protect_parameter_storage
+
+    flat = torch.arange(12, dtype=torch.float32)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(flat[:8].view(2, 4))  # parameters as views into one buffer
+    model.b = torch.nn.Parameter(flat[8:])
+    protect_parameter_storage(model)
+    protect_parameter_storage(model)  # idempotent
+    import awex.writer.nccl_writer as nccl_writer
+
+    converted = [model.w.detach(), model.w.detach()[1], model.b.detach()]  # identity and sliced conversions
+    own_copy = torch.ones(5)
+    nccl_writer.release_tensors([*converted, own_copy])
+    assert flat.untyped_storage().size() == 12 * 4 and torch.equal(flat, torch.arange(12.0))
+    assert own_copy.untyped_storage().size() == 0  # awex's own grouped copies are still freed
+    nccl_writer.release_tensors(torch.zeros(3))  # a single tensor, as awex also calls it

@@ -1,5 +1,8 @@
-"""AWEX end to end on two GPUs without SGLang (issue 8): awex 0.9.0's MegatronEngine + NCCLWeightsWriter on a
-Megatron actor (GPU 0) updates the HF rollout engine (GPU 1) through `awex_hf` (separate mode).
+"""AWEX end to end without SGLang (issue 8): awex 0.9.0's MegatronEngine + NCCLWeightsWriter on a Megatron
+actor updates the HF rollout engine through `awex_hf`, in both modes:
+- colocate (one GPU shared by the two processes): CUDA IPC through the MetaServer; awex releases the
+  actor's memory after initialize() and after every publish, so the writer onloads it before training on;
+- separate (actor on GPU 0, rollout on GPU 1): NCCL P2P between the two.
 
 Two processes (writer, reader) meet at the MetaServer the actor's rank 0 starts (address file in the run
 dir). The actor is converted from one HF micro Qwen3 (bf16), perturbed by noise before each of two
@@ -31,7 +34,7 @@ import torch
 from mopd_hpc.engines.weight_sync.awex import AwexJobConfig, read_meta_server_address
 run_dir, port = sys.argv[1], int(sys.argv[2])
 ckpt = os.path.join(run_dir, "ckpt")
-cfg = AwexJobConfig(mode="separate", comm_backend="nccl", ipc_backend="cuda", meta_server_addr="", num_engines=1,
+cfg = AwexJobConfig(mode=sys.argv[3], comm_backend="nccl", ipc_backend="cuda", meta_server_addr="", num_engines=1,
                     engine_tp=1, engine_pp=1, infer_world=1, train_world=1, model_arch="Qwen3ForCausalLM")
 os.environ.update(cfg.trainer_env(0, "127.0.0.1", 0))  # AWEX_MASTER_ADDR (both sides), DEVICE (writer)
 """
@@ -50,6 +53,7 @@ _WRITER = textwrap.dedent(
     actor = MegatronTrainEngine(model, shape, config, LossConfig(), OptimizerConfig(lr=1e-5), device, "bfloat16")
     publisher = AwexActorPublisher(cfg.with_meta_server(addr), actor)
     publisher.initialize()
+    actor.onload()  # colocate: awex released the actor's memory for the rollout engine (no-op if resident)
     g = torch.Generator(device=device).manual_seed(0)
     for step in range(1, STEPS_VALUE + 1):
         with torch.no_grad():
@@ -58,6 +62,7 @@ _WRITER = textwrap.dedent(
         torch.save({k: v.cpu() for k, v in actor.named_weights()}, os.path.join(run_dir, f"actor_{step}.pt.tmp"))
         os.replace(os.path.join(run_dir, f"actor_{step}.pt.tmp"), os.path.join(run_dir, f"actor_{step}.pt"))
         publisher.publish(step)
+        actor.onload()
     json.dump({"seconds": publisher.seconds}, open(os.path.join(run_dir, "writer.json"), "w"))
     while not os.path.exists(os.path.join(run_dir, "reader.json")):  # keep the MetaServer up for the reader
         time.sleep(0.2)
@@ -107,9 +112,11 @@ def _free_port() -> int:
 
 
 @pytest.mark.gpu
-def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path) -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA devices")
+@pytest.mark.parametrize("mode", ["colocate", "separate"])
+def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path, mode: str) -> None:
+    gpus = 1 if mode == "colocate" else 2
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA device(s)")
     pytest.importorskip("awex", reason="awex is not installed")
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -120,14 +127,17 @@ def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path) -> None:
                       tie_word_embeddings=True)  # fmt: skip
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp_path / "ckpt"))
     procs = {}
-    for role, body, gpu in (("writer", _WRITER, "0"), ("reader", _READER, "1")):
+    for role, body, gpu in (
+        ("writer", _WRITER, "0"),
+        ("reader", _READER, "0" if mode == "colocate" else "1"),
+    ):
         script = tmp_path / f"{role}.py"
         main = "def main():\n" + textwrap.indent(body, "    ") + '\nif __name__ == "__main__":\n    main()\n'
         script.write_text(_SETUP + main)  # guarded: the MetaServer's spawn re-imports the script
         log = open(tmp_path / f"{role}.log", "w")  # noqa: SIM115 - closed with the process below
-        # as the guard does: each child sees only its own GPU (writer GPU 0, reader GPU 1)
+        # as the guard does: each child sees only its GPU (separate: writer GPU 0, reader GPU 1; colocate: both 0)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-        procs[role] = (subprocess.Popen([sys.executable, str(script), str(tmp_path), str(_free_port())],
+        procs[role] = (subprocess.Popen([sys.executable, str(script), str(tmp_path), str(_free_port()), mode],
                                         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env), log)  # fmt: skip
     try:
         for role, (proc, _) in procs.items():

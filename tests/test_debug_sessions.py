@@ -27,10 +27,9 @@ from mopd_hpc.launch.debug_session import (
     JobLookupError,
     OutsideAllocationError,
     check_fit,
-    parse_scontrol_job,
-    shell_argv,
     step_argvs,
 )
+from mopd_hpc.launch.debug_shell import job_run_dir, parse_scontrol_job, shell_argv
 from mopd_hpc.launch.from_config import jobspec_from_config
 from mopd_hpc.launch.plan import JobPlan
 from mopd_hpc.launch.rundir import prepare_run_dir
@@ -160,7 +159,7 @@ def test_allocation_must_fit_the_config(tmp_path: Path) -> None:
         "SLURM_JOB_ID": "106", "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "n1",
         "SLURM_JOB_NODELIST_HET_GROUP_1": "n[2-3]", "SLURM_JOB_NODELIST": "n[1-3]",
     })  # fmt: skip
-    assert het == Allocation("106", (("n1",), ("n2", "n3")), True)
+    assert het == Allocation("106", (("n1",), ("n2", "n3")), True, (None, None))  # no CPU counts: unchecked
     check_fit(het, plan)
     flat = Allocation.from_env({"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-3]"})
     with pytest.raises(AllocationShapeError, match=r"not a het job \(3 node\(s\) n1,n2,n3\): allocate with "
@@ -256,14 +255,20 @@ def test_shell_on_a_node_of_a_running_het_job(slurm_cluster, tmp_path: Path) -> 
     job_id = submit(slurm_cluster, run_dir, MOPD_PROBE_HOLD_S="300")
     try:
         wait_for(lambda: len(reports(run_dir)) == len(PROBE_HOSTS), 60, "the job's probe reports")
+        shown = slurm_cluster.run(["scontrol", "show", "job", "-o", job_id], check=True).stdout
+        assert job_run_dir(parse_scontrol_job(shown)) == str(run_dir)  # from the real StdOut (batch log)
         term = Pty([str(BIN / "mopd-debug"), "shell", job_id, "--node", "n3"], dict(slurm_cluster.env))
         try:
             term.expect(rf"mopd-debug shell: job {job_id} het group 1 \(component job \d+\), node n3", 30)
             term.expect(r"hostname[^\n]*n3", 30)  # the step's topology table, printed before the shell
             term.expect(r"job_id[^\n]*" + job_id, 5)
+            term.expect(r"het_group\s*│\s*1\s", 5)
+            term.expect(r"het_size\s*│\s*2\s", 5)  # the job's 2 components, not the step's view of 1
             term.send("echo JOB=$SLURM_JOB_ID; hostname\n")
             match = term.expect(r"JOB=(\d+)\r?\n(n\d)\r?\n", 30)
             assert match.groups() == (job_id, "n3")
+            term.send('echo "RUN=$MOPD_RUN_DIR"\n')
+            term.expect(rf"RUN={re.escape(str(run_dir))}\r?\n", 30)  # the run dir, in the shell itself
             term.send("exit\n")
             assert term.wait(30) == 0
         finally:
@@ -285,6 +290,14 @@ def test_run_refuses_an_allocation_of_the_wrong_shape(slurm_cluster, tmp_path: P
     # the hint carries the CPUs per task of each group (the steps' srun needs them)
     assert "is not a het job (1 node(s) n4): allocate with `salloc -N1 -c2 : -N2 -c1 ...`" in proc.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written or started
+    # the right groups and nodes, but the trainer's node without the 2 CPUs its task asks for
+    proc = slurm_cluster.run(
+        ["salloc", "-N1", ":", "-N2", str(BIN / "mopd-debug"), "run", str(CONFIG), "--probe", "--run-dir",
+         str(tmp_path / "run")], check=False, timeout_s=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "het group 0 (trainer): cpus_per_task is 2 in the config, 1 in the allocation" in proc.stderr
+    assert "allocate with `salloc -N1 -c2 : -N2 -c1 ...`" in proc.stderr and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slurm

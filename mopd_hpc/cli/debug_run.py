@@ -4,8 +4,9 @@ inside an `salloc` allocation.
 The same plan, run directory, node launcher and guard as the batch script: one `srun [--het-group=N]` per
 component within the allocation, each node's guard spawning its children from `run_dir/plan.json`. The
 child logs are printed live with `[host role-index]` prefixes; Ctrl-C stops every guard (children killed,
-leases released) and exits 130. The allocation must fit the config (het groups and node counts), else exit
-2 with the `salloc` command that fits; outside an allocation, exit 2.
+leases released) and exits 130. The allocation must fit the config (het groups, node counts, and CPUs per
+task: each group's nodes hold at least its cpus_per_task), else exit 2 with the `salloc` command that fits;
+outside an allocation, exit 2.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Runs `srun --jobid=JOB_ID [--het-group=N] --overlap --pty --nodes=1 --ntasks=1 --nodelist=NODE bash` (the
 het group is the component holding the node, from `scontrol show job -o`), printing the node's rank
-topology (`mopd-debug topology`) before the shell starts. `--print` shows the argv instead of running it.
+topology (`mopd-debug topology`) before the shell starts. The shell has MOPD_RUN_DIR (the run dir: from the
+job's batch log path, else the job index of `mopd-submit`) and, in a het job, the job's SLURM_HET_SIZE and
+the node's MOPD_HET_GROUP. `--print` shows the argv instead of running it.
 Exit codes: the shell's; 2 (EXIT_USAGE) the job is unknown or not running, or the node is not one of its.
 """
 
@@ -13,10 +15,11 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from mopd_hpc.cli.base import EXIT_USAGE
-from mopd_hpc.launch.debug_session import DebugSessionError, parse_scontrol_job, shell_argv
+from mopd_hpc.launch.debug_session import DebugSessionError
+from mopd_hpc.launch.debug_shell import job_run_dir, parse_scontrol_job, shell_argv
 
 HELP = "open an interactive shell (srun --overlap --pty) on a node of a running job, topology first"
 
@@ -40,15 +43,37 @@ def scontrol_show_job(job_id: str) -> str:
     return proc.stdout
 
 
-def build(job_id: str, node: str | None, show_job: Callable[[str], str] = scontrol_show_job) -> list[str]:
-    """The srun argv for `job_id`/`node`. Raises DebugSessionError (JobLookupError) naming the problem."""
+def indexed_run_dir(job_id: str, environ: Mapping[str, str]) -> str | None:
+    """The run dir the job index (mopd_hpc.logs.index, under `environ`'s state home) records for `job_id`;
+    None when the index does not hold it."""
+    from mopd_hpc.logs.index import JobIndexError, find_run_dir, state_home_from_env
+
+    try:
+        return str(find_run_dir(job_id, state_home_from_env(environ)))
+    except JobIndexError:
+        return None
+
+
+def build(
+    job_id: str,
+    node: str | None,
+    show_job: Callable[[str], str] = scontrol_show_job,
+    environ: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The srun argv for `job_id`/`node`; the shell's MOPD_RUN_DIR is the job's run dir: from its batch log
+    path (scontrol), else from the job index of `environ` (None: not looked up). Raises DebugSessionError
+    (JobLookupError) naming the problem."""
     leader = job_id.split("+", 1)[0]
-    return shell_argv(leader, parse_scontrol_job(show_job(leader)), node, sys.executable)
+    components = parse_scontrol_job(show_job(leader))
+    run_dir = job_run_dir(components)
+    if run_dir is None and environ is not None:
+        run_dir = indexed_run_dir(leader, environ)
+    return shell_argv(leader, components, node, sys.executable, run_dir=run_dir)
 
 
 def run(args: argparse.Namespace, exec_fn: Callable[[str, Sequence[str]], object] = os.execvp) -> int:
     try:
-        argv = build(args.job_id, args.node)
+        argv = build(args.job_id, args.node, environ=dict(os.environ))
     except DebugSessionError as exc:
         print(f"mopd-debug shell: {exc}", file=sys.stderr)
         return EXIT_USAGE

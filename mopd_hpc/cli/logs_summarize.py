@@ -29,6 +29,16 @@ HELP = "summarize a run: job state, children per node, the first failure and its
 EXIT_FAILED_RUN = 1
 
 
+class PipeConsole(Console):
+    """A rich Console that lets a closed pipe (`mopd-logs summarize ... | head -3`) raise BrokenPipeError, which
+    `cli.base.dispatch` turns into a quiet exit 141 as for `mopd-logs tail`; rich's own handler exits 1, the
+    code of a failed run."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # drop what is still buffered
+        raise BrokenPipeError("the reader of the summary closed the pipe")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "target", metavar="RUN_DIR|JOB_ID", help="a run directory, or a job id from mopd-submit"
@@ -79,7 +89,7 @@ def run(
     if args.json:
         out.write(summary.to_json() + "\n")
     else:
-        render_summary(summary, Console(file=out, width=max(100, Console().width), soft_wrap=False))
+        render_summary(summary, PipeConsole(file=out, width=max(100, Console().width), soft_wrap=False))
     if args.plot:
         try:
             plot_summary(summary, args.plot)

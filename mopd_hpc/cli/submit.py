@@ -6,7 +6,8 @@
 - `--check`: validate and print the resolved config; exit 0 or 2.
 - `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
 - `--dry-run`: print the sbatch command and script, then the rank map (component, node, role, index, GPUs,
-  named ports, AWEX transfer rank); no Slurm needed.
+  named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch broadcast rank
+  for `torch`); no Slurm needed.
 - `--local` (or `cluster.backend: local`): run the job on this machine through one guard (launch/local.py);
   exit code = the guard's. Otherwise (`slurm`): write run_dir/plan.json and run_dir/config.yaml, sbatch the
   script, print the job id and the commands to follow it, and record the job in the job index.
@@ -222,7 +223,7 @@ def execute(
                 file=out,
             )
         print(request.show(), file=out)
-        print_rank_map(plan, console)
+        print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
         return 0
     try:
         resumed_from = check_resume(path, cfg)
@@ -243,12 +244,14 @@ def execute(
         return 0
     if resumed_from is not None:
         print(f"resuming the run in {path} from checkpoints/{resumed_from}", file=out)
-    print_rank_map(plan, console)
+    print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
     if cfg.cluster.backend == "local":
         return _run_local(
             plan, run_dir, args.config, out=out, err=err, environ=environ, python=python, console=console
         )
-    return _submit_slurm(cfg, request, run_dir, args.config, out=out, err=err, environ=environ, python=python)
+    return _submit_slurm(
+        cfg, plan, request, run_dir, args.config, out=out, err=err, environ=environ, python=python
+    )
 
 
 def _run_local(
@@ -277,6 +280,7 @@ def _run_local(
 
 def _submit_slurm(
     cfg: RunConfig,
+    plan: JobPlan,
     request: object,
     run_dir: RunDir,
     config_path: str,
@@ -301,13 +305,22 @@ def _submit_slurm(
     print("follow it:", file=out)
     print(f"  {bindir / 'mopd-logs'} summarize {job_id}", file=out)
     print(f"  {bindir / 'mopd-logs'} tail {rd} -f", file=out)
-    het = " --het-group=1" if cfg.cluster.shape == "heterogeneous" else ""
-    print(
-        f"  srun --jobid={job_id}{het} --overlap {bindir / 'mopd-debug'} ports   # leases on its nodes",
-        file=out,
-    )
+    for line in ports_commands(job_id, plan, bindir / "mopd-debug"):
+        print(f"  {line}", file=out)
     print(f"  scancel {job_id}", file=out)
     return 0
+
+
+def ports_commands(job_id: str, plan: JobPlan, mopd_debug: Path) -> list[str]:
+    """The `srun --overlap mopd-debug ports` lines that list the port leases on a job's nodes: one per het
+    group of a heterogeneous job (an srun reaches one component), else one."""
+    debug = shlex.quote(str(mopd_debug))
+    if plan.shape != "heterogeneous":
+        return [f"srun --jobid={job_id} --overlap {debug} ports   # leases on its nodes"]
+    return [
+        f"srun --jobid={job_id} --het-group={g.het_group} --overlap {debug} ports   # leases on the {g.name} nodes"
+        for g in plan.groups
+    ]
 
 
 def record_in_job_index(

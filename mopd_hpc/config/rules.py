@@ -341,13 +341,16 @@ def job_gaps(cfg: Any) -> list[Problem]:
             )
         )
     for i, teacher in enumerate(cfg.models.teachers):
-        if teacher.engine != "torch":
+        # the teacher role builds the torch or the megatron scoring engine (trainer/teacher_role.py), one
+        # process per teacher: a tensor-parallel teacher would need follower ranks the role does not start
+        if teacher.tensor_parallel != 1:
             out.append(
                 Problem(
-                    join_path("models", "teachers", i, "engine"),
-                    "the teacher role runs the torch scoring engine only",
-                    teacher.engine,
-                    "torch",
+                    join_path("models", "teachers", i, "tensor_parallel"),
+                    f"the teacher role serves each teacher from one process: a {teacher.engine} teacher at "
+                    "tensor_parallel > 1 needs follower ranks it does not start",
+                    teacher.tensor_parallel,
+                    "1",
                 )
             )
     if cfg.rollout.backend != "hf":

@@ -1,9 +1,6 @@
 """srun debug sessions (`mopd-debug shell | run`): the logic, with Slurm's commands as seams.
 
-- `shell_argv(job_id, node, components)`: `srun --jobid=J [--het-group=N] --overlap --pty --nodes=1
-  --ntasks=1 --nodelist=NODE bash -c '<mopd-debug topology>; exec bash -i'` on a node of a running job;
-  the het group is the component whose node list holds the node (`scontrol show job -o` parsed by
-  `parse_scontrol_job`).
+- `mopd-debug shell`: the srun argv is built in `launch/debug_shell.py` (its JobLookupError is here).
 - `Allocation.from_env(env)` + `check_fit(alloc, plan)` + `step_argvs(spec)`: what `mopd-debug run` starts
   inside an `salloc` allocation: the batch script's steps (one `srun [--het-group=N]` per component, each
   running `launchers/node.sh` → `mopd-guard --plan`), in the foreground (`run_steps`).
@@ -19,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -35,7 +30,7 @@ from mopd_hpc.launch.jobspec import JobSpec
 from mopd_hpc.launch.plan import JobPlan
 from mopd_hpc.logs.tailing import find_child_logs
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
-from mopd_hpc.runtime.hostlist import expand_hostlist
+from mopd_hpc.runtime.hostlist import HostlistError, expand_counts, expand_hostlist
 from mopd_hpc.runtime.signals import killpg_quiet
 
 #: After the stop (Ctrl-C, or a step that ended), seconds the steps get before srun is told to kill them.
@@ -57,114 +52,31 @@ class OutsideAllocationError(DebugSessionError):
 
 
 class AllocationShapeError(DebugSessionError):
-    """The allocation's het groups or node counts do not fit the config."""
+    """The allocation's het groups, node counts or CPUs per node do not fit the config."""
 
 
 class JobLookupError(DebugSessionError):
     """The job of `mopd-debug shell` is unknown, not running, or has no such node."""
 
 
-# ---- shell -------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class JobComponent:
-    """One component of a job as `scontrol show job -o` reports it."""
-
-    job_id: str
-    het_group: int | None
-    state: str
-    nodes: tuple[str, ...]
-
-
-_SCONTROL_FIELD = re.compile(r"(?:^|\s)(JobId|HetJobId|HetJobOffset|JobState|NodeList)=(\S*)")
-
-
-def parse_scontrol_job(text: str) -> tuple[JobComponent, ...]:
-    """The components in `scontrol show job -o JOB` output (one line per component; `(null)` node lists of
-    pending jobs are empty). Raises JobLookupError when no line names a job."""
-    comps = []
-    for line in text.splitlines():
-        fields = dict(_SCONTROL_FIELD.findall(line))
-        if "JobId" not in fields:
-            continue
-        offset = fields.get("HetJobOffset")
-        nodes = fields.get("NodeList", "")
-        comps.append(
-            JobComponent(
-                job_id=fields["JobId"],
-                het_group=int(offset) if offset and offset.isdigit() else None,
-                state=fields.get("JobState", "UNKNOWN"),
-                nodes=tuple(expand_hostlist(nodes)) if nodes and nodes != "(null)" else (),
-            )
-        )
-    if not comps:
-        raise JobLookupError(f"scontrol printed no job record: {text.strip()[:200]!r}")
-    return tuple(sorted(comps, key=lambda c: c.het_group or 0))
-
-
-def pick_component(
-    job_id: str, components: Sequence[JobComponent], node: str | None
-) -> tuple[JobComponent, str]:
-    """The running component holding `node` (default: the first node of the first component) and the node.
-
-    Raises:
-        JobLookupError: the job is not running, or `node` is not one of its nodes (the message lists them).
-    """
-    running = [c for c in components if c.state == "RUNNING" and c.nodes]
-    if not running:
-        states = ", ".join(f"{c.job_id} {c.state}" for c in components)
-        raise JobLookupError(f"job {job_id} is not running ({states}): a shell needs a running job")
-    if node is None:
-        return running[0], running[0].nodes[0]
-    for comp in running:
-        if node in comp.nodes:
-            return comp, node
-    where = "; ".join(
-        f"{','.join(c.nodes)}" + (f" (het group {c.het_group})" if c.het_group is not None else "")
-        for c in running
-    )
-    raise JobLookupError(f"--node {node!r} is not a node of job {job_id}: its nodes are {where}")
-
-
-def debug_command(python: str) -> list[str]:
-    """argv of `mopd-debug` beside `python` (its venv), else `python -m mopd_hpc.cli.debug`."""
-    script = Path(python).with_name("mopd-debug")
-    return [str(script)] if script.exists() else [python, "-m", "mopd_hpc.cli.debug"]
-
-
-def shell_argv(
-    job_id: str, components: Sequence[JobComponent], node: str | None, python: str, srun: str = "srun"
-) -> list[str]:
-    """The `srun --pty` argv of an interactive shell on `node` of running job `job_id`, printing the node's
-    topology first (`mopd-debug topology`, with MOPD_HET_GROUP naming the component). Raises JobLookupError."""
-    comp, host = pick_component(job_id, components, node)
-    leader = job_id.split("+", 1)[0]
-    argv = [srun, f"--jobid={leader}"]
-    where = f"job {leader}"
-    if comp.het_group is not None and len(components) > 1:
-        argv.append(f"--het-group={comp.het_group}")
-        where += f" het group {comp.het_group} (component job {comp.job_id})"
-    # The step sees its own node only (an srun from outside the batch shell gets no SLURM_HET_* variables).
-    banner = shlex.quote(f"mopd-debug shell: {where}, node {host}; the step's rank topology:")
-    topology = " ".join(shlex.quote(a) for a in [*debug_command(python), "topology"])
-    script = f"echo {banner}; {topology} || echo 'mopd-debug topology failed (see above)'; exec bash -i"
-    argv += ["--overlap", "--pty", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "bash", "-c", script]
-    return argv
-
-
 # ---- run ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Allocation:
-    """The Slurm allocation this process runs in: its job id and the hosts of each het group."""
+    """The Slurm allocation this process runs in: its job id, the hosts of each het group and, per group, the
+    fewest CPUs allocated on one of its nodes (`cpus_per_node`; None where Slurm set no count, () when not
+    read): the job's steps run one task per node, so that is the most CPUs per task a step can ask for."""
 
     job_id: str
     groups: tuple[tuple[str, ...], ...]
     heterogeneous: bool
+    cpus_per_node: tuple[int | None, ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Allocation:
-        """Read SLURM_JOB_ID, SLURM_HET_SIZE and the node lists (`SLURM_JOB_NODELIST_HET_GROUP_<n>`, else
-        SLURM_JOB_NODELIST). Raises OutsideAllocationError without SLURM_JOB_ID, AllocationShapeError when
-        a node list is missing."""
+        """Read SLURM_JOB_ID, SLURM_HET_SIZE, the node lists (`SLURM_JOB_NODELIST_HET_GROUP_<n>`, else
+        SLURM_JOB_NODELIST) and the CPU counts (`SLURM_JOB_CPUS_PER_NODE_HET_GROUP_<n>`, else
+        SLURM_JOB_CPUS_PER_NODE, e.g. "2(x3),1"). Raises OutsideAllocationError without SLURM_JOB_ID,
+        AllocationShapeError when a node list is missing or a CPU count list is malformed."""
         job_id = env.get("SLURM_JOB_ID", "").strip()
         if not job_id:
             raise OutsideAllocationError(
@@ -181,11 +93,30 @@ class Allocation:
                         f"SLURM_HET_SIZE={het_size} but SLURM_JOB_NODELIST_HET_GROUP_{n} is unset"
                     )
                 groups.append(tuple(expand_hostlist(nodelist)))
-            return cls(job_id, tuple(groups), True)
+            cpus = tuple(_fewest_cpus(env, cpus_variable(True, n)) for n in range(int(het_size)))
+            return cls(job_id, tuple(groups), True, cpus)
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodelist:
             raise AllocationShapeError(f"job {job_id}: SLURM_JOB_NODELIST is unset")
-        return cls(job_id, (tuple(expand_hostlist(nodelist)),), False)
+        return cls(
+            job_id, (tuple(expand_hostlist(nodelist)),), False, (_fewest_cpus(env, cpus_variable(False, 0)),)
+        )
+
+
+def cpus_variable(heterogeneous: bool, het_group: int) -> str:
+    """The variable with the CPUs allocated on each node of a het group (of the job when not heterogeneous)."""
+    return f"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_{het_group}" if heterogeneous else "SLURM_JOB_CPUS_PER_NODE"
+
+
+def _fewest_cpus(env: Mapping[str, str], name: str) -> int | None:
+    """The smallest count of the count list `env[name]` ("2(x3),1" → 1); None when unset."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return min(expand_counts(raw))
+    except HostlistError as exc:
+        raise AllocationShapeError(f"{name}={raw!r}: {exc}") from None
 
 
 def salloc_hint(plan: JobPlan, cpus_per_task: Sequence[int] = ()) -> str:
@@ -200,7 +131,11 @@ def salloc_hint(plan: JobPlan, cpus_per_task: Sequence[int] = ()) -> str:
 
 
 def check_fit(alloc: Allocation, plan: JobPlan, cpus_per_task: Sequence[int] = ()) -> None:
-    """Raise AllocationShapeError unless the allocation has the plan's het groups with its node counts."""
+    """Raise AllocationShapeError unless the allocation has the plan's het groups with its node counts and,
+    when `cpus_per_task` (the config's, one per group in plan order) is given, at least that many CPUs on
+    every node of each group (the steps run one task per node with --cpus-per-task; fewer CPUs fail at srun
+    with "More processors requested than permitted"). A group whose CPU count Slurm did not set is not
+    checked."""
     hint = salloc_hint(plan, cpus_per_task)
     want = [g.nodes for g in plan.groups]
     have = [len(g) for g in alloc.groups]
@@ -219,6 +154,20 @@ def check_fit(alloc: Allocation, plan: JobPlan, cpus_per_task: Sequence[int] = (
         raise AllocationShapeError(
             f"allocation {alloc.job_id} does not fit config {plan.name!r}: {detail}; "
             f"the allocation has {len(have)} group(s) of {have} node(s): allocate with `{hint} ...`"
+        )
+    short = [
+        f"het group {i} ({g.name}): cpus_per_task is {config_cpus} in the config, {alloc_cpus} in the allocation "
+        f"(the fewest CPUs on one of its nodes, {cpus_variable(alloc.heterogeneous, i)}; its steps run one "
+        "task per node)"
+        for i, (g, config_cpus, alloc_cpus) in enumerate(
+            zip(plan.groups, cpus_per_task, alloc.cpus_per_node, strict=False)
+        )
+        if alloc_cpus is not None and alloc_cpus < config_cpus
+    ]
+    if short:
+        raise AllocationShapeError(
+            f"allocation {alloc.job_id} does not fit config {plan.name!r}: {'; '.join(short)}: "
+            f"allocate with `{hint} ...`"
         )
 
 

@@ -1,6 +1,11 @@
-"""The dry-run rank map: one row per planned child (component, node, role, index, GPUs, named ports, AWEX
-transfer ranks), as `mopd-submit --dry-run` prints it. Ports are leased when the guard starts the child:
-the map names them, 'assigned at start'."""
+"""The dry-run rank map: one row per planned child (component, node, role, index, GPUs, named ports and
+the child's place in the weight sync), as `mopd-submit --dry-run` prints it. Ports are leased when the guard
+starts the child: the map names them, 'assigned at start'.
+
+The weight-sync column follows `weight_sync.backend`: for `awex`, each child's AWEX transfer ranks (the title
+gives the AWEX mode and world sizes); for `torch`, each child's rank in the broadcast group of
+`engines/weight_sync/torch.py` (trainer rank 0 is the source, rank 0; rollout engine i joins as rank 1 + i).
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.plan import ChildSpec, JobPlan
 
 #: What the ports column says about port numbers before the job runs.
 PORTS_NOTE = "assigned at start"
+#: weight_sync.backend values the rank map knows (config/rollout.py WeightSyncConfig.backend).
+SYNC_BACKENDS = ("awex", "torch")
 
 
 def compact_ranges(values: Sequence[int]) -> str:
@@ -34,8 +41,41 @@ def compact_ranges(values: Sequence[int]) -> str:
     return ",".join(out)
 
 
-def rank_map_rows(plan: JobPlan) -> list[dict[str, str]]:
-    """The rows of the rank map as strings (the table's columns), one per child, in plan order."""
+def broadcast_rank(role: str, index: int) -> int | None:
+    """A child's rank in the torch weight-sync broadcast group (engines/weight_sync/torch.py): trainer rank 0
+    (`actor` index 0) is the source, rank 0; rollout engine i is rank 1 + i; every other child is outside it
+    (None)."""
+    if role == "actor" and index == 0:
+        return 0
+    if role == "rollout":
+        return 1 + index
+    return None
+
+
+def _sync_column(role: str, index: int, child: ChildSpec, backend: str) -> tuple[str, str]:
+    """(row key, cell) of the weight-sync column of one child."""
+    if backend == "awex":
+        return "transfer_rank", compact_ranges(child.transfer_ranks)
+    rank = broadcast_rank(role, index)
+    if rank is None:
+        return "broadcast_rank", "-"
+    return "broadcast_rank", "0 (source)" if rank == 0 else str(rank)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in SYNC_BACKENDS:
+        raise ValueError(f"weight_sync backend={backend!r}: expected one of {SYNC_BACKENDS}")
+
+
+def rank_map_rows(plan: JobPlan, sync_backend: str = "awex") -> list[dict[str, str]]:
+    """The rows of the rank map as strings (the table's columns), one per child, in plan order.
+
+    Args:
+        sync_backend: `weight_sync.backend`. "awex": the last column is `transfer_rank` (the child's AWEX
+            transfer ranks, compacted: "4-7"); "torch": it is `broadcast_rank` (trainer rank 0: "0 (source)",
+            rollout engine i: "1 + i", others "-"). Raises ValueError for any other value.
+    """
+    _check_backend(sync_backend)
     rows = []
     for child in plan.children:
         group = plan.groups[child.het_group]
@@ -43,41 +83,62 @@ def rank_map_rows(plan: JobPlan) -> list[dict[str, str]]:
         if child.device_index is not None:
             gpus += f" (from {child.gpus[child.device_index]})"
         env = child.env_dict
-        role, index = child.role, str(child.index)
+        role, index = child.role, child.index
+        shown_role, shown_index = role, str(index)
         if "MOPD_PLAN_ROLE" in env:  # a probe standing in for another role: show what it stands for
-            role, index = f"{env['MOPD_PLAN_ROLE']} (probe {child.index})", env["MOPD_PLAN_INDEX"]
+            role, index = env["MOPD_PLAN_ROLE"], int(env["MOPD_PLAN_INDEX"])
+            shown_role, shown_index = f"{role} (probe {child.index})", str(index)
+        key, cell = _sync_column(role, index, child, sync_backend)
         rows.append(
             {
                 "component": f"{child.het_group}:{group.name}",
                 "node": str(child.node_index),
-                "role": role,
-                "index": index,
+                "role": shown_role,
+                "index": shown_index,
                 "gpus": gpus,
                 "ports": f"{', '.join(child.port_names)} ({PORTS_NOTE})" if child.port_names else "-",
-                "transfer_rank": compact_ranges(child.transfer_ranks),
+                key: cell,
             }
         )
     return rows
 
 
-def rank_map_table(plan: JobPlan) -> Table:
-    """A rich Table of `rank_map_rows(plan)` with a title giving the world sizes."""
+def rank_map_table(plan: JobPlan, sync_backend: str = "awex", awex_mode: str | None = None) -> Table:
+    """A rich Table of `rank_map_rows(plan, sync_backend)` with a title giving the weight-sync world: for awex
+    its mode (`awex_mode`, when given) and infer + train world; for torch the broadcast source and group size.
+    """
+    _check_backend(sync_backend)
+    if sync_backend == "awex":
+        sync = f"AWEX infer world {plan.infer_world} + train world {plan.train_world} = {plan.transfer_world}"
+        sync += f" (awex_mode {awex_mode})" if awex_mode else ""
+        column = "AWEX transfer rank"
+    else:
+        engines = {
+            int(c.env_dict.get("MOPD_PLAN_INDEX", c.index))
+            for c in plan.children
+            if c.env_dict.get("MOPD_PLAN_ROLE", c.role) == "rollout"
+        }
+        n = len(engines)
+        sync = f"torch broadcast world 1 + {n} = {1 + n} (trainer rank 0 to {n} rollout engine(s))"
+        column = "torch broadcast rank"
     title = (
         f"rank map of {plan.name!r}: {len(plan.children)} children"
-        f"{' (probe-only: every child runs the probe role)' if plan.probe else ''}; "
-        f"AWEX infer world {plan.infer_world} + train world {plan.train_world} = {plan.transfer_world}"
+        f"{' (probe-only: every child runs the probe role)' if plan.probe else ''}; {sync}"
     )
     table = Table(title=title, title_justify="left")
-    headers = ("component", "node", "role", "index", "GPUs", "named ports", "AWEX transfer rank")
+    headers = ("component", "node", "role", "index", "GPUs", "named ports", column)
     for header in headers:
         table.add_column(header, overflow="fold")
-    for row in rank_map_rows(plan):
+    for row in rank_map_rows(plan, sync_backend):
         table.add_row(*row.values())
     return table
 
 
-def print_rank_map(plan: JobPlan, console: Console) -> None:
-    console.print(rank_map_table(plan))
+def print_rank_map(
+    plan: JobPlan, console: Console, sync_backend: str = "awex", awex_mode: str | None = None
+) -> None:
+    """Print `rank_map_table`; callers with a config pass `cfg.weight_sync.backend` and `.awex_mode`."""
+    console.print(rank_map_table(plan, sync_backend, awex_mode))
 
 
 def read_probe_reports(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

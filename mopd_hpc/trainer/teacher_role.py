@@ -2,8 +2,9 @@
 
 The teacher scoring server (`engines/teacher_main.py`) takes its checkpoint and port from flags or its own
 variables; inside a job its settings come from the run instead: MOPD_TEACHER_ID (the job plan sets it)
-names the entry of `models.teachers` in `run_dir/config.yaml`, which gives the checkpoint path and dtype;
-the port is the named port `http`. This module resolves them (env read once, in `main`) and runs
+names the entry of `models.teachers` in `run_dir/config.yaml`, which gives the checkpoint path, the scoring
+engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel (1: the role starts one process
+per teacher); the port is the named port `http`. This module resolves them (env read once, in `main`) and runs
 `teacher_main.serve` until SIGTERM/SIGINT or until the actor announces the end of the job
 (`trainer/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has nothing to checkpoint).
 """
@@ -25,7 +26,13 @@ TEACHER_ID_ENV = "MOPD_TEACHER_ID"
 
 
 def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> TeacherArgs:
-    """The scoring server's arguments for this child. Raises RoleEnvError (no or unknown teacher id)."""
+    """The scoring server's arguments for this child.
+
+    Raises:
+        RoleEnvError: no or unknown teacher id; the teacher's tensor_parallel is not 1; engine megatron
+            while CUDA_VISIBLE_DEVICES is empty (the child has no GPU). The message names the config field
+            (`models.teachers[i].tensor_parallel`, `models.teachers[i].engine`) and its value.
+    """
     teacher_id = environ.get(TEACHER_ID_ENV)
     if not teacher_id:
         raise RoleEnvError(f"{TEACHER_ID_ENV} is not set: the job plan names the teacher of each child")
@@ -33,7 +40,19 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         teacher = cfg.models.teacher(teacher_id)
     except KeyError as exc:
         raise RoleEnvError(f"{TEACHER_ID_ENV}={teacher_id!r}: {exc.args[0]}") from None
+    here = f"models.teachers[{cfg.models.teacher_ids.index(teacher.id)}]"
+    if teacher.tensor_parallel != 1:
+        raise RoleEnvError(
+            f"{here}.tensor_parallel={teacher.tensor_parallel}: the teacher role serves each teacher from one "
+            "process and starts no follower ranks; expected 1"
+        )
     gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
+    if teacher.engine == "megatron" and not gpu:
+        raise RoleEnvError(
+            f"{here}.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
+            f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives this teacher child none); expected a "
+            "GPU group, or engine: torch"
+        )
     base = environ.get("MOPD_BASE_GPU_ID")
     return TeacherArgs(
         teacher_id=teacher.id,
@@ -47,6 +66,9 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         max_batch_rows=max(64, cfg.data.batch_size * cfg.data.samples_per_prompt),
         # on CPU the teachers of a step score concurrently: each takes its share of the cores
         num_threads=None if gpu else cpu_threads(environ, share=len(cfg.models.teachers)),
+        engine=teacher.engine,
+        tensor_parallel=teacher.tensor_parallel,
+        source=here,
     )
 
 

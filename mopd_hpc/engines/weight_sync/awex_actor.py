@@ -18,6 +18,14 @@ A fourth 0.9.0 gap: awex's mcore converter knows the TransformerEngine spec's fu
 (NotImplementedError "Unsupported parameter name"); `register_local_spec_names()` renames it on the way in
 (`pre_mlp_layernorm` is already understood).
 
+A fifth 0.9.0 gap (colocate): `NCCLWeightsWriter._write_weights_in_colocate_mode` frees the storage of every
+converted tensor after grouping them (`release_tensors`: `untyped_storage().resize_(0)`), assuming they are
+its own copies; awex's mcore converter returns views of the parameters (`param.detach()`, qkv slices), and
+with Megatron DDP every parameter is a view into one flat buffer, so this freed the whole buffer and the
+offload that follows read freed memory (CUDA "illegal memory access", seen on the H200).
+`protect_parameter_storage()` makes awex's writer skip any tensor that shares storage with a registered
+model's parameters (the residency offload right after moves those to the host properly).
+
 Gap 3 (colocate): awex's `NCCLWeightsWriter._init_writer_in_colocate_mode` reads
 `asystem_train_config`, never set → `initialize()` applies `awex.patch_colocate_writer`; awex's
 `MegatronEngine` leaves release/resume unimplemented → `_ResidentMegatronEngine` maps them to the
@@ -81,6 +89,42 @@ def register_local_spec_names() -> None:
 
         wrapped._mopd_local_spec = True  # type: ignore[attr-defined]
         module.get_train_weights_converter = wrapped
+
+
+#: Models whose parameter storage awex's colocate writer must not free (gap 5), by id.
+_PROTECTED: dict[int, Any] = {}
+
+
+def _parameter_storages() -> set[int]:
+    return {
+        p.untyped_storage().data_ptr()
+        for model in _PROTECTED.values()
+        for p in model.parameters()
+        if p.untyped_storage().size()
+    }
+
+
+def _safe_release_tensors(tensors: Any) -> None:
+    """awex's `release_tensors`, skipping tensors that share storage with a protected model's parameters."""
+    import torch
+
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    keep = _parameter_storages()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in keep:
+            storage.resize_(0)
+
+
+def protect_parameter_storage(model: Any) -> None:
+    """Register `model` (an nn.Module) so that awex's colocate writer never frees its parameters' storage
+    (gap 5, module docstring); installs the guarded `release_tensors` in awex's NCCL writer. Idempotent."""
+    require_awex()
+    module = importlib.import_module("awex.writer.nccl_writer")
+    if module.release_tensors is not _safe_release_tensors:
+        module.release_tensors = _safe_release_tensors
+    _PROTECTED[id(model)] = model
 
 
 def start_run_meta_server(run_dir: str | Path, host: str = "127.0.0.1") -> str:
@@ -152,10 +196,14 @@ class AwexActorPublisher:
             cfg.trainer_config(), pretrained_config(actor.hf_config), [actor.model]
         )
         self.engine.residency = getattr(actor, "residency", None)
+        if cfg.colocate:
+            protect_parameter_storage(actor.model)
         self.seconds: list[float] = []
 
     def initialize(self) -> None:
-        """Build awex's writer (its real set-up happens in the first publish, with the readers)."""
+        """Build awex's writer (its real set-up happens in the first publish, with the readers). In colocate
+        mode awex then releases the actor's memory (optimizer and weights offloaded; `actor.onload()` before
+        the next train step), and so it does after every publish."""
         self.engine.initialize()
         if self.cfg.colocate:
             patch_colocate_writer(self.engine.weights_exchange_writer, self.cfg.ipc_backend)

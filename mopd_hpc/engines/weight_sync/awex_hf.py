@@ -28,10 +28,18 @@ awex 0.9.0 dispatches engine names with if-chains (`get_rank_info_extractor`,
 `register_hf_engine()` wraps the three factories (in their modules and where they were imported by name)
 so that "hf" resolves, and delegates every other name unchanged. Idempotent.
 
-The three 0.9.0 gaps (awex.py): 1. `require_awex()` before any awex import; 2. `HFAwexEngine.initialize`
+The 0.9.0 gaps (awex.py, awex_actor.py): 1. `require_awex()` before any awex import; 2. `HFAwexEngine.initialize`
 refuses a config whose node_rank is unset instead of silently skipping the reader (SGLangEngine's
-behaviour); 3. colocate is not offered here (one HF process per GPU, separate mode; the colocate writer
-patch lives in `awex_actor.py`).
+behaviour); 3 and 5 are the writer's (awex_actor.py); 6. colocate mode with one rollout rank (infer world
+1, e.g. one GPU shared by the actor and one engine): the reader's NCCL "ready" handshake is among the rollout
+ranks (rank 0 receives from rank infer_world − 1), which is rank 0 itself, and NCCL's self-receive fails
+("ncclInternalError … ncclSocketInit: … family 0", seen on the H200) → `register_hf_engine()` makes the
+handshake skip that case (there is nobody to wait for; awex's own batch isend/irecv warm-up already skips a
+world of 1).
+
+Colocate mode (one GPU, writer and reader in two processes): the writer copies the weights into grouped
+buffers, shares them by CUDA IPC through the MetaServer and releases its own memory; the reader resumes its
+weights (`onload_weights`), copies from the IPC buffers into its parameters and signals the writer.
 """
 
 from __future__ import annotations
@@ -118,8 +126,24 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def _skip_self_handshake(original: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(original, "_mopd_hf", False):
+        return original
+
+    def shake_hands(self: Any) -> Any:
+        if self.enable_colocate_mode and self.world_size == 1:
+            log.info("AWEX colocate with one rollout rank: no reader handshake (gap 6)")
+            return None
+        return original(self)
+
+    shake_hands._mopd_hf = True  # type: ignore[attr-defined]
+    shake_hands.__wrapped__ = original  # type: ignore[attr-defined]
+    return shake_hands
+
+
 def register_hf_engine() -> None:
-    """Make awex 0.9.0 resolve the engine name "hf" (module docstring). Idempotent.
+    """Make awex 0.9.0 resolve the engine name "hf" and skip the colocate self-handshake (gap 6; module
+    docstring). Idempotent.
 
     Raises:
         AwexUnavailableError: awex or megatron.core is not importable.
@@ -131,6 +155,11 @@ def register_hf_engine() -> None:
         module = importlib.import_module(module_name)
         for name in names:
             setattr(module, name, _wrap(name, getattr(module, name)))
+    from awex.reader.nccl_reader import NCCLWorkerWeightsReader
+
+    NCCLWorkerWeightsReader._shake_hands_with_writer = _skip_self_handshake(
+        NCCLWorkerWeightsReader._shake_hands_with_writer
+    )
 
 
 class HFScheduler:

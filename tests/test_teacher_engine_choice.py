@@ -1,0 +1,317 @@
+"""Which scoring engine the teacher role builds (issue 8): torch or megatron (tensor parallel 1), chosen from
+`models.teachers[i]`; the errors that name the field (megatron without a GPU, tensor_parallel > 1); the
+job's gaps for TP 1 vs TP 2; and `MegatronScoringEngine.score` (top-k from the full logits, padding ids
+dropped) against `TorchScoringEngine` through a stand-in for GPTModel's call surface on the CPU (the real
+GPTModel needs CUDA: tests/test_megatron_teacher_gpu.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from helpers_models import save_micro_qwen3
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.config.rules import job_gaps
+from mopd_hpc.engines import teacher_main
+from mopd_hpc.engines.batch import TokenBatch
+from mopd_hpc.engines.protocol import EngineError
+from mopd_hpc.engines.teacher_main import TeacherArgs, build_engine, endpoint_path, pad_token_id, serve
+from mopd_hpc.engines.torch_engine import TorchScoringEngine
+from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError
+from mopd_hpc.trainer.teacher_role import teacher_args
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"  # one megatron teacher, id "teacher", TP 8
+VOCAB = 40
+PAD_COLUMNS = 8  # megatron's padded vocabulary V' = V + 8 in the stand-in
+ROWS = [[1, 2, 3, 11, 12, 13], [4, 5, 15], [6, 7, 8, 9, 16, 17, 18, 19]]
+STARTS = [3, 2, 4]
+
+
+def gpu_config(tensor_parallel: int, engine: str = "megatron") -> RunConfig:
+    data = yaml.safe_load(GPU_CONFIG.read_text())
+    data["models"]["teachers"][0].update(tensor_parallel=tensor_parallel, engine=engine)
+    return RunConfig.from_dict(data)
+
+
+def role(tmp_path: Path) -> RoleEnv:
+    return RoleEnv.from_env(
+        {
+            "MOPD_RUN_DIR": str(tmp_path),
+            "MOPD_ROLE": "teacher",
+            "MOPD_INDEX": "0",
+            "MOPD_JOB_ID": "local-1",
+            "MOPD_BACKEND": "local",
+            "MOPD_PORT_HTTP": "45678",
+        }
+    )
+
+
+# --- job_gaps -------------------------------------------------------------------------------------------
+
+
+def teacher_gaps(cfg: RunConfig) -> list[str]:
+    return [g.render() for g in job_gaps(cfg) if g.path.startswith("models.teachers")]
+
+
+def test_megatron_teacher_at_tp1_is_no_gap() -> None:
+    assert teacher_gaps(gpu_config(1)) == []
+    assert teacher_gaps(gpu_config(1, engine="torch")) == []
+    # the rest of the production config is still refused, field by field
+    assert {g.path for g in job_gaps(gpu_config(1))} == {
+        "models.actor.engine",
+        "rollout.backend",
+        "weight_sync.backend",
+    }
+
+
+def test_teacher_at_tp2_is_a_gap_naming_the_field_value_and_1() -> None:
+    gaps = [g for g in job_gaps(gpu_config(2)) if g.path.startswith("models.teachers")]
+    assert len(gaps) == 1
+    gap = gaps[0]
+    assert (gap.path, gap.got, gap.expected) == ("models.teachers[0].tensor_parallel", 2, "1")
+    assert gap.render() == (
+        "models.teachers[0].tensor_parallel: the teacher role serves each teacher from one process: a "
+        "megatron teacher at tensor_parallel > 1 needs follower ranks it does not start (got 2; 1)"
+    )
+    warnings = gpu_config(2).warnings()
+    assert any(
+        w.startswith("not run by the job's roles yet: models.teachers[0].tensor_parallel") for w in warnings
+    )
+
+
+# --- teacher_role.teacher_args ----------------------------------------------------------------------------
+
+
+def test_teacher_args_megatron_from_the_config(tmp_path: Path) -> None:
+    cfg = gpu_config(1)
+    environ = {
+        "MOPD_TEACHER_ID": "teacher",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+        "MOPD_BASE_GPU_ID": "3",
+    }
+    args = teacher_args(role(tmp_path), cfg, environ)
+    teacher = cfg.models.teacher("teacher")
+    assert (args.engine, args.tensor_parallel, args.device, args.dtype) == (
+        "megatron",
+        1,
+        "cuda:3",
+        teacher.dtype,
+    )
+    assert (args.model_path, args.port, args.source) == (teacher.path, 45678, "models.teachers[0]")
+    assert args.field("engine") == "models.teachers[0].engine"
+    assert args.num_threads is None  # a GPU child: torch's own thread count
+    torch_cfg = gpu_config(1, engine="torch")
+    assert teacher_args(role(tmp_path), torch_cfg, environ).engine == "torch"
+
+
+@pytest.mark.parametrize("visible", [None, ""])
+def test_teacher_args_megatron_without_a_gpu_names_the_field(tmp_path: Path, visible: str | None) -> None:
+    environ = {"MOPD_TEACHER_ID": "teacher"} | ({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
+    with pytest.raises(RoleEnvError) as err:
+        teacher_args(role(tmp_path), gpu_config(1), environ)
+    text = str(err.value)
+    assert text.startswith("models.teachers[0].engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is ")
+    assert repr(visible) in text and "engine: torch" in text
+
+
+def test_teacher_args_tensor_parallel_2_names_the_field(tmp_path: Path) -> None:
+    environ = {"MOPD_TEACHER_ID": "teacher", "CUDA_VISIBLE_DEVICES": "0,1"}
+    with pytest.raises(RoleEnvError, match=r"^models\.teachers\[0\]\.tensor_parallel=2: .*expected 1$"):
+        teacher_args(role(tmp_path), gpu_config(2), environ)
+
+
+# --- teacher_main: the engine choice -------------------------------------------------------------------
+
+
+def cli_args(model: Path | str, **changes: object) -> TeacherArgs:
+    base = TeacherArgs(
+        teacher_id="t", model_path=str(model), host="127.0.0.1", port=0, advertise_host="127.0.0.1"
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_engine_flag_and_variable() -> None:
+    argv = ["--teacher-id", "t", "--model", "/m", "--port", "0"]
+    assert TeacherArgs.from_argv(argv, {}).engine == "torch"
+    assert TeacherArgs.from_argv(argv, {"MOPD_TEACHER_ENGINE": "megatron"}).engine == "megatron"
+    assert (
+        TeacherArgs.from_argv([*argv, "--engine", "torch"], {"MOPD_TEACHER_ENGINE": "megatron"}).engine
+        == "torch"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        TeacherArgs.from_argv(argv, {"MOPD_TEACHER_ENGINE": "vllm"})
+    assert exit_info.value.code == 2
+
+
+def test_torch_engine_is_built_for_engine_torch(tmp_path: Path) -> None:
+    model = save_micro_qwen3(tmp_path / "m", seed=0, vocab_size=VOCAB)
+    engine = build_engine(cli_args(model, device="cpu", max_batch_rows=5))
+    assert isinstance(engine, TorchScoringEngine)
+    assert (engine.vocab_size, engine.max_batch_rows, engine.device.type) == (VOCAB, 5, "cpu")
+    expected = json.loads((model / "config.json").read_text()).get("pad_token_id") or 0
+    assert pad_token_id(engine) == expected
+
+
+def test_megatron_without_cuda_names_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for source, field in (("models.teachers[1]", "models.teachers[1].engine"), ("", "--engine")):
+        with pytest.raises(EngineError) as err:
+            build_engine(cli_args(tmp_path, engine="megatron", device="auto", source=source))
+        assert str(err.value).startswith(f"{field}='megatron' needs a CUDA device, but none is available")
+
+
+def test_megatron_on_a_cpu_device_names_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing touches CUDA before the check
+    args = cli_args(tmp_path, engine="megatron", device="cpu", source="models.teachers[0]")
+    with pytest.raises(
+        EngineError, match=r"^models\.teachers\[0\]\.engine='megatron' runs on CUDA only, but "
+    ):
+        build_engine(args)
+    assert teacher_main.megatron_device(
+        cli_args(tmp_path, engine="megatron", device="cuda:2")
+    ) == torch.device("cuda", 2)
+    assert teacher_main.megatron_device(cli_args(tmp_path, engine="megatron")) == torch.device("cuda", 0)
+
+
+def test_tensor_parallel_and_unknown_engine_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match=r"^models\.teachers\[0\]\.tensor_parallel=2: .*expected 1$"):
+        build_engine(cli_args(tmp_path, tensor_parallel=2, source="models.teachers[0]"))
+    with pytest.raises(EngineError, match=r"^--engine='vllm': expected one of torch, megatron$"):
+        build_engine(cli_args(tmp_path, engine="vllm"))
+
+
+def test_serve_refuses_megatron_without_cuda_before_listening(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cli_args(tmp_path, engine="megatron", run_dir=str(tmp_path / "run"), source="models.teachers[0]")
+    with pytest.raises(EngineError, match=r"models\.teachers\[0\]\.engine='megatron' needs a CUDA device"):
+        asyncio.run(serve(args, asyncio.Event()))
+    assert not endpoint_path(tmp_path / "run", "t").exists()
+
+
+def test_pad_token_id_prefers_the_engine() -> None:
+    assert pad_token_id(SimpleNamespace(pad_token_id=7, model=None)) == 7
+    hf_like = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(pad_token_id=5)))
+    assert pad_token_id(hf_like) == 5
+    # megatron's GPTModel.config is a TransformerConfig without pad_token_id: 0
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, model=SimpleNamespace(config=object()))) == 0
+
+
+# --- MegatronScoringEngine.score on the CPU, through a stand-in for GPTModel -----------------------------
+
+
+class StandInGPT(torch.nn.Module):
+    """GPTModel's call surface over an HF causal LM: `model(ids, positions, None)` → [B, L, V'] logits whose
+    V' − V padding columns are +50 (a padding id leaking into top-k would win every position);
+    `model(ids, positions, None, labels=labels)` → [B, L] −log π(label) over the real vocabulary."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert attention_mask is None and positions.shape == ids.shape
+        assert torch.equal(positions[0], torch.arange(ids.shape[1]))
+        logits = self.hf(input_ids=ids).logits
+        if labels is not None:
+            return -torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+        padding = torch.full((*logits.shape[:2], PAD_COLUMNS), 50.0, dtype=logits.dtype)
+        return torch.cat([logits, padding], dim=-1)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory):
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    from mopd_hpc.engines.megatron import engine as megatron_engine
+
+    path = save_micro_qwen3(
+        tmp_path_factory.mktemp("mt") / "m", seed=3, vocab_size=VOCAB, initializer_range=0.2
+    )
+    reference = TorchScoringEngine.from_pretrained(path, dtype="float32", device="cpu")
+    config = json.loads((path / "config.json").read_text())
+    engine = megatron_engine.MegatronScoringEngine(
+        StandInGPT(reference.model), torch.device("cpu"), config, path=path, max_batch_rows=2
+    )
+    return megatron_engine, engine, reference
+
+
+def test_megatron_score_matches_torch_and_drops_padding_ids(engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    megatron_engine, engine, reference = engines
+    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))
+    batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
+    mask = batch.response_mask
+    assert (engine.vocab_size, engine.path) == (VOCAB, reference.path)
+    lp, top = engine.score(batch, 4)
+    ref_lp, ref_top = reference.score(batch, 4)
+    assert lp.dtype == torch.float32 and lp.shape == ref_lp.shape == mask.shape
+    assert (lp - ref_lp)[mask].abs().max().item() < 1e-5
+    assert top.indices.shape == (3, batch.response_width, 4)
+    assert torch.equal(top.indices[mask], ref_top.indices[mask])
+    assert (top.logprobs - ref_top.logprobs)[mask].abs().max().item() < 1e-5
+    assert int(top.indices.max()) < VOCAB  # no padding id, though the padding columns hold the largest logits
+    assert torch.all(lp[~mask] == 0)
+    # without k: the labels path, the same log-probs
+    lp_labels, none = engine.score(batch)
+    assert none is None
+    assert (lp_labels - ref_lp)[mask].abs().max().item() < 1e-5
+    # k larger than V: the whole (real) vocabulary
+    assert engine.topk(batch, 1000).indices.shape[-1] == VOCAB
+
+
+def test_megatron_score_errors(engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    megatron_engine, engine, _ = engines
+    batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
+    with pytest.raises(EngineError, match=r"^k=0: expected >= 1"):
+        engine.score(batch, 0)
+    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (2, 0, None))
+    with pytest.raises(
+        EngineError, match=r"^top-k scoring at tensor_parallel=2: .*expected tensor_parallel 1"
+    ):
+        engine.score(batch, 4)
+    with pytest.raises(EngineError, match=r"device='cpu': the megatron engine runs on CUDA only"):
+        megatron_engine.MegatronScoringEngine.from_pretrained(engine.path, dtype="float32", device="cpu")
+    with pytest.raises(EngineError, match=r"dtype='int8'"):
+        megatron_engine.MegatronScoringEngine.from_pretrained(engine.path, dtype="int8", device="cuda:0")
+
+
+def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HTTP surface over the megatron engine: /score with top_k through the controller's client."""
+    from mopd_hpc.engines.serving import start_app
+    from mopd_hpc.engines.teacher_server import TeacherClient, TeacherServer
+
+    megatron_engine, engine, _ = engines
+    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))
+    batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
+    lp, top = engine.score(batch, 3)
+
+    async def go():
+        server = TeacherServer(engine, "mt", engine.path, pad_id=pad_token_id(engine))
+        runner, port, stop = await start_app(server.app(), "127.0.0.1", 0, asyncio.Event())
+        try:
+            async with TeacherClient(f"http://127.0.0.1:{port}", timeout_s=60) as client:
+                return await client.score(ROWS, STARTS, top_k=3)
+        finally:
+            stop.set()
+            await runner.cleanup()
+
+    got = asyncio.run(go())
+    lengths = batch.response_lengths.tolist()
+    assert got.logprobs == [lp[b, :n].tolist() for b, n in enumerate(lengths)]
+    assert got.topk_ids == [top.indices[b, :n].tolist() for b, n in enumerate(lengths)]
+    assert got.topk_logprobs == [top.logprobs[b, :n].tolist() for b, n in enumerate(lengths)]
