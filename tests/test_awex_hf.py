@@ -206,3 +206,13 @@ def test_colocate_writer_never_frees_parameter_storage() -> None:
     assert flat.untyped_storage().size() == 12 * 4 and torch.equal(flat, torch.arange(12.0))
     assert own_copy.untyped_storage().size() == 0  # awex's own grouped copies are still freed
     nccl_writer.release_tensors(torch.zeros(3))  # a single tensor, as awex also calls it
+
+
+def test_awex_memory_tags_map_to_residency_parts() -> None:
+    from mopd_hpc.engines.weight_sync.awex_actor import residency_parts
+
+    assert residency_parts(None) == ("optimizer", "weights")
+    assert residency_parts("weights") == ("weights",)  # awex passes a bare string once
+    assert residency_parts(["optimizer"]) == ("optimizer",)
+    assert residency_parts(["weights", "optimizer"]) == ("optimizer", "weights")
+    assert residency_parts(["kv_cache"]) == ()  # not the actor's memory

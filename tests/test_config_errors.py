@@ -234,9 +234,10 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         ],
     ),
     (
-        "awex-with-hf-rollout",
-        set_("weight_sync.backend", "awex"),
-        ["weight_sync.backend: AWEX readers live inside SGLang; rollout.backend is 'hf' (got 'awex'"],
+        "awex-with-hf-rollout-tp2",
+        seq(set_("weight_sync.backend", "awex"), set_("rollout.engines.tensor_parallel", 2)),
+        ["rollout.engines.tensor_parallel: the HF rollout engine's AWEX reader (engines/weight_sync/awex_hf.py) is one "
+         "process (got 2; 1, or rollout.backend: sglang)"],
     ),
     (
         "awex-with-torch-actor",
@@ -273,10 +274,11 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         ["cluster.trainer: set, but shape 'colocated' has no such group"],
     ),
     (
-        "gpus-on-local",
-        set_("cluster.group.gpus_per_node", 2),
+        "gpus-on-local-het",
+        seq(het, set_("cluster.trainer.gpus_per_node", 2)),
         [
-            "cluster.group.gpus_per_node: the local backend runs on CPU (got 2; set 0, or cluster.backend: slurm)"
+            "cluster.trainer.gpus_per_node: a local heterogeneous job runs both groups on this one machine, on CPU "
+            "(got 2; set 0, or shape: colocated (one group on this machine's GPUs), or cluster.backend: slurm)"
         ],
     ),
     (
@@ -543,7 +545,6 @@ def test_every_problem_is_listed_at_once(tmp_path: Path) -> None:
             set_("routes.chain", {"reasoner": 1.0}),
             set_("rollout.forked", False),
             set_("loss.rl_coefficient", -1.0),
-            set_("cluster.group.gpus_per_node", 1),
         ),
     )
     assert lines == [
@@ -551,7 +552,6 @@ def test_every_problem_is_listed_at_once(tmp_path: Path) -> None:
         "loss.rl_coefficient: must be greater than or equal to 0 (got -1.0)",
         "rollout.forked: a colocated rollout must run as a forked child of the guard "
         "(got false; set rollout.forked: true, or rollout.mode: separated)",
-        "cluster.group.gpus_per_node: the local backend runs on CPU (got 1; set 0, or cluster.backend: slurm)",
         "routes.chain: unknown teacher 'reasoner' (known: chain, legs)",
     ]
 
@@ -565,7 +565,7 @@ def test_cross_section_rules_all_reported_together(tmp_path: Path) -> None:
             set_("loss.kl_coefficient", 1.0),
         ),
     )
-    assert len(lines) == 5
+    assert len(lines) == 4  # weight_sync.backend: the AWEX writer needs a megatron actor
     assert {line.split(":")[0] for line in lines} == {
         "weight_sync.backend",
         "data.sources[1].route",

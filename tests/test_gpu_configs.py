@@ -104,14 +104,16 @@ def test_awex_colocate_rejected_by_check_cli(tmp_path: Path) -> None:
     "config", ["configs/qwen3_8gpu_colocated.yaml", "configs/gsm8k_qwen3_14b_to_0_6b.yaml"]
 )
 def test_production_engines_are_refused_at_submit_not_substituted(config: str, tmp_path: Path) -> None:
-    """The job's roles run the torch engines only: a megatron/sglang/awex config is valid (--check warns,
-    --dry-run works) but mopd-submit refuses to run it, naming each field, before any process starts."""
+    """The job's roles run the megatron actor at TP 1, the HF rollout and AWEX colocate only: a TP-8 /
+    sglang config is valid (--check warns, --dry-run works) but mopd-submit refuses to run it, naming each
+    field, before any process starts."""
     check = mopd_submit("--check", REPO / config)
     assert check.returncode == 0, check.stderr
-    assert "# warning: not run by the job's roles yet: models.actor.engine: the actor role runs the torch " \
-        "engine only (got 'megatron'; torch)" in check.stdout  # fmt: skip
+    assert "# warning: not run by the job's roles yet: models.actor.tensor_parallel: the actor role runs the " \
+        "megatron engine on one process: tensor_parallel > 1 needs ranks it does not start (got 8; 1)" \
+        in check.stdout  # fmt: skip
     run = mopd_submit(REPO / config, "--run-dir", tmp_path / "run")
     assert run.returncode == 2
-    for field in ("models.actor.engine", "rollout.backend", "weight_sync.backend"):
+    for field in ("models.actor.tensor_parallel", "rollout.backend", "weight_sync.backend"):
         assert f"{field}: " in run.stderr, run.stderr
     assert not (tmp_path / "run").exists()  # refused before the run directory is made

@@ -37,6 +37,7 @@ from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
+from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.launch.resume import ResumeError, check_resume
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
@@ -226,9 +227,10 @@ def execute(
         print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
         return 0
     try:
+        gpus = _local_gpus(cfg, environ) if cfg.cluster.backend == "local" and not args.render else ()
         resumed_from = check_resume(path, cfg)
         run_dir = prepare_run_dir(path)
-    except (RunDirError, ResumeError) as exc:
+    except (RunDirError, ResumeError, LocalGpuError) as exc:
         print(f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
@@ -247,11 +249,28 @@ def execute(
     print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
     if cfg.cluster.backend == "local":
         return _run_local(
-            plan, run_dir, args.config, out=out, err=err, environ=environ, python=python, console=console
+            plan,
+            run_dir,
+            args.config,
+            out=out,
+            err=err,
+            environ=environ,
+            python=python,
+            console=console,
+            gpus=gpus,
         )
     return _submit_slurm(
         cfg, plan, request, run_dir, args.config, out=out, err=err, environ=environ, python=python
     )
+
+
+def _local_gpus(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """This machine's GPUs for a local job (shape colocated: the group's gpus_per_node), checked before
+    anything starts. Raises LocalGpuError."""
+    group = cfg.cluster.group
+    if cfg.cluster.shape != "colocated" or group is None:
+        return ()
+    return local_gpu_tokens(environ, group.gpus_per_node, "cluster.group.gpus_per_node")
 
 
 def _run_local(
@@ -264,6 +283,7 @@ def _run_local(
     environ: Mapping[str, str],
     python: str,
     console: object,
+    gpus: Sequence[str] = (),
 ) -> int:
     from mopd_hpc.launch.local import local_job_id, run_local
     from mopd_hpc.launch.rankmap import probe_report_table, read_probe_reports
@@ -271,7 +291,7 @@ def _run_local(
     job_id = local_job_id()
     # so that `mopd-logs summarize local-N` finds the run dir, as it does a Slurm job id
     record_in_job_index(job_id, run_dir, plan.name, config_path, environ, err)
-    rc = run_local(plan, run_dir, python=python, environ=environ, out=out, job_id=job_id)
+    rc = run_local(plan, run_dir, python=python, environ=environ, out=out, job_id=job_id, gpus=gpus)
     if plan.probe:
         console.print(probe_report_table(read_probe_reports(run_dir.root)))  # type: ignore[attr-defined]
     print(f"[local] done: exit code {rc}; run dir {run_dir.root}", file=out)

@@ -84,7 +84,8 @@ class ClusterConfig(Section):
     """Where and how the job runs."""
 
     backend: Literal["local", "slurm"] = Field(
-        description="'slurm': sbatch through submitit; 'local': this machine, CPU only, no Slurm. "
+        description="'slurm': sbatch through submitit; 'local': this machine, no Slurm (its CPUs; its GPUs for shape "
+        "colocated, the first gpus_per_node of CUDA_VISIBLE_DEVICES, else of nvidia-smi's list). "
         "`mopd-submit --local` overrides it to 'local'."
     )
     shape: Literal["heterogeneous", "colocated"] = Field(
@@ -164,16 +165,16 @@ class ClusterConfig(Section):
                         expected=f"use {' and '.join(needed)}",
                     )
                 )
-        if self.backend == "local":
+        if self.backend == "local" and self.shape == "heterogeneous":
             for name in needed:
                 group = getattr(self, name)
                 if group is not None and group.gpus_per_node > 0:
                     problems.append(
                         Problem(
                             join_path(name, "gpus_per_node"),
-                            "the local backend runs on CPU",
+                            "a local heterogeneous job runs both groups on this one machine, on CPU",
                             group.gpus_per_node,
-                            "set 0, or cluster.backend: slurm",
+                            "set 0, or shape: colocated (one group on this machine's GPUs), or cluster.backend: slurm",
                         )
                     )
         if self.signal_lead_s >= self.time_min * 60:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.config.problems import Problem, join_path, known
 
 RuleFn = Callable[[Any], Iterator[Problem]]
@@ -225,12 +226,12 @@ def _rollout_layout(c: Any) -> Iterator[Problem]:
 def _awex(c: Any) -> Iterator[Problem]:
     if c.weight_sync.backend != "awex":
         return
-    if c.rollout.backend != "sglang":
+    if c.rollout.backend == "hf" and c.rollout.engines.tensor_parallel != 1:
         yield Problem(
-            "weight_sync.backend",
-            f"AWEX readers live inside SGLang; rollout.backend is {c.rollout.backend!r}",
-            "awex",
-            "rollout.backend: sglang, or weight_sync.backend: torch",
+            "rollout.engines.tensor_parallel",
+            "the HF rollout engine's AWEX reader (engines/weight_sync/awex_hf.py) is one process",
+            c.rollout.engines.tensor_parallel,
+            "1, or rollout.backend: sglang",
         )
     if c.models.actor.engine != "megatron":
         yield Problem(
@@ -318,55 +319,6 @@ def _megatron_schedule(c: Any) -> Iterator[Problem]:
             opt.schedule,
             "schedule: constant and warmup_ratio: 0 with engine: megatron, or engine: torch",
         )
-
-
-def job_gaps(cfg: Any) -> list[Problem]:
-    """Valid settings that the job's roles do not run yet, one problem each (issue 8).
-
-    The roles (trainer/actor_main, trainer/teacher_role, engines/rollout_main, the controller's weight sync)
-    build the torch engines, the HF rollout server and torch.distributed weight sync. The megatron-core
-    engines, the SGLang backend and the AWEX path exist as components (engines/megatron,
-    engines/rollout/sglang_backend, engines/weight_sync/awex*) with their tests and benchmarks, but no role
-    builds them yet: such a config passes --check, --dry-run, --render and --probe, and mopd-submit refuses
-    to run it (rather than run the torch engines in their place).
-    """
-    out = []
-    if cfg.models.actor.engine != "torch":
-        out.append(
-            Problem(
-                "models.actor.engine",
-                "the actor role runs the torch engine only",
-                cfg.models.actor.engine,
-                "torch",
-            )
-        )
-    for i, teacher in enumerate(cfg.models.teachers):
-        # the teacher role builds the torch or the megatron scoring engine (trainer/teacher_role.py), one
-        # process per teacher: a tensor-parallel teacher would need follower ranks the role does not start
-        if teacher.tensor_parallel != 1:
-            out.append(
-                Problem(
-                    join_path("models", "teachers", i, "tensor_parallel"),
-                    f"the teacher role serves each teacher from one process: a {teacher.engine} teacher at "
-                    "tensor_parallel > 1 needs follower ranks it does not start",
-                    teacher.tensor_parallel,
-                    "1",
-                )
-            )
-    if cfg.rollout.backend != "hf":
-        out.append(
-            Problem("rollout.backend", "the rollout role runs the hf server only", cfg.rollout.backend, "hf")
-        )
-    if cfg.weight_sync.backend != "torch":
-        out.append(
-            Problem(
-                "weight_sync.backend",
-                "the controller syncs weights with torch.distributed only",
-                cfg.weight_sync.backend,
-                "torch",
-            )
-        )
-    return out
 
 
 def config_warnings(cfg: Any) -> list[str]:

@@ -9,6 +9,8 @@ config `run_dir/config.yaml`:
     dtype        models.actor.dtype;  device: cuda when the child sees a GPU, else cpu
     rows/batch   data.batch_size · data.samples_per_prompt (one step's rollouts decode together)
     seed         run seed + engine index (rows without a sampling_seed)
+    AWEX         weight_sync.backend awex: AWEX_MASTER_ADDR is set in this process's environment (awex reads
+                 it itself; unset, it probes 8.8.8.8 for its own address): `awex_env`
 
 Once the server listens it writes `run_dir/endpoints/rollout-<index>.json` atomically
 ({url, host, port, pid, index, job_id, model_path}) and serves until SIGTERM/SIGINT or until the actor
@@ -36,6 +38,9 @@ from mopd_hpc.trainer.role_env import RoleEnv, cpu_threads, endpoint_file, start
 
 log = logging.getLogger("mopd_hpc.rollout")
 
+#: The variable awex 0.9.0 reads for this node's address (AwexJobConfig.trainer_env sets it on the actor).
+AWEX_MASTER_ADDR_ENV = "AWEX_MASTER_ADDR"
+
 
 def engines_per_node(cfg: RunConfig) -> int:
     """Rollout engines that share a node: the engine count over the rollout group's nodes (rounded up)."""
@@ -60,6 +65,17 @@ def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> Se
         # the engines of a node sample at the same time; the other phases time-slice the node's cores
         num_threads=None if gpu else cpu_threads(environ, share=engines_per_node(cfg)),
     )
+
+
+def awex_env(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
+    """The variables awex reads in this process: {} unless weight_sync.backend is awex; then
+    AWEX_MASTER_ADDR = 127.0.0.1 on the local backend, else this node's address (as the actor computes
+    its rendezvous address: `trainer.actor_main.master_address`)."""
+    if cfg.weight_sync.backend != "awex":
+        return {}
+    from mopd_hpc.trainer.actor_main import master_address
+
+    return {AWEX_MASTER_ADDR_ENV: master_address(role)}
 
 
 async def _publish(role: RoleEnv, args: ServerArgs, stop: asyncio.Event) -> None:
@@ -112,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     del argv
     environ = dict(os.environ)
     role, cfg = start_server_role(environ)
+    os.environ.update(awex_env(role, cfg))  # the edge: awex reads it from os.environ itself
     asyncio.run(run(role, server_args(role, cfg, environ)))
     return 0
 

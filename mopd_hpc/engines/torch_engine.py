@@ -192,6 +192,11 @@ class TorchTrainEngine:
     def device(self) -> torch.device:
         return self.forward.device
 
+    def evaluation_model(self) -> torch.nn.Module:
+        """The model greedy evaluation generates with: the actor's own transformers model (no copy; the
+        caller restores nothing, `greedy_complete` puts back its train/eval mode)."""
+        return self.model
+
     def _require_resident(self, what: str) -> None:
         if not self.residency.on_device:
             raise EngineError(f"{what}: the actor is offloaded; onload() first")

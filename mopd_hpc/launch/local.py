@@ -20,7 +20,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -45,12 +45,13 @@ def local_job_id(pid: int | None = None) -> str:
     return f"{LOCAL_JOB_PREFIX}-{os.getpid() if pid is None else pid}"
 
 
-def local_environment(environ: Mapping[str, str]) -> dict[str, str]:
+def local_environment(environ: Mapping[str, str], gpus: Sequence[str] = ()) -> dict[str, str]:
     """The guard's environment: `environ` without inherited Slurm/PMI variables or a token path, plus
-    MOPD_BACKEND=local."""
+    MOPD_BACKEND=local and CUDA_VISIBLE_DEVICES = the job's GPU tokens (`launch.local_gpus`; "" for none)."""
     env = scrub_slurm_env(environ, keep=())
     env.pop("MOPD_SECRET_FILE", None)
     env["MOPD_BACKEND"] = "local"
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return env
 
 
@@ -120,6 +121,7 @@ def run_local(
     out: TextIO,
     host: str | None = None,
     job_id: str | None = None,
+    gpus: Sequence[str] = (),
     poll_s: float = 0.2,
     stop_wait_s: float = DEFAULT_STOP_WAIT_S,
 ) -> int:
@@ -132,6 +134,7 @@ def run_local(
         environ: this process's environment (read at the edge).
         out: where status lines go.
         host, job_id: defaults: this host's name, `local-<pid>`.
+        gpus: the GPU tokens the guard gets (`launch.local_gpus.local_gpu_tokens`); () runs on CPU.
     Returns:
         the guard's exit code (128 + N when it died of signal N).
     """
@@ -145,7 +148,7 @@ def run_local(
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             guard_argv(python, run_dir, job_id, host),
-            env=local_environment(environ),
+            env=local_environment(environ, gpus),
             cwd=run_dir.root,
             stdin=subprocess.DEVNULL,
             stdout=log,

@@ -8,8 +8,13 @@ Rank 0 of the actor is the MOPD controller. In order:
    trains: every scored teacher shares the actor's tokenizer (`mopd.compatibility.check_models`);
 3. wait for the teacher and rollout endpoints (`MOPD_ENDPOINT_TIMEOUT_S`, default 600 s; the error names
    what is missing);
-4. build the train engine (the loss section bound once), the tokenizer and the routed data, install the
-   SIGUSR2 checkpoint handler, and run `Controller.run()`.
+4. build the train engine `models.actor.engine` names (the loss section bound once; `build_train_engine`),
+   the tokenizer and the routed data, install the SIGUSR2 checkpoint handler, and run `Controller.run()`.
+
+Engines: torch (transformers; CUDA when the guard gives this child a GPU, else CPU; one process) or megatron
+(megatron-core on the child's GPU: tensor_parallel 1, world size 1 — a one-rank NCCL group, no port). With
+weight_sync.backend awex, `main` puts the variables awex reads itself into os.environ before anything
+imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master address, DEVICE = 0).
 
 Exit codes: 0 finished or checkpointed on SIGUSR2; 2 a config or environment error; 3 a model
 compatibility error; 1 anything else (the traceback is in the child's .err log).
@@ -18,14 +23,17 @@ compatibility error; 1 anything else (the traceback is in the child's .err log).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+from pathlib import Path
+from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
+from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.runtime.signals import CheckpointRequest
@@ -59,36 +67,115 @@ def master_address(role: RoleEnv) -> str:
     return socket.gethostbyname(role.host)
 
 
+def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]) -> str:
+    """The engine `models.actor.engine` names, if this child can run it; checked before waiting for servers.
+
+    Raises:
+        RoleEnvError: torch with world size > 1; megatron with CUDA_VISIBLE_DEVICES empty (naming
+            models.actor.engine), or at tensor_parallel / pipeline_parallel / world size other than 1
+            (naming models.actor.tensor_parallel, or the field that is not 1).
+    """
+    actor = cfg.models.actor
+    if actor.engine == "torch":
+        if role.world_size > 1:
+            raise RoleEnvError(
+                f"actor world size {role.world_size}: the torch engine trains on one process; "
+                "use one trainer slot (cluster.<group>.nodes = 1, gpus_per_node <= 1) or engine: megatron"
+            )
+        return "torch"
+    if actor.engine != "megatron":
+        raise RoleEnvError(f"models.actor.engine={actor.engine!r}: expected 'torch' or 'megatron'")
+    if not environ.get("CUDA_VISIBLE_DEVICES"):
+        raise RoleEnvError(
+            f"models.actor.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
+            f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives the actor child none); expected a GPU "
+            "group (cluster.<group>.gpus_per_node >= 1), or engine: torch"
+        )
+    if actor.tensor_parallel != 1 or role.world_size != 1:
+        raise RoleEnvError(
+            f"models.actor.tensor_parallel={actor.tensor_parallel} (actor world size {role.world_size}): the "
+            "actor role runs the megatron engine on one process; expected 1 (and one trainer GPU)"
+        )
+    if actor.pipeline_parallel != 1:
+        raise RoleEnvError(
+            f"models.actor.pipeline_parallel={actor.pipeline_parallel}: the actor role runs the megatron "
+            "engine on one process; expected 1"
+        )
+    return "megatron"
+
+
+def build_train_engine(cfg: RunConfig, kind: str, environ: Mapping[str, str]) -> Any:
+    """The actor's train engine of `kind` (`check_actor_engine`), with the checkpoint loaded:
+    `TorchTrainEngine` (cuda when CUDA_VISIBLE_DEVICES is set, else cpu) or `MegatronTrainEngine` (after
+    `initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)`, on cuda:0 — the child's
+    one visible GPU).
+
+    Raises:
+        RoleEnvError: megatron-core does not import (naming models.actor.engine).
+        EngineError: what the engine's constructor raises (dtype, device, loss section, checkpoint).
+    """
+    actor = cfg.models.actor
+    if kind == "torch":
+        from mopd_hpc.engines.torch_engine import TorchTrainEngine
+
+        gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
+        return TorchTrainEngine.from_pretrained(
+            actor.path,
+            dtype=actor.dtype,
+            device="cuda" if gpu else "cpu",
+            optimizer=actor.optimizer,
+            loss=cfg.loss,
+            total_steps=cfg.steps,
+        )
+    try:
+        from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
+    except ImportError as err:
+        raise RoleEnvError(
+            f"models.actor.engine='megatron' needs megatron-core, which does not import here ({err}); "
+            "expected the megatron extra installed, or engine: torch"
+        ) from None
+    device = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)
+    hf_config = json.loads((Path(actor.path) / "config.json").read_text(encoding="utf-8"))
+    model, shape = build_from_hf(actor.path, hf_config, actor.dtype, device)
+    return MegatronTrainEngine(model, shape, hf_config, cfg.loss, actor.optimizer, device, actor.dtype)
+
+
+def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
+    """The variables awex reads itself in the actor (trainer rank 0 on device 0): `AwexJobConfig.
+    trainer_env(0, master_address(role), 0)`; {} unless weight_sync.backend is awex.
+
+    Raises:
+        AwexConfigError: the AWEX settings of the job (`trainer.weight_sync.awex_job_config`).
+        AwexUnavailableError: awex (or megatron.core, which `import awex` needs) is not installed.
+    """
+    if cfg.weight_sync.backend != "awex":
+        return {}
+    from mopd_hpc.engines.weight_sync.awex import require_awex
+    from mopd_hpc.trainer.weight_sync import awex_job_config
+
+    require_awex()
+
+    return awex_job_config(cfg).trainer_env(0, master_address(role), 0)
+
+
 async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], out: TextIO) -> int:
     """Steps 2-4 of the module docstring; returns the exit code."""
     from transformers import AutoTokenizer
 
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
     from mopd_hpc.trainer.controller import Controller, SyncSettings
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.endpoints import DEFAULT_TIMEOUT_S, wait_for_endpoints
 
     plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
     check_compatibility(cfg, plan)
-    if role.world_size > 1:
-        raise RoleEnvError(
-            f"actor world size {role.world_size}: the torch engine trains on one process; "
-            "use one trainer slot (cluster.<group>.nodes = 1, gpus_per_node <= 1) or engine: megatron"
-        )
+    kind = check_actor_engine(cfg, role, environ)
     timeout_s = float(environ.get(ENDPOINT_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     endpoints = await wait_for_endpoints(
         role.run_dir, plan.teachers, cfg.rollout.engines.count, role.job_id, timeout_s
     )
     print(f"servers ready: rollout {list(endpoints.rollout)}, teachers {dict(endpoints.teachers)}", file=out)
     gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
-    engine = TorchTrainEngine.from_pretrained(
-        cfg.models.actor.path,
-        dtype=cfg.models.actor.dtype,
-        device="cuda" if gpu else "cpu",
-        optimizer=cfg.models.actor.optimizer,
-        loss=cfg.loss,
-        total_steps=cfg.steps,
-    )
+    engine = build_train_engine(cfg, kind, environ)
     tokenizer = AutoTokenizer.from_pretrained(cfg.models.tokenizer.path)
     data = build_run_data(cfg)
     request = CheckpointRequest(lambda signum: log.info("signal %d: checkpoint after this step", signum))
@@ -128,6 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         print(f"actor: {THREADS_ENV}={environ[THREADS_ENV]!r}: expected a positive integer", file=sys.stderr)
         return EXIT_CONFIG
+    try:
+        awex_env = awex_environment(role, cfg)
+    except (AwexConfigError, AwexUnavailableError, OSError) as exc:
+        print(f"actor: weight_sync.backend 'awex': {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    os.environ.update(awex_env)  # the edge: awex reads AWEX_MASTER_ADDR and DEVICE from os.environ itself
+    environ.update(awex_env)
     import torch
 
     torch.set_num_threads(max(1, threads))

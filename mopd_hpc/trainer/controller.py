@@ -7,9 +7,9 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN):
     TEACHER  each teacher scores only the rows of routes that weight it (sampled tokens; top-k for topk)
     DRAIN    the actor builds its TrainBatch from the answers and drops them (drain receipt), then the
              teachers may be released (offloaded on GPU; nothing to do on CPU)
-    TRAIN    one `TorchTrainEngine.train_step` with the loss bound at construction
-    SYNC     weights actor → rollout engines by torch.distributed broadcast (`TorchBroadcastSender`,
-             gloo on CPU); weight_version = str(step)
+    TRAIN    one `train_step` of the actor's engine (torch or megatron) with the loss bound at construction
+    SYNC     weights actor → rollout engines (`trainer/weight_sync.py`, weight_sync.backend: torch broadcast,
+             gloo on CPU; or AWEX); the rollout engines' weight_version = str(step)
 
 then one metrics line (`logs/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
 checkpoint under run_dir/checkpoints (model, optimizer, data-stream position, RNG, step).
@@ -19,6 +19,11 @@ rolled back; the rollout engines get the restored weights before the first rollo
 (`CheckpointRequest`) is honoured between steps: checkpoint now, announce the end, return. At the end:
 evaluation, the student as an HF checkpoint in run_dir/student_final, and the end of the job announced to
 the servers (`trainer/job_end.py`).
+
+Residency: the actor is made resident (`engine.onload()` when `engine.residency.on_device` is False) before
+every train step, checkpoint, evaluation and save: AWEX's colocate mode releases the actor's memory after
+each publish. Evaluation generates with `engine.evaluation_model()` (the torch engine's own model; for
+megatron a transformers copy built for the call and dropped after it).
 """
 
 from __future__ import annotations
@@ -35,8 +40,6 @@ from typing import Any, TextIO
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.teacher_server import TeacherClient
-from mopd_hpc.engines.torch_engine import TorchTrainEngine
-from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender
 from mopd_hpc.logs.metrics import METRICS_FILE, MetricsWriter
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine, Transition
 from mopd_hpc.mopd.plan import ExecutionPlan
@@ -49,6 +52,7 @@ from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rollout_phase import Rollouts, collect_rollouts
 from mopd_hpc.trainer.step import ratio_stats, step_metrics, train_batch
 from mopd_hpc.trainer.teacher_phase import TeacherScores, score_teachers
+from mopd_hpc.trainer.weight_sync import SyncSettings, WeightSync, build_sync
 
 log = logging.getLogger("mopd_hpc.trainer")
 
@@ -69,15 +73,6 @@ class Endpoints:
 
 
 @dataclass(frozen=True, slots=True)
-class SyncSettings:
-    """The weight-sync rendezvous: the actor's address and its named `master` port; gloo or nccl."""
-
-    master_addr: str
-    master_port: int
-    backend: str = "gloo"
-
-
-@dataclass(frozen=True, slots=True)
 class RunOutcome:
     """How `Controller.run` ended: `reason` "finished" or "checkpoint_signal"; `step` = steps done."""
 
@@ -91,7 +86,8 @@ class Controller:
 
     Args:
         cfg: the run config (absolute paths). plan: its ExecutionPlan.
-        engine: the actor's train engine (the loss section bound). tokenizer: the shared tokenizer.
+        engine: the actor's train engine, `TorchTrainEngine` or `MegatronTrainEngine` (the loss section
+            bound; `residency`, `onload`, `evaluation_model`). tokenizer: the shared tokenizer.
         data: the routed stream, its scorers and the held-out prompts.
         endpoints: the servers. sync: the weight-sync rendezvous.
         run_dir: the run directory. job_id: this job (for the end-of-job marker).
@@ -102,7 +98,7 @@ class Controller:
         self,
         cfg: RunConfig,
         plan: ExecutionPlan,
-        engine: TorchTrainEngine,
+        engine: Any,
         tokenizer: Any,
         data: RunData,
         endpoints: Endpoints,
@@ -135,27 +131,21 @@ class Controller:
         metrics = MetricsWriter.open(self.run_dir / METRICS_FILE, resume_step=start)
         rollout = [RolloutClient(url, timeout_s=600.0) for url in self.endpoints.rollout]
         teachers = {t: TeacherClient(self.endpoints.teachers[t]) for t in self.plan.teachers}
-        sender = TorchBroadcastSender(
-            self.sync.master_addr,
-            self.sync.master_port,
-            world_size=1 + len(rollout),
-            backend=self.sync.backend,
-            timeout_s=600.0,
-        )
+        sync = build_sync(self.cfg, self.engine, self.sync, self.run_dir)
         async with contextlib.AsyncExitStack() as stack:
             for client in [*rollout, *teachers.values()]:
                 await stack.enter_async_context(client)
             stack.push_async_callback(metrics_close, metrics)
             if start == 0 or evaluate.read_eval(self.run_dir) is None:
                 self._evaluate_start()
-            await sender.init_group(rollout)
-            await sender.send(self.engine.named_weights(), rollout, weight_version=str(start))
+            await sync.start(rollout)
+            await sync.push(start, rollout)
             log.info("rollout engines hold the weights of step %d", start)
             with Progress(self.out, start, self.cfg.steps) as progress:
                 for step in range(start + 1, self.cfg.steps + 1):
                     if self.checkpoint_request is not None and self.checkpoint_request.requested:
                         return self._stop_for_signal(progress, start)
-                    values = await self._one_step(step, rollout, teachers, sender)
+                    values = await self._one_step(step, rollout, teachers, sync)
                     metrics.write(step, values)
                     progress.update(step, values)
                     if step % self.cfg.checkpoint_interval == 0 or step == self.cfg.steps:
@@ -163,7 +153,7 @@ class Controller:
             if self.checkpoint_request is not None and self.checkpoint_request.requested:
                 return self._stop_for_signal(None, start)
             with contextlib.suppress(Exception):
-                await sender.destroy(rollout)
+                await sync.close(rollout)
         self._finish()
         return RunOutcome("finished", self.step, start)
 
@@ -185,7 +175,7 @@ class Controller:
         step: int,
         rollout: list[RolloutClient],
         teachers: Mapping[str, TeacherClient],
-        sender: TorchBroadcastSender,
+        sync: WeightSync,
     ) -> dict[str, Any]:
         timings: dict[str, float] = {}
         try:
@@ -211,11 +201,12 @@ class Controller:
             if self.plan.estimator == "topk" and self.plan.requires_teacher_scoring:
                 # ρ statistics from the train step's own log π_θ (no second forward pass)
                 observe = functools.partial(ratio_stats, batch=batch, loss=self.cfg.loss)
+            self._resident("train step")
             stats = self.engine.train_step(batch, observe=observe)
             timings["train"] = time.perf_counter() - t0
             self.machine.transition(Phase.SYNC)
             t0 = time.perf_counter()
-            await sender.send(self.engine.named_weights(), rollout, weight_version=str(step))
+            await sync.push(step, rollout)
             timings["sync"] = time.perf_counter() - t0
             self.machine.transition(Phase.ROLLOUT)
         except BaseException:
@@ -278,7 +269,24 @@ class Controller:
         print(f"resuming from {ckpt.path} (step {ckpt.step})", file=self.out, flush=True)
         return ckpt.step
 
+    def _resident(self, what: str) -> None:
+        """Onload the actor when any of it is offloaded (AWEX colocate releases it after each publish)."""
+        if not self.engine.residency.on_device:
+            report = self.engine.onload()
+            log.info("actor onloaded before the %s: %s", what, report.message)
+
+    def _student_accuracy(self, prompts: Mapping[str, Any]) -> dict[str, float]:
+        """route → greedy accuracy of the actor's current weights (`engine.evaluation_model()`, dropped after)."""
+        self._resident("evaluation")
+        model = self.engine.evaluation_model()
+        try:
+            return evaluate.student_accuracy(model, self.tokenizer, prompts, self._max_new_tokens())
+        finally:
+            del model
+            _empty_cuda_cache()
+
     def _checkpoint(self, step: int) -> None:
+        self._resident("checkpoint")
         path = save_checkpoint(
             self.run_dir / CHECKPOINT_DIR,
             step,
@@ -301,7 +309,7 @@ class Controller:
         teachers = evaluate.teacher_accuracy(
             paths, self.route_weights, self.tokenizer, prompts, self._max_new_tokens()
         )
-        start = evaluate.student_accuracy(self.engine.model, self.tokenizer, prompts, self._max_new_tokens())
+        start = self._student_accuracy(prompts)
         counts = {r: len(p) for r, p in prompts.items()}
         record = evaluate.eval_record(teachers, start, None, counts)
         evaluate.write_eval(self.run_dir, record)
@@ -311,19 +319,26 @@ class Controller:
         prompts = self.data.eval_prompts
         if prompts:
             record = evaluate.read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
-            end = evaluate.student_accuracy(
-                self.engine.model, self.tokenizer, prompts, self._max_new_tokens()
-            )
+            end = self._student_accuracy(prompts)
             start = {r: v.get("student_start") for r, v in record["routes"].items()}
             counts = {r: len(p) for r, p in prompts.items()}
             record = evaluate.eval_record(record.get("teachers", {}), start, end, counts)
             evaluate.write_eval(self.run_dir, record)
             print("evaluation at the end:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
+        self._resident("save")
         self.engine.save_pretrained(self.run_dir / FINAL_DIR)
         write_job_end(self.run_dir, self.job_id, "finished", self.step)
         print(
             f"done: {self.step} steps; student saved to {self.run_dir / FINAL_DIR}", file=self.out, flush=True
         )
+
+
+def _empty_cuda_cache() -> None:
+    """Give the cached blocks of a dropped evaluation model back to the device (no-op without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 async def metrics_close(writer: MetricsWriter) -> None:

@@ -1,5 +1,6 @@
-"""The megatron backend's engines (DESIGN.md §5): a forward-only scoring engine (teachers) and the actor's
-train engine, on megatron-core GPTModel with the fused-attention local spec (`model.py`). GPU only.
+"""The megatron backend's engines (DESIGN.md §5): the actor's train engine and the pieces the teachers'
+forward-only scoring engine (`scoring.py`) shares, on megatron-core GPTModel with the fused-attention
+local spec (`model.py`). GPU only.
 
 Process setup (`initialize_parallel`): NCCL default process group (a gloo default group with a CUDA model
 segfaulted in the first train step, algo_awex.md §4.1; world size 1 rendezvouses in an in-memory HashStore,
@@ -11,10 +12,8 @@ vocab-parallel cross entropy (fp32), so tensor parallelism needs no full-vocabul
 labels_p = input_ids_{p+1}, the log-prob of response token t of row b sits at position
 response_start[b] + t − 1 (`TokenBatch.logit_positions`). Rows are right-padded: causal attention alone is exact.
 
-Top-k (a teacher at tensor_parallel 1, `MegatronScoringEngine.score(batch, k)`): GPTModel's forward without
-labels gives the full [B, L, V'] logits; the response positions are gathered, ids ≥ V (megatron's vocabulary
-padding, if any) dropped, and the log-probs and the top-k come from one float32 log-softmax. At tensor
-parallel > 1 each rank holds a vocabulary shard only: top-k is refused there.
+The teacher's forward-only engine, `MegatronScoringEngine` (top-k at tensor_parallel 1), lives in
+`scoring.py` and is re-exported here (`engine.MegatronScoringEngine` resolves lazily: no import cycle).
 
 The train step (sampled estimator; loss bound at construction, `mopd.loss.mopd_loss`):
     zero DDP grad buffers → loss → backward → finalize_model_grads → MegatronOptimizer.step()
@@ -26,9 +25,8 @@ finish_grad_sync, TP ranks drifted apart after one step — seen on 2 H200s, iss
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +38,21 @@ from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, load_mcore_state
-from mopd_hpc.engines.megatron.residency import DDPResidency, scoring_residency
+from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.mopd.loss import mopd_loss
-from mopd_hpc.mopd.topk import TeacherTopK
+
+#: Re-exported from `scoring.py` on first access (module `__getattr__`, PEP 562): importing it here eagerly
+#: would cycle, since scoring.py reads this module's shared pieces.
+_REEXPORTS = {"MegatronScoringEngine": "mopd_hpc.engines.megatron.scoring"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REEXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_REEXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def initialize_parallel(
@@ -159,179 +168,6 @@ class MegatronForward:
         return torch.where(mask, out, torch.zeros_like(out))
 
 
-class MegatronScoringEngine:
-    """A teacher's forward-only engine on megatron-core: no optimizer state, no DDP wrapper; residency is
-    parameters only. The teacher server's surface, as `TorchScoringEngine`: `score`, `vocab_size`,
-    `load_weights`, `offload`/`onload`, `residency`, `path`, `pad_token_id`, `device`. Build with
-    `from_pretrained` after `initialize_parallel`.
-
-    Every CUDA call runs under `torch.cuda.device(self.device)`: the server calls the engine from worker
-    threads, whose current CUDA device is not the one `initialize_parallel` set (megatron allocates on the
-    current device).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        device: torch.device,
-        hf_config: Mapping[str, Any],
-        *,
-        path: str | Path | None = None,
-        max_batch_rows: int = 16,
-    ) -> None:
-        if max_batch_rows < 1:
-            raise EngineError(f"max_batch_rows={max_batch_rows}: expected >= 1")
-        model.eval().requires_grad_(False)
-        self.model, self.device, self.max_batch_rows = model, device, max_batch_rows
-        self.hf_config = dict(hf_config)
-        self.shape = Qwen3Shape.from_hf_config(self.hf_config)
-        self.path = None if path is None else str(path)
-        self.forward = MegatronForward(model, device)
-        self.residency = scoring_residency(model, device)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        *,
-        dtype: str = "bfloat16",
-        device: torch.device | str,
-        max_batch_rows: int = 16,
-    ) -> MegatronScoringEngine:
-        """This TP rank's shard of the HF checkpoint at `path`, in `dtype`, on CUDA `device`.
-
-        Raises:
-            EngineError: dtype not one of `DTYPES`, a non-CUDA device, or a checkpoint without safetensors.
-            OSError: no config.json at `path`.
-        """
-        if dtype not in DTYPES:
-            raise EngineError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
-        dev = torch.device(device)
-        if dev.type != "cuda":
-            raise EngineError(
-                f"device={str(dev)!r}: the megatron engine runs on CUDA only; expected 'cuda:N'"
-            )
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        config = json.loads((Path(path) / "config.json").read_text())
-        with torch.cuda.device(dev):
-            model, _ = build_from_hf(path, config, dtype, dev)
-        return cls(model, dev, config, path=path, max_batch_rows=max_batch_rows)
-
-    @property
-    def vocab_size(self) -> int:
-        """V of the HF checkpoint (never megatron's padded V'): token ids and top-k ids are in [0, V)."""
-        return self.shape.vocab_size
-
-    @property
-    def pad_token_id(self) -> int | None:
-        """The checkpoint config's `pad_token_id` (None when it names none)."""
-        pad = self.hf_config.get("pad_token_id")
-        return None if pad is None else int(pad)
-
-    def _require_resident(self, what: str) -> None:
-        if not self.residency.on_device:
-            raise EngineError(f"{what}: the teacher's weights are offloaded; onload() first")
-
-    def _device_scope(self) -> contextlib.AbstractContextManager[Any]:
-        """`torch.cuda.device(self.device)` (the calling thread's current device), or nothing off CUDA."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-
-    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """[B, T] float32 log π(y_t) on the CPU, through GPTModel's labels path (vocab-parallel cross
-        entropy: any tensor_parallel); 0 at padded positions. Raises EngineError when offloaded."""
-        self._require_resident("logprobs")
-        with self._device_scope(), torch.inference_mode():
-            parts = [
-                self.forward.token_logprobs(batch.rows(i, min(i + self.max_batch_rows, batch.batch_size)))
-                for i in range(0, batch.batch_size, self.max_batch_rows)
-            ]
-            return torch.cat(parts, dim=0).float().cpu()
-
-    def _response_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """[B, T, V] float32 log-softmax at the positions predicting each response token (tensor_parallel 1:
-        GPTModel's forward without labels gives the full [B, L, V'] logits; padding ids ≥ V are dropped)."""
-        ids = batch.input_ids
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        logits = self.model(ids, positions, None)  # [B, L, V'] (megatron transposes [s, b] back)
-        index = batch.logit_positions[..., None].expand(-1, -1, logits.shape[-1])
-        logits = logits.gather(1, index)[..., : self.vocab_size]
-        return torch.log_softmax(logits.float(), dim=-1)
-
-    def score(self, batch: TokenBatch, k: int | None = None) -> tuple[torch.Tensor, TeacherTopK | None]:
-        """([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None), on the CPU.
-
-        Without k: the labels path (`logprobs`). With k (tensor_parallel 1 only): one forward without labels,
-        log-probs and top-k from the same float32 log-softmax (`TeacherTopK.from_logits`' arithmetic) at
-        the same response positions. Rows are scored `max_batch_rows` at a time.
-
-        Raises:
-            EngineError: the weights are offloaded, k < 1, or k given at tensor_parallel > 1 (the logits
-                are vocab-parallel: no rank holds the full distribution).
-        """
-        self._require_resident("score")
-        if k is not None and k < 1:
-            raise EngineError(f"k={k}: expected >= 1 (or None for no top-k)")
-        if k is None:
-            return self.logprobs(batch), None
-        tp = _tp_info()[0]
-        if tp > 1:
-            raise EngineError(
-                f"top-k scoring at tensor_parallel={tp}: the megatron teacher's logits are vocab-parallel; "
-                "expected tensor_parallel 1, or loss.estimator: sampled (no top-k)"
-            )
-        lps, ids, vals = [], [], []
-        with self._device_scope(), torch.inference_mode():
-            for start in range(0, batch.batch_size, self.max_batch_rows):
-                part = batch.rows(start, start + self.max_batch_rows).to(self.device)
-                logp = self._response_logprobs(part)
-                mask = part.response_mask
-                token = torch.where(mask, part.response_ids, 0)
-                lp = logp.gather(-1, token[..., None]).squeeze(-1)
-                lps.append(torch.where(mask, lp, 0.0).cpu())
-                values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
-                ids.append(indices.cpu())
-                vals.append(values.cpu())
-                del logp
-        return torch.cat(lps), TeacherTopK(torch.cat(ids), torch.cat(vals))
-
-    def topk(self, batch: TokenBatch, k: int) -> TeacherTopK:
-        """The teacher's top-k per response position (tensor_parallel 1; see `score`)."""
-        top = self.score(batch, k)[1]
-        assert top is not None
-        return top
-
-    def load_weights(self, path: str | Path) -> None:
-        """Replace the weights by those of the HF checkpoint at `path` (same Qwen3 shape), in place: the
-        parameters keep their dtype and device (host memory while offloaded).
-
-        Raises:
-            EngineError: the checkpoint's shape differs from the loaded model's, or it holds no safetensors.
-        """
-        config, hf = read_hf_checkpoint(path)
-        shape = Qwen3Shape.from_hf_config(config)
-        if shape != self.shape:
-            raise EngineError(
-                f"checkpoint {path} has shape {shape}; expected the loaded model's {self.shape}"
-            )
-        tp, rank, _ = _tp_info()
-        with self._device_scope(), torch.no_grad():
-            try:
-                load_mcore_state(self.model, shard_tp(hf_to_mcore(hf, shape), shape, tp, rank))
-            except ValueError as err:  # ConversionError, or names that do not fit
-                raise EngineError(f"checkpoint {path}: {err}") from None
-        self.hf_config = dict(config)
-        self.path = str(path)
-
-    def offload(self) -> ResidencyReport:
-        with self._device_scope():
-            return self.residency.offload()
-
-    def onload(self) -> ResidencyReport:
-        with self._device_scope():
-            return self.residency.onload()
-
-
 class MegatronTrainEngine:
     """The actor on megatron-core: DDP (distributed optimizer) + Megatron Adam, the MOPD loss bound once."""
 
@@ -357,7 +193,7 @@ class MegatronTrainEngine:
         )  # fmt: skip
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
         self.model, self.shape, self.hf_config, self.device = model, shape, dict(hf_config), device
-        self.loss_config = loss
+        self.loss_config, self.dtype = loss, dtype
         self.forward = MegatronForward(self.ddp, device)
         self.residency = DDPResidency(self.ddp, self.optimizer, device)
         self.steps = 0
@@ -377,8 +213,20 @@ class MegatronTrainEngine:
             "the megatron engine has no top-k scoring (vocab-parallel); use loss.estimator: sampled"
         )
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One step: zero grad buffers, MOPD loss, backward, grad sync, Megatron optimizer step."""
+    def train_step(
+        self,
+        batch: TrainBatch,
+        observe: Callable[[torch.Tensor], Mapping[str, float]] | None = None,
+    ) -> dict[str, float]:
+        """One step: zero grad buffers, MOPD loss, backward, grad sync, Megatron optimizer step.
+
+        Returns floats: `loss`, `grad_norm` (the optimizer's, before clipping), `step_skipped`, `lr`,
+        `tokens`, the loss's `mopd/*` statistics, and what `observe` returns when given the step's detached
+        [B, T] float32 log π_θ(y_t) (before the update; as `TorchTrainEngine.train_step`).
+
+        Raises:
+            EngineError: the actor is offloaded, or the batch has no targets (S, W).
+        """
         from megatron.core.distributed import finalize_model_grads
 
         self._require_resident("train_step")
@@ -394,11 +242,12 @@ class MegatronTrainEngine:
             logprobs, batch.behavior_logprobs, batch.targets.logp_sum, batch.targets.weight_sum,
             tokens.response_mask, self.loss_config, orm_advantages=batch.orm_advantages,
         )  # fmt: skip
+        observed = dict(observe(logprobs.detach())) if observe is not None else {}
         loss.backward()
         finalize_model_grads([self.ddp])
         ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
-        out = {name: float(value) for name, value in stats.items()}
+        out = {name: float(value) for name, value in stats.items()} | observed
         return out | {
             "loss": float(loss.detach()),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -450,8 +299,47 @@ class MegatronTrainEngine:
             (out / "config.json").write_text(json.dumps(self.hf_config, indent=2))
             save_file(weights, str(out / "model.safetensors"))
 
+    def evaluation_model(self) -> torch.nn.Module:
+        """A transformers causal LM with the actor's current weights, on the actor's device, in eval mode:
+        built from `hf_config` and `named_weights()` on each call (the caller drops it after use; nothing
+        here keeps a reference). Tied embeddings: lm_head shares embed_tokens, as the HF config says.
+
+        Raises:
+            EngineError: the actor is offloaded, or the weights do not fit the config's model.
+        """
+        return hf_model_from_weights(self.hf_config, self.named_weights(), self.device, DTYPES[self.dtype])
+
     def offload(self) -> ResidencyReport:
         return self.residency.offload()
 
     def onload(self) -> ResidencyReport:
         return self.residency.onload()
+
+
+def hf_model_from_weights(
+    hf_config: Mapping[str, Any],
+    weights: Iterator[tuple[str, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_config` of an HF config.json dict, on `device` in `dtype`, loaded with
+    `weights` (HF names); eval mode, no gradients. A tied lm_head (`tie_word_embeddings`) may be absent.
+
+    Raises:
+        EngineError: a weight the model lacks, or a model weight missing from `weights`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(hf_config)
+    config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
+    with torch.device(device):  # built in `dtype` (float32 buffers such as RoPE's inv_freq stay float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {name: tensor.detach() for name, tensor in weights}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise EngineError(
+            f"the actor's weights do not fit {type(model).__name__}: missing {sorted(set(missing) - tied)}, "
+            f"unexpected {sorted(unexpected)}; expected the HF names of the config's architecture"
+        )
+    return model.eval().requires_grad_(False)

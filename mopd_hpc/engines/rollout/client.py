@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -23,6 +23,9 @@ from mopd_hpc.engines.rollout.control import DEFAULT_GROUP_NAME, DistributedUpda
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
 
 log = logging.getLogger(__name__)
+
+#: The least total timeout of `awex_update`, seconds: it waits for the actor's train step and publish.
+AWEX_UPDATE_TIMEOUT_S = 600.0
 
 
 class RolloutServerError(RuntimeError):
@@ -70,8 +73,17 @@ class RolloutClient:
             await self._session.close()
             self._session = None
 
-    async def request(self, method: str, path: str, body: Any = None, *, retry_503: bool = False) -> Any:
-        """Send one request; returns the decoded JSON body (None for an empty body)."""
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        retry_503: bool = False,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> Any:
+        """Send one request; returns the decoded JSON body (None for an empty body). `timeout` replaces the
+        client's for this request."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         url = f"{self.base_url}{path}"
@@ -80,7 +92,9 @@ class RolloutClient:
             if attempt:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             try:
-                async with self._session.request(method, url, json=body) as resp:
+                async with self._session.request(
+                    method, url, json=body, timeout=self.timeout if timeout is None else timeout
+                ) as resp:
                     text = await resp.text()
                     if resp.status == 503 and retry_503 and attempt < self.retries:
                         last = RolloutServerError(method, url, resp.status, text)
@@ -191,6 +205,30 @@ class RolloutClient:
         if weight_version is not None:
             body["weight_version"] = weight_version
         return await self.request("POST", "/update_weights_from_disk", body)
+
+    async def awex_init(self, inference_config: Mapping[str, Any]) -> dict[str, Any]:
+        """POST /awex/init: the server builds and initializes its AWEX reader from `inference_config`
+        (`AwexJobConfig.inference_config(engine_rank)`). Returns {"status": "ok", "engine_rank": i} (plus
+        "already": true when it was initialized with this same config).
+
+        Raises:
+            RolloutServerError: 409 initialized with another config (the message names the keys); 400 the
+                config is refused (AwexConfigError); 503 awex is not installed on the server; 500 other.
+        """
+        return await self.request("POST", "/awex/init", {"inference_config": dict(inference_config)})
+
+    async def awex_update(self, step: int) -> dict[str, Any]:
+        """POST /awex/update_weights: returns once the server received step `step`'s weights from the
+        actor's AWEX writer (it blocks until the writer publishes; timeout: the client's, at least
+        AWEX_UPDATE_TIMEOUT_S). Returns {"status": "ok", "weight_version": str(step), "seconds": float}.
+
+        Raises:
+            RolloutServerError: 409 before a successful awex_init or while another update runs; 400 a
+                step that is not an integer >= 0; 500 the update failed (the message names the error).
+        """
+        total = max(self.timeout.total or 0.0, AWEX_UPDATE_TIMEOUT_S)
+        timeout = aiohttp.ClientTimeout(total=total, connect=self.timeout.connect)
+        return await self.request("POST", "/awex/update_weights", {"step": step}, timeout=timeout)
 
 
 def _message(text: str) -> str:

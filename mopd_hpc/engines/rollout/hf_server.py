@@ -15,6 +15,7 @@ server listens it writes the ready file (atomically; JSON {url, host, port, pid,
   GET|POST /release_memory_occupation, /resume_memory_occupation {tags}
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weights_from_disk {model_path, weight_version?};  GET|POST /flush_cache
+  POST /awex/init {inference_config}, /awex/update_weights {step}   AWEX reader (`awex_routes.py`)
 
 Errors are JSON {"success": false, "message", "error": {"message", "type", "code"}}: 400 for a bad
 request (field, value, expectation), 409 when the engine is busy, 503 while weights are released, 500 for
@@ -32,7 +33,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.engines.rollout.awex_routes import AwexFactory, add_awex_routes
 from mopd_hpc.engines.rollout.control import MEMORY_TAGS
 from mopd_hpc.engines.rollout.http_app import RolloutServer
 from mopd_hpc.engines.serving import start_app
@@ -127,6 +131,14 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def rollout_app(server: RolloutServer, *, awex_factory: AwexFactory | None = None) -> web.Application:
+    """The server's aiohttp app: SGLang's surface (`RolloutServer.app`) plus the AWEX reader's routes
+    (`awex_routes.add_awex_routes`; `awex_factory` None = awex_hf's engine, tests pass a fake)."""
+    app = server.app()
+    add_awex_routes(app, server.engine, factory=awex_factory)
+    return app
+
+
 async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
     """Load the model, listen, write the ready file, and serve until `stop` is set (or SIGTERM/SIGINT)."""
     import torch
@@ -138,7 +150,7 @@ async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
     engine = await asyncio.to_thread(HFRolloutEngine.load, args.model_path, args.device, args.dtype)
     server = RolloutServer(args, engine, await asyncio.to_thread(_load_tokenizer, args.model_path))
     server.scheduler.start()
-    runner, port, stop = await start_app(server.app(), args.host, args.port, stop)
+    runner, port, stop = await start_app(rollout_app(server), args.host, args.port, stop)
     url = f"http://{args.host}:{port}"
     if args.ready_file:
         ready = {

@@ -29,7 +29,7 @@ model's parameters (the residency offload right after moves those to the host pr
 Gap 3 (colocate): awex's `NCCLWeightsWriter._init_writer_in_colocate_mode` reads
 `asystem_train_config`, never set → `initialize()` applies `awex.patch_colocate_writer`; awex's
 `MegatronEngine` leaves release/resume unimplemented → `_ResidentMegatronEngine` maps them to the
-actor's `DDPResidency` (optimizer first; "weights" = the DDP buffers).
+actor's `DDPResidency` by part (`residency_parts`: "optimizer", "weights" = the DDP buffers).
 """
 
 from __future__ import annotations
@@ -158,21 +158,33 @@ def pretrained_config(hf_config: Mapping[str, Any]) -> Any:
     return cfg
 
 
+def residency_parts(tags: Any) -> tuple[str, ...]:
+    """awex's memory tags → `DDPResidency` parts: None → both; a bare string (awex passes "weights" so once) or a
+    list; tags other than "optimizer" and "weights" (e.g. "kv_cache") are not the actor's and are dropped."""
+    from mopd_hpc.engines.megatron.residency import PARTS
+
+    chosen = [tags] if isinstance(tags, str) else list(PARTS if tags is None else tags)
+    return tuple(part for part in PARTS if part in chosen)
+
+
 def _megatron_engine_class() -> type:
     from awex.engine.mcore import MegatronEngine
 
     class _ResidentMegatronEngine(MegatronEngine):
-        """awex's MegatronEngine with release/resume backed by the actor's residency (colocate mode)."""
+        """awex's MegatronEngine with release/resume backed by the actor's residency (colocate mode), part by
+        part: awex releases the optimizer, resumes the weights for its copy, then releases them."""
 
         residency: Any = None
 
         def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-            if self.residency is not None and self.enable_colocate_mode:
-                self.residency.offload()
+            parts = residency_parts(tags)
+            if self.residency is not None and self.enable_colocate_mode and parts:
+                self.residency.offload(parts)
 
         def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-            if self.residency is not None and self.enable_colocate_mode:
-                self.residency.onload()
+            parts = residency_parts(tags)
+            if self.residency is not None and self.enable_colocate_mode and parts:
+                self.residency.onload(parts)
 
         def release_grad_memory(self, empty_cache: bool = True) -> None:
             return None

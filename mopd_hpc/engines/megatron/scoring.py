@@ -1,0 +1,206 @@
+"""A teacher's forward-only engine on megatron-core (DESIGN.md §5): `MegatronScoringEngine`. GPU only.
+
+The shared pieces (`initialize_parallel`, `build_from_hf`, `read_hf_checkpoint`, the labels-path forward
+`MegatronForward`) live in `engine.py`, which re-exports this class. They are reached through that module
+(`core.<name>`) at call time, so a test's stand-in for `engine._tp_info` applies here too.
+
+Log-probs: GPTModel's labels path (vocab-parallel cross entropy, any tensor_parallel; `engine.py`).
+
+Top-k (a teacher at tensor_parallel 1, `MegatronScoringEngine.score(batch, k)`): GPTModel's forward without
+labels gives the full [B, L, V'] logits; the response positions are gathered, ids ≥ V (megatron's vocabulary
+padding, if any) dropped, and the log-probs and the top-k come from one float32 log-softmax. At tensor
+parallel > 1 each rank holds a vocabulary shard only: top-k is refused there.
+
+Shape legend: B rows, L prompt + response positions, T response positions, V vocabulary (V' padded), K top-k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mopd_hpc.engines.batch import TokenBatch
+from mopd_hpc.engines.megatron import engine as core
+from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore, shard_tp
+from mopd_hpc.engines.megatron.model import DTYPES, load_mcore_state
+from mopd_hpc.engines.megatron.residency import scoring_residency
+from mopd_hpc.engines.protocol import EngineError, ResidencyReport
+from mopd_hpc.mopd.topk import TeacherTopK
+
+
+class MegatronScoringEngine:
+    """A teacher's forward-only engine on megatron-core: no optimizer state, no DDP wrapper; residency is
+    parameters only. The teacher server's surface, as `TorchScoringEngine`: `score`, `vocab_size`,
+    `load_weights`, `offload`/`onload`, `residency`, `path`, `pad_token_id`, `device`. Build with
+    `from_pretrained` after `initialize_parallel`.
+
+    Every CUDA call runs under `torch.cuda.device(self.device)`: the server calls the engine from worker
+    threads, whose current CUDA device is not the one `initialize_parallel` set (megatron allocates on the
+    current device).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        hf_config: Mapping[str, Any],
+        *,
+        path: str | Path | None = None,
+        max_batch_rows: int = 16,
+    ) -> None:
+        if max_batch_rows < 1:
+            raise EngineError(f"max_batch_rows={max_batch_rows}: expected >= 1")
+        model.eval().requires_grad_(False)
+        self.model, self.device, self.max_batch_rows = model, device, max_batch_rows
+        self.hf_config = dict(hf_config)
+        self.shape = Qwen3Shape.from_hf_config(self.hf_config)
+        self.path = None if path is None else str(path)
+        self.forward = core.MegatronForward(model, device)
+        self.residency = scoring_residency(model, device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "bfloat16",
+        device: torch.device | str,
+        max_batch_rows: int = 16,
+    ) -> MegatronScoringEngine:
+        """This TP rank's shard of the HF checkpoint at `path`, in `dtype`, on CUDA `device`.
+
+        Raises:
+            EngineError: dtype not one of `DTYPES`, a non-CUDA device, or a checkpoint without safetensors.
+            OSError: no config.json at `path`.
+        """
+        if dtype not in DTYPES:
+            raise EngineError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise EngineError(
+                f"device={str(dev)!r}: the megatron engine runs on CUDA only; expected 'cuda:N'"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        config = json.loads((Path(path) / "config.json").read_text())
+        with torch.cuda.device(dev):
+            model, _ = core.build_from_hf(path, config, dtype, dev)
+        return cls(model, dev, config, path=path, max_batch_rows=max_batch_rows)
+
+    @property
+    def vocab_size(self) -> int:
+        """V of the HF checkpoint (never megatron's padded V'): token ids and top-k ids are in [0, V)."""
+        return self.shape.vocab_size
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The checkpoint config's `pad_token_id` (None when it names none)."""
+        pad = self.hf_config.get("pad_token_id")
+        return None if pad is None else int(pad)
+
+    def _require_resident(self, what: str) -> None:
+        if not self.residency.on_device:
+            raise EngineError(f"{what}: the teacher's weights are offloaded; onload() first")
+
+    def _device_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """`torch.cuda.device(self.device)` (the calling thread's current device), or nothing off CUDA."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """[B, T] float32 log π(y_t) on the CPU, through GPTModel's labels path (vocab-parallel cross
+        entropy: any tensor_parallel); 0 at padded positions. Raises EngineError when offloaded."""
+        self._require_resident("logprobs")
+        with self._device_scope(), torch.inference_mode():
+            parts = [
+                self.forward.token_logprobs(batch.rows(i, min(i + self.max_batch_rows, batch.batch_size)))
+                for i in range(0, batch.batch_size, self.max_batch_rows)
+            ]
+            return torch.cat(parts, dim=0).float().cpu()
+
+    def _response_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """[B, T, V] float32 log-softmax at the positions predicting each response token (tensor_parallel 1:
+        GPTModel's forward without labels gives the full [B, L, V'] logits; padding ids ≥ V are dropped)."""
+        ids = batch.input_ids
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        logits = self.model(ids, positions, None)  # [B, L, V'] (megatron transposes [s, b] back)
+        index = batch.logit_positions[..., None].expand(-1, -1, logits.shape[-1])
+        logits = logits.gather(1, index)[..., : self.vocab_size]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def score(self, batch: TokenBatch, k: int | None = None) -> tuple[torch.Tensor, TeacherTopK | None]:
+        """([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None), on the CPU.
+
+        Without k: the labels path (`logprobs`). With k (tensor_parallel 1 only): one forward without labels,
+        log-probs and top-k from the same float32 log-softmax (`TeacherTopK.from_logits`' arithmetic) at
+        the same response positions. Rows are scored `max_batch_rows` at a time.
+
+        Raises:
+            EngineError: the weights are offloaded, k < 1, or k given at tensor_parallel > 1 (the logits
+                are vocab-parallel: no rank holds the full distribution).
+        """
+        self._require_resident("score")
+        if k is not None and k < 1:
+            raise EngineError(f"k={k}: expected >= 1 (or None for no top-k)")
+        if k is None:
+            return self.logprobs(batch), None
+        tp = core._tp_info()[0]
+        if tp > 1:
+            raise EngineError(
+                f"top-k scoring at tensor_parallel={tp}: the megatron teacher's logits are vocab-parallel; "
+                "expected tensor_parallel 1, or loss.estimator: sampled (no top-k)"
+            )
+        lps, ids, vals = [], [], []
+        with self._device_scope(), torch.inference_mode():
+            for start in range(0, batch.batch_size, self.max_batch_rows):
+                part = batch.rows(start, start + self.max_batch_rows).to(self.device)
+                logp = self._response_logprobs(part)
+                mask = part.response_mask
+                token = torch.where(mask, part.response_ids, 0)
+                lp = logp.gather(-1, token[..., None]).squeeze(-1)
+                lps.append(torch.where(mask, lp, 0.0).cpu())
+                values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
+                ids.append(indices.cpu())
+                vals.append(values.cpu())
+                del logp
+        return torch.cat(lps), TeacherTopK(torch.cat(ids), torch.cat(vals))
+
+    def topk(self, batch: TokenBatch, k: int) -> TeacherTopK:
+        """The teacher's top-k per response position (tensor_parallel 1; see `score`)."""
+        top = self.score(batch, k)[1]
+        assert top is not None
+        return top
+
+    def load_weights(self, path: str | Path) -> None:
+        """Replace the weights by those of the HF checkpoint at `path` (same Qwen3 shape), in place: the
+        parameters keep their dtype and device (host memory while offloaded).
+
+        Raises:
+            EngineError: the checkpoint's shape differs from the loaded model's, or it holds no safetensors.
+        """
+        config, hf = core.read_hf_checkpoint(path)
+        shape = Qwen3Shape.from_hf_config(config)
+        if shape != self.shape:
+            raise EngineError(
+                f"checkpoint {path} has shape {shape}; expected the loaded model's {self.shape}"
+            )
+        tp, rank, _ = core._tp_info()
+        with self._device_scope(), torch.no_grad():
+            try:
+                load_mcore_state(self.model, shard_tp(hf_to_mcore(hf, shape), shape, tp, rank))
+            except ValueError as err:  # ConversionError, or names that do not fit
+                raise EngineError(f"checkpoint {path}: {err}") from None
+        self.hf_config = dict(config)
+        self.path = str(path)
+
+    def offload(self) -> ResidencyReport:
+        with self._device_scope():
+            return self.residency.offload()
+
+    def onload(self) -> ResidencyReport:
+        with self._device_scope():
+            return self.residency.onload()

@@ -1,0 +1,317 @@
+"""The controller's weight sync, actor → rollout engines (DESIGN.md §5): one interface, two backends.
+
+    await sync.start(clients)        # once, before the first push
+    await sync.push(step, clients)   # the rollout engines then sample with the weights of `step`
+    await sync.close(clients)        # at the end of the run
+
+`TorchSync` (weight_sync.backend torch): `TorchBroadcastSender` — the rollout servers join a dedicated
+group (gloo on CPU, NCCL on GPU) and every push broadcasts `engine.named_weights()` with
+weight_version = str(step).
+
+`AwexSync` (weight_sync.backend awex; awex 0.9.0, `engines/weight_sync/awex_actor.py`): start runs the
+MetaServer on this process (its address in run_dir/awex_meta_server.json), builds the actor's writer
+(`AwexActorPublisher`, then `initialize()`), and has every rollout server build its reader
+(`RolloutClient.awex_init(inference_config(i))`, in engine order). A push runs the writer's `publish(step)`
+and every server's `awex_update(step)` at the same time: each side blocks until the other has taken part
+(colocate: CUDA IPC handles through the MetaServer; separate: one NCCL group). In colocate mode awex
+leaves the actor's memory released (offloaded) after `initialize()` and after every publish: the
+controller onloads it before the next train step, checkpoint, evaluation or save.
+
+The publish runs in a daemon thread (not an executor thread as `asyncio.to_thread` would use): a publish
+blocked on readers that failed cannot be cancelled, and must not keep the process from exiting after the
+error has been raised (the same reason as `TorchBroadcastSender`'s broadcasts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mopd_hpc.engines.weight_sync.awex import REGISTERED_ARCHITECTURES, AwexConfigError, AwexJobConfig
+from mopd_hpc.engines.weight_sync.awex_actor import (
+    AwexActorPublisher,
+    start_run_meta_server,
+    stop_run_meta_server,
+)
+from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender, WeightSyncError
+
+if TYPE_CHECKING:
+    from mopd_hpc.config import RunConfig
+    from mopd_hpc.engines.rollout.client import RolloutClient
+
+log = logging.getLogger("mopd_hpc.trainer")
+
+#: Seconds a rank of the torch broadcast group waits for the others.
+TORCH_SYNC_TIMEOUT_S = 600.0
+#: rollout.mode → AWEX mode, when weight_sync.awex_mode is null.
+AWEX_MODES = {"colocated": "colocate", "separated": "separate"}
+
+
+class AwexSyncError(RuntimeError):
+    """An AWEX start or push failed; the message names the step (or "start"), the side and the cause."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncSettings:
+    """The weight-sync rendezvous: the actor's address and its named `master` port; gloo or nccl (torch).
+    AWEX uses the address only: its MetaServer binds it."""
+
+    master_addr: str
+    master_port: int
+    backend: str = "gloo"
+
+
+class WeightSync(Protocol):
+    """What the controller calls (module docstring)."""
+
+    async def start(self, clients: Sequence[RolloutClient]) -> None: ...
+
+    async def push(self, step: int, clients: Sequence[RolloutClient]) -> None: ...
+
+    async def close(self, clients: Sequence[RolloutClient]) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------- torch
+
+
+class TorchSync:
+    """torch.distributed broadcast (module docstring). `engine` gives `named_weights()`."""
+
+    def __init__(self, engine: Any, settings: SyncSettings, timeout_s: float = TORCH_SYNC_TIMEOUT_S) -> None:
+        self.engine, self.settings, self.timeout_s = engine, settings, timeout_s
+        self.sender: TorchBroadcastSender | None = None
+
+    async def start(self, clients: Sequence[RolloutClient]) -> None:
+        """Every server joins the group as rank 1 + i (this process is rank 0)."""
+        self.sender = TorchBroadcastSender(
+            self.settings.master_addr,
+            self.settings.master_port,
+            world_size=1 + len(clients),
+            backend=self.settings.backend,
+            timeout_s=self.timeout_s,
+        )
+        await self.sender.init_group(list(clients))
+
+    async def push(self, step: int, clients: Sequence[RolloutClient]) -> None:
+        """Broadcast the actor's weights; the servers' weight_version becomes str(step).
+
+        Raises:
+            WeightSyncError: push before start, a server refused, or a broadcast failed.
+        """
+        if self.sender is None:
+            raise WeightSyncError(f"step {step}: push before start: the torch broadcast group is not joined")
+        await self.sender.send(self.engine.named_weights(), list(clients), weight_version=str(step))
+
+    async def close(self, clients: Sequence[RolloutClient]) -> None:
+        """The servers leave the group, then this process does (no-op before start)."""
+        if self.sender is not None:
+            await self.sender.destroy(list(clients))
+
+
+# ------------------------------------------------------------------------------------------------ awex
+
+
+def actor_architecture(actor_path: str | Path) -> str:
+    """`architectures[0]` of the actor checkpoint's config.json.
+
+    Raises:
+        AwexConfigError: config.json is unreadable or names no architecture.
+    """
+    path = Path(actor_path) / "config.json"
+    try:
+        architectures = json.loads(path.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError) as exc:
+        raise AwexConfigError(f"{path}: {exc}; AWEX needs the actor's architectures[0]") from None
+    if not architectures:
+        raise AwexConfigError(f"{path}: no 'architectures' entry; AWEX picks its converters by it")
+    return str(architectures[0])
+
+
+def awex_job_config(cfg: RunConfig, model_arch: str | None = None) -> AwexJobConfig:
+    """The AWEX settings of this job's actor (one trainer rank) and rollout fleet, from the run config:
+    mode = weight_sync.awex_mode, else from rollout.mode (colocated → colocate); num_engines, engine_tp =
+    rollout.engines.count, .tensor_parallel; engine_pp 1; infer_world = count·tp; train_world 1;
+    model_arch = the actor's config.json architectures[0] (unless given); comm nccl, ipc cuda. The
+    MetaServer address is empty until `AwexSync.start` fills it in.
+
+    Raises:
+        AwexConfigError: an architecture awex 0.9.0 does not register; colocate with infer_world != 1
+            (colocate pairs each trainer rank with one rollout rank on its GPU).
+    """
+    arch = model_arch if model_arch is not None else actor_architecture(cfg.models.actor.path)
+    if arch not in REGISTERED_ARCHITECTURES:
+        raise AwexConfigError(
+            f"models.actor.path architecture {arch!r} is not registered in awex 0.9.0 (known: "
+            f"{', '.join(sorted(REGISTERED_ARCHITECTURES))}); use weight_sync.backend: torch"
+        )
+    mode = cfg.weight_sync.awex_mode or AWEX_MODES[cfg.rollout.mode]
+    engines = cfg.rollout.engines
+    infer_world = engines.count * engines.tensor_parallel
+    if mode == "colocate" and infer_world != 1:
+        raise AwexConfigError(
+            f"rollout.engines count·tensor_parallel = {engines.count}·{engines.tensor_parallel}: AWEX colocate "
+            "pairs the actor's one trainer rank with one rollout rank on its GPU; expected 1"
+        )
+    return AwexJobConfig(
+        mode=mode,
+        comm_backend="nccl",
+        ipc_backend="cuda",
+        meta_server_addr="",
+        num_engines=engines.count,
+        engine_tp=engines.tensor_parallel,
+        engine_pp=1,
+        infer_world=infer_world,
+        train_world=1,
+        model_arch=arch,
+    )
+
+
+def _in_daemon_thread(name: str, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    """Run a blocking call in a daemon thread; the future settles with its result or exception."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(setter: Callable[[Any], None], value: Any) -> None:
+        if not future.done():
+            setter(value)
+
+    def run() -> None:
+        try:
+            value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(settle, future.set_result, value)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+async def _together(what: str, labelled: Sequence[tuple[str, asyncio.Future[Any]]]) -> list[Any]:
+    """Await every (label, future) at once; the first failure cancels the rest (a thread's future only
+    stops being awaited) and raises AwexSyncError naming `what`, the label and the cause."""
+    futures = [f for _, f in labelled]
+    label_of = {id(f): label for label, f in labelled}
+    done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    failed = [f for f in futures if f in done and not f.cancelled() and f.exception() is not None]
+    if failed:
+        for p in pending:
+            p.cancel()
+        exc = failed[0].exception()
+        assert exc is not None
+        raise AwexSyncError(f"{what}: {label_of[id(failed[0])]} failed: {type(exc).__name__}: {exc}") from exc
+    return [f.result() for f in futures]
+
+
+class AwexSync:
+    """AWEX weight sync of a megatron actor (module docstring).
+
+    Args:
+        config: the job's AWEX settings (`awex_job_config`), MetaServer address still empty.
+        engine: the `MegatronTrainEngine` (its `.model`, `.hf_config`, `.residency`, `.device`).
+        run_dir: where the MetaServer address file goes. host: the address the MetaServer binds (the
+            actor's master address: loopback locally, the node's address on a cluster).
+    """
+
+    def __init__(self, config: AwexJobConfig, engine: Any, run_dir: str | Path, host: str) -> None:
+        self.config, self.engine, self.run_dir, self.host = config, engine, Path(run_dir), host
+        self.address: str | None = None
+        self.publisher: Any = None
+
+    def _on_device(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """`fn` under `torch.cuda.device(engine.device)`: a new thread's current CUDA device is 0, not the
+        one `initialize_parallel` set (the same for the one-GPU actor, which sees one device)."""
+        device = getattr(self.engine, "device", None)
+        if device is None or getattr(device, "type", "cpu") != "cuda":
+            return fn
+
+        def scoped() -> Any:
+            import torch
+
+            with torch.cuda.device(device):
+                return fn()
+
+        return scoped
+
+    async def start(self, clients: Sequence[RolloutClient]) -> None:
+        """MetaServer (address written to the run dir) → the writer (`initialize()`) → every server's reader
+        (`awex_init(inference_config(i))`, engine i = clients[i]).
+
+        Raises:
+            AwexConfigError: the number of clients is not rollout.engines.count.
+            AwexSyncError: the writer's initialize or a server's init failed (naming which).
+        """
+        if len(clients) != self.config.num_engines:
+            raise AwexConfigError(
+                f"{len(clients)} rollout clients for rollout.engines.count = {self.config.num_engines}; "
+                "expected one client per engine, in engine order"
+            )
+        self.address = start_run_meta_server(self.run_dir, self.host)
+        log.info("AWEX MetaServer at %s (%s mode)", self.address, self.config.mode)
+        config = self.config.with_meta_server(self.address)
+        self.publisher = AwexActorPublisher(config, self.engine)
+        initializing = _in_daemon_thread("awex-initialize", self._on_device(self.publisher.initialize))
+        await _together("AWEX start", [("the actor's writer initialize()", initializing)])
+        for i, client in enumerate(clients):
+            try:
+                await client.awex_init(config.inference_config(i))
+            except Exception as exc:
+                raise AwexSyncError(
+                    f"AWEX start: rollout engine {i} ({client.base_url}) /awex/init failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+
+    async def push(self, step: int, clients: Sequence[RolloutClient]) -> None:
+        """`publish(step)` and every server's `awex_update(step)` at the same time (each blocks until the
+        other side takes part); returns when all are done.
+
+        Raises:
+            AwexSyncError: push before start, or the first failure of either side, naming the step.
+        """
+        if self.publisher is None:
+            raise AwexSyncError(f"AWEX sync of step {step}: push before start (no writer)")
+        publisher = self.publisher
+        labelled: list[tuple[str, asyncio.Future[Any]]] = [
+            (
+                "the actor's publish",
+                _in_daemon_thread(f"awex-publish-{step}", self._on_device(lambda: publisher.publish(step))),
+            )
+        ]
+        labelled += [
+            (f"rollout engine {i} ({c.base_url}) /awex/update_weights", _task(c.awex_update(step)))
+            for i, c in enumerate(clients)
+        ]
+        results = await _together(f"AWEX sync of step {step}", labelled)
+        log.info("AWEX step %d published in %.3f s", step, float(results[0]))
+
+    async def close(self, clients: Sequence[RolloutClient]) -> None:
+        """Stop the MetaServer this process started (no-op before start)."""
+        del clients
+        if self.address is not None:
+            stop_run_meta_server()
+            self.address = None
+
+
+def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+    return asyncio.ensure_future(coro)
+
+
+def build_sync(cfg: RunConfig, engine: Any, settings: SyncSettings, run_dir: str | Path) -> WeightSync:
+    """The sync weight_sync.backend names: `TorchSync(engine, settings)` or `AwexSync(awex_job_config(cfg),
+    engine, run_dir, host=settings.master_addr)`.
+
+    Raises:
+        AwexConfigError: AWEX settings the job cannot have (`awex_job_config`).
+    """
+    backend = cfg.weight_sync.backend
+    if backend == "torch":
+        return TorchSync(engine, settings)
+    if backend == "awex":
+        return AwexSync(awex_job_config(cfg), engine, run_dir, settings.master_addr)
+    raise AwexConfigError(f"weight_sync.backend={backend!r}: expected 'torch' or 'awex'")

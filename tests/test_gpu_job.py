@@ -1,0 +1,77 @@
+"""The production engines through the job's own roles on one GPU (issue 8): `mopd-submit
+configs/local_gpu_colocated.yaml --local` → one guard → a Megatron actor (the controller), a Megatron teacher and
+an HF rollout engine on GPU 0, weights by AWEX colocate mode; random Qwen3-0.6B-shape models
+(benchmarks/gpu_step.py --make-models). 4 steps, checkpoints at 2 and 4, the evaluation at start and end.
+
+Asserted: exit 0; one metrics line per step with a finite loss, every phase timed, and the rollouts of step s
+sampled by the weights of step s − 1 (weight_version); checkpoints and the final HF student written; the
+teacher scored (non-zero teacher time). The metrics of the run are copied to MOPD_GPU_JOB_OUT when set (the
+device run keeps them for the closing note).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+@pytest.mark.gpu
+def test_megatron_actor_teacher_and_awex_colocate_through_the_roles(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    pytest.importorskip("awex", reason="awex is not installed")
+    models = tmp_path / "models"
+    make = [
+        sys.executable,
+        str(REPO / "benchmarks" / "gpu_step.py"),
+        "--make-models",
+        str(models),
+        "--size",
+        "0.6b",
+    ]
+    subprocess.run(make, check=True, timeout=300, cwd=REPO)
+    run_dir = tmp_path / "run"
+    overrides = {
+        "models.actor.path": models / "student",
+        "models.tokenizer.path": models / "student",
+        "models.teachers.0.path": models / "teacher",
+        "steps": STEPS,
+    }
+    argv = [sys.executable, "-m", "mopd_hpc.cli.submit", str(REPO / "configs" / "local_gpu_colocated.yaml"),
+            "--local", "--run-dir", str(run_dir)]  # fmt: skip
+    for key, value in overrides.items():
+        argv += ["--set", f"{key}={value}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
+    env.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    keep = os.environ.get("MOPD_GPU_JOB_OUT")
+    if keep:
+        shutil.copytree(run_dir / "logs", Path(keep) / "logs", dirs_exist_ok=True)
+        if (run_dir / "metrics.jsonl").exists():
+            shutil.copy(run_dir / "metrics.jsonl", Path(keep) / "metrics.jsonl")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    assert [line["rollout/weight_version"] for line in lines] == [float(s) for s in range(STEPS)]
+    for line in lines:
+        assert math.isfinite(line["loss/total"]) and math.isfinite(line["mopd/reverse_kl"]), line
+        for phase in ("rollout", "teacher", "train", "sync"):
+            assert line[f"time/{phase}_s"] > 0, (phase, line)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_2",
+        "step_4",
+    ]
+    assert (run_dir / "student_final" / "config.json").is_file()
+    assert json.loads((run_dir / "eval.json").read_text())["routes"]["chain"]["n"] == 16
