@@ -159,7 +159,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--make-models", type=Path, default=None, help="write student/ and teacher/ here and exit")
-    p.add_argument("--size", default="0.6b", choices=sorted(SHAPES))
+    p.add_argument(
+        "--size", default=None, choices=sorted(SHAPES), help="default: 1.7b for --make-models, else 0.6b"
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
@@ -169,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "gpu_step.json")
     args = p.parse_args(argv)
     if args.make_models is not None:
-        size = "1.7b" if args.size == "0.6b" else args.size
+        size = args.size or "1.7b"
         for name, seed in (("student", 0), ("teacher", 1)):
             make_checkpoint(SHAPES[size], args.make_models / name, seed, tokenizer=True)
         print(f"wrote {args.make_models}/student and /teacher ({size} shape, random weights)")
         return 0
+    args.size = args.size or "0.6b"
     if torch.cuda.device_count() < 2:
         print("gpu_step: needs 2 CUDA GPUs", file=sys.stderr)
         return 2

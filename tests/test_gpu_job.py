@@ -1,7 +1,8 @@
 """The production engines through the job's own roles on one GPU (issue 8): `mopd-submit
 configs/local_gpu_colocated.yaml --local` → one guard → a Megatron actor (the controller), a Megatron teacher and
 an HF rollout engine on GPU 0, weights by AWEX colocate mode; random Qwen3-0.6B-shape models
-(benchmarks/gpu_step.py --make-models). 4 steps, checkpoints at 2 and 4, the evaluation at start and end.
+(benchmarks/gpu_step.py --make-models). 3 steps, checkpoints at 2 and 3 (the last), the evaluation at start and
+end.
 
 Asserted: exit 0; one metrics line per step with a finite loss, every phase timed, and the rollouts of step s
 sampled by the weights of step s − 1 (weight_version); checkpoints and the final HF student written; the
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 4
+STEPS = 3
 
 
 @pytest.mark.gpu
@@ -54,13 +55,20 @@ def test_megatron_actor_teacher_and_awex_colocate_through_the_roles(tmp_path: Pa
     for key, value in overrides.items():
         argv += ["--set", f"{key}={value}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    env.setdefault("CUDA_VISIBLE_DEVICES", "0")
-    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    if not env.get("CUDA_VISIBLE_DEVICES"):
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+    try:
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    except subprocess.TimeoutExpired as exc:  # keep what the run left for the diagnosis, then fail
+        proc = subprocess.CompletedProcess(argv, -9, str(exc.stdout or ""), str(exc.stderr or ""))
     keep = os.environ.get("MOPD_GPU_JOB_OUT")
     if keep:
-        shutil.copytree(run_dir / "logs", Path(keep) / "logs", dirs_exist_ok=True)
-        if (run_dir / "metrics.jsonl").exists():
-            shutil.copy(run_dir / "metrics.jsonl", Path(keep) / "metrics.jsonl")
+        (Path(keep) / "submit.log").write_text(proc.stdout + "\n----- stderr\n" + proc.stderr)
+        for name in ("logs", "metrics.jsonl", "eval.json"):
+            if (run_dir / name).is_dir():
+                shutil.copytree(run_dir / name, Path(keep) / name, dirs_exist_ok=True)
+            elif (run_dir / name).exists():
+                shutil.copy(run_dir / name, Path(keep) / name)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
@@ -70,8 +78,8 @@ def test_megatron_actor_teacher_and_awex_colocate_through_the_roles(tmp_path: Pa
         for phase in ("rollout", "teacher", "train", "sync"):
             assert line[f"time/{phase}_s"] > 0, (phase, line)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == [
-        "step_2",
-        "step_4",
+        "step_000002",
+        "step_000003",
     ]
     assert (run_dir / "student_final" / "config.json").is_file()
     assert json.loads((run_dir / "eval.json").read_text())["routes"]["chain"]["n"] == 16
