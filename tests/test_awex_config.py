@@ -199,3 +199,46 @@ def test_replay_catches_a_plan_that_misses_elements(monkeypatch: pytest.MonkeyPa
     cfg = AwexJobConfig.from_plan(_plan(), meta_server_addr="h:1")
     with pytest.raises(AwexConfigError, match="on rollout transfer rank .* is not fully written"):
         simulate_transfer_plan(MICRO, cfg, train_tp=8)
+
+
+class _DefaultGroup:
+    def __init__(self, bound: object) -> None:
+        self.bound_device_id = bound
+
+
+def test_awex_groups_are_not_split_from_a_bound_default_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gap 7: while awex builds its custom group, the default group's bound device is cleared (torch would
+    otherwise ncclCommSplit the trainer's own world), and restored after, also when the build fails."""
+    pytest.importorskip("awex", reason="awex is not installed")
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    import awex.util.process_group as process_group
+    import torch.distributed as dist
+
+    from mopd_hpc.engines.weight_sync.awex import _unsplit, unsplit_custom_groups
+
+    unsplit_custom_groups()
+    unsplit_custom_groups()  # idempotent
+    wrapped = process_group.init_custom_process_group
+    assert wrapped._mopd_unsplit and not getattr(wrapped.__wrapped__, "_mopd_unsplit", False)
+
+    default = _DefaultGroup("cuda:0")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: default)
+    seen = []
+
+    def build(*args, **kwargs):
+        seen.append((default.bound_device_id, args, kwargs))
+        if kwargs.get("fail"):
+            raise RuntimeError("rendezvous failed")
+        return "group"
+
+    make = _unsplit(build)
+    assert make("nccl", world_size=2) == "group"
+    with pytest.raises(RuntimeError, match="rendezvous failed"):
+        make(fail=True)
+    assert [bound for bound, _, _ in seen] == [None, None]
+    assert seen[0][1:] == (("nccl",), {"world_size": 2})
+    assert default.bound_device_id == "cuda:0"  # restored, after success and after failure
+    unbound = _DefaultGroup(None)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: unbound)
+    assert make() == "group" and unbound.bound_device_id is None

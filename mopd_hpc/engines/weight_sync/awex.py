@@ -18,6 +18,19 @@ awex 0.9.0 gaps, each handled here (tests/test_awex_config.py):
    `drives_reader(node_rank)` says which rollout child may build the AWEX reader.
 3. colocate mode: `NCCLWeightsWriter._init_writer_in_colocate_mode` reads `self.asystem_train_config`,
    which nothing sets → `patch_colocate_writer(writer, ipc_backend)` sets it before the first write.
+(4 and 5: the writer's, awex_actor.py; 6: the HF reader's, awex_hf.py.)
+7. separate mode: awex builds its "weights_exchange" group with torch's private `_new_process_group_helper`
+   (`awex.util.process_group.init_custom_process_group`). When the process's default group has a bound
+   device (the Megatron actor's: `init_process_group(..., device_id=...)`, eager NCCL init), torch ≥ 2.3
+   creates every new NCCL group by `ncclCommSplit` of the default group's communicator
+   (`split_from = _get_split_source(default_group)` whatever the new group's members). The actor's default
+   group is its own training world (one rank here), so the writer's "2-rank" group came out as a split of a
+   1-rank communicator: the writer passed the group's first barrier alone (31 ms) while the reader, whose
+   default group has no bound device, waited for it forever in a real 2-rank init — the hang seen on 2 H200s
+   in session 2. `unsplit_custom_groups()` makes awex's group creation run with the default group's
+   bound device cleared (restored right after), so the group is a fresh communicator of its own store's ranks
+   on both sides. Found from torch's source (distributed_c10d._new_process_group_helper); not yet run on
+   two GPUs.
 
 `awex_plan.simulate_transfer_plan` validates AWEX transfer plans of a job's rank layout on CPU (awex's own
 TransferPlanBuilder, replayed on CPU tensors as in awex/tests/test_transfer_plan_cpu_sim.py).
@@ -75,6 +88,40 @@ def require_awex(find_spec: Callable[[str], Any] = importlib.util.find_spec) -> 
 
 
 # ------------------------------------------------------------------------------------ MetaServer address
+
+
+def _unsplit(original: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(original, "_mopd_unsplit", False):
+        return original
+
+    def init_custom_process_group(*args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        bound = getattr(default, "bound_device_id", None)
+        if bound is None:
+            return original(*args, **kwargs)
+        default.bound_device_id = None  # no ncclCommSplit of the trainer's own world (gap 7)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            default.bound_device_id = bound
+
+    init_custom_process_group._mopd_unsplit = True  # type: ignore[attr-defined]
+    init_custom_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    return init_custom_process_group
+
+
+def unsplit_custom_groups() -> None:
+    """Gap 7 (module docstring): awex's custom process groups are built as fresh communicators, never split
+    from the default group. Idempotent.
+
+    Raises:
+        AwexUnavailableError: awex or megatron.core is not importable.
+    """
+    require_awex()
+    module = importlib.import_module("awex.util.process_group")
+    module.init_custom_process_group = _unsplit(module.init_custom_process_group)
 
 
 def write_meta_server_address(run_dir: str | Path, host: str, port: int) -> Path:

@@ -46,6 +46,7 @@ from mopd_hpc.engines.weight_sync.awex import (
     AwexJobConfig,
     patch_colocate_writer,
     require_awex,
+    unsplit_custom_groups,
     write_meta_server_address,
 )
 
@@ -203,6 +204,7 @@ class AwexActorPublisher:
 
     def __init__(self, cfg: AwexJobConfig, actor: Any) -> None:
         register_local_spec_names()
+        unsplit_custom_groups()  # gap 7: the actor's default group has a bound device (awex.py)
         self.cfg, self.actor = cfg, actor
         self.engine = _megatron_engine_class()(
             cfg.trainer_config(), pretrained_config(actor.hf_config), [actor.model]

@@ -48,7 +48,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mopd_hpc.engines.weight_sync.awex import AwexConfigError, require_awex
+from mopd_hpc.engines.weight_sync.awex import AwexConfigError, require_awex, unsplit_custom_groups
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ def register_hf_engine() -> None:
     NCCLWorkerWeightsReader._shake_hands_with_writer = _skip_self_handshake(
         NCCLWorkerWeightsReader._shake_hands_with_writer
     )
+    unsplit_custom_groups()  # gap 7 (awex.py), on the reader's side too
 
 
 class HFScheduler:
