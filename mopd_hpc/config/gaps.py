@@ -78,7 +78,8 @@ def _awex_gaps(cfg: Any) -> Iterator[Problem]:
     if mode != "colocate":
         yield Problem(
             "weight_sync.awex_mode",
-            "AWEX separate mode is not verified: its reader hung at the first barrier on 2 H200s (issue 8)",
+            "AWEX separate mode is not verified on GPUs: its reader hung at the first barrier on 2 H200s; the fix "
+            "(engines/weight_sync/awex.py, gap 7) has not run on two GPUs yet (issue 8)",
             mode,
             "use colocate or weight_sync.backend: torch",
         )

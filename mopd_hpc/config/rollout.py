@@ -73,7 +73,7 @@ class WeightSyncConfig(Section):
     backend: Literal["torch", "awex"] = Field(
         "torch",
         description="'torch': torch.distributed broadcast (gloo on CPU, NCCL on GPU); 'awex': AWEX "
-        "WeightWriter/reader (megatron actor, sglang rollout).",
+        "writer/reader (megatron actor; HF rollout engine at TP 1, or sglang).",
     )
     awex_mode: Literal["colocate", "separate"] | None = Field(
         None,
