@@ -27,12 +27,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mopd_hpc.engines.daemon_thread import in_daemon_thread
 from mopd_hpc.engines.weight_sync.awex import REGISTERED_ARCHITECTURES, AwexConfigError, AwexJobConfig
 from mopd_hpc.engines.weight_sync.awex_actor import (
     AwexActorPublisher,
@@ -172,27 +172,6 @@ def awex_job_config(cfg: RunConfig, model_arch: str | None = None) -> AwexJobCon
     )
 
 
-def _in_daemon_thread(name: str, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-    """Run a blocking call in a daemon thread; the future settles with its result or exception."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(setter: Callable[[Any], None], value: Any) -> None:
-        if not future.done():
-            setter(value)
-
-    def run() -> None:
-        try:
-            value = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, future.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(settle, future.set_result, value)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
-
-
 async def _together(what: str, labelled: Sequence[tuple[str, asyncio.Future[Any]]]) -> list[Any]:
     """Await every (label, future) at once; the first failure cancels the rest (a thread's future only
     stops being awaited) and raises AwexSyncError naming `what`, the label and the cause."""
@@ -256,7 +235,7 @@ class AwexSync:
         log.info("AWEX MetaServer at %s (%s mode)", self.address, self.config.mode)
         config = self.config.with_meta_server(self.address)
         self.publisher = AwexActorPublisher(config, self.engine)
-        initializing = _in_daemon_thread("awex-initialize", self._on_device(self.publisher.initialize))
+        initializing = in_daemon_thread(self._on_device(self.publisher.initialize), name="awex-initialize")
         await _together("AWEX start", [("the actor's writer initialize()", initializing)])
         for i, client in enumerate(clients):
             try:
@@ -280,7 +259,9 @@ class AwexSync:
         labelled: list[tuple[str, asyncio.Future[Any]]] = [
             (
                 "the actor's publish",
-                _in_daemon_thread(f"awex-publish-{step}", self._on_device(lambda: publisher.publish(step))),
+                in_daemon_thread(
+                    self._on_device(lambda: publisher.publish(step)), name=f"awex-publish-{step}"
+                ),
             )
         ]
         labelled += [

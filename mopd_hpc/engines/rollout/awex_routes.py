@@ -27,7 +27,6 @@ update (awex/reader/weights_reader.py), so between /awex/init and the first upda
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -37,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from mopd_hpc.engines.rollout.fields import RolloutRequestError, fail, int_field, json_object, reject_unknown
+from mopd_hpc.engines.rollout.http_app import read_json_body
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 
 log = logging.getLogger("mopd_hpc.rollout")
@@ -100,7 +100,7 @@ class AwexRoutes:
 
     async def init(self, request: web.Request) -> web.Response:
         try:
-            config = parse_init(await _body(request))
+            config = parse_init(await read_json_body(request))
             already = await asyncio.get_running_loop().run_in_executor(None, self._init_blocking, config)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error; the server serves on
             return _failure(request, exc)
@@ -146,7 +146,7 @@ class AwexRoutes:
 
     async def update_weights(self, request: web.Request) -> web.Response:
         try:
-            step = parse_step(await _body(request))
+            step = parse_step(await read_json_body(request))
             awex_engine = self.awex_engine
             if awex_engine is None:
                 raise AwexStateError(
@@ -197,16 +197,6 @@ def add_awex_routes(app: web.Application, engine: Any, *, factory: AwexFactory |
     app.router.add_post("/awex/init", routes.init)
     app.router.add_post("/awex/update_weights", routes.update_weights)
     return routes
-
-
-async def _body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RolloutRequestError(f"malformed JSON body: {exc}") from exc
 
 
 def _failure(request: web.Request, exc: Exception) -> web.Response:

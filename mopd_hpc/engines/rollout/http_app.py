@@ -75,7 +75,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(500, exc)
 
 
-async def _body(request: web.Request) -> Any:
+async def read_json_body(request: web.Request) -> Any:
+    """The request's JSON body ({} when empty). Raises RolloutRequestError on malformed JSON."""
     raw = await request.read()
     if not raw.strip():
         return {}
@@ -138,7 +139,7 @@ class RolloutServer:
     async def generate(self, request: web.Request) -> web.Response:
         from mopd_hpc.engines.rollout.hf_engine import RowRequest
 
-        req = GenerateRequest.from_json(await _body(request))
+        req = GenerateRequest.from_json(await read_json_body(request))
         if "weights" in self.released:
             raise ServiceUnavailableError("weights are released: POST /resume_memory_occupation first")
         prompts = req.prompts if req.prompts is not None else self._tokenize(req.texts or ())
@@ -199,7 +200,7 @@ class RolloutServer:
         return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
 
     async def pause(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await read_json_body(request)
         if not isinstance(body, dict) or set(body) - {"mode"}:
             raise RolloutRequestError(
                 f"/pause_generation body={body!r}: expected {{'mode': one of {list(PAUSE_MODES)}}}"
@@ -211,14 +212,14 @@ class RolloutServer:
         return _ok(f"generation paused (mode={mode})")
 
     async def resume(self, request: web.Request) -> web.Response:
-        await _body(request)
+        await read_json_body(request)
         self.scheduler.resume()
         return _ok("generation continued")
 
     # ---- memory ------------------------------------------------------------------------------------
 
     async def release(self, request: web.Request) -> web.Response:
-        tags = MemoryTagsRequest.from_json(await _body(request)).tags
+        tags = MemoryTagsRequest.from_json(await read_json_body(request)).tags
         async with self.scheduler.exclusive(IDLE_WAIT_S):
             done = []
             for tag in tags:
@@ -234,7 +235,7 @@ class RolloutServer:
         return _ok("; ".join(done), released_tags=sorted(self.released))
 
     async def resume_memory(self, request: web.Request) -> web.Response:
-        tags = MemoryTagsRequest.from_json(await _body(request)).tags
+        tags = MemoryTagsRequest.from_json(await read_json_body(request)).tags
         missing = [t for t in tags if t not in self.released]
         if missing:
             raise RolloutRequestError(
@@ -259,7 +260,7 @@ class RolloutServer:
     async def init_group(self, request: web.Request) -> web.Response:
         from mopd_hpc.engines.weight_sync.torch import BroadcastGroup
 
-        req = InitGroupRequest.from_json(await _body(request))
+        req = InitGroupRequest.from_json(await read_json_body(request))
         if req.group_name in self.groups:
             raise RolloutRequestError(f"group_name={req.group_name!r}: already initialised; destroy it first")
         if req.backend == "nccl" and self.engine.device.type != "cuda":
@@ -288,7 +289,7 @@ class RolloutServer:
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         from mopd_hpc.engines.weight_sync.torch import TensorSpec, receive_tensors
 
-        req = DistributedUpdateRequest.from_json(await _body(request))
+        req = DistributedUpdateRequest.from_json(await read_json_body(request))
         group = self._group(req.group_name)
         if req.abort_all_requests:
             self.scheduler.abort_all()
@@ -304,7 +305,7 @@ class RolloutServer:
         return _ok(f"loaded {count} tensors", weight_version=self.engine.weight_version)
 
     async def destroy_group(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await read_json_body(request)
         if not isinstance(body, dict) or set(body) - {"group_name"}:
             raise RolloutRequestError(
                 f"/destroy_weights_update_group body={body!r}: expected {{'group_name': str}}"
@@ -317,7 +318,7 @@ class RolloutServer:
         return _ok(f"left {name!r}")
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await read_json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
             raise RolloutRequestError(
                 f"/update_weights_from_disk body={body!r}: expected {{'model_path': str, ...}}"

@@ -26,8 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mopd_hpc.engines.daemon_thread import in_daemon_thread
 from mopd_hpc.engines.rollout.control import (
     DEFAULT_GROUP_NAME,
     DTYPE_NAMES,
@@ -208,27 +208,6 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-    """Run a blocking call in a daemon thread (a hung collective must not block interpreter exit)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(setter: Callable[[Any], None], value: Any) -> None:
-        if not future.done():
-            setter(value)
-
-    def run() -> None:
-        try:
-            value = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, future.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(settle, future.set_result, value)
-
-    threading.Thread(target=run, name=f"weight-sync-{fn.__name__}", daemon=True).start()
-    return future
-
-
 async def _together(what: str, blocking: asyncio.Future[Any], calls: Sequence[Any]) -> Any:
     """Await a blocking collective and the HTTP calls that pair with it; the first failure raises."""
     tasks = [asyncio.ensure_future(c) for c in calls]
@@ -285,7 +264,7 @@ class TorchBroadcastSender:
             raise WeightSyncConfigError(
                 f"world_size={self.world_size} but {len(clients)} servers given: expected 1 + servers"
             )
-        joining = _in_daemon_thread(
+        joining = in_daemon_thread(
             BroadcastGroup.join,
             self.master_addr,
             self.master_port,
@@ -343,7 +322,7 @@ class TorchBroadcastSender:
             flush_cache=flush_cache,
             load_format=load_format,
         )
-        sending = _in_daemon_thread(self._broadcast_all, specs, tensors, load_format)
+        sending = in_daemon_thread(self._broadcast_all, specs, tensors, load_format)
         calls = [c.update_weights_from_distributed(request) for c in self._clients(clients)]
         await _together("update_weights_from_distributed", sending, calls)
         self.weight_version += 1
