@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from helpers_configs import set_dotted
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config import LossConfig, RunConfig
@@ -50,12 +51,7 @@ def config_dict(student: Path, **changes: Any) -> dict[str, Any]:
     data["models"]["teachers"][0].update(tensor_parallel=1, path=str(student))
     data["rollout"].update(backend="hf", engines={"count": 1, "tensor_parallel": 1})
     data["cluster"]["group"]["gpus_per_node"] = 1
-    for key, value in changes.items():
-        *head, last = key.split(".")
-        node = data
-        for part in head:
-            node = node[part]
-        node[last] = value
+    set_dotted(data, changes)
     return data
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers_configs import set_dotted
 from helpers_models import build_micro_models
 
 from mopd_hpc.logs.metrics import MetricsWriter, read_metrics, rollback_metrics
@@ -71,12 +72,7 @@ def micro_config(models: Path, run_dir: Path, path: Path, **changes: object) -> 
     doc.update(steps=3, checkpoint_interval=2)
     doc["data"]["batch_size"] = 8
     doc["data"]["eval"]["size"] = 8
-    for key, value in changes.items():
-        *head, last = key.split(".")
-        node = doc
-        for part in head:
-            node = node[part]
-        node[last] = value
+    set_dotted(doc, changes)
     path.write_text(yaml.safe_dump(doc))
     return path
 

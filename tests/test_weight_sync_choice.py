@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers_configs import set_dotted
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.client import RolloutServerError
@@ -59,12 +60,7 @@ def one_gpu_config(tmp_path: Path, **changes: Any) -> RunConfig:
     data["models"]["teachers"][0]["tensor_parallel"] = 1
     data["rollout"].update(backend="hf", engines={"count": 1, "tensor_parallel": 1})
     data["cluster"]["group"]["gpus_per_node"] = 1
-    for key, value in changes.items():
-        *head, last = key.split(".")
-        node = data
-        for part in head:
-            node = node[part]
-        node[last] = value
+    set_dotted(data, changes)
     return RunConfig.from_dict(data)
 
 
