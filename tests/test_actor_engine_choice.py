@@ -205,9 +205,9 @@ def test_awex_gaps_separate_mode_torch_actor_sglang(student: Path) -> None:
         **{"rollout.mode": "separated", "weight_sync.awex_mode": None, "cluster.group.gpus_per_node": 2},
     )
     assert gaps(separate) == [
-        "weight_sync.awex_mode: AWEX separate mode is not verified on GPUs: its reader hung at the first barrier on "
-        "2 H200s; the fix (engines/weight_sync/awex.py, gap 7) has not run on two GPUs yet (issue 8) (got 'separate'; "
-        "use colocate or weight_sync.backend: torch)"
+        "weight_sync.awex_mode: AWEX separate mode is not verified on GPUs yet: its reader hung at the first "
+        "barrier on two H200s (the cause, torch splitting AWEX's group from the actor's own, is fixed but not yet "
+        "run there) (got 'separate'; rollout.mode: colocated (AWEX colocate), or weight_sync.backend: torch)"
     ]
     base = config(student)
     # the config rules refuse a torch actor with awex already; model_copy reaches job_gaps' own check

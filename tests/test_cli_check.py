@@ -146,3 +146,12 @@ def test_check_warns_about_model_directories_missing_here(tmp_path: Path) -> Non
     assert missing_model_paths(cfg, cwd=tmp_path)[0] == (
         "models.actor.path: .cache/models/student is not built yet (`--local` builds the tiny models on first use)"
     )
+    # a GPU config's `student` is not one of the CPU tiny models: it is never built on first use
+    gpu = load_run_config(REPO / "configs" / "local_gpu_colocated.yaml")
+    assert missing_model_paths(gpu, cwd=tmp_path)[0] == (
+        "models.actor.path: no such directory here: .cache/models/gpu_0_6b/student "
+        "(the job fails at start unless it exists there)"
+    )
+    from mopd_hpc.trainer.local_setup import missing_builder_dirs
+
+    assert missing_builder_dirs(gpu) == []

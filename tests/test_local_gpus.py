@@ -40,11 +40,14 @@ def test_too_few_gpus_names_the_field_and_both_counts() -> None:
     with pytest.raises(LocalGpuError) as info:
         local_gpu_tokens({}, 8, list_gpus=_listing("0"))
     assert str(info.value) == (
-        "cluster.group.gpus_per_node: the config asks for 8 GPU(s), this machine shows 1 (nvidia-smi -L); "
-        "set cluster.group.gpus_per_node: 1 or fewer, or run on a Slurm cluster (cluster.backend: slurm)"
+        "cluster.group.gpus_per_node: the config asks for 8 GPU(s), this machine shows 1 (nvidia-smi -L); run it "
+        "where 8 GPU(s) are visible (CUDA_VISIBLE_DEVICES), or submit it to a Slurm cluster (cluster.backend: "
+        "slurm, without --local)"
     )
-    with pytest.raises(LocalGpuError, match=r"shows 0 \(CUDA_VISIBLE_DEVICES=''\)"):
+    with pytest.raises(LocalGpuError, match=r"shows no GPU \(CUDA_VISIBLE_DEVICES=''\)"):
         local_gpu_tokens({"CUDA_VISIBLE_DEVICES": ""}, 1)
+    with pytest.raises(LocalGpuError, match=r"shows no GPU \(nvidia-smi not found\)"):
+        local_gpu_tokens({}, 1, list_gpus=lambda: None)
 
 
 def test_the_guard_gets_the_chosen_gpus_and_cpu_jobs_get_none() -> None:
@@ -63,5 +66,7 @@ def test_submit_local_refuses_before_anything_starts(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, cwd=REPO, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert "cluster.group.gpus_per_node: the config asks for 8 GPU(s), this machine shows 0" in proc.stderr
+    assert (
+        "cluster.group.gpus_per_node: the config asks for 8 GPU(s), this machine shows no GPU" in proc.stderr
+    )
     assert not run_dir.exists()  # nothing prepared, nothing started

@@ -50,7 +50,7 @@ def test_dry_run_prints_the_script_and_the_rank_map_without_slurm(tmp_path: Path
 
 
 def test_render_writes_a_bash_clean_script(tmp_path: Path) -> None:
-    target = tmp_path / "job.sbatch"
+    target = tmp_path / "scripts" / "new" / "job.sbatch"  # its folder is made
     proc = mopd_submit(CONFIGS / "slurm_het_cpu.yaml", "--render", target, "--run-dir", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     assert f"sbatch {target}" in proc.stdout

@@ -81,7 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--resume", metavar="RUN_DIR", default=None, help="run again in an existing run directory (resumes)"
     )
-    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="run the control plane of this shape only: every child is a probe that reports its environment "
+        "(topology, GPUs, ports) and exits; `--local` or Slurm as the config says; no model is loaded",
+    )
 
 
 def summary(cfg: RunConfig) -> str:
@@ -99,9 +104,10 @@ def missing_model_paths(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
     """Model and tokenizer paths that name a directory (a leading '.', '/' or '~', or more than one '/':
     not a hub id like 'Qwen/Qwen3-0.6B') and do not exist here, one warning each. On a cluster they may
     exist only on the job's nodes, so this warns; the job checks them at start."""
-    from mopd_hpc.trainer.local_setup import BUILT_NAMES
+    from mopd_hpc.trainer.local_setup import BUILT_NAMES, builds_tiny_models
 
     base = cwd or Path.cwd()
+    builder = builds_tiny_models(cfg)
     paths = [
         ("models.actor.path", cfg.models.actor.path),
         ("models.tokenizer.path", cfg.models.tokenizer.path),
@@ -113,7 +119,7 @@ def missing_model_paths(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
             continue
         if (base / Path(value).expanduser()).exists():
             continue
-        if Path(value).name in BUILT_NAMES:
+        if builder and Path(value).name in BUILT_NAMES:
             out.append(f"{field}: {value} is not built yet (`--local` builds the tiny models on first use)")
         else:
             out.append(
@@ -236,6 +242,7 @@ def execute(
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
     plan.write(run_dir.root / PLAN_FILE_NAME)
     if args.render:  # the run dir is prepared as for a submission, so the script runs as written
+        Path(args.render).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.render, request.script)
         print(
             f"wrote the sbatch script of {cfg.name!r} to {args.render} and prepared its run dir {path} "

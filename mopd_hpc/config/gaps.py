@@ -78,8 +78,8 @@ def _awex_gaps(cfg: Any) -> Iterator[Problem]:
     if mode != "colocate":
         yield Problem(
             "weight_sync.awex_mode",
-            "AWEX separate mode is not verified on GPUs: its reader hung at the first barrier on 2 H200s; the fix "
-            "(engines/weight_sync/awex.py, gap 7) has not run on two GPUs yet (issue 8)",
+            "AWEX separate mode is not verified on GPUs yet: its reader hung at the first barrier on two H200s "
+            "(the cause, torch splitting AWEX's group from the actor's own, is fixed but not yet run there)",
             mode,
-            "use colocate or weight_sync.backend: torch",
+            "rollout.mode: colocated (AWEX colocate), or weight_sync.backend: torch",
         )

@@ -20,11 +20,11 @@ class LocalGpuError(ValueError):
     """The config asks for more GPUs than this machine shows, or CUDA_VISIBLE_DEVICES is malformed."""
 
 
-def nvidia_smi_gpus() -> tuple[str, ...]:
-    """Indices of the GPUs `nvidia-smi -L` lists ("0", "1", …); () without nvidia-smi or when it fails."""
+def nvidia_smi_gpus() -> tuple[str, ...] | None:
+    """Indices of the GPUs `nvidia-smi -L` lists ("0", "1", …); () when it fails; None without nvidia-smi."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return ()
+        return None
     try:
         listing = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
@@ -34,7 +34,7 @@ def nvidia_smi_gpus() -> tuple[str, ...]:
 
 
 def machine_gpus(
-    environ: Mapping[str, str], list_gpus: Callable[[], Sequence[str]] = nvidia_smi_gpus
+    environ: Mapping[str, str], list_gpus: Callable[[], Sequence[str] | None] = nvidia_smi_gpus
 ) -> tuple[str, ...]:
     """This machine's GPU tokens (module docstring).
 
@@ -46,14 +46,14 @@ def machine_gpus(
             return parse_visible_devices(environ["CUDA_VISIBLE_DEVICES"])
         except GpuTokenError as exc:
             raise LocalGpuError(str(exc)) from None
-    return tuple(list_gpus())
+    return tuple(list_gpus() or ())
 
 
 def local_gpu_tokens(
     environ: Mapping[str, str],
     wanted: int,
     field: str = "cluster.group.gpus_per_node",
-    list_gpus: Callable[[], Sequence[str]] = nvidia_smi_gpus,
+    list_gpus: Callable[[], Sequence[str] | None] = nvidia_smi_gpus,
 ) -> tuple[str, ...]:
     """The first `wanted` of this machine's GPU tokens; () when `wanted` is 0 (nothing is probed).
 
@@ -63,15 +63,18 @@ def local_gpu_tokens(
     """
     if wanted <= 0:
         return ()
-    have = machine_gpus(environ, list_gpus)
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        have = machine_gpus(environ, list_gpus)
+        source = f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r}"
+    else:
+        listed = list_gpus()
+        have = tuple(listed or ())
+        source = "nvidia-smi not found" if listed is None else "nvidia-smi -L"
     if len(have) < wanted:
-        source = (
-            f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r}"
-            if "CUDA_VISIBLE_DEVICES" in environ
-            else "nvidia-smi -L"
-        )
+        shows = f"{len(have)} ({source})" if have else f"no GPU ({source})"
         raise LocalGpuError(
-            f"{field}: the config asks for {wanted} GPU(s), this machine shows {len(have)} ({source}); "
-            f"set {field}: {len(have)} or fewer, or run on a Slurm cluster (cluster.backend: slurm)"
+            f"{field}: the config asks for {wanted} GPU(s), this machine shows {shows}; run it where {wanted} "
+            f"GPU(s) are visible (CUDA_VISIBLE_DEVICES), or submit it to a Slurm cluster (cluster.backend: slurm, "
+            "without --local)"
         )
     return tuple(have[:wanted])

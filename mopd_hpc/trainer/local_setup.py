@@ -5,8 +5,8 @@ after `mopd-submit` wrote `run_dir/config.yaml` and before the guard starts:
 
 1. every relative model, tokenizer and jsonl path of the config is made absolute against the directory
    `mopd-submit` runs in (the children run in the run directory), and config.yaml is rewritten atomically;
-2. when a model directory is missing and its name is one that `tools/build_tiny_models.py` builds
-   (teacher_chain_sum, teacher_leg_counting, student), the builder runs once into that directory's parent
+2. when a model directory of a CPU config is missing and its name is one that `tools/build_tiny_models.py`
+   builds (teacher_chain_sum, teacher_leg_counting, student), the builder runs once into that directory's parent
    (`python tools/build_tiny_models.py --out DIR --threads N`; seeded, cached by fingerprint), its output
    streamed to `out`. A missing model the builder does not make is left for the actor's clear error.
 
@@ -43,8 +43,19 @@ class LocalSetupError(RuntimeError):
     """The tiny-model builder failed (its exit code and the command are named)."""
 
 
+def builds_tiny_models(cfg: RunConfig) -> bool:
+    """Whether missing builder-named models of `cfg` are built on first use: only for a CPU run (the tiny
+    models are CPU models; a GPU config's `student`/`teacher` directories are made otherwise, e.g. by
+    benchmarks/gpu_step.py --make-models)."""
+    groups = (cfg.cluster.trainer_group, cfg.cluster.rollout_group)
+    return all(group.gpus_per_node == 0 for group in groups)
+
+
 def missing_builder_dirs(cfg: RunConfig) -> list[Path]:
-    """Parent directories in which builder-made models of `cfg` are missing (deduplicated, in order)."""
+    """Parent directories in which builder-made models of `cfg` are missing (deduplicated, in order); none
+    for a GPU config (`builds_tiny_models`)."""
+    if not builds_tiny_models(cfg):
+        return []
     paths = [cfg.models.actor.path, cfg.models.tokenizer.path, *(t.path for t in cfg.models.teachers)]
     out: list[Path] = []
     for raw in paths:
