@@ -4,6 +4,8 @@ own TransferPlanBuilder (replayed on CPU tensors)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -242,3 +244,51 @@ def test_awex_groups_are_not_split_from_a_bound_default_group(monkeypatch: pytes
     unbound = _DefaultGroup(None)
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: unbound)
     assert make() == "group" and unbound.bound_device_id is None
+
+
+_POLLING = """
+import json, sys, threading, time
+from awex.meta.meta_server import MetaServerClient, start_meta_server, stop_meta_server
+from mopd_hpc.engines.weight_sync.awex import fast_meta_server_polling
+
+if __name__ == "__main__":
+    fast_meta_server_polling()
+    fast_meta_server_polling()  # idempotent
+    host, port = start_meta_server("127.0.0.1", 0)
+    client, report = MetaServerClient(host, port), {}
+    later = lambda s, fn: threading.Timer(s, fn).start()
+    later(0.2, lambda: client.put_object("k", {"v": 1}))
+    report["get_after_put"] = client.get_object("k", timeout=10)  # get_object waits through wait_key
+    later(0.1, lambda: client.add_object_to_set("s", 1))
+    later(0.2, lambda: client.add_object_to_set("s", 2))
+    client.wait_set_until_size("s", 2, timeout=10, delete_after_wait=True)
+    report["set_deleted_after_wait"] = not client.has_key("s")
+    for name, call in (("key", lambda: client.wait_key("missing", 0.2)),
+                       ("set", lambda: client.wait_set_until_size("empty", 1, 0.2))):
+        t0 = time.monotonic()
+        try:
+            call()
+        except TimeoutError as exc:
+            report[f"{name}_timeout"] = [str(exc), round(time.monotonic() - t0, 2)]
+    stop_meta_server()
+    print(json.dumps(report))
+"""
+
+
+def test_fast_polling_keeps_awex_wait_semantics(tmp_path: Path) -> None:
+    """Gap 8: the faster waits return when the key/set appears, delete a waited set when asked, and time out
+    with awex's own messages, against a real MetaServer process."""
+    pytest.importorskip("awex", reason="awex is not installed")
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    script = tmp_path / "polling.py"
+    script.write_text(_POLLING)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["get_after_put"] == {"v": 1}
+    assert report["set_deleted_after_wait"] is True
+    assert report["key_timeout"][0] == "Timeout waiting for key 'missing'"
+    assert report["set_timeout"][0] == "Timeout waiting for set empty to reach size 1"
+    assert report["key_timeout"][1] >= 0.2 and report["set_timeout"][1] >= 0.2

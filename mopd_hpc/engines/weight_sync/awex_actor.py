@@ -44,6 +44,7 @@ from typing import Any
 
 from mopd_hpc.engines.weight_sync.awex import (
     AwexJobConfig,
+    fast_meta_server_polling,
     patch_colocate_writer,
     require_awex,
     unsplit_custom_groups,
@@ -205,6 +206,7 @@ class AwexActorPublisher:
     def __init__(self, cfg: AwexJobConfig, actor: Any) -> None:
         register_local_spec_names()
         unsplit_custom_groups()  # gap 7: the actor's default group has a bound device (awex.py)
+        fast_meta_server_polling()  # gap 8 (awex.py)
         self.cfg, self.actor = cfg, actor
         self.engine = _megatron_engine_class()(
             cfg.trainer_config(), pretrained_config(actor.hf_config), [actor.model]

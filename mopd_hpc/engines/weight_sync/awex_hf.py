@@ -48,7 +48,12 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mopd_hpc.engines.weight_sync.awex import AwexConfigError, require_awex, unsplit_custom_groups
+from mopd_hpc.engines.weight_sync.awex import (
+    AwexConfigError,
+    fast_meta_server_polling,
+    require_awex,
+    unsplit_custom_groups,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +166,7 @@ def register_hf_engine() -> None:
         NCCLWorkerWeightsReader._shake_hands_with_writer
     )
     unsplit_custom_groups()  # gap 7 (awex.py), on the reader's side too
+    fast_meta_server_polling()  # gap 8 (awex.py)
 
 
 class HFScheduler:
