@@ -257,3 +257,22 @@ def test_summarize_into_a_closed_pipe_exits_141_quietly(tmp_path: Path) -> None:
     finally:
         os.close(write_end)
     assert proc.returncode == 141 and proc.stderr == ""
+
+
+def test_summary_of_a_probe_run_says_so(tmp_path: Path) -> None:
+    """A probe run writes no metrics; the summary says it was a probe run, not 'no metrics yet'."""
+    run_dir = tmp_path / "probe"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
+    submitted = subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.submit", str(REPO / "configs" / "local_cpu.yaml"), "--local",
+         "--probe", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    summary = subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.logs", "summarize", str(run_dir)],
+        capture_output=True, text=True, timeout=60, env={**env, "COLUMNS": "160"},
+    )  # fmt: skip
+    assert summary.returncode == 0, summary.stderr[-2000:]
+    assert "probe run: the children report their environment and exit" in summary.stdout
+    assert "no metrics yet" not in summary.stdout

@@ -190,9 +190,13 @@ def _trend_label(p: Progress) -> str:
 def _progress_panel(s: RunSummary) -> Panel:
     p = s.progress
     if p.n_lines == 0:
-        return Panel(
-            Text("no metrics yet (run_dir/metrics.jsonl)", style="dim"), title="training", title_align="left"
+        probes = bool(s.children) and all(c.role == "probe" for c in s.children)
+        text = (
+            "probe run: the children report their environment and exit, no training metrics"
+            if probes
+            else "no metrics yet (run_dir/metrics.jsonl)"
         )
+        return Panel(Text(text, style="dim"), title="training", title_align="left")
     table = Table(box=None, show_header=True, pad_edge=False, header_style="dim")
     table.add_column("metric")
     table.add_column("last", justify="right")
