@@ -211,7 +211,8 @@ import os, socket, sys, time
 port, ready = int(sys.argv[1]), sys.argv[2]
 if os.environ["SLURM_PROCID"] == "0":
     srv = socket.create_server(("0.0.0.0", port))
-    open(ready, "w").write(socket.gethostname())
+    open(ready + ".tmp", "w").write(socket.gethostname())
+    os.replace(ready + ".tmp", ready)  # whole or absent: the client never reads an empty name
     conn, peer = srv.accept()
     conn.sendall(socket.gethostname().encode())
     print("server", socket.gethostname(), "peer", peer[0], flush=True)
