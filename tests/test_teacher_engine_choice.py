@@ -315,3 +315,21 @@ def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.
     assert got.logprobs == [lp[b, :n].tolist() for b, n in enumerate(lengths)]
     assert got.topk_ids == [top.indices[b, :n].tolist() for b, n in enumerate(lengths)]
     assert got.topk_logprobs == [top.logprobs[b, :n].tolist() for b, n in enumerate(lengths)]
+
+
+def test_scoring_rows_keep_one_chunk_of_logits_within_the_budget(tmp_path: Path) -> None:
+    """A step's rows in one forward for a tiny vocabulary; for a production vocabulary, as many rows as keep
+    rows × tokens × vocab float32 logits within the budget (Qwen3's 151,936 × 1,280 tokens: 5 rows in 4 GiB)."""
+    from mopd_hpc.config import load_run_config
+    from mopd_hpc.trainer.teacher_role import scoring_rows
+
+    tiny = load_run_config(REPO / "configs" / "local_cpu.yaml")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps({"vocab_size": 45}))
+    assert scoring_rows(tiny, str(tmp_path / "tiny")) == 128  # batch_size 128 × 1 sample: the whole step
+    big = load_run_config(REPO / "configs" / "qwen3_8gpu_colocated.yaml")  # 64 × 4 rows, 256 + 1024 tokens
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps({"vocab_size": 151936}))
+    assert scoring_rows(big, str(tmp_path / "big")) == (4 << 30) // (1280 * 151936 * 4) == 5
+    assert scoring_rows(big, str(tmp_path / "big"), budget_bytes=1) == 1  # never 0
+    assert scoring_rows(big, str(tmp_path / "missing")) == 256  # unreadable config: the step's rows

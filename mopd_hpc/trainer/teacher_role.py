@@ -7,14 +7,21 @@ engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel (1
 per teacher); the port is the named port `http`. This module resolves them (env read once, in `main`) and runs
 `teacher_main.serve` until SIGTERM/SIGINT or until the actor announces the end of the job
 (`trainer/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has nothing to checkpoint).
+
+Rows scored per forward (`scoring_rows`): a forward materializes [rows, tokens, vocab] logits (and their
+float32 log-softmax), which for a production vocabulary (Qwen3: 151,936) and a long response is gigabytes per
+row: 256 rows × 1,280 tokens would need ~200 GB. The role caps the rows so that one chunk's float32 logits stay
+within `SCORING_BUDGET_BYTES`; a step's rows are then scored in chunks (same results).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.teacher_main import TeacherArgs
@@ -23,6 +30,22 @@ from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, cpu_threads, start_
 
 #: The plan's variable naming the teacher of this child.
 TEACHER_ID_ENV = "MOPD_TEACHER_ID"
+#: Bytes of float32 logits one scoring forward may materialize (module docstring).
+SCORING_BUDGET_BYTES = 4 << 30
+
+
+def scoring_rows(cfg: RunConfig, model_path: str, budget_bytes: int = SCORING_BUDGET_BYTES) -> int:
+    """Rows per scoring forward: all of a step's rows (data.batch_size · samples_per_prompt, at least 64) unless
+    their float32 logits — rows × (max_prompt_tokens + max_new_tokens) × vocab_size × 4 bytes — exceed
+    `budget_bytes`; then the most rows that fit (at least 1). vocab_size from `model_path`/config.json; when
+    it cannot be read the step's rows are kept (the server's load reports the checkpoint's problem)."""
+    rows = max(64, cfg.data.batch_size * cfg.data.samples_per_prompt)
+    try:
+        vocab = int(json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return rows
+    tokens = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    return max(1, min(rows, budget_bytes // (tokens * vocab * 4)))
 
 
 def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> TeacherArgs:
@@ -63,7 +86,7 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         device=(f"cuda:{base}" if base else "cuda") if gpu else "cpu",
         dtype=teacher.dtype,
         run_dir=str(role.run_dir),
-        max_batch_rows=max(64, cfg.data.batch_size * cfg.data.samples_per_prompt),
+        max_batch_rows=scoring_rows(cfg, teacher.path),
         # on CPU the teachers of a step score concurrently: each takes its share of the cores
         num_threads=None if gpu else cpu_threads(environ, share=len(cfg.models.teachers)),
         engine=teacher.engine,
