@@ -199,16 +199,12 @@ def test_megatron_actor_at_tp2_is_a_gap(student: Path) -> None:
     assert (gap.path, gap.got, gap.expected) == ("models.actor.tensor_parallel", 2, "1")
 
 
-def test_awex_gaps_separate_mode_torch_actor_sglang(student: Path) -> None:
+def test_awex_separate_mode_has_no_gap_torch_actor_and_sglang_are_gaps(student: Path) -> None:
     separate = config(
         student,
         **{"rollout.mode": "separated", "weight_sync.awex_mode": None, "cluster.group.gpus_per_node": 2},
     )
-    assert gaps(separate) == [
-        "weight_sync.awex_mode: AWEX separate mode is not verified on GPUs yet: its reader hung at the first "
-        "barrier on two H200s (the cause, torch splitting AWEX's group from the actor's own, is fixed but not yet "
-        "run there) (got 'separate'; rollout.mode: colocated (AWEX colocate), or weight_sync.backend: torch)"
-    ]
+    assert gaps(separate) == []  # ran on two H200s: tests/test_gpu_job.py[local_gpu_separated-2]
     base = config(student)
     # the config rules refuse a torch actor with awex already; model_copy reaches job_gaps' own check
     torch_actor = base.model_copy(

@@ -1,13 +1,15 @@
-"""The production engines through the job's own roles on one GPU (issue 8): `mopd-submit
-configs/local_gpu_colocated.yaml --local` → one guard → a Megatron actor (the controller), a Megatron teacher and
-an HF rollout engine on GPU 0, weights by AWEX colocate mode; random Qwen3-0.6B-shape models
-(benchmarks/gpu_step.py --make-models). 3 steps, checkpoints at 2 and 3 (the last), the evaluation at start and
-end.
+"""The production engines through the job's own roles (issue 8): `mopd-submit <config> --local` → one guard →
+a Megatron actor (the controller), a Megatron teacher and an HF rollout engine; random Qwen3-0.6B-shape models
+(benchmarks/gpu_step.py --make-models). 3 steps, checkpoints at 2 and 3 (the last), the evaluation at start
+and end. Two configs:
+- configs/local_gpu_colocated.yaml, one GPU: the three children on GPU 0, weights by AWEX colocate mode;
+- configs/local_gpu_separated.yaml, two GPUs: actor and teacher on GPU 0, rollout on GPU 1, weights by AWEX
+  separate mode (NCCL between the two GPUs).
 
 Asserted: exit 0; one metrics line per step with a finite loss, every phase timed, and the rollouts of step s
 sampled by the weights of step s − 1 (weight_version); checkpoints and the final HF student written; the
-teacher scored (non-zero teacher time). The metrics of the run are copied to MOPD_GPU_JOB_OUT when set (the
-device run keeps them for the closing note).
+teacher scored (non-zero teacher time). The metrics of the run are copied to MOPD_GPU_JOB_OUT/<config stem>
+when set (the device run keeps them for the closing note).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ STEPS = 3
 
 
 @pytest.mark.gpu
-def test_megatron_actor_teacher_and_awex_colocate_through_the_roles(tmp_path: Path) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+@pytest.mark.parametrize(("config", "gpus"), [("local_gpu_colocated", 1), ("local_gpu_separated", 2)])
+def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, config: str, gpus: int) -> None:
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA device(s)")
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
     pytest.importorskip("awex", reason="awex is not installed")
     models = tmp_path / "models"
@@ -50,19 +53,21 @@ def test_megatron_actor_teacher_and_awex_colocate_through_the_roles(tmp_path: Pa
         "models.teachers.0.path": models / "teacher",
         "steps": STEPS,
     }
-    argv = [sys.executable, "-m", "mopd_hpc.cli.submit", str(REPO / "configs" / "local_gpu_colocated.yaml"),
+    argv = [sys.executable, "-m", "mopd_hpc.cli.submit", str(REPO / "configs" / f"{config}.yaml"),
             "--local", "--run-dir", str(run_dir)]  # fmt: skip
     for key, value in overrides.items():
         argv += ["--set", f"{key}={value}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
     if not env.get("CUDA_VISIBLE_DEVICES"):
-        env["CUDA_VISIBLE_DEVICES"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
     try:
-        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as exc:  # keep what the run left for the diagnosis, then fail
         proc = subprocess.CompletedProcess(argv, -9, str(exc.stdout or ""), str(exc.stderr or ""))
     keep = os.environ.get("MOPD_GPU_JOB_OUT")
     if keep:
+        keep = os.path.join(keep, config)
+        os.makedirs(keep, exist_ok=True)
         (Path(keep) / "submit.log").write_text(proc.stdout + "\n----- stderr\n" + proc.stderr)
         for name in ("logs", "metrics.jsonl", "eval.json"):
             if (run_dir / name).is_dir():

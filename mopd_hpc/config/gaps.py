@@ -12,18 +12,16 @@ from typing import Any
 
 from mopd_hpc.config.problems import Problem, join_path
 
-#: rollout.mode → AWEX mode, when weight_sync.awex_mode is null.
-_AWEX_MODES = {"colocated": "colocate", "separated": "separate"}
-
 
 def job_gaps(cfg: Any) -> list[Problem]:
     """Valid settings that the job's roles do not run yet, one problem each (issue 8).
 
     The roles run: the torch actor, or the megatron actor at tensor_parallel 1 (one process); torch or
     megatron teachers at tensor_parallel 1; the HF rollout server; torch.distributed weight sync, or AWEX
-    colocate mode from the megatron actor to the HF server. The rest (tensor-parallel actors and teachers,
-    SGLang, AWEX separate mode) exists as components with their tests and benchmarks, but no role runs it:
-    such a config passes --check, --dry-run, --render and --probe, and mopd-submit refuses to run it.
+    (colocate or separate mode) from the megatron actor to the HF server. The rest (tensor-parallel actors
+    and teachers, SGLang in the rollout role) exists as components with their tests and benchmarks, but no
+    role runs it: such a config passes --check, --dry-run, --render and --probe, and mopd-submit refuses to
+    run it.
     """
     out = []
     actor = cfg.models.actor
@@ -58,8 +56,7 @@ def job_gaps(cfg: Any) -> list[Problem]:
 
 
 def _awex_gaps(cfg: Any) -> Iterator[Problem]:
-    """AWEX runs in the job as colocate mode, megatron actor → HF rollout server; the rest is a gap."""
-    mode = cfg.weight_sync.awex_mode or _AWEX_MODES[cfg.rollout.mode]
+    """AWEX runs in the job from the megatron actor to the HF rollout server (colocate or separate mode)."""
     engine, backend = cfg.models.actor.engine, cfg.rollout.backend
     if engine != "megatron":
         yield Problem(
@@ -74,12 +71,4 @@ def _awex_gaps(cfg: Any) -> Iterator[Problem]:
             f"the job's AWEX reader is the hf rollout server's (/awex/init); rollout.backend is {backend!r}",
             "awex",
             "rollout.backend: hf, or weight_sync.backend: torch",
-        )
-    if mode != "colocate":
-        yield Problem(
-            "weight_sync.awex_mode",
-            "AWEX separate mode is not verified on GPUs yet: its reader hung at the first barrier on two H200s "
-            "(the cause, torch splitting AWEX's group from the actor's own, is fixed but not yet run there)",
-            mode,
-            "rollout.mode: colocated (AWEX colocate), or weight_sync.backend: torch",
         )
