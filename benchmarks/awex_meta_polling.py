@@ -1,5 +1,5 @@
 """How long after a key or set appears on awex's MetaServer a waiting client notices it (awex 0.9.0 gap 8,
-engines/weight_sync/awex.py): awex's own polling (0.2 s back-off growing to 1 s) against
+engines/weight_sync/awex_latency.py): awex's own polling (0.2 s back-off growing to 1 s) against
 `fast_meta_server_polling()` (POLL_INITIAL_S growing to POLL_MAX_S). Runs on CPU: a real MetaServer process,
 a writer thread that puts the key (or fills the set) after a delay drawn uniformly from 0.05–0.6 s (AWEX's
 handshakes wait for the other side's work of that order), and the waiting client.
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from awex.meta.meta_server import MetaServerClient, start_meta_server, stop_meta_server
 
     from mopd_hpc.atomic import atomic_write_json
-    from mopd_hpc.engines.weight_sync import awex as gaps
+    from mopd_hpc.engines.weight_sync import awex_latency as gaps
 
     host, port = start_meta_server("127.0.0.1", 0)
     try:

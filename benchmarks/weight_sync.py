@@ -13,7 +13,8 @@ tensor (flattened per dtype) and the server loads them into its model.
 AWEX (method "awex"): a writer process (GPU 0: `MegatronTrainEngine` built from the checkpoint,
 `AwexActorPublisher`, the MetaServer) and a reader process (GPU 1: `HFRolloutEngine` + `hf_awex_engine`);
 one sync = `publish(step)` on the writer while the reader's `update_weights()` waits (the reader is
-given 0.5 s to reach its receive first); timed on the writer, device synchronized. The first update
+given 0.5 s to reach its receive first); timed on the writer, device synchronized (`reader_times_s`, the
+reader's update_weights, include that 0.5 s: they start before the writer's sleep). The first update
 (metadata exchange, plan, NCCL group) is reported apart as `first_s`. awex sends the tied embedding twice
 (as model.embed_tokens and as the lm_head alias both sides add): `sent_bytes`; `bytes` (the floor) counts
 each weight once, as the torch rows do.

@@ -249,7 +249,7 @@ def test_awex_groups_are_not_split_from_a_bound_default_group(monkeypatch: pytes
 _POLLING = """
 import json, sys, threading, time
 from awex.meta.meta_server import MetaServerClient, start_meta_server, stop_meta_server
-from mopd_hpc.engines.weight_sync.awex import fast_meta_server_polling
+from mopd_hpc.engines.weight_sync.awex_latency import fast_meta_server_polling
 
 if __name__ == "__main__":
     fast_meta_server_polling()

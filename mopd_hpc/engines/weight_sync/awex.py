@@ -29,14 +29,9 @@ awex 0.9.0 gaps, each handled here (tests/test_awex_config.py):
    default group has no bound device, waited for it forever in a real 2-rank init — the hang seen on 2 H200s
    in session 2. `unsplit_custom_groups()` makes awex's group creation run with the default group's
    bound device cleared (restored right after), so the group is a fresh communicator of its own store's ranks
-   on both sides. Found from torch's source (distributed_c10d._new_process_group_helper); not yet run on
-   two GPUs.
-8. latency: every AWEX handshake is a key or a set on the MetaServer (HTTP) that the other side polls for
-   (`MetaServerClient.wait_key`, `.wait_set_until_size`) with a back-off from 0.2 s growing ×1.5 to 1 s (3 s
-   after a minute); a set wait sleeps twice per round. A colocate sync waits on five of them in sequence, so
-   on the H200 a one-rank sync of a 0.6B model took ~1.8 s of which ~1.6 s were spent after the data had
-   been copied. `fast_meta_server_polling()` replaces the two waits with the same semantics (the same
-   timeouts and TimeoutError messages) polling from `POLL_INITIAL_S` growing ×1.5 to `POLL_MAX_S`.
+   on both sides. Found from torch's source (distributed_c10d._new_process_group_helper); on two H200s
+   separate mode then ran (tests/test_awex_hf_gpu.py[separate]: bitwise; tests/test_gpu_job.py, 3 steps).
+(8–11: latency, in awex_latency.py.)
 
 `awex_plan.simulate_transfer_plan` validates AWEX transfer plans of a job's rank layout on CPU (awex's own
 TransferPlanBuilder, replayed on CPU tensors as in awex/tests/test_transfer_plan_cpu_sim.py).
@@ -93,7 +88,7 @@ def require_awex(find_spec: Callable[[str], Any] = importlib.util.find_spec) -> 
             raise AwexUnavailableError(f"cannot use weight_sync.backend 'awex': {module} is missing; {why}")
 
 
-# ------------------------------------------------------------------------------------ MetaServer address
+# ------------------------------------------------------------ gap 7: awex's custom groups, not split
 
 
 def _unsplit(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,52 +125,7 @@ def unsplit_custom_groups() -> None:
     module.init_custom_process_group = _unsplit(module.init_custom_process_group)
 
 
-#: Polling of MetaServer keys and sets (gap 8): first interval and cap, in seconds.
-POLL_INITIAL_S = 0.002
-POLL_MAX_S = 0.05
-
-
-def _wait_key(self: Any, key: str, timeout: float) -> None:
-    """`MetaServerClient.wait_key` polling at POLL_INITIAL_S… POLL_MAX_S (gap 8)."""
-    deadline = time.monotonic() + timeout
-    delay = POLL_INITIAL_S
-    while not self._has_key(key):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"Timeout waiting for key '{key}'")
-        time.sleep(delay)
-        delay = min(delay * 1.5, POLL_MAX_S)
-
-
-def _wait_set_until_size(
-    self: Any, key: str, size: int, timeout: float, delete_after_wait: bool = False
-) -> None:
-    """`MetaServerClient.wait_set_until_size` polling at POLL_INITIAL_S… POLL_MAX_S (gap 8)."""
-    deadline = time.monotonic() + timeout
-    delay = POLL_INITIAL_S
-    while True:
-        current = self.get_object(key, default_value=set())
-        if current is not None and len(current) >= size:
-            break
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"Timeout waiting for set {key} to reach size {size}")
-        time.sleep(delay)
-        delay = min(delay * 1.5, POLL_MAX_S)
-    if delete_after_wait:
-        self.delete_if_exists(key)
-
-
-def fast_meta_server_polling() -> None:
-    """Gap 8 (module docstring): awex's MetaServer clients poll keys and sets from POLL_INITIAL_S up to
-    POLL_MAX_S instead of 0.2 s up to 1 s. Idempotent.
-
-    Raises:
-        AwexUnavailableError: awex or megatron.core is not importable.
-    """
-    require_awex()
-    from awex.meta.meta_server import MetaServerClient
-
-    MetaServerClient.wait_key = _wait_key
-    MetaServerClient.wait_set_until_size = _wait_set_until_size
+# ------------------------------------------------------------------------------------ MetaServer address
 
 
 def write_meta_server_address(run_dir: str | Path, host: str, port: int) -> Path:

@@ -44,11 +44,16 @@ from typing import Any
 
 from mopd_hpc.engines.weight_sync.awex import (
     AwexJobConfig,
-    fast_meta_server_polling,
     patch_colocate_writer,
     require_awex,
     unsplit_custom_groups,
     write_meta_server_address,
+)
+from mopd_hpc.engines.weight_sync.awex_latency import (
+    cached_device_probe,
+    fast_meta_server_polling,
+    freeze_long_lived_objects,
+    young_gc_in_separate_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -206,7 +211,9 @@ class AwexActorPublisher:
     def __init__(self, cfg: AwexJobConfig, actor: Any) -> None:
         register_local_spec_names()
         unsplit_custom_groups()  # gap 7: the actor's default group has a bound device (awex.py)
-        fast_meta_server_polling()  # gap 8 (awex.py)
+        fast_meta_server_polling()  # gap 8 (awex_latency.py)
+        young_gc_in_separate_steps()  # gap 9 (awex_latency.py)
+        cached_device_probe()  # gap 10 (awex_latency.py)
         self.cfg, self.actor = cfg, actor
         self.engine = _megatron_engine_class()(
             cfg.trainer_config(), pretrained_config(actor.hf_config), [actor.model]
@@ -234,4 +241,5 @@ class AwexActorPublisher:
         self.engine.write_weights()
         torch.cuda.synchronize()
         self.seconds.append(time.perf_counter() - t0)
+        freeze_long_lived_objects()  # gap 11 (awex_latency.py): acts once, after the first sync
         return self.seconds[-1]

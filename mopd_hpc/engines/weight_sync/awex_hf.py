@@ -35,7 +35,9 @@ behaviour); 3 and 5 are the writer's (awex_actor.py); 6. colocate mode with one 
 ranks (rank 0 receives from rank infer_world − 1), which is rank 0 itself, and NCCL's self-receive fails
 ("ncclInternalError … ncclSocketInit: … family 0", seen on the H200) → `register_hf_engine()` makes the
 handshake skip that case (there is nobody to wait for; awex's own batch isend/irecv warm-up already skips a
-world of 1).
+world of 1); 7 (awex.py: fresh NCCL group) and 8-10 (awex_latency.py: fast MetaServer polling,
+young-generation gc after a separate step, one NPU probe) are applied by `register_hf_engine()` as well, on
+the reader's side; 11 (awex_latency.py: gc.freeze once) after the engine's first `update_weights`.
 
 Colocate mode (one GPU, writer and reader in two processes): the writer copies the weights into grouped
 buffers, shares them by CUDA IPC through the MetaServer and releases its own memory; the reader resumes its
@@ -50,9 +52,14 @@ from typing import Any
 
 from mopd_hpc.engines.weight_sync.awex import (
     AwexConfigError,
-    fast_meta_server_polling,
     require_awex,
     unsplit_custom_groups,
+)
+from mopd_hpc.engines.weight_sync.awex_latency import (
+    cached_device_probe,
+    fast_meta_server_polling,
+    freeze_long_lived_objects,
+    young_gc_in_separate_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -166,7 +173,9 @@ def register_hf_engine() -> None:
         NCCLWorkerWeightsReader._shake_hands_with_writer
     )
     unsplit_custom_groups()  # gap 7 (awex.py), on the reader's side too
-    fast_meta_server_polling()  # gap 8 (awex.py)
+    fast_meta_server_polling()  # gap 8 (awex_latency.py)
+    young_gc_in_separate_steps()  # gap 9 (awex_latency.py)
+    cached_device_probe()  # gap 10 (awex_latency.py)
 
 
 class HFScheduler:
@@ -295,6 +304,7 @@ def _engine_class() -> type:
                 raise AwexConfigError("update_weights before initialize(): the AWEX reader is not built")
             self.weights_exchange_reader.update_weights(step_id=self.global_step, **kwargs)
             self.engine.weight_version = str(self.global_step)
+            freeze_long_lived_objects()  # gap 11 (awex_latency.py): acts once, after the first update
 
         def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
             self.engine.load_from_disk(model_path, str(self.global_step))
