@@ -238,7 +238,7 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         seq(set_("weight_sync.backend", "awex"), set_("rollout.engines.tensor_parallel", 2)),
         [
             "rollout.engines.tensor_parallel: the HF rollout engine's AWEX reader (engines/weight_sync/awex_hf.py) is one "
-            "process (got 2; 1, or rollout.backend: sglang)"
+            "process (got 2; expected 1, or rollout.backend: sglang)"
         ],
     ),
     (

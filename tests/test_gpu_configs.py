@@ -92,6 +92,19 @@ def test_awex_colocate_needs_one_rollout_rank_per_actor_gpu() -> None:
     assert ok.rollout.engines.count == 2
 
 
+def test_awex_colocate_pairing_follows_rollout_mode_when_awex_mode_is_null() -> None:
+    # awex_mode null + rollout.mode colocated is colocate mode: the same pairing rule applies
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(_with(rollout__engines__count=4, weight_sync__awex_mode=None))
+    assert "AWEX colocate pairs each of the actor's 8 GPUs" in str(err.value)
+    assert "or rollout.mode: separated (AWEX separate mode)" in str(err.value)
+    # an awex_mode that contradicts rollout.mode is one problem, not also a pairing problem
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(_with(rollout__engines__count=4, rollout__mode="separated"))
+    problems = [p.path for p in err.value.problems]
+    assert "weight_sync.awex_mode" in problems and "rollout.engines" not in problems, problems
+
+
 def test_awex_colocate_rejected_by_check_cli(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(_with(rollout__engines__count=2)))
@@ -110,7 +123,7 @@ def test_production_engines_are_refused_at_submit_not_substituted(config: str, t
     check = mopd_submit("--check", REPO / config)
     assert check.returncode == 0, check.stderr
     assert "# warning: not run by the job's roles yet: models.actor.tensor_parallel: the actor role runs the " \
-        "megatron engine on one process: tensor_parallel > 1 needs ranks it does not start (got 8; 1)" \
+        "megatron engine on one process: tensor_parallel > 1 needs ranks it does not start (got 8; expected 1)" \
         in check.stdout  # fmt: skip
     run = mopd_submit(REPO / config, "--run-dir", tmp_path / "run")
     assert run.returncode == 2

@@ -77,10 +77,10 @@ def test_teacher_at_tp2_is_a_gap_naming_the_field_value_and_1() -> None:
     gaps = [g for g in job_gaps(gpu_config(2)) if g.path.startswith("models.teachers")]
     assert len(gaps) == 1
     gap = gaps[0]
-    assert (gap.path, gap.got, gap.expected) == ("models.teachers[0].tensor_parallel", 2, "1")
+    assert (gap.path, gap.got, gap.expected) == ("models.teachers[0].tensor_parallel", 2, "expected 1")
     assert gap.render() == (
         "models.teachers[0].tensor_parallel: the teacher role serves each teacher from one process: a "
-        "megatron teacher at tensor_parallel > 1 needs follower ranks it does not start (got 2; 1)"
+        "megatron teacher at tensor_parallel > 1 needs follower ranks it does not start (got 2; expected 1)"
     )
     warnings = gpu_config(2).warnings()
     assert any(

@@ -32,7 +32,7 @@ def job_gaps(cfg: Any) -> list[Problem]:
                 "the actor role runs the megatron engine on one process: tensor_parallel > 1 needs ranks "
                 "it does not start",
                 actor.tensor_parallel,
-                "1",
+                "expected 1",
             )
         )
     for i, teacher in enumerate(cfg.models.teachers):
@@ -45,12 +45,17 @@ def job_gaps(cfg: Any) -> list[Problem]:
                     f"the teacher role serves each teacher from one process: a {teacher.engine} teacher at "
                     "tensor_parallel > 1 needs follower ranks it does not start",
                     teacher.tensor_parallel,
-                    "1",
+                    "expected 1",
                 )
             )
     if cfg.rollout.backend != "hf":
         out.append(
-            Problem("rollout.backend", "the rollout role runs the hf server only", cfg.rollout.backend, "hf")
+            Problem(
+                "rollout.backend",
+                "the rollout role runs the hf server only",
+                cfg.rollout.backend,
+                "expected 'hf'",
+            )
         )
     return out + list(_awex_gaps(cfg)) if cfg.weight_sync.backend == "awex" else out
 

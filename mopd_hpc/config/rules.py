@@ -231,7 +231,7 @@ def _awex(c: Any) -> Iterator[Problem]:
             "rollout.engines.tensor_parallel",
             "the HF rollout engine's AWEX reader (engines/weight_sync/awex_hf.py) is one process",
             c.rollout.engines.tensor_parallel,
-            "1, or rollout.backend: sglang",
+            "expected 1, or rollout.backend: sglang",
         )
     if c.models.actor.engine != "megatron":
         yield Problem(
@@ -253,8 +253,12 @@ def _awex(c: Any) -> Iterator[Problem]:
 @rule("weight_sync", "rollout", "cluster")
 def _awex_colocate(c: Any) -> Iterator[Problem]:
     """AWEX colocate mode pairs every trainer rank with one rollout rank on the same GPU (its reader
-    requires that bijection, algo_awex.md §2.3): the rollout ranks must cover the actor's GPUs exactly."""
-    if c.weight_sync.backend != "awex" or c.weight_sync.awex_mode != "colocate":
+    requires that bijection, algo_awex.md §2.3): the rollout ranks must cover the actor's GPUs exactly.
+    Colocate mode is weight_sync.awex_mode, or rollout.mode colocated when it is null; an awex_mode that
+    contradicts rollout.mode is `_awex`'s problem alone (one cause, one problem)."""
+    if c.weight_sync.backend != "awex" or c.rollout.mode != "colocated":
+        return
+    if c.weight_sync.awex_mode not in (None, "colocate"):
         return
     group, engines = c.cluster.trainer_group, c.rollout.engines
     infer_world = engines.count * engines.tensor_parallel
@@ -264,7 +268,7 @@ def _awex_colocate(c: Any) -> Iterator[Problem]:
             f"AWEX colocate pairs each of the actor's {group.gpus} GPUs with one rollout rank, but "
             f"count·tensor_parallel = {engines.count}·{engines.tensor_parallel} = {infer_world}",
             infer_world,
-            f"count·tensor_parallel = {group.gpus}, or weight_sync.awex_mode: separate",
+            f"count·tensor_parallel = {group.gpus}, or rollout.mode: separated (AWEX separate mode)",
         )
 
 
