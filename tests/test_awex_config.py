@@ -4,13 +4,12 @@ own TransferPlanBuilder (replayed on CPU tensors)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
+from helpers_scripts import run_report
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.megatron.convert import Qwen3Shape
@@ -280,13 +279,7 @@ def test_fast_polling_keeps_awex_wait_semantics(tmp_path: Path) -> None:
     with awex's own messages, against a real MetaServer process."""
     pytest.importorskip("awex", reason="awex is not installed")
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    script = tmp_path / "polling.py"
-    script.write_text(_POLLING)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_report(tmp_path, _POLLING, timeout_s=120, name="polling.py")
     assert report["get_after_put"] == {"v": 1}
     assert report["set_deleted_after_wait"] is True
     assert report["key_timeout"][0] == "Timeout waiting for key 'missing'"

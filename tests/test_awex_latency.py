@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import gc
 import inspect
-import json
-import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
 
 import pytest
+from helpers_scripts import run_report
 
 from mopd_hpc.engines.weight_sync import awex_latency as gaps
 from mopd_hpc.engines.weight_sync.awex import AwexUnavailableError, require_awex
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _awex_importable() -> bool:
@@ -197,13 +193,7 @@ def test_gap9_real_awex_separate_steps_collect_young_and_free_their_tensors(tmp_
     """awex's own `_write_weights` / `_update_weights` on a fake group: each ends with one young collection,
     every converted copy is freed when the step returns (also one held only by a reference cycle, with the
     automatic collector off), the sends carry the parameters' values, and collections outside a step stay full."""
-    script = tmp_path / "steps.py"
-    script.write_text(_STEPS)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_report(tmp_path, _STEPS, timeout_s=180, name="steps.py")
     assert report["writer_generations"] == [1] and report["reader_generations"] == [1]
     assert report["outside_step"] == [2]
     assert report["converted"] == 4 and report["alive_after_writer_step"] == 0
@@ -275,13 +265,7 @@ def test_gap11_freezes_once_and_later_garbage_cycles_are_still_collected(tmp_pat
     calls do nothing (False, the freeze count unchanged); a reference cycle created after the freeze is
     collected by a full `gc.collect()`, while one frozen and dropped later is not (gc.freeze's documented
     trade-off, module docstring)."""
-    script = tmp_path / "freeze.py"
-    script.write_text(_FREEZE)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_report(tmp_path, _FREEZE, timeout_s=120, name="freeze.py")
     assert report["calls"] == [True, False, False]
     assert report["before"] == 0 and report["frozen"] > 0
     assert report["after"] == report["frozen"]
