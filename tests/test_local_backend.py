@@ -88,6 +88,7 @@ def test_probe_only_local_run_reports_every_child(tmp_path: Path) -> None:
         assert sorted(report["ports"]) == sorted(child["port_names"])
         assert report["transfer_ranks"] == child["transfer_ranks"] and report["restart_count"] == 0
         assert report["resume_checkpoint"] is None and report["env"]["MOPD_BACKEND"] == "local"
+        assert report["weight_sync_backend"] == "torch"  # the probe table numbers as the dry-run
     assert [r["topology"]["rank"] for r in got if r["plan_role"] == "rollout"] == [0, 1]
     ports = [p for r in got for p in r["ports"].values()]
     assert len(ports) == len(set(ports)) == 1 + 2 + 2 * 3  # no port leased twice on this host

@@ -162,7 +162,7 @@ def test_rank_map_rows() -> None:
     rows = rank_map_rows(plan_of("qwen3_coder_4node.yaml"))
     rollout = [r for r in rows if r["role"] == "rollout"]
     assert rollout[1] == {
-        "component": "1:rollout", "node": "0", "role": "rollout", "index": "1", "gpus": "4,5,6,7",
+        "component": "1:rollout", "node": "0", "role": "rollout", "index": "1", "model": "-", "gpus": "4,5,6,7",
         "ports": "http, nccl, dist_init (assigned at start)", "transfer_rank": "4-7",
     }  # fmt: skip
     assert compact_ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11" and compact_ranges([]) == "-"

@@ -4,9 +4,10 @@ inside an `salloc` allocation.
 The same plan, run directory, node launcher and guard as the batch script: one `srun [--het-group=N]` per
 component within the allocation, each node's guard spawning its children from `run_dir/plan.json`. The
 child logs are printed live with `[host role-index]` prefixes; Ctrl-C stops every guard (children killed,
-leases released) and exits 130. The allocation must fit the config (het groups, node counts, and CPUs per
-task: each group's nodes hold at least its cpus_per_task), else exit 2 with the `salloc` command that fits;
-outside an allocation, exit 2.
+leases released) and exits 130. When a step ends with code 0 the others get `--end-grace-s` to end on their
+own (the job end is announced in the run dir); those still running then are stopped, not counted as failed.
+The allocation must fit the config (het groups, node counts, and CPUs per task: each group's nodes hold at
+least its cpus_per_task), else exit 2 with the `salloc` command that fits; outside an allocation, exit 2.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stop-wait-s", type=float, default=30.0, help="after Ctrl-C, seconds before srun kills the steps"
+    )
+    parser.add_argument(
+        "--end-grace-s",
+        type=float,
+        default=30.0,
+        help="after a step ends with code 0, seconds the others get to end on their own before Ctrl-C",
     )
 
 
@@ -114,6 +121,7 @@ def execute(
             out=out,
             python=python,
             stop_wait_s=args.stop_wait_s,
+            end_grace_s=args.end_grace_s,
         )
     except DebugSessionError as exc:
         print(f"mopd-debug run: {exc}", file=err)

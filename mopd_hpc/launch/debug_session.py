@@ -5,6 +5,10 @@
   inside an `salloc` allocation: the batch script's steps (one `srun [--het-group=N]` per component, each
   running `launchers/node.sh` → `mopd-guard --plan`), in the foreground (`run_steps`).
 
+A step that ends with code 0 (the trainer, done) leaves the others `end_grace_s` to end on their own (the
+actor announced the job end in the run dir, trainer/job_end.py): only those still running then are
+interrupted, and that interrupt is not a failure of the run.
+
 Ctrl-C (`run_steps`): the sruns run in their own session (the terminal's SIGINT reaches only this process)
 with `--disable-status`, so one SIGINT forwarded to each srun reaches the guards at once (srun turns its own
 SIGTERM into a SIGKILL of its tasks: not a clean stop); each guard kills its children and releases their
@@ -35,6 +39,9 @@ from mopd_hpc.runtime.signals import killpg_quiet
 
 #: After the stop (Ctrl-C, or a step that ended), seconds the steps get before srun is told to kill them.
 DEFAULT_STOP_WAIT_S = 30.0
+#: After a step ended with code 0, seconds the other steps get to end on their own (they stop on the job end
+#: the actor announced in the run dir, trainer/job_end.py) before they are interrupted.
+DEFAULT_END_GRACE_S = 30.0
 #: Step log of `mopd-debug run`, per component, under run_dir/logs (`%t`: Slurm's task id).
 STEP_LOG_PATTERN = "{name}.debug.t%t.log"
 #: Exit code after Ctrl-C (128 + SIGINT).
@@ -266,13 +273,20 @@ def run_steps(
     out: TextIO,
     python: str = sys.executable,
     stop_wait_s: float = DEFAULT_STOP_WAIT_S,
+    end_grace_s: float = DEFAULT_END_GRACE_S,
     poll_s: float = _POLL_S,
 ) -> int:
     """Start every step (srun argv) in the foreground, print the run's logs live, and stop them all when one
-    ends or on Ctrl-C (module docstring).
+    fails or on Ctrl-C (module docstring).
+
+    A step that ends with code 0 (the trainer after its last step) does not stop the others at once: they
+    get `end_grace_s` seconds to end on their own (the actor announced the job end in
+    run_dir/state/job_end.json, trainer/job_end.py; their servers stop on it). Only the steps still running
+    after that get SIGINT, and their exit codes (130 after that SIGINT) do not count as failures.
 
     Returns:
-        130 after Ctrl-C; else the exit code of the first step that failed (0 when all ended 0).
+        130 after Ctrl-C; else the exit code of the first step that failed on its own (0 when every step
+        ended 0, or was stopped only after another step's clean end).
     """
     follower = _Follower(run_dir, out)
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
@@ -282,7 +296,11 @@ def run_steps(
         s: signal.signal(s, lambda n, _f: interrupts.append(time.monotonic()))
         for s in (signal.SIGINT, signal.SIGTERM)
     }
-    stop_at: float | None = None
+    stop_at: float | None = None  # set once the steps were told to stop (SIGINT): when to escalate
+    grace_until: float | None = None  # set when a step ended 0: until when the others may end on their own
+    clean_end: str | None = None  # the step whose code 0 started the grace period
+    after_clean_end: set[str] = set()  # steps stopped after that clean end (their codes are not failures)
+    ended: set[str] = set()
     escalated = 0
     first_rc: int | None = None
 
@@ -290,6 +308,36 @@ def run_steps(
         for _, proc in procs:
             if proc.poll() is None:
                 killpg_quiet(proc.pid, signum)
+
+    def start_stop(message: str) -> None:
+        nonlocal stop_at
+        print(f"[debug run] {message}", file=out, flush=True)
+        stop_all(signal.SIGINT)
+        stop_at = time.monotonic() + stop_wait_s
+
+    def note_ended() -> None:
+        """Act on the steps that ended since the last call (a failure stops the others, a clean end starts
+        the grace period)."""
+        nonlocal first_rc, clean_end, grace_until
+        for name, proc in procs:
+            rc = proc.poll()
+            if rc is None or name in ended:
+                continue
+            ended.add(name)
+            if stop_at is not None:
+                continue  # stopping already: this step ended on the SIGINT (or escalation)
+            running = any(p.poll() is None for _, p in procs)
+            if rc != 0:
+                first_rc = rc if first_rc is None else first_rc
+                start_stop(f"the step of {name} ended with code {rc}" + (": stopping the others" * running))
+            elif grace_until is None and running:
+                clean_end, grace_until = name, time.monotonic() + end_grace_s
+                print(
+                    f"[debug run] the step of {name} ended with code 0: the others get {end_grace_s:g} s "
+                    "to end on their own (the job end is announced in the run dir)",
+                    file=out,
+                    flush=True,
+                )
 
     try:
         for name, argv in steps:
@@ -310,20 +358,16 @@ def run_steps(
             if len(interrupts) > handled:
                 handled = len(interrupts)
                 if stop_at is None:
-                    print("[debug run] interrupted: stopping the guards (SIGINT)", file=out, flush=True)
-                    stop_all(signal.SIGINT)
-                    stop_at = time.monotonic() + stop_wait_s
+                    start_stop("interrupted: stopping the guards (SIGINT)")
                 else:
                     stop_at = time.monotonic()  # a second Ctrl-C: escalate now
-            for name, proc in procs:
-                rc = proc.poll()
-                if rc is not None and stop_at is None:
-                    print(
-                        f"[debug run] the step of {name} ended with code {rc}: stopping the others", file=out
-                    )
-                    first_rc = rc
-                    stop_all(signal.SIGINT)
-                    stop_at = time.monotonic() + stop_wait_s
+            note_ended()
+            if stop_at is None and grace_until is not None and time.monotonic() >= grace_until:
+                after_clean_end = {n for n, p in procs if p.poll() is None}
+                start_stop(
+                    f"{', '.join(sorted(after_clean_end))} still running {end_grace_s:g} s after the step of "
+                    f"{clean_end} ended with code 0: stopping them (SIGINT; not counted as a failure)"
+                )
             if stop_at is not None and time.monotonic() >= stop_at:
                 escalated += 1
                 sig = signal.SIGTERM if escalated == 1 else signal.SIGKILL
@@ -331,6 +375,7 @@ def run_steps(
                 stop_all(sig)
                 stop_at = time.monotonic() + 10.0
             time.sleep(poll_s)
+        note_ended()
     finally:
         for _, proc in procs:
             if proc.poll() is None:
@@ -340,9 +385,14 @@ def run_steps(
             signal.signal(signum, handler)
     follower.poll()
     codes = {name: proc.returncode for name, proc in procs}
-    print(f"[debug run] done: step exit codes {codes}", file=out, flush=True)
+    note = (
+        f" ({', '.join(sorted(after_clean_end))}: stopped after the clean end of {clean_end}, not a failure)"
+        if after_clean_end
+        else ""
+    )
+    print(f"[debug run] done: step exit codes {codes}{note}", file=out, flush=True)
     if interrupts:
         return EXIT_INTERRUPTED
     if first_rc:
         return first_rc
-    return next((rc for rc in codes.values() if rc), 0)
+    return next((rc for name, rc in codes.items() if rc and name not in after_clean_end), 0)

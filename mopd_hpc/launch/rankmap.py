@@ -1,5 +1,5 @@
-"""The dry-run rank map: one row per planned child (component, node, role, index, GPUs, named ports and
-the child's place in the weight sync), as `mopd-submit --dry-run` prints it. Ports are leased when the guard
+"""The dry-run rank map: one row per planned child (component, node, role, index, model (a teacher's id),
+GPUs, named ports and the child's place in the weight sync), as `mopd-submit --dry-run` prints it. Ports are leased when the guard
 starts the child: the map names them, 'assigned at start'.
 
 The weight-sync column follows `weight_sync.backend`: for `awex`, each child's AWEX transfer ranks (the title
@@ -62,13 +62,24 @@ def _sync_column(role: str, index: int, child: ChildSpec, backend: str) -> tuple
     return "broadcast_rank", "0 (source)" if rank == 0 else str(rank)
 
 
+def model_cell(role: str, env: dict[str, str]) -> str:
+    """The model column of one child: a teacher's model id (MOPD_TEACHER_ID, set by the plan), with its rank
+    in that teacher's group when the teacher spans several ranks ("chain (rank 1/2)"); "-" for other roles."""
+    teacher = env.get("MOPD_TEACHER_ID")
+    if role != "teacher" or not teacher:
+        return "-"
+    world = env.get("MOPD_WORLD_SIZE", "1")
+    return f"{teacher} (rank {env.get('MOPD_RANK', '0')}/{world})" if world not in ("", "1") else teacher
+
+
 def _check_backend(backend: str) -> None:
     if backend not in SYNC_BACKENDS:
         raise ValueError(f"weight_sync backend={backend!r}: expected one of {SYNC_BACKENDS}")
 
 
 def rank_map_rows(plan: JobPlan, sync_backend: str = "awex") -> list[dict[str, str]]:
-    """The rows of the rank map as strings (the table's columns), one per child, in plan order.
+    """The rows of the rank map as strings (the table's columns), one per child, in plan order. `model` is a
+    teacher's model id (`model_cell`), "-" for other roles.
 
     Args:
         sync_backend: `weight_sync.backend`. "awex": the last column is `transfer_rank` (the child's AWEX
@@ -95,6 +106,7 @@ def rank_map_rows(plan: JobPlan, sync_backend: str = "awex") -> list[dict[str, s
                 "node": str(child.node_index),
                 "role": shown_role,
                 "index": shown_index,
+                "model": model_cell(role, env),
                 "gpus": gpus,
                 "ports": f"{', '.join(child.port_names)} ({PORTS_NOTE})" if child.port_names else "-",
                 key: cell,
@@ -126,7 +138,7 @@ def rank_map_table(plan: JobPlan, sync_backend: str = "awex", awex_mode: str | N
         f"{' (probe-only: every child runs the probe role)' if plan.probe else ''}; {sync}"
     )
     table = Table(title=title, title_justify="left")
-    headers = ("component", "node", "role", "index", "GPUs", "named ports", column)
+    headers = ("component", "node", "role", "index", "model", "GPUs", "named ports", column)
     for header in headers:
         table.add_column(header, overflow="fold")
     for row in rank_map_rows(plan, sync_backend):
@@ -152,37 +164,68 @@ def read_probe_reports(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return sorted(reports, key=lambda r: (r.get("role", ""), r.get("index", 0)))
 
 
-def probe_report_table(reports: Sequence[dict[str, Any]]) -> Table:
-    """What the probes reported: host, het group/node, the role stood in for, ranks, ports, transfer ranks."""
+def _probe_gpus(topology: dict[str, Any]) -> str:
+    """The GPUs cell of a probe report, as the rank map's: the child's CUDA_VISIBLE_DEVICES tokens and, when
+    it uses one of them, "(from <token>)"; "cpu" without GPUs."""
+    tokens = [str(t) for t in topology.get("gpu_tokens") or ()]
+    if not tokens:
+        return "cpu"
+    device = topology.get("local_device_index")
+    used = f" (from {tokens[device]})" if isinstance(device, int) and 0 <= device < len(tokens) else ""
+    return ",".join(tokens) + used
+
+
+def probe_report_table(reports: Sequence[dict[str, Any]], sync_backend: str | None = None) -> Table:
+    """What the probes reported: host, het group/node, the role stood in for (with a teacher's model id),
+    rank/world, local rank, GPUs (the child's CUDA_VISIBLE_DEVICES tokens), ports, the weight-sync rank, and
+    the restart count.
+
+    The weight-sync column is the dry-run rank map's (`rank_map_rows`) for the job's `weight_sync.backend`:
+    `sync_backend`, else the backend the reports name (`weight_sync_backend`, from the run config), else
+    "awex". For torch it is the broadcast rank (trainer rank 0: "0 (source)", rollout engine i: 1 + i); for
+    awex, the AWEX transfer ranks. Raises ValueError for an unknown backend.
+    """
+    if sync_backend is None:
+        named = {r.get("weight_sync_backend") for r in reports} - {None}
+        sync_backend = named.pop() if len(named) == 1 else "awex"
+    _check_backend(sync_backend)
+    column = "AWEX transfer rank" if sync_backend == "awex" else "torch broadcast rank"
     table = Table(title=f"what the {len(reports)} probe(s) reported", title_justify="left")
     for header in (
         "host",
         "het group",
         "node",
         "role",
+        "model",
         "rank/world",
         "local",
+        "GPUs",
         "ports",
-        "transfer",
+        column,
         "restart",
     ):
         table.add_column(header, overflow="fold")
     for r in reports:
         topo = r.get("topology", {})
-        role = (
-            f"{r.get('plan_role')}[{r.get('plan_index')}]"
-            if r.get("plan_role")
-            else f"{r['role']}[{r['index']}]"
+        role, index = (
+            (r["plan_role"], r.get("plan_index") or 0) if r.get("plan_role") else (r["role"], r["index"])
         )
+        if sync_backend == "awex":
+            sync = compact_ranges(r.get("transfer_ranks", []))
+        else:
+            rank = broadcast_rank(role, int(index))
+            sync = "-" if rank is None else "0 (source)" if rank == 0 else str(rank)
         table.add_row(
             str(r.get("host")),
             f"{topo.get('het_group')}/{topo.get('het_size')}",
             f"{topo.get('node_index')}/{topo.get('node_count')}",
-            role,
+            f"{role}[{index}]",
+            model_cell(role, r.get("env") or {}),
             f"{topo.get('rank')}/{topo.get('world_size')}",
             f"{topo.get('local_rank')}/{topo.get('local_world_size')}",
+            _probe_gpus(topo),
             ", ".join(f"{k}={v}" for k, v in sorted(r.get("ports", {}).items())) or "-",
-            compact_ranges(r.get("transfer_ranks", [])),
+            sync,
             str(r.get("restart_count")),
         )
     return table

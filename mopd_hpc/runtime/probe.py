@@ -8,7 +8,9 @@ with `role`, `index`, `generation`, `pid`, `host`, `topology` (`RankTopology.to_
 (name → port, from `MOPD_PORT_<NAME>`), `transfer_ranks` (from the plan, `MOPD_TRANSFER_RANKS`),
 `plan_role`/`plan_index` (the role a probe-only plan's probe stands in for, or null), `restart_count`
 (`SLURM_RESTART_COUNT`, 0 when unset), `resume_checkpoint` (what `<run_dir>/checkpoints/latest` points to:
-a link's target or the file's text; null when absent), and `env`: the values of `CUDA_VISIBLE_DEVICES`,
+a link's target or the file's text; null when absent), `weight_sync_backend` (the run config's
+`weight_sync.backend`, from `<run_dir>/config.yaml`, null without it: it decides which weight-sync rank the
+probe table shows, as the dry-run rank map does), and `env`: the values of `CUDA_VISIBLE_DEVICES`,
 every `MOPD_*` variable, and the variables named in `MOPD_PROBE_ENV_KEYS` (comma-separated), verbatim.
 
 Test knobs (environment): `MOPD_PROBE_HOLD_S=N` keeps the probe alive N seconds after writing (USR2 or
@@ -40,6 +42,8 @@ PROBE_EXIT_CODE = "MOPD_PROBE_EXIT_CODE"
 PROBE_EXIT_HET_GROUP = "MOPD_PROBE_EXIT_HET_GROUP"
 #: Where a trainer keeps its latest-checkpoint pointer, under the run directory.
 LATEST_CHECKPOINT = Path("checkpoints") / "latest"
+#: The run config as `mopd-submit` / `mopd-debug run` write it, under the run directory.
+RUN_CONFIG = "config.yaml"
 
 
 def resume_checkpoint(run_dir: Path) -> str | None:
@@ -52,6 +56,20 @@ def resume_checkpoint(run_dir: Path) -> str | None:
         return latest.read_text(encoding="utf-8").strip() or None
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
+
+
+def weight_sync_backend(run_dir: Path) -> str | None:
+    """`weight_sync.backend` of the run config `mopd-submit` wrote to `run_dir/config.yaml`; None when the
+    file is missing or unreadable or names none."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / RUN_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    sync = data.get("weight_sync") if isinstance(data, dict) else None
+    backend = sync.get("backend") if isinstance(sync, dict) else None
+    return backend if isinstance(backend, str) else None
 
 
 def probe_report(env: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
@@ -81,6 +99,7 @@ def probe_report(env: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
         "plan_role": env.get("MOPD_PLAN_ROLE"),
         "plan_index": int(env["MOPD_PLAN_INDEX"]) if env.get("MOPD_PLAN_INDEX") else None,
         "transfer_ranks": transfer,
+        "weight_sync_backend": weight_sync_backend(Path(env["MOPD_RUN_DIR"])),
         "restart_count": int(restart) if restart.isdigit() else 0,
         "resume_checkpoint": resume_checkpoint(Path(env["MOPD_RUN_DIR"])),
         "generation": int(env.get("MOPD_GENERATION", "0")),
