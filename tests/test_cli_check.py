@@ -130,25 +130,25 @@ def test_main_parses_argv(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
 
 
 def test_check_warns_about_model_directories_missing_here(tmp_path: Path) -> None:
-    from mopd_hpc.cli.submit import missing_model_paths
     from mopd_hpc.config import load_run_config
+    from mopd_hpc.config.paths import path_warnings as missing_model_paths
 
     cfg = load_run_config(
         REPO / "configs" / "local_cpu.yaml",
         ["models.teachers[0].path=.cache/models/teacher_chainsum", "models.teachers[1].path=Qwen/Qwen3-0.6B"],
     )
     (tmp_path / ".cache" / "models" / "student").mkdir(parents=True)
-    assert missing_model_paths(cfg, cwd=tmp_path) == [
+    assert missing_model_paths(cfg, tmp_path) == [
         "models.teachers[0].path: no such directory here: .cache/models/teacher_chainsum "
         "(the job fails at start unless it exists there)"
     ]  # the student exists, a hub id is not a directory
     (tmp_path / ".cache" / "models" / "student").rmdir()
-    assert missing_model_paths(cfg, cwd=tmp_path)[0] == (
+    assert missing_model_paths(cfg, tmp_path)[0] == (
         "models.actor.path: .cache/models/student is not built yet (`--local` builds the tiny models on first use)"
     )
     # a GPU config's `student` is not one of the CPU tiny models: it is never built on first use
     gpu = load_run_config(REPO / "configs" / "local_gpu_colocated.yaml")
-    assert missing_model_paths(gpu, cwd=tmp_path)[0] == (
+    assert missing_model_paths(gpu, tmp_path)[0] == (
         "models.actor.path: no such directory here: .cache/models/gpu_0_6b/student "
         "(the job fails at start unless it exists there)"
     )

@@ -5,9 +5,12 @@
 
 - `--check`: validate and print the resolved config; exit 0 or 2.
 - `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
-- `--dry-run`: print the sbatch command and script, then the rank map (component, node, role, index, GPUs,
-  named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch broadcast rank
-  for `torch`); no Slurm needed.
+- `--dry-run`: print the config warnings (as --check does, one a line), the rank map (component, node, role,
+  index, GPUs, named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch
+  broadcast rank for `torch`), then the sbatch command and script; no Slurm needed.
+- Every submit prints the config warnings before the rank map. A local run refuses (exit 2, before anything
+  starts) a model directory or jsonl file that does not exist here, but for the tiny models `--local` builds
+  on first use; a Slurm submit only warns (the path may exist on the cluster alone).
 - `--local` (or `cluster.backend: local`): run the job on this machine through one guard (launch/local.py);
   exit code = the guard's. Otherwise (`slurm`): write run_dir/plan.json and run_dir/config.yaml, sbatch the
   script, print the job id and the commands to follow it, and record the job in the job index.
@@ -35,6 +38,7 @@ from typing import TextIO
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
+from mopd_hpc.config.paths import local_path_errors, path_warnings
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
@@ -100,32 +104,14 @@ def summary(cfg: RunConfig) -> str:
     )
 
 
-def missing_model_paths(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
-    """Model and tokenizer paths that name a directory (a leading '.', '/' or '~', or more than one '/':
-    not a hub id like 'Qwen/Qwen3-0.6B') and do not exist here, one warning each. On a cluster they may
-    exist only on the job's nodes, so this warns; the job checks them at start."""
-    from mopd_hpc.trainer.local_setup import BUILT_NAMES, builds_tiny_models
+def submit_warnings(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
+    """Every warning --check prints: the config's own (`RunConfig.warnings`), then the paths missing here."""
+    return [*cfg.warnings(), *path_warnings(cfg, cwd)]
 
-    base = cwd or Path.cwd()
-    builder = builds_tiny_models(cfg)
-    paths = [
-        ("models.actor.path", cfg.models.actor.path),
-        ("models.tokenizer.path", cfg.models.tokenizer.path),
-    ]
-    paths += [(f"models.teachers[{i}].path", t.path) for i, t in enumerate(cfg.models.teachers)]
-    out = []
-    for field, value in dict.fromkeys(paths):
-        if not (value.startswith((".", "/", "~")) or value.count("/") > 1):
-            continue
-        if (base / Path(value).expanduser()).exists():
-            continue
-        if builder and Path(value).name in BUILT_NAMES:
-            out.append(f"{field}: {value} is not built yet (`--local` builds the tiny models on first use)")
-        else:
-            out.append(
-                f"{field}: no such directory here: {value} (the job fails at start unless it exists there)"
-            )
-    return out
+
+def _bulleted(head: str, problems: Sequence[str], tail: str = "") -> str:
+    """`head`, then one '  - problem' line each (as a ConfigError lists them), then `tail`."""
+    return "\n".join([head, *(f"  - {p}" for p in problems), *([tail] if tail else [])])
 
 
 def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
@@ -135,7 +121,7 @@ def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
 
     console = Console(file=out, soft_wrap=True)
     console.print(f"# {source or 'config'} is valid — {summary(cfg)}", markup=False, highlight=False)
-    for warning in [*cfg.warnings(), *missing_model_paths(cfg)]:
+    for warning in submit_warnings(cfg):
         console.print(f"# warning: {warning}", markup=False, highlight=False)
     console.print(
         Syntax(cfg.to_yaml(), "yaml", theme="ansi_dark", background_color="default", word_wrap=False)
@@ -213,24 +199,38 @@ def execute(
             plan = plan.as_probe()
         elif not args.render and not args.dry_run and (gaps := job_gaps(cfg)):
             raise UsageError(
-                "this config is valid but asks for what the job's roles do not run yet: "
-                + "; ".join(gap.render() for gap in gaps)
-                + " — use --dry-run/--render to review it, or --probe to run the control plane of this shape"
+                _bulleted(
+                    f"this config is valid but asks for what the job's roles do not run yet ({len(gaps)}):",
+                    [gap.render() for gap in gaps],
+                    "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
+                )
+            )
+        runs_here = cfg.cluster.backend == "local" and not args.render and not args.dry_run
+        if runs_here and not plan.probe and (absent := local_path_errors(cfg)):
+            raise UsageError(
+                _bulleted(
+                    f"cluster.backend is local: {len(absent)} path(s) the job reads do not exist here "
+                    "(nothing was started):",
+                    absent,
+                )
             )
         request = render(jobspec_from_config(cfg, path, python, plan))
     except (ConfigError, PlanError, JobSpecError, UsageError) as exc:
         print(str(exc) if isinstance(exc, ConfigError) else f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
     console = Console(file=out, soft_wrap=False, width=None if out.isatty() else 160)
+    warnings = submit_warnings(cfg)
     if args.dry_run:
+        for warning in warnings:
+            print(f"# warning: {warning}", file=out)
         if cfg.cluster.backend == "local":
             print(
                 "# cluster.backend is local: the job runs here, without Slurm (one guard, the rank map below);"
-                " the script is what `cluster.backend: slurm` would submit",
+                " the script after it is what `cluster.backend: slurm` would submit",
                 file=out,
             )
-        print(request.show(), file=out)
         print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
+        print(request.show(), file=out)
         return 0
     try:
         gpus = _local_gpus(cfg, environ) if cfg.cluster.backend == "local" and not args.render else ()
@@ -239,6 +239,8 @@ def execute(
     except (RunDirError, ResumeError, LocalGpuError) as exc:
         print(f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
+    for warning in warnings:  # as --check prints them, before the rank map
+        print(f"# warning: {warning}", file=out)
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
     plan.write(run_dir.root / PLAN_FILE_NAME)
     if args.render:  # the run dir is prepared as for a submission, so the script runs as written

@@ -168,3 +168,34 @@ class DataConfig(Section):
     def routes_used(self) -> tuple[str, ...]:
         """Routes named by the sources, in source order, de-duplicated."""
         return tuple(dict.fromkeys(s.route for s in self.sources))
+
+
+def unevaluated_sources(data: DataConfig) -> list[Problem]:
+    """Sources the held-out evaluation (data.eval, size > 0) leaves out, one problem each.
+
+    The held-out prompts are drawn per reasoning-gym source, from its task at data.eval.seed
+    (trainer/data_setup.py eval_prompts); a jsonl source has no held-out split (data/sources.py JsonlSource),
+    so its prompts, and a route that only jsonl sources feed, are never evaluated.
+    """
+    if data.eval.size == 0:
+        return []
+    evaluated = {s.route for s in data.sources if s.kind == "reasoning_gym"}
+    out = []
+    for i, source in enumerate(data.sources):
+        if source.kind == "reasoning_gym":
+            continue
+        route = (
+            f"route {source.route!r} is evaluated on its reasoning-gym sources only"
+            if source.route in evaluated
+            else f"route {source.route!r} gets no evaluation"
+        )
+        out.append(
+            Problem(
+                join_path("data", "sources", i),
+                f"source {source.name!r} (kind {source.kind}) is left out of the held-out evaluation "
+                f"(data.eval.size {data.eval.size}): only reasoning-gym sources have a held-out split, "
+                f"a {source.kind} file has none; {route}",
+                expected="evaluate it yourself on a held-out file, or data.eval.size: 0 to silence this",
+            )
+        )
+    return out

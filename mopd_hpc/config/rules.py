@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mopd_hpc.config.data import unevaluated_sources
 from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.config.problems import Problem, join_path, known
 
@@ -108,6 +109,12 @@ def _needs_gpus(path: str, what: str, value: object, group_path: str, way_out: s
     )
 
 
+def _divisors(n: int) -> str:
+    """'1, 2, 4 or 8' for 8."""
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ds[0] if len(ds) == 1 else f"{', '.join(ds[:-1])} or {ds[-1]}"
+
+
 def _parallel_problems(
     path: str, tp: int, pp: int, gpus_per_node: int, gpus: int, group_path: str, gpus_label: str = ""
 ) -> Iterator[Problem]:
@@ -123,7 +130,7 @@ def _parallel_problems(
             f"{path}.tensor_parallel",
             f"must divide {group_path}.gpus_per_node ({gpus_per_node})",
             tp,
-            "a divisor of the GPUs per node",
+            f"a divisor of the GPUs per node: {_divisors(gpus_per_node)}",
         )
     elif gpus % (tp * pp):
         yield Problem(
@@ -180,6 +187,36 @@ def _actor_layout(c: Any) -> Iterator[Problem]:
     )
 
 
+def _actor_ranks(c: Any) -> tuple[int, str]:
+    """(the actor's trainer ranks, how they are counted), as launch/placement.py place_children lays them:
+    one rank per trainer slot (nodes × max(1, gpus_per_node)), less the rollout engines' GPUs
+    (count·tensor_parallel) when the colocated shape runs rollout.mode separated on GPUs."""
+    group, where = c.cluster.trainer_group, _trainer_path(c.cluster)
+    slots = group.nodes * max(1, group.gpus_per_node)
+    how = f"{where}.nodes × max(1, gpus_per_node) = {group.nodes} × {max(1, group.gpus_per_node)}"
+    if c.cluster.shape == "colocated" and c.rollout.mode == "separated" and group.gpus_per_node:
+        engines = c.rollout.engines
+        how += f" − rollout.engines count·tensor_parallel {engines.count}·{engines.tensor_parallel}"
+        return slots - engines.count * engines.tensor_parallel, how
+    return slots, how
+
+
+@rule("models", "cluster", "rollout")
+def _torch_actor_world(c: Any) -> Iterator[Problem]:
+    """The torch engine trains on one process (trainer/actor_main.py check_actor_engine): one trainer rank."""
+    if c.models.actor.engine != "torch":
+        return
+    ranks, how = _actor_ranks(c)
+    if ranks > 1:  # ranks <= 0 is `_actor_layout`'s problem
+        where = _trainer_path(c.cluster)
+        yield Problem(
+            "models.actor.engine",
+            f"the torch engine trains on one process, but the actor has {ranks} trainer ranks ({how})",
+            "torch",
+            f"one trainer slot ({where}.nodes: 1 and gpus_per_node ≤ 1), or engine: megatron",
+        )
+
+
 @rule("models", "cluster")
 def _teacher_layout(c: Any) -> Iterator[Problem]:
     group, where = c.cluster.trainer_group, _trainer_path(c.cluster)
@@ -213,7 +250,9 @@ def _rollout_layout(c: Any) -> Iterator[Problem]:
     yield from _parallel_problems(
         "rollout.engines", engines.tensor_parallel, 1, group.gpus_per_node, group.gpus, where
     )
-    if group.gpus_per_node and engines.count * engines.tensor_parallel > group.gpus:
+    # an engine wider than the whole group is the tensor_parallel problem above, not a count problem
+    fits = engines.tensor_parallel <= group.gpus
+    if group.gpus_per_node and fits and engines.count * engines.tensor_parallel > group.gpus:
         yield Problem(
             "rollout.engines.count",
             f"count·tensor_parallel = {engines.count}·{engines.tensor_parallel} exceeds the {group.gpus} GPUs of {where}",
@@ -338,6 +377,7 @@ def config_warnings(cfg: Any) -> list[str]:
                     expected="remove it, or give it a weight",
                 ).render()
             )
+    out += [p.render() for p in unevaluated_sources(cfg.data)]
     if cfg.checkpoint_interval > cfg.steps:
         out.append(
             Problem(

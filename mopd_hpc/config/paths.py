@@ -1,0 +1,82 @@
+"""Local paths a RunConfig names (model and tokenizer directories, jsonl files) that do not exist here.
+
+`mopd-submit --check` and a Slurm submit warn about them (on a cluster they may exist only on the job's
+nodes; the job checks them at start); a local run (`cluster.backend: local`) refuses to start with one,
+except the tiny CPU models that `--local` builds on first use (trainer/local_setup.py BUILT_NAMES).
+Relative paths are relative to the submit directory (`base`), as the job resolves them
+(trainer/role_env.py with_absolute_paths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class MissingPath:
+    """One configured path that does not exist here.
+
+    field: the config field (`models.teachers[1].path`, `data.sources[0].path`); value: the path as
+    configured; what: 'directory' (a model or tokenizer) or 'file' (a jsonl source); built: a tiny model
+    that `--local` builds on first use (not a problem for a local run).
+    """
+
+    field: str
+    value: str
+    what: str
+    built: bool = False
+
+    def warning(self) -> str:
+        """The --check / Slurm submit warning (the path may exist on the job's nodes)."""
+        if self.built:
+            return (
+                f"{self.field}: {self.value} is not built yet (`--local` builds the tiny models on first use)"
+            )
+        return (
+            f"{self.field}: no such {self.what} here: {self.value} "
+            "(the job fails at start unless it exists there)"
+        )
+
+    def error(self) -> str:
+        """The refusal of a local run, which would start every child and fail in the one that reads it."""
+        return f"{self.field}: no such {self.what} here: {self.value} (expected an existing {self.what})"
+
+
+def _names_a_directory(value: str) -> bool:
+    """A leading '.', '/' or '~', or more than one '/': a directory, not a hub id like 'Qwen/Qwen3-0.6B'."""
+    return value.startswith((".", "/", "~")) or value.count("/") > 1
+
+
+def missing_paths(cfg: Any, base: Path | None = None) -> list[MissingPath]:
+    """The model/tokenizer directories and jsonl source files of the RunConfig `cfg` missing under `base`
+    (default: the cwd), in config order, each field once. Hub ids are not checked."""
+    from mopd_hpc.trainer.local_setup import BUILT_NAMES, builds_tiny_models
+
+    root = base or Path.cwd()
+    builder = builds_tiny_models(cfg)
+    models = [
+        ("models.actor.path", cfg.models.actor.path),
+        ("models.tokenizer.path", cfg.models.tokenizer.path),
+    ]
+    models += [(f"models.teachers[{i}].path", t.path) for i, t in enumerate(cfg.models.teachers)]
+    out = []
+    for field, value in dict.fromkeys(models):
+        if not _names_a_directory(value) or (root / Path(value).expanduser()).exists():
+            continue
+        out.append(MissingPath(field, value, "directory", builder and Path(value).name in BUILT_NAMES))
+    for i, source in enumerate(cfg.data.sources):
+        if source.kind == "jsonl" and not (root / Path(source.path).expanduser()).is_file():
+            out.append(MissingPath(f"data.sources[{i}].path", source.path, "file"))
+    return out
+
+
+def path_warnings(cfg: Any, base: Path | None = None) -> list[str]:
+    """One warning per path of `cfg` missing under `base` (`missing_paths`), for --check and a Slurm submit."""
+    return [m.warning() for m in missing_paths(cfg, base)]
+
+
+def local_path_errors(cfg: Any, base: Path | None = None) -> list[str]:
+    """The missing paths a local run must not start with: every one but the tiny models `--local` builds."""
+    return [m.error() for m in missing_paths(cfg, base) if not m.built]
