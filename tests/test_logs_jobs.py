@@ -131,14 +131,26 @@ def test_resubmission_after_scancel_is_its_own_job(tmp_path: Path) -> None:
     rc = logs_summarize.run(logs_cli_args("365", json_out=True), out=out, env=env)
     doc = json.loads(out.getvalue())
     assert rc == logs_summarize.EXIT_FAILED_RUN and doc["job"]["job_id"] == "365"
-    assert doc["first_failure"]["cause"]["title"] == "guard got SIGTERM (scancel, preemption or time limit)"
-    assert doc["first_failure"]["cause"]["key"] == "killed_by_signal"
+    # the slurmstepd line of job 365 names the reason (sacct is off: no uid)
+    assert doc["first_failure"]["cause"] == {
+        "key": "cancelled",
+        "title": "cancelled (scancel)",
+        "evidence": "slurmstepd: error: *** JOB 365 ON n1 CANCELLED AT 2026-11-29T21:20:58 ***",
+    }
     assert doc["job"]["later_jobs"] == [{"job_id": "367", "state": "ENDED"}]
     assert {c["state"] for n in doc["nodes"] for c in n["children"]} == {"killed"}
     assert doc["job"]["shape"] is None  # state/job.json is job 367's record
     s3 = summarize_run(root, sacct_runner=runner, job_id="365")
     assert (s3.job.state, s3.job.later_jobs) == ("CANCELLED", (("367", "SUCCEEDED"),))
-    assert s3.first_failure.cause.key == "killed_by_signal" and s3.first_failure.log_path is None
+    # with sacct, "CANCELLED by 1000" names who cancelled it
+    assert (s3.first_failure.cause.key, s3.first_failure.cause.title) == (
+        "cancelled",
+        "cancelled by uid 1000 (scancel)",
+    )
+    assert s3.first_failure.cause.evidence == (
+        "slurmstepd: error: *** JOB 365 ON n1 CANCELLED AT 2026-11-29T21:20:58 ***; sacct 365 State=CANCELLED by 1000"
+    )
+    assert s3.first_failure.log_path.endswith("batch.365.log")
     # the same line naming job 365 is its cause
     (root / "logs" / "main.r0.t0.log").write_text(
         "slurmstepd: error: *** STEP 365.0 ON n1 CANCELLED AT 2026-11-29T21:20:58 DUE TO TIME LIMIT ***\n"
@@ -244,7 +256,11 @@ def test_cancelled_job_children_without_exit_events_are_stopped(tmp_path: Path) 
         ("n2", "actor"): "stopped",
         ("n3", "teacher"): "stopped",
     }
-    assert s.first_failure.cause.title == "guard got SIGTERM (scancel, preemption or time limit)"
+    assert s.first_failure.cause.to_dict() == {  # sacct names who cancelled it
+        "key": "cancelled",
+        "title": "cancelled by uid 1000 (scancel)",
+        "evidence": "sacct 600 State=CANCELLED by 1000",
+    }
     assert "running" not in _render(s)
     assert {c["state"] for n in json.loads(s.to_json())["nodes"] for c in n["children"]} == {"stopped"}
     # without sacct: the run dir shows a signalled, stopped job (not RUNNING), so no child is running

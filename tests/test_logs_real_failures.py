@@ -156,7 +156,13 @@ def test_address_in_use_from_a_port_a_foreign_process_holds(tmp_path: Path) -> N
     assert any("_bind_fixed_port" in line for line in f.traceback)
     assert f.log_path == str(tmp_path / "run" / "logs" / HOST / "bindbusy-2.g1.err")
     assert s.job.state == "FAILED" and s.job.job_id == JOB_ID
-    assert any(cmd.startswith("mopd-debug shell") for cmd in s.next_steps)
+    # a local job (local-failtest): no srun shell into an allocation, a tail of the child's log instead
+    run = s.run_dir
+    assert s.next_steps == (
+        f"mopd-logs tail {run} --role bindbusy --rank 2",
+        "mopd-debug ports",
+        f"mopd-submit {run}/config.yaml --resume {run}",
+    )
 
 
 def test_a_raised_exception_first_rank_named_and_deduplicated(tmp_path: Path) -> None:

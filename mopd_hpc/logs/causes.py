@@ -2,6 +2,8 @@
 
 `classify_text(lines)` returns the first cause whose pattern matches, trying each pattern in table order over
 all lines, so an `OSError: [Errno 98]` under a generic `RuntimeError` is still "address already in use".
+Only exception lines (`pkg.SomeError: message`, with their indented continuation) and log lines are matched,
+never the frames of a traceback (`  File "..."` and the quoted source under it, e.g. `raise HFValidationError(`).
 Signals and exit codes are causes too (`signal_cause`, `exit_cause`), built from guard events, not text.
 Signatures come from launchers.md §4.5 item 3 and the project's own exception names.
 """
@@ -66,11 +68,22 @@ CAUSE_PATTERNS: tuple[CausePattern, ...] = (
     ),
     CausePattern("time_limit", "time limit", _p(r"DUE TO TIME LIMIT")),
     CausePattern("preempted", "preempted/requeued", _p(r"DUE TO PREEMPTION|DUE TO JOB REQUEUE")),
+    CausePattern(
+        "cancelled", "cancelled (scancel)", _p(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ CANCELLED AT (?!.*DUE TO)")
+    ),
     CausePattern("host_oom", "host out of memory (OOM killer)", _p(r"oom-kill|Out Of Memory|OUT_OF_MEMORY")),
+    CausePattern(
+        "model_path",
+        "model path missing or invalid",
+        _p(
+            r"HFValidationError|Repo id must be in the form|is not a local folder and is not a valid model "
+            r"identifier|does not appear to have a file named|Incorrect path_or_model_id|\bModelFilesError\b"
+        ),
+    ),
     CausePattern(
         "config_error",
         "config error",
-        _p(r"ConfigError|TopologyError|RuleViolation|ValidationError|CompatibilityError|ModelFilesError"),
+        _p(r"\b(?:\w*ConfigError|TopologyError|RuleViolation|ValidationError|CompatibilityError)\b"),
     ),
 )
 #: Keys that are not text patterns.
@@ -109,13 +122,50 @@ class Cause:
         return {"key": self.key, "title": self.title, "evidence": self.evidence}
 
 
+#: A traceback frame line, `  File "x.py", line 3, in f` (after an optional torch `[rank0]: ` prefix).
+_FRAME_RE = re.compile(r'^(?:\[rank\d+\]:)?\s+File "')
+_RANK_PREFIX_RE = re.compile(r"^\[rank\d+\]:")
+
+
+def message_lines(lines: Iterable[str]) -> list[str]:
+    """`lines` without the frames of a traceback: a `File "..."` line and the indented lines under it (the
+    quoted source and its `^^^^` markers) are dropped; exception lines, their indented continuation and log
+    lines stay."""
+    out, in_frame = [], False
+    for line in lines:
+        if _FRAME_RE.match(line) or line.startswith("... ("):  # a frame, or scan's cut marker inside one
+            in_frame = True
+            continue
+        body = _RANK_PREFIX_RE.sub("", line, count=1)
+        if in_frame and body[:1].isspace():
+            continue
+        in_frame = False
+        out.append(line)
+    return out
+
+
+def model_path_of(line: str) -> str | None:
+    """The absolute path in a model loader's message: the last quoted one (`... repo_name': '/models/nope'.`),
+    else the first unquoted one (`OSError: /models/x does not appear to have a file named config.json`)."""
+    quoted = re.findall(r"""['"](/[^'"]+)['"]""", line)
+    if quoted:
+        return quoted[-1]
+    bare = re.search(r"""(?:^|[\s:])(/[^\s'"]+)""", line)
+    return bare.group(1) if bare else None
+
+
 def classify_text(lines: Iterable[str]) -> Cause | None:
-    """The first table cause matching any of `lines` (table order first, then line order); None if none."""
-    lines = list(lines)
+    """The first table cause matching any of `lines` (table order first, then line order); None if none.
+
+    Traceback frames are skipped (`message_lines`). A `model_path` cause names the path in its title."""
+    lines = message_lines(lines)
     for row in CAUSE_PATTERNS:
         for line in lines:
             if row.pattern.search(line):
-                return Cause(row.key, row.title, line.strip())
+                title = row.title
+                if row.key == "model_path" and (path := model_path_of(line)) is not None:
+                    title = f"{title}: {path}"
+                return Cause(row.key, title, line.strip())
     return None
 
 
@@ -129,6 +179,29 @@ def exception_cause(lines: Iterable[str]) -> Cause | None:
     if found is None:
         return None
     return Cause(EXCEPTION, f"unhandled {found['type'].rsplit('.', 1)[-1]}", found.group(0))
+
+
+#: sacct's state of a job someone cancelled: "CANCELLED by 1000" (the uid of who ran scancel).
+_CANCELLED_BY_RE = re.compile(r"^CANCELLED by (?P<uid>\d+)")
+
+
+def cancelled_cause(states: Iterable[tuple[str, str]], text_cause: Cause | None) -> Cause | None:
+    """The job was cancelled (scancel): sacct's `CANCELLED by UID` on a component ((component id, state) in
+    `states`; the uid is named), or slurmstepd's `*** JOB N ON host CANCELLED AT ... ***` without a DUE TO
+    reason (`text_cause` of key "cancelled"); None otherwise. A bare `CANCELLED` step state is not enough (the
+    steps of a timed-out job are CANCELLED too)."""
+    uid, state_of = None, None
+    for component_id, state in states:
+        match = _CANCELLED_BY_RE.match(state or "")
+        if match:
+            uid, state_of = match["uid"], f"sacct {component_id} State={state}"
+            break
+    text = text_cause if text_cause is not None and text_cause.key == "cancelled" else None
+    if uid is None and text is None:
+        return None
+    who = f"by uid {uid}{' (root)' if uid == '0' else ''} " if uid is not None else ""
+    evidence = "; ".join(x for x in (text.evidence if text else None, state_of) if x)
+    return Cause("cancelled", f"cancelled {who}(scancel)", evidence)
 
 
 def signal_cause(signal_name: str, signum: int | None) -> Cause:

@@ -31,6 +31,7 @@ from mopd_hpc.logs.causes import (
     STEP_FAILED,
     UNKNOWN,
     Cause,
+    cancelled_cause,
     classify_text,
     exception_cause,
     exit_cause,
@@ -260,6 +261,7 @@ def _read_state(
 def _job_text_cause(
     run_dir: Path, job_id: str | None, restart: int | None
 ) -> tuple[Cause | None, Path | None]:
+    fallback: tuple[Cause, Path] | None = None
     for path in job_log_paths(run_dir, job_id, restart):
         try:
             scan = scan_log(path)
@@ -270,9 +272,11 @@ def _job_text_cause(
             leader = leader_of(job_id)
             lines = [x for x in lines if all(m == leader for m in _SLURM_ID_RE.findall(x))]
         cause = classify_text(lines)
-        if cause is not None:
+        if cause is not None and cause.key == "cancelled":  # a later log may say why (DUE TO TIME LIMIT)
+            fallback = fallback or (cause, path)
+        elif cause is not None:
             return cause, path
-    return None, None
+    return fallback or (None, None)
 
 
 def _job_level_failure(
@@ -293,14 +297,13 @@ def _job_level_failure(
             cause, source, host=host, ts=ts, log_path=str(path) if path else None, log_tail=tail
         )
 
-    sacct_cause = None
-    if sacct is not None:
-        for comp in sacct.components:
-            state = comp.state.split()[0].rstrip("+") if comp.state else ""
-            if state in SACCT_STATE_CAUSES:
-                key, title = SACCT_STATE_CAUSES[state]
-                sacct_cause = Cause(key, title, f"sacct {comp.component_id} State={comp.state}")
-                break
+    sacct_cause, states = None, [(c.component_id, c.state) for c in sacct.components] if sacct else []
+    for comp_id, comp_state in states:
+        state = comp_state.split()[0].rstrip("+") if comp_state else ""
+        if state in SACCT_STATE_CAUSES:
+            sacct_cause = Cause(*SACCT_STATE_CAUSES[state], f"sacct {comp_id} State={comp_state}")
+            break
+    cancelled = cancelled_cause(states, text_cause) if sacct_cause is None else None
     signalled = [g for g in guards if g.signals]
     if signalled:
         g = min(signalled, key=lambda x: x.first_signal_ts or 0.0)
@@ -313,6 +316,8 @@ def _job_level_failure(
             cause = Cause(
                 "preempted", "preempted/requeued", f"state/requeue.json signal={requeue.get('signal')}"
             )
+        elif cancelled is not None:
+            cause = cancelled
         else:
             cause = guard_signal_cause(g.signals[0][1])
         return make(cause, "slurm_signal", host=g.host, ts=g.first_signal_ts)
@@ -336,6 +341,7 @@ def _job_level_failure(
         if sacct_cause is not None or failed:
             cause = (
                 sacct_cause
+                or cancelled
                 or text_cause
                 or Cause(
                     UNKNOWN, f"{failed[0].component_id} {failed[0].state}", f"ExitCode={failed[0].exit_code}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Mapping
 
@@ -14,6 +15,8 @@ _BY_CAUSE: Mapping[str, tuple[str, ...]] = {
     "nccl": ("mopd-debug shell {job} --node {host}", "mopd-debug topology", "{resume}"),
     "tokenizer_mismatch": ("mopd-submit {config} --check",),
     "config_error": ("mopd-submit {config} --check",),
+    "model_path": ("mopd-submit {config} --check",),
+    "cancelled": ("{resume}",),
     "guard_unreachable": ("mopd-debug guard status {run_dir}", "{resume}"),
     "time_limit": ("{resume}",),
     "preempted": ("{resume}",),
@@ -24,6 +27,19 @@ _BY_CAUSE: Mapping[str, tuple[str, ...]] = {
     "checkpoint_signal": ("{resume}",),  # not a failure: the actor checkpointed on SIGUSR2 and stopped
 }
 _DEFAULT = ("mopd-logs tail {run_dir} --role {role} --rank {rank}", "{resume}")
+_TAIL = "mopd-logs tail {run_dir} --role {role} --rank {rank}"
+#: A Slurm job id (`123`, `123+1`); anything else (`local-42`) ran without Slurm.
+_SLURM_JOB_RE = re.compile(r"^[0-9]+(?:\+[0-9]+)?$")
+#: Commands that need Slurm (accounting, srun into the allocation): never suggested for a local job.
+_SLURM_ONLY = ("sacct ", "mopd-debug shell ")
+
+
+def _for_backend(templates: tuple[str, ...], slurm: bool) -> tuple[str, ...]:
+    """`templates` as they are for a Slurm job; for a local one the Slurm-only commands become a tail of the
+    failing child's log."""
+    if slurm:
+        return templates
+    return tuple(_TAIL if t.startswith(_SLURM_ONLY) else t for t in templates)
 
 
 def next_steps(
@@ -39,7 +55,8 @@ def next_steps(
 
     A running job gets `mopd-logs tail -f` and a shell on the node; a failed one the commands of its cause
     (`_BY_CAUSE`); one that stopped on a checkpoint signal (cause_key "checkpoint_signal") the resume command;
-    a finished one without failure nothing. Templates whose values are unknown are skipped.
+    a finished one without failure nothing. Templates whose values are unknown are skipped. A job whose id is
+    not a Slurm id (`local-42`) gets no Slurm-only command (`sacct`, `mopd-debug shell`): a log tail instead.
     """
     q = shlex.quote
     values = {
@@ -57,6 +74,7 @@ def next_steps(
         return []
     else:
         templates = _BY_CAUSE.get(cause_key, _DEFAULT)
+    templates = _for_backend(templates, job_id is None or bool(_SLURM_JOB_RE.match(job_id)))
     out = []
     for template in templates:
         try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -16,6 +17,9 @@ from mopd_hpc.logs.summary import CHECKPOINTED, RunSummary
 
 #: Traceback lines shown on screen (the --json output has the whole bounded window).
 SCREEN_TRACEBACK_LINES = 14
+#: Fewer lines for causes the title and exception line already explain (the path is in the title).
+SCREEN_LINES_BY_CAUSE = {"model_path": 6}
+_CARETS = frozenset("^~ ")
 _STATE_STYLE = {
     "SUCCEEDED": "green",
     "CHECKPOINTED": "yellow",
@@ -143,6 +147,22 @@ def _nodes_table(s: RunSummary) -> Table:
     return table
 
 
+def screen_traceback(lines: Sequence[str], limit: int) -> tuple[list[str], int]:
+    """The part of a traceback worth a screen: its last chained block (after the last `Traceback (...)`
+    header), without the `^^^^` marker lines, at most `limit` lines: the first frame (who called) and the
+    last ones. Returns (lines, how many lines of `lines` are not shown)."""
+    start = max((i for i, x in enumerate(lines) if x.startswith("Traceback (")), default=0)
+    block = [x for x in lines[start:] if x.strip() and not set(x) <= _CARETS]
+    if len(block) > limit:
+        head = block[1:3] if len(block) > 2 and block[1].lstrip().startswith("File ") else []
+        head = head if len(head) == 2 and not head[1].lstrip().startswith("File ") else head[:1]
+        tail = block[len(block) - (limit - len(head) - 1) :]
+        while len(tail) > 1 and tail[0][:1].isspace() and not tail[0].lstrip().startswith("File "):
+            tail = tail[1:]  # start the tail at a frame, not under one
+        block = [*head, "...", *tail] if head else block[-limit:]
+    return block, len(lines) - len([x for x in block if x != "..."])
+
+
 def _failure_panel(s: RunSummary) -> Panel:
     f = s.first_failure
     if f is None:
@@ -157,13 +177,16 @@ def _failure_panel(s: RunSummary) -> Panel:
     lines.append("\n")
     if f.cause.evidence:
         lines.append(f.cause.evidence + "\n", style="red")
+    limit = SCREEN_LINES_BY_CAUSE.get(f.cause.key, SCREEN_TRACEBACK_LINES)
     if f.traceback:
-        shown = list(f.traceback[-SCREEN_TRACEBACK_LINES:])
-        if len(f.traceback) > len(shown):
-            lines.append(f"  ... ({len(f.traceback) - len(shown)} more lines in --json)\n", style="dim")
+        shown, hidden = screen_traceback(f.traceback, limit)
+        if len(shown) > 1 and shown[-1].strip() == (f.cause.evidence or "").strip():
+            shown, hidden = shown[:-1], hidden + 1  # the exception line is printed just above
+        if hidden > 0:
+            lines.append(f"  ... ({hidden} more lines in --json)\n", style="dim")
         lines.append("\n".join(shown) + "\n", style="dim")
     elif f.log_tail:
-        lines.append("\n".join(f.log_tail[-SCREEN_TRACEBACK_LINES:]) + "\n", style="dim")
+        lines.append("\n".join(f.log_tail[-limit:]) + "\n", style="dim")
     if f.same_on:
         names = ", ".join(f.same_on[:6]) + (", ..." if len(f.same_on) > 6 else "")
         n = len(f.same_on)

@@ -45,6 +45,22 @@ class RunDirMissingError(ValueError):
     """The run directory does not exist or holds none of the files a run writes."""
 
 
+class NothingRanError(RunDirMissingError):
+    """The run directory exists but nothing ran there (yet): no guard events, child or job logs, state files
+    or metrics, and sacct knows no such job. The CLI treats it like a missing run dir (exit 2)."""
+
+
+def _nothing_ran(root: Path) -> bool:
+    """True when `root` holds none of the files a started run writes (guard events, `logs/**` files,
+    `state/*.json`, `metrics.jsonl`); a config or an empty skeleton from `mopd-submit` does not count."""
+    if (root / "metrics.jsonl").is_file() or any((root / "state").glob("*.json")):
+        return False
+    if any((root / "events").glob("*.jsonl")):
+        return False
+    logs = root / "logs"
+    return not (logs.is_dir() and any(p.is_file() for p in logs.rglob("*")))
+
+
 def no_sacct(argv: Sequence[str]) -> str:
     """A sacct runner for machines without Slurm accounting (and for tests): always fails."""
     raise OSError(f"sacct disabled: {' '.join(argv)}")
@@ -297,6 +313,7 @@ def summarize_run(
         job_id: the job to describe (any form: `123`, `123+1`, `local-42`); None: the run dir's latest job.
     Raises:
         RunDirMissingError: `run_dir` is not a directory.
+        NothingRanError: nothing ran in `run_dir` (`_nothing_ran`) and sacct does not know the job.
     """
     root = Path(run_dir).expanduser().absolute()
     if not root.is_dir():
@@ -311,6 +328,12 @@ def summarize_run(
         job_json = {}  # the batch shell's record of another job
     runner = sacct_runner if sacct_runner is not None else (run_sacct if shutil.which("sacct") else no_sacct)
     sacct = _query(job_id, runner)
+    if not segments and (sacct is None or not sacct.components) and _nothing_ran(root):
+        raise NothingRanError(
+            f"nothing ran in {root}: no guard events, no child or job logs, no state files, no metrics"
+            + (f", and sacct does not know job {job_id}" if job_id else "")
+            + " (the job never started, or this is not the run dir)"
+        )
     restarts = [r for r in (job_json.get("restart_count"), events.incarnations - 1) if _is_int(r) and r >= 0]
     restarts += [sacct.requeues] if sacct is not None and sacct.components else []
     restart = max(restarts) if restarts else None
