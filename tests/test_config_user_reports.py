@@ -100,7 +100,8 @@ def test_check_warns_about_a_missing_jsonl_file() -> None:
     rc, out, _ = execute(str(LOCAL), "--check", "--set", JSONL, "--set", "data.eval.size=0")
     assert rc == 0
     warnings = [line for line in out.splitlines() if line.startswith("# warning: ")]
-    assert warnings == [
+    # the tiny models' "not built yet" warnings depend on whether this checkout built them already
+    assert [w for w in warnings if not w.startswith("# warning: models.")] == [
         "# warning: data.sources[0].path: no such file here: data/mine.jsonl "
         "(the job fails at start unless it exists there)"
     ]
@@ -165,10 +166,15 @@ def test_dry_run_prints_warnings_and_rank_map_before_the_script() -> None:
     rc, out, _ = execute(str(LOCAL), "--dry-run", "--set", JSONL)
     assert rc == 0
     lines = out.splitlines()
+    n = next(i for i, line in enumerate(lines) if not line.startswith("# warning: "))
     assert lines[0] == "# warning: " + unevaluated_sources(load_run_config(LOCAL, [JSONL]).data)[0].render()
-    assert lines[1].startswith("# warning: data.sources[0].path: no such file here: data/mine.jsonl")
-    assert lines[2].startswith("# cluster.backend is local: the job runs here")
-    assert lines[3].startswith("rank map of 'local-cpu': 4 children")
+    # then the paths missing here (the tiny models' depend on whether this checkout built them already)
+    assert [w for w in lines[1:n] if not w.startswith("# warning: models.")] == [
+        "# warning: data.sources[0].path: no such file here: data/mine.jsonl "
+        "(the job fails at start unless it exists there)"
+    ]
+    assert lines[n].startswith("# cluster.backend is local: the job runs here")
+    assert lines[n + 1].startswith("rank map of 'local-cpu': 4 children")
     assert out.index("rank map of") < out.index("sbatch --parsable $SBATCH_SCRIPT") < out.index("#!/bin/bash")
 
 
