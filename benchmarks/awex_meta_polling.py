@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "awex_meta_polling.json")
     args = p.parse_args(argv)
     from awex.meta.meta_server import MetaServerClient, start_meta_server, stop_meta_server
+    from results_file import write_results
 
-    from mopd_hpc.atomic import atomic_write_json
     from mopd_hpc.engines.weight_sync import awex_latency as gaps
 
     host, port = start_meta_server("127.0.0.1", 0)
@@ -85,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['polling']:26} {r['wait']:4} {r['notice_ms_median']:10.1f} {r['notice_ms_p90']:8.1f}")
     result = {"benchmark": "awex_meta_polling", "poll_initial_s": gaps.POLL_INITIAL_S, "poll_max_s": gaps.POLL_MAX_S,
               "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out, result)
-    print(f"wrote {args.out}")
-    return 0
+    return write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -215,9 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_role(args.role, args.run_dir, args.patched, args.steps)))
         return 0
     import torch
+    from results_file import write_results
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from mopd_hpc.atomic import atomic_write_json
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,10 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ln.startswith("model name")), platform.processor())  # fmt: skip
     result = {"benchmark": "awex_step_overhead", "cpu": cpu, "python": platform.python_version(),
               "torch": torch.__version__, "tensors_per_sync": rows[0]["ops"], "steps": args.steps, "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out, result)
-    print(f"wrote {args.out}")
-    return 0
+    return write_results(args.out, result)
 
 
 if __name__ == "__main__":

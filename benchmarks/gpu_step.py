@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mopd_hpc.atomic import atomic_write_json  # noqa: E402
+from results_file import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {
@@ -188,10 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"\nmedian seconds per phase (steps after the first): {result['median_seconds']}")
     result |= {"benchmark": "gpu_step", "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out, result)
-    print(f"wrote {args.out}")
-    return 0
+    return write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mopd_hpc.atomic import atomic_write_json  # noqa: E402
+from results_file import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Qwen3 dense shapes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-1.7B).
@@ -172,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['size']:6} {r['path']:16} {r['ms']:9.1f} {r['tflops']:8.1f} {r['mfu']:6.1%}")
     result = {"benchmark": "scoring_mfu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "peak_bf16_tflops": round(peak, 1), "batch": args.batch, "seq": args.seq, "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out, result)
-    print(f"wrote {args.out}")
-    return 0
+    return write_results(args.out, result)
 
 
 if __name__ == "__main__":
