@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers_configs import set_dotted
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.problems import ConfigError
@@ -70,14 +71,10 @@ def test_dry_run_rank_map() -> None:
 
 
 def _with(**changes: object) -> dict:
-    data = yaml.safe_load(CONFIG.read_text())
-    for dotted, value in changes.items():
-        node = data
-        *path, last = dotted.split("__")
-        for key in path:
-            node = node[key]
-        node[last] = value
-    return data
+    """The 8-GPU config with `a__b__c=value` edits (keyword-friendly dotted keys)."""
+    return set_dotted(
+        yaml.safe_load(CONFIG.read_text()), {k.replace("__", "."): v for k, v in changes.items()}
+    )
 
 
 def test_awex_colocate_needs_one_rollout_rank_per_actor_gpu() -> None:
