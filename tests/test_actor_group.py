@@ -35,7 +35,15 @@ def run_world(tmp_path: Path, scenario: str, timeout_s: float = 20.0, busy_s: fl
     env.pop("GLOO_SOCKET_IFNAME", None)
     procs = []
     for rank in (1, 0):  # the follower first: it waits for the rendezvous record
-        argv = [sys.executable, str(HERE / "actor_group_prog.py"), scenario, "--rank", str(rank), "--world", "2"]
+        argv = [
+            sys.executable,
+            str(HERE / "actor_group_prog.py"),
+            scenario,
+            "--rank",
+            str(rank),
+            "--world",
+            "2",
+        ]
         argv += ["--run-dir", str(tmp_path), "--port", str(port), "--timeout-s", str(timeout_s)]
         argv += ["--busy-s", str(busy_s)]
         log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
@@ -59,7 +67,10 @@ def test_two_ranks_train_their_own_shards_and_match_dp1(tmp_path):
         shards = shard_rows(record.response_lengths, 2)
         for rank, result in ((0, r0), (1, r1)):
             lo, hi = shards[rank].start, shards[rank].stop
-            trained = [row[: len(record.rows[b])] for b, row in zip(range(lo, hi), result["trained"][step - 1], strict=True)]
+            trained = [
+                row[: len(record.rows[b])]
+                for b, row in zip(range(lo, hi), result["trained"][step - 1], strict=True)
+            ]
             assert trained == [list(r) for r in record.rows[lo:hi]]  # exactly its own rows
         assert r0["receipts"][step - 1] == [[0, step, shards[0].rows], [1, step, shards[1].rows]]
     # each rank asked the teacher for its own rows only, and together for every row once

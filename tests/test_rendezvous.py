@@ -49,5 +49,7 @@ def test_waiting_ranks_skip_a_stale_nonce_and_take_the_new_record(tmp_path):
 
 def test_timeout_names_the_file_and_why(tmp_path):
     write_rendezvous(tmp_path, Rendezvous.create("other", "127.0.0.1", 1, 2))
-    with pytest.raises(RendezvousTimeoutError, match=r"within 0 s: .* belongs to job 'other', not '7'.*actor-0"):
+    with pytest.raises(
+        RendezvousTimeoutError, match=r"within 0 s: .* belongs to job 'other', not '7'.*actor-0"
+    ):
         wait_for_rendezvous(tmp_path, "7", 2, timeout_s=0.1, poll_s=0.02)

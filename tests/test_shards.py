@@ -35,7 +35,9 @@ def test_partition_properties_on_random_steps(seed):
     assert shards == shard_rows(list(lengths), parts)  # a pure function: every rank computes the same
     assert [s.rank for s in shards] == list(range(parts))
     assert shards[0].start == 0 and shards[-1].stop == rows
-    assert all(a.stop == b.start for a, b in zip(shards, shards[1:]))  # contiguous, every row exactly once
+    assert all(
+        a.stop == b.start for a, b in zip(shards, shards[1:], strict=False)
+    )  # contiguous, every row exactly once
     assert all(s.rows >= 1 for s in shards)
     assert sum(s.tokens for s in shards) == sum(lengths)
     if sum(lengths) and rows >= 2 * parts:  # room to balance: each block within the largest row of the mean
@@ -48,7 +50,9 @@ def test_all_empty_rows_are_split_by_count():
 
 
 def test_fewer_rows_than_ranks_names_the_fields():
-    with pytest.raises(ShardError, match=r"3 rows for 4 data-parallel ranks.*data.batch_size · data.samples_per_prompt >= 4"):
+    with pytest.raises(
+        ShardError, match=r"3 rows for 4 data-parallel ranks.*data.batch_size · data.samples_per_prompt >= 4"
+    ):
         shard_rows([1, 2, 3], 4)
     with pytest.raises(ShardError, match="parts=0"):
         shard_rows([1], 0)

@@ -34,7 +34,13 @@ def test_round_trip_is_bit_exact(orm):
     assert back.to_bytes() == data
     (n,) = struct.unpack_from("<Q", data)
     header = json.loads(data[8 : 8 + n])
-    assert [b[0] for b in header["buffers"]] == ["tokens", "row_lengths", "starts", "mu", *(["orm"] if orm else [])]
+    assert [b[0] for b in header["buffers"]] == [
+        "tokens",
+        "row_lengths",
+        "starts",
+        "mu",
+        *(["orm"] if orm else []),
+    ]
     assert "mu" not in header and len(data) == 8 + n + 4 * (15 + 4 + 4 + 7 + (4 if orm else 0))
 
 
@@ -53,7 +59,11 @@ def test_shard_views_equal_the_full_batch_rows():
 
 
 def test_start_and_stop_records():
-    for record in (ControlRecord.start(0), ControlRecord.start(12), ControlRecord.stop(3, "checkpoint_signal")):
+    for record in (
+        ControlRecord.start(0),
+        ControlRecord.start(12),
+        ControlRecord.stop(3, "checkpoint_signal"),
+    ):
         assert ControlRecord.from_bytes(record.to_bytes()) == record
     with pytest.raises(RecordError, match="stop reason='later'"):
         ControlRecord.stop(3, "later")
