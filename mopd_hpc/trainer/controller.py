@@ -18,7 +18,7 @@ Resume: the newest checkpoint (if any) restores engine, stream and RNG; metrics 
 rolled back; the rollout engines get the restored weights before the first rollout. SIGUSR2
 (`CheckpointRequest`) is honoured between steps: checkpoint now, announce the end, return. At the end:
 evaluation, the student as an HF checkpoint in run_dir/student_final, and the end of the job announced to
-the servers (`trainer/job_end.py`).
+the servers (`runtime/job_end.py`).
 
 Residency: the actor is made resident (`engine.onload()` when `engine.residency.on_device` is False) before
 every train step, checkpoint, evaluation and save: AWEX's colocate mode releases the actor's memory after
@@ -43,11 +43,11 @@ from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.logs.metrics import METRICS_FILE, MetricsWriter
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine, Transition
 from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.runtime.job_end import write_job_end
 from mopd_hpc.runtime.signals import CheckpointRequest
 from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from mopd_hpc.trainer.data_setup import RunData
-from mopd_hpc.trainer.job_end import write_job_end
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rollout_phase import Rollouts, collect_rollouts
 from mopd_hpc.trainer.step import ratio_stats, step_metrics, train_batch
@@ -82,7 +82,7 @@ class RunOutcome:
 
 
 class Controller:
-    """Runs the steps of one MOPD run (module docstring). Collaborators are built by `actor_main`.
+    """Runs the steps of one MOPD run (module docstring). Collaborators are built by `roles/actor.py`.
 
     Args:
         cfg: the run config (absolute paths). plan: its ExecutionPlan.
