@@ -53,9 +53,9 @@ def _setup(config: Path) -> dict[str, Any]:
 
     from mopd_hpc.config import RunConfig
     from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.roles.env import with_absolute_paths
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.evaluate import teacher_accuracy
-    from mopd_hpc.trainer.role_env import with_absolute_paths
 
     cfg = with_absolute_paths(RunConfig.from_yaml(config), {"MOPD_SUBMIT_DIR": str(REPO)})
     tokenizer = AutoTokenizer.from_pretrained(cfg.models.tokenizer.path)

@@ -37,7 +37,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_RATIO = 0.25
 MB = 1 << 20
 TRACEBACK = """Traceback (most recent call last):
-  File "/opt/mopd/mopd_hpc/trainer/actor_main.py", line 88, in main
+  File "/opt/mopd/mopd_hpc/roles/actor.py", line 88, in main
     controller.run()
   File "/opt/mopd/mopd_hpc/trainer/controller.py", line 214, in run
     self.train_step(batch)

@@ -27,9 +27,9 @@ from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.torch_engine import TorchScoringEngine, TorchTrainEngine
 from mopd_hpc.mopd.targets import TeacherTargets
-from mopd_hpc.trainer import actor_main
-from mopd_hpc.trainer.actor_main import awex_environment, check_actor_engine
-from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError
+from mopd_hpc.roles import actor as actor_main
+from mopd_hpc.roles.actor import awex_environment, check_actor_engine
+from mopd_hpc.roles.env import RoleEnv, RoleEnvError
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 40

@@ -383,7 +383,7 @@ def test_awex_update_waits_past_the_clients_shorter_timeout(engine, factory) -> 
 
 def test_the_server_imports_no_awex_until_init() -> None:
     code = (
-        "import sys, mopd_hpc.engines.rollout.hf_server, mopd_hpc.engines.rollout_main;"
+        "import sys, mopd_hpc.engines.rollout.hf_server, mopd_hpc.roles.rollout;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('awex', 'megatron')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -395,7 +395,7 @@ def test_the_server_imports_no_awex_until_init() -> None:
 
 
 def _role(tmp_path: Path, backend: str, host: str):
-    from mopd_hpc.trainer.role_env import RoleEnv
+    from mopd_hpc.roles.env import RoleEnv
 
     return RoleEnv(tmp_path, "rollout", 0, "job-1", host, backend, ports={"http": 12345})
 
@@ -409,7 +409,7 @@ def _config(backend: str):
 
 
 def test_awex_env_is_the_nodes_address_only_for_awex(tmp_path: Path) -> None:
-    from mopd_hpc.engines.rollout_main import awex_env
+    from mopd_hpc.roles.rollout import awex_env
 
     assert awex_env(_role(tmp_path, "local", "node-a"), _config("torch")) == {}
     assert awex_env(_role(tmp_path, "local", "node-a"), _config("awex")) == {"AWEX_MASTER_ADDR": "127.0.0.1"}
@@ -423,7 +423,7 @@ def test_awex_env_is_the_nodes_address_only_for_awex(tmp_path: Path) -> None:
 def test_main_sets_awex_master_addr_in_its_environment(
     tmp_path: Path, monkeypatch, backend, expected
 ) -> None:
-    from mopd_hpc.engines import rollout_main
+    from mopd_hpc.roles import rollout as rollout_main
 
     monkeypatch.setenv("AWEX_MASTER_ADDR", "left alone")  # restored after the test
     role, cfg = _role(tmp_path, "local", "node-a"), _config(backend)

@@ -152,6 +152,6 @@ def test_check_warns_about_model_directories_missing_here(tmp_path: Path) -> Non
         "models.actor.path: no such directory here: .cache/models/gpu_0_6b/student "
         "(the job fails at start unless it exists there)"
     )
-    from mopd_hpc.trainer.local_setup import missing_builder_dirs
+    from mopd_hpc.launch.local_setup import missing_builder_dirs
 
     assert missing_builder_dirs(gpu) == []

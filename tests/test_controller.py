@@ -107,19 +107,17 @@ def start_role(
 
 def run_controller(config: Path, run_dir: Path, job_id: str):
     """Servers as subprocesses, the controller in-process; returns (controller, outcome, exit codes, stdout)."""
-    from mopd_hpc.trainer import actor_main
-    from mopd_hpc.trainer.role_env import RoleEnv, load_run
+    from mopd_hpc.roles import actor as actor_main
+    from mopd_hpc.roles.env import RoleEnv, load_run
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config.read_text())
     cfg = load_run(run_dir, {})
-    procs = [start_role("mopd_hpc.engines.rollout_main", run_dir, "rollout", 0, job_id)]
+    procs = [start_role("mopd_hpc.roles.rollout", run_dir, "rollout", 0, job_id)]
     if cfg.loss.distillation_coefficient > 0:
         for i, teacher in enumerate(cfg.models.teacher_ids):
             procs.append(
-                start_role(
-                    "mopd_hpc.trainer.teacher_role", run_dir, "teacher", i, job_id, MOPD_TEACHER_ID=teacher
-                )
+                start_role("mopd_hpc.roles.teacher", run_dir, "teacher", i, job_id, MOPD_TEACHER_ID=teacher)
             )
     role = RoleEnv.from_env(
         {
@@ -259,7 +257,7 @@ def test_metrics_rollback_keeps_one_line_per_step(tmp_path):
 
 
 def test_role_env_is_read_at_the_edge_and_names_what_is_missing(tmp_path):
-    from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, resolve_path
+    from mopd_hpc.roles.env import RoleEnv, RoleEnvError, resolve_path
 
     env = {
         "MOPD_RUN_DIR": str(tmp_path),
@@ -289,7 +287,7 @@ def test_role_env_is_read_at_the_edge_and_names_what_is_missing(tmp_path):
 
 def test_end_of_job_marker_counts_only_for_this_job_after_the_server_started(tmp_path):
     from mopd_hpc.atomic import atomic_write_json
-    from mopd_hpc.trainer.job_end import job_ended, stop_on_job_end, write_job_end
+    from mopd_hpc.runtime.job_end import job_ended, stop_on_job_end, write_job_end
 
     marker = write_job_end(tmp_path, "77", "checkpoint_signal", 5)  # the same job id before a requeue
     started = time.time() + 60.0  # the requeued run's server starts a minute later

@@ -275,7 +275,7 @@ def test_sbatch_output_parsing(output: str, job_id: str) -> None:
 def test_cpu_threads_budget_is_affinity_capped_by_slurm_cpus_per_task() -> None:
     import os
 
-    from mopd_hpc.trainer.role_env import RoleEnvError, cpu_threads
+    from mopd_hpc.roles.env import RoleEnvError, cpu_threads
 
     cores = len(os.sched_getaffinity(0))
     assert cpu_threads({}) == cores

@@ -18,7 +18,7 @@ from helpers_models import build_micro_models
 from test_controller import assert_metrics, micro_config
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.trainer.local_setup import missing_builder_dirs
+from mopd_hpc.launch.local_setup import missing_builder_dirs
 
 
 @pytest.fixture(scope="module")

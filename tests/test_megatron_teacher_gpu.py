@@ -1,5 +1,5 @@
 """The megatron teacher behind the real teacher server, on one GPU (issue 8): `python -m
-mopd_hpc.engines.teacher_main` with engine megatron, dtype float32, device cuda:0 as a subprocess, driven over
+mopd_hpc.roles.teacher` with engine megatron, dtype float32, device cuda:0 as a subprocess, driven over
 HTTP by the controller's `TeacherClient`; oracle: `TorchScoringEngine` on the same checkpoint (float32, CPU).
 
 The micro Qwen3 has vocab_size 250 (megatron's usual padding would make it 256): every token id and every
@@ -146,7 +146,7 @@ def test_megatron_teacher_server_matches_torch_engine(tmp_path: Path) -> None:
     endpoint = run_dir / "endpoints" / "teacher-mt.json"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mopd_hpc.engines.teacher_main", "--max-batch-rows", "2"],
+            [sys.executable, "-m", "mopd_hpc.roles.teacher", "--max-batch-rows", "2"],
             env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from mopd_hpc.config import load_run_config
+from mopd_hpc.launch.local_setup import after_local_run
 from mopd_hpc.launch.resume import ResumeError, check_resume
+from mopd_hpc.runtime.job_end import write_job_end
 from mopd_hpc.trainer.evaluate import write_eval
-from mopd_hpc.trainer.job_end import write_job_end
-from mopd_hpc.trainer.local_setup import after_local_run
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local_cpu.yaml"

@@ -20,13 +20,13 @@ from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.rules import job_gaps
-from mopd_hpc.engines import teacher_main
+from mopd_hpc.engines import teacher_serve as teacher_main
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.protocol import EngineError
-from mopd_hpc.engines.teacher_main import TeacherArgs, build_engine, endpoint_path, pad_token_id, serve
+from mopd_hpc.engines.teacher_serve import TeacherArgs, build_engine, endpoint_path, pad_token_id, serve
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
-from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError
-from mopd_hpc.trainer.teacher_role import teacher_args
+from mopd_hpc.roles.env import RoleEnv, RoleEnvError
+from mopd_hpc.roles.teacher import args_from_argv, teacher_args
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"  # one megatron teacher, id "teacher", TP 8
@@ -88,7 +88,7 @@ def test_teacher_at_tp2_is_a_gap_naming_the_field_value_and_1() -> None:
     )
 
 
-# --- teacher_role.teacher_args ----------------------------------------------------------------------------
+# --- roles.teacher.teacher_args ----------------------------------------------------------------------------
 
 
 def test_teacher_args_megatron_from_the_config(tmp_path: Path) -> None:
@@ -129,7 +129,7 @@ def test_teacher_args_tensor_parallel_2_names_the_field(tmp_path: Path) -> None:
         teacher_args(role(tmp_path), gpu_config(2), environ)
 
 
-# --- teacher_main: the engine choice -------------------------------------------------------------------
+# --- teacher_serve: the engine choice ------------------------------------------------------------------
 
 
 def cli_args(model: Path | str, **changes: object) -> TeacherArgs:
@@ -141,14 +141,11 @@ def cli_args(model: Path | str, **changes: object) -> TeacherArgs:
 
 def test_engine_flag_and_variable() -> None:
     argv = ["--teacher-id", "t", "--model", "/m", "--port", "0"]
-    assert TeacherArgs.from_argv(argv, {}).engine == "torch"
-    assert TeacherArgs.from_argv(argv, {"MOPD_TEACHER_ENGINE": "megatron"}).engine == "megatron"
-    assert (
-        TeacherArgs.from_argv([*argv, "--engine", "torch"], {"MOPD_TEACHER_ENGINE": "megatron"}).engine
-        == "torch"
-    )
+    assert args_from_argv(argv, {}).engine == "torch"
+    assert args_from_argv(argv, {"MOPD_TEACHER_ENGINE": "megatron"}).engine == "megatron"
+    assert args_from_argv([*argv, "--engine", "torch"], {"MOPD_TEACHER_ENGINE": "megatron"}).engine == "torch"
     with pytest.raises(SystemExit) as exit_info:
-        TeacherArgs.from_argv(argv, {"MOPD_TEACHER_ENGINE": "vllm"})
+        args_from_argv(argv, {"MOPD_TEACHER_ENGINE": "vllm"})
     assert exit_info.value.code == 2
 
 
@@ -321,7 +318,7 @@ def test_scoring_rows_keep_one_chunk_of_logits_within_the_budget(tmp_path: Path)
     """A step's rows in one forward for a tiny vocabulary; for a production vocabulary, as many rows as keep
     rows × tokens × vocab float32 logits within the budget (Qwen3's 151,936 × 1,280 tokens: 5 rows in 4 GiB)."""
     from mopd_hpc.config import load_run_config
-    from mopd_hpc.trainer.teacher_role import scoring_rows
+    from mopd_hpc.roles.teacher import scoring_rows
 
     tiny = load_run_config(REPO / "configs" / "local_cpu.yaml")
     (tmp_path / "tiny").mkdir()

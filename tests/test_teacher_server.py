@@ -1,4 +1,4 @@
-"""The teacher server as a real subprocess (`python -m mopd_hpc.engines.teacher_main`) on a real port.
+"""The teacher server as a real subprocess (`python -m mopd_hpc.roles.teacher`) on a real port.
 
 Configured through the environment, as the guard starts it (MOPD_TEACHER_ID, MOPD_MODEL_PATH,
 MOPD_PORT_HTTP=0, MOPD_RUN_DIR); driven through `TeacherClient`. Oracle: an in-process transformers
@@ -20,8 +20,9 @@ import pytest
 import torch
 from helpers_models import save_micro_qwen3
 
-from mopd_hpc.engines.teacher_main import TeacherArgs, endpoint_path
+from mopd_hpc.engines.teacher_serve import endpoint_path
 from mopd_hpc.engines.teacher_server import TeacherClient, TeacherClientError, checkpoint_fingerprint
+from mopd_hpc.roles.teacher import args_from_argv
 
 VOCAB = 32
 ROWS = [[1, 2, 3, 11, 12, 13], [4, 5, 15], [6, 7, 8, 9, 16, 17, 18, 19]]
@@ -73,7 +74,7 @@ def server(tmp_path_factory):
     log_path = root / "teacher.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mopd_hpc.engines.teacher_main", "--num-threads", "1"],
+            [sys.executable, "-m", "mopd_hpc.roles.teacher", "--num-threads", "1"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -185,7 +186,7 @@ def test_sigterm_stops_cleanly(server):
 
 def test_args_come_from_flags_or_environment():
     env = {"MOPD_TEACHER_ID": "a", "MOPD_MODEL_PATH": "/m", "MOPD_PORT_HTTP": "23456", "MOPD_HOST": "n1"}
-    args = TeacherArgs.from_argv([], env)
+    args = args_from_argv([], env)
     assert (args.teacher_id, args.model_path, args.port, args.host, args.advertise_host) == (
         "a",
         "/m",
@@ -193,10 +194,10 @@ def test_args_come_from_flags_or_environment():
         "127.0.0.1",
         "127.0.0.1",
     )
-    args = TeacherArgs.from_argv(["--teacher-id", "b", "--host", "0.0.0.0", "--port", "1"], env)
+    args = args_from_argv(["--teacher-id", "b", "--host", "0.0.0.0", "--port", "1"], env)
     assert (args.teacher_id, args.port, args.advertise_host) == ("b", 1, "n1")
     with pytest.raises(SystemExit) as exit_info:
-        TeacherArgs.from_argv([], {"MOPD_MODEL_PATH": "/m", "MOPD_PORT_HTTP": "1"})
+        args_from_argv([], {"MOPD_MODEL_PATH": "/m", "MOPD_PORT_HTTP": "1"})
     assert exit_info.value.code == 2
     with pytest.raises(SystemExit):
-        TeacherArgs.from_argv([], env | {"MOPD_PORT_HTTP": "http"})
+        args_from_argv([], env | {"MOPD_PORT_HTTP": "http"})

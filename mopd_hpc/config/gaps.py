@@ -36,7 +36,7 @@ def job_gaps(cfg: Any) -> list[Problem]:
             )
         )
     for i, teacher in enumerate(cfg.models.teachers):
-        # the teacher role builds the torch or the megatron scoring engine (trainer/teacher_role.py), one
+        # the teacher role builds the torch or the megatron scoring engine (roles/teacher.py), one
         # process per teacher: a tensor-parallel teacher would need follower ranks the role does not start
         if teacher.tensor_parallel != 1:
             out.append(

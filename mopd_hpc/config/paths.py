@@ -2,9 +2,9 @@
 
 `mopd-submit --check` and a Slurm submit warn about them (on a cluster they may exist only on the job's
 nodes; the job checks them at start); a local run (`cluster.backend: local`) refuses to start with one,
-except the tiny CPU models that `--local` builds on first use (trainer/local_setup.py BUILT_NAMES).
+except the tiny CPU models that `--local` builds on first use (launch/local_setup.py BUILT_NAMES).
 Relative paths are relative to the submit directory (`base`), as the job resolves them
-(trainer/role_env.py with_absolute_paths).
+(roles/env.py with_absolute_paths).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _names_a_directory(value: str) -> bool:
 def missing_paths(cfg: Any, base: Path | None = None) -> list[MissingPath]:
     """The model/tokenizer directories and jsonl source files of the RunConfig `cfg` missing under `base`
     (default: the cwd), in config order, each field once. Hub ids are not checked."""
-    from mopd_hpc.trainer.local_setup import BUILT_NAMES, builds_tiny_models
+    from mopd_hpc.launch.local_setup import BUILT_NAMES, builds_tiny_models
 
     root = base or Path.cwd()
     builder = builds_tiny_models(cfg)

@@ -203,7 +203,7 @@ def _actor_ranks(c: Any) -> tuple[int, str]:
 
 @rule("models", "cluster", "rollout")
 def _torch_actor_world(c: Any) -> Iterator[Problem]:
-    """The torch engine trains on one process (trainer/actor_main.py check_actor_engine): one trainer rank."""
+    """The torch engine trains on one process (roles/actor.py check_actor_engine): one trainer rank."""
     if c.models.actor.engine != "torch":
         return
     ranks, how = _actor_ranks(c)

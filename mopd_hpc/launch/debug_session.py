@@ -6,7 +6,7 @@
   running `launchers/node.sh` → `mopd-guard --plan`), in the foreground (`run_steps`).
 
 A step that ends with code 0 (the trainer, done) leaves the others `end_grace_s` to end on their own (the
-actor announced the job end in the run dir, trainer/job_end.py): only those still running then are
+actor announced the job end in the run dir, runtime/job_end.py): only those still running then are
 interrupted, and that interrupt is not a failure of the run.
 
 Ctrl-C (`run_steps`): the sruns run in their own session (the terminal's SIGINT reaches only this process)
@@ -40,7 +40,7 @@ from mopd_hpc.runtime.signals import killpg_quiet
 #: After the stop (Ctrl-C, or a step that ended), seconds the steps get before srun is told to kill them.
 DEFAULT_STOP_WAIT_S = 30.0
 #: After a step ended with code 0, seconds the other steps get to end on their own (they stop on the job end
-#: the actor announced in the run dir, trainer/job_end.py) before they are interrupted.
+#: the actor announced in the run dir, runtime/job_end.py) before they are interrupted.
 DEFAULT_END_GRACE_S = 30.0
 #: Step log of `mopd-debug run`, per component, under run_dir/logs (`%t`: Slurm's task id).
 STEP_LOG_PATTERN = "{name}.debug.t%t.log"
@@ -281,7 +281,7 @@ def run_steps(
 
     A step that ends with code 0 (the trainer after its last step) does not stop the others at once: they
     get `end_grace_s` seconds to end on their own (the actor announced the job end in
-    run_dir/state/job_end.json, trainer/job_end.py; their servers stop on it). Only the steps still running
+    run_dir/state/job_end.json, runtime/job_end.py; their servers stop on it). Only the steps still running
     after that get SIGINT, and their exit codes (130 after that SIGINT) do not count as failures.
 
     Returns:

@@ -25,13 +25,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from mopd_hpc.launch import local_setup
 from mopd_hpc.launch.env import scrub_slurm_env
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan
 from mopd_hpc.launch.rundir import RunDir
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.guard.events import events_path
 from mopd_hpc.runtime.signals import killpg_quiet
-from mopd_hpc.trainer import local_setup
 
 #: Job ids of local runs: `local-<pid of mopd-submit>` (a valid port-lease owner id).
 LOCAL_JOB_PREFIX = "local"

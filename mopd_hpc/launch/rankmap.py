@@ -154,7 +154,7 @@ def print_rank_map(
 
 
 def read_probe_reports(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every probe report under run_dir/probe/ (written by `mopd_hpc.runtime.probe`), sorted by index."""
+    """Every probe report under run_dir/probe/ (written by `mopd_hpc.roles.probe`), sorted by index."""
     reports = []
     for path in sorted(Path(run_dir, "probe").glob("*.json")):
         try:

@@ -30,7 +30,7 @@ from mopd_hpc.logs.next_steps import next_steps
 from mopd_hpc.logs.progress import Progress, read_progress
 from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_segments
 from mopd_hpc.logs.sacct import SacctJob, SacctRunner, query_sacct, run_sacct
-from mopd_hpc.trainer.role_env import JOB_END_FILE
+from mopd_hpc.runtime.job_end import JOB_END_FILE
 
 #: The state of a run that stopped cleanly on a checkpoint signal (resumable); see `JobInfo`.
 CHECKPOINTED = "CHECKPOINTED"

@@ -25,9 +25,9 @@ it is ("resharded" trivially: nothing is sharded), and the stream position is th
 Metrics lines after its step are rolled back; the rollout engines get the restored weights before the first
 rollout. SIGUSR2 (`CheckpointRequest`, this rank's only: the others ignore it) is honoured between steps:
 checkpoint now, send the stop record, announce the end, return. At the end: the stop record, evaluation,
-the student as an HF checkpoint in run_dir/student_final, and the end of the job announced (`announce_end`).
+the student as an HF checkpoint in run_dir/student_final, and the end of the job announced to the servers (`runtime/job_end.py`).
 
-Collaborators are given, not built here (the actor role builds them): the engine (`engines.protocol.
+Collaborators are given, not built here (`roles/actor.py` builds them): the engine (`engines.protocol.
 TrainEngine`), the rollout and teacher clients (opened by the caller), the weight sync, the actor group.
 
 Residency: the actor is made resident (`engine.onload()` when `engine.residency.on_device` is False) before
@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -53,6 +53,7 @@ from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.logs.metrics import METRICS_FILE, MetricsWriter
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine, Transition
 from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.runtime.job_end import write_job_end
 from mopd_hpc.runtime.signals import CheckpointRequest
 from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
@@ -108,7 +109,6 @@ class Controller:
         run_dir: the run directory. job_id: this job (recorded in checkpoints). out: progress output.
         group: the actor group (`ActorGroup` joined as rank 0, or `SoloGroup` for one rank).
         checkpoint_request: the installed SIGUSR2 handler (None: not honoured).
-        announce_end: called with (reason, step) once the run is over (the servers then stop); None: nothing.
     """
 
     def __init__(
@@ -127,7 +127,6 @@ class Controller:
         out: TextIO,
         group: Group | None = None,
         checkpoint_request: CheckpointRequest | None = None,
-        announce_end: Callable[[str, int], object] | None = None,
     ) -> None:
         self.cfg, self.plan, self.engine, self.tokenizer, self.data = cfg, plan, engine, tokenizer, data
         self.rollout, self.teachers, self.sync = list(rollout), dict(teachers), sync
@@ -135,7 +134,7 @@ class Controller:
         self.group: Group = group if group is not None else SoloGroup()
         if self.group.rank != 0:
             raise ActorGroupError(f"the controller runs on actor rank 0, not rank {self.group.rank}")
-        self.checkpoint_request, self.announce_end = checkpoint_request, announce_end
+        self.checkpoint_request = checkpoint_request
         self.routes = tuple(cfg.data.routes_used)
         self.route_weights = {r: dict(cfg.routes[r]) for r in self.routes}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -198,8 +197,7 @@ class Controller:
             progress.note(message)
         else:
             print(message, file=self.out, flush=True)
-        if self.announce_end is not None:
-            self.announce_end("checkpoint_signal", self.step)
+        write_job_end(self.run_dir, self.job_id, "checkpoint_signal", self.step)
         return RunOutcome("checkpoint_signal", self.step, start)
 
     # ----------------------------------------------------------------------------------- one step
@@ -354,8 +352,7 @@ class Controller:
             print("evaluation at the end:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
         make_resident(self.engine, "save")
         self.engine.save_pretrained(self.run_dir / FINAL_DIR)
-        if self.announce_end is not None:
-            self.announce_end("finished", self.step)
+        write_job_end(self.run_dir, self.job_id, "finished", self.step)
         print(
             f"done: {self.step} steps; student saved to {self.run_dir / FINAL_DIR}", file=self.out, flush=True
         )

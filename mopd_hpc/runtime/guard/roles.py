@@ -14,15 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-#: role → module run with `python -m`. actor/teacher/rollout entry points are written by the engines and
-#: trainer tasks: until their module exists, a spawn for them is refused with a message naming the module.
+#: role → module run with `python -m` (one entry point per role, in `mopd_hpc/roles/`); a role whose module
+#: this interpreter cannot find is refused with a message naming the module.
 ROLE_MODULES: Mapping[str, str] = MappingProxyType(
     {
-        "actor": "mopd_hpc.trainer.actor_main",
-        # the run's teacher: settings from run_dir/config.yaml, then engines.teacher_main.serve
-        "teacher": "mopd_hpc.trainer.teacher_role",
-        "rollout": "mopd_hpc.engines.rollout_main",
-        "probe": "mopd_hpc.runtime.probe",
+        "actor": "mopd_hpc.roles.actor",
+        # the run's teacher: settings from run_dir/config.yaml, then engines.teacher_serve.serve
+        "teacher": "mopd_hpc.roles.teacher",
+        "rollout": "mopd_hpc.roles.rollout",
+        "probe": "mopd_hpc.roles.probe",
     }
 )
 

@@ -29,9 +29,10 @@ from typing import TextIO
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.config import RunConfig
 from mopd_hpc.logs.metrics import METRICS_FILE
+from mopd_hpc.roles.env import CONFIG_FILE_NAME, with_absolute_paths
+from mopd_hpc.runtime.job_end import read_job_end
 from mopd_hpc.trainer.evaluate import print_eval_table
 from mopd_hpc.trainer.progress import Progress
-from mopd_hpc.trainer.role_env import CONFIG_FILE_NAME, read_job_end, with_absolute_paths
 
 #: The tiny-model builder of this repository (tools/ is not a package).
 BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_tiny_models.py"

@@ -1,28 +1,20 @@
-"""The `teacher` role entry point the guard runs: `python -m mopd_hpc.engines.teacher_main`.
+"""Serve one teacher: build its scoring engine, listen, publish its endpoint, stop cleanly.
 
-    python -m mopd_hpc.engines.teacher_main --teacher-id ID --model PATH [--port N] [--host 127.0.0.1]
-        [--engine torch|megatron] [--device auto|cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16]
-        [--run-dir DIR] [--max-batch-rows 64] [--num-threads N]
-
-Each flag not given falls back to its variable of `ENV` (read once, in `main`). The scoring engine
-(`build_engine`): `torch` (transformers, CPU or GPU) or `megatron` (megatron-core GPTModel, CUDA only,
-tensor parallel 1: a one-rank NCCL group rendezvoused in memory, torn down when the server stops). The
-checkpoint is loaded once; when the server listens and `--run-dir` is known, it writes
-`run_dir/endpoints/teacher-<id>.json` atomically ({teacher_id, host, port, url, pid, model_path,
-fingerprint}) and logs "teacher server ready". SIGTERM or SIGINT stops it cleanly (exit 0) and removes the
-endpoint file. Routes: `teacher_server`.
+`serve(args)` loads the checkpoint once with the scoring engine `args.engine` names (`build_engine`): `torch`
+(transformers, CPU or GPU) or `megatron` (megatron-core GPTModel, CUDA only, tensor parallel 1: a one-rank
+NCCL group rendezvoused in memory, torn down when the server stops). When the server listens and
+`args.run_dir` is known, it writes `run_dir/endpoints/teacher-<id>.json` atomically ({teacher_id, host, port,
+url, pid, model_path, fingerprint}) and logs "teacher server ready". Setting `stop` (or SIGTERM/SIGINT) stops it
+cleanly and removes the endpoint file. Routes: `teacher_server`. The programs that run it (a job's teacher
+child, or a standalone server from flags) are `roles/teacher.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
-import socket
-import sys
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,28 +28,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mopd_hpc.teacher")
 
-#: Logical key → environment variable (read at the edge, in `main`).
-ENV = {
-    "teacher_id": "MOPD_TEACHER_ID",
-    "model_path": "MOPD_MODEL_PATH",
-    "port": "MOPD_PORT_HTTP",
-    "run_dir": "MOPD_RUN_DIR",
-    "host": "MOPD_BIND_HOST",
-    "advertise_host": "MOPD_HOST",
-    "device": "MOPD_DEVICE",
-    "dtype": "MOPD_DTYPE",
-    "engine": "MOPD_TEACHER_ENGINE",
-}
 #: Scoring engines this server builds (`TeacherConfig.engine`).
 ENGINES = ("torch", "megatron")
-#: Bind addresses that cannot be connected to as given: the endpoint file advertises MOPD_HOST instead.
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True, slots=True)
 class TeacherArgs:
-    """The resolved command line. Build with `TeacherArgs.from_argv(argv, environ)` (or, in a job,
-    `trainer.teacher_role.teacher_args`).
+    """What `serve` needs, resolved. Build with `roles.teacher.args_from_argv(argv, environ)` (a standalone
+    server) or, in a job, `roles.teacher.teacher_args`.
 
     `engine` is "torch" or "megatron"; `tensor_parallel` must be 1 (one process, no follower ranks);
     `source` is where the engine settings came from, for error messages: the teacher's config path
@@ -84,70 +62,6 @@ class TeacherArgs:
         if self.source:
             return f"{self.source}.{name}"
         return "--engine" if name == "engine" else name
-
-    @classmethod
-    def from_argv(cls, argv: Sequence[str] | None, environ: Mapping[str, str]) -> TeacherArgs:
-        """Parse `argv` with `environ` as fallback; exits with status 2 naming the missing flag/variable."""
-        p = argparse.ArgumentParser(
-            prog="python -m mopd_hpc.engines.teacher_main", description=__doc__.split("\n")[0]
-        )
-        p.add_argument("--teacher-id", help=f"teacher id (env {ENV['teacher_id']})")
-        p.add_argument("--model", dest="model_path", help=f"HF checkpoint dir (env {ENV['model_path']})")
-        p.add_argument("--host", default=None, help=f"bind address (env {ENV['host']}; default 127.0.0.1)")
-        p.add_argument("--port", type=int, default=None, help=f"TCP port, 0 = any (env {ENV['port']})")
-        p.add_argument(
-            "--engine", default=None, choices=ENGINES, help=f"scoring engine (env {ENV['engine']})"
-        )
-        p.add_argument("--device", default=None, help=f"auto | cpu | cuda | cuda:N (env {ENV['device']})")
-        p.add_argument(
-            "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help=f"env {ENV['dtype']}"
-        )
-        p.add_argument(
-            "--run-dir", default=None, help=f"run directory for the endpoint file (env {ENV['run_dir']})"
-        )
-        p.add_argument("--max-batch-rows", type=int, default=64, help="rows per forward pass at most")
-        p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-        ns = p.parse_args(argv)
-        teacher_id = ns.teacher_id or environ.get(ENV["teacher_id"])
-        model_path = ns.model_path or environ.get(ENV["model_path"])
-        if not teacher_id:
-            p.error(f"no teacher id: pass --teacher-id or set {ENV['teacher_id']}")
-        if not model_path:
-            p.error(f"no model: pass --model or set {ENV['model_path']}")
-        port = ns.port
-        if port is None:
-            raw = environ.get(ENV["port"])
-            if raw is None:
-                p.error(f"no port: pass --port or set {ENV['port']}")
-            try:
-                port = int(raw)
-            except ValueError:
-                p.error(f"{ENV['port']}={raw!r}: expected a TCP port number")
-        if not 0 <= port <= 65535:
-            p.error(f"port={port}: expected a TCP port in [0, 65535]")
-        dtype = ns.dtype or environ.get(ENV["dtype"]) or "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
-            p.error(f"{ENV['dtype']}={dtype!r}: expected float32, bfloat16 or float16")
-        engine = ns.engine or environ.get(ENV["engine"]) or "torch"
-        if engine not in ENGINES:
-            p.error(f"{ENV['engine']}={engine!r}: expected one of {', '.join(ENGINES)}")
-        host = ns.host or environ.get(ENV["host"]) or "127.0.0.1"
-        advertise = (
-            host if host not in WILDCARD_HOSTS else environ.get(ENV["advertise_host"]) or socket.gethostname()
-        )
-        return cls(
-            teacher_id=teacher_id,
-            model_path=model_path,
-            host=host,
-            port=port,
-            advertise_host=advertise,
-            device=ns.device or environ.get(ENV["device"]) or "auto",
-            dtype=dtype,
-            run_dir=ns.run_dir or environ.get(ENV["run_dir"]),
-            max_batch_rows=ns.max_batch_rows,
-            num_threads=ns.num_threads,
-            engine=engine,
-        )
 
 
 def endpoint_path(run_dir: str | Path, teacher_id: str) -> Path:
@@ -304,18 +218,3 @@ def shutdown_parallel_quietly(args: TeacherArgs) -> None:
         shutdown_parallel(args)
     except Exception:
         log.exception("teacher server %s: tearing down the megatron process group failed", args.teacher_id)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: reads os.environ once, here, and passes it down."""
-    environ = dict(os.environ)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    args = TeacherArgs.from_argv(argv, environ)
-    asyncio.run(serve(args))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import aiohttp
 
+from mopd_hpc.roles.env import endpoint_file
 from mopd_hpc.trainer.controller import Endpoints
-from mopd_hpc.trainer.role_env import endpoint_file
 
 #: Default deadline for every server to be up, in seconds (model loading included).
 DEFAULT_TIMEOUT_S = 600.0

@@ -18,12 +18,13 @@ server published its endpoint, so a marker of the current run is never older tha
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from mopd_hpc.atomic import atomic_write_json
-from mopd_hpc.trainer.role_env import JOB_END_FILE, read_job_end
 
 log = logging.getLogger("mopd_hpc.trainer")
 
@@ -34,6 +35,16 @@ POLL_S = 0.25
 CLOCK_SKEW_S = 5.0
 #: Reasons the actor gives.
 REASONS = ("finished", "checkpoint_signal", "failed")
+#: Where the actor says the job is over, under the run directory.
+JOB_END_FILE = "state/job_end.json"
+
+
+def read_job_end(run_dir: Path) -> dict[str, Any] | None:
+    """The actor's end-of-job record (`state/job_end.json`), or None when absent or unreadable."""
+    try:
+        return json.loads((run_dir / JOB_END_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def write_job_end(run_dir: Path, job_id: str, reason: str, step: int) -> Path:

@@ -17,13 +17,12 @@ path exists (`prepare_local_run` writes absolute paths into config.yaml, so loca
 
 from __future__ import annotations
 
-import json
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.runtime.ports import PORT_ENV_PREFIX
@@ -43,9 +42,8 @@ ENV = {
 SUBMIT_DIR_KEYS = ("MOPD_SUBMIT_DIR", "SLURM_SUBMIT_DIR", "PWD")
 #: The resolved config in the run directory (cli/submit.py CONFIG_FILE_NAME).
 CONFIG_FILE_NAME = "config.yaml"
-#: Where children publish their endpoints, and where the actor says the job is over.
+#: Where children publish their endpoints.
 ENDPOINTS_DIR = "endpoints"
-JOB_END_FILE = "state/job_end.json"
 
 
 class RoleEnvError(ValueError):
@@ -143,6 +141,13 @@ class RoleEnv:
         return "127.0.0.1" if self.backend == "local" else self.host
 
 
+def master_address(role: RoleEnv) -> str:
+    """The weight-sync rendezvous address: loopback locally, this node's address on a cluster."""
+    if role.backend == "local":
+        return "127.0.0.1"
+    return socket.gethostbyname(role.host)
+
+
 def cpu_threads(environ: Mapping[str, str], share: int = 1) -> int:
     """Torch CPU threads for a role child: its CPU budget split between the `share` children of the node
     that compute at the same time (the phases time-slice the rest: rollout, teachers and actor never
@@ -234,11 +239,3 @@ def load_run(run_dir: Path, environ: Mapping[str, str]) -> RunConfig:
 def endpoint_file(run_dir: Path, role: str, key: str) -> Path:
     """`run_dir/endpoints/<role>-<key>.json` (teacher: key = teacher id; rollout: key = engine index)."""
     return run_dir / ENDPOINTS_DIR / f"{role}-{key}.json"
-
-
-def read_job_end(run_dir: Path) -> dict[str, Any] | None:
-    """The actor's end-of-job record (`state/job_end.json`), or None when absent or unreadable."""
-    try:
-        return json.loads((run_dir / JOB_END_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None

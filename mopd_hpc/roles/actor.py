@@ -1,4 +1,4 @@
-"""The `actor` role entry point the guard runs: `python -m mopd_hpc.trainer.actor_main`.
+"""The `actor` role entry point the guard runs: `python -m mopd_hpc.roles.actor`.
 
 Rank 0 of the actor is the MOPD controller. In order:
 
@@ -26,7 +26,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,14 +35,14 @@ from mopd_hpc.config import ConfigError, RunConfig
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address
 from mopd_hpc.runtime.signals import CheckpointRequest
-from mopd_hpc.trainer.role_env import RoleEnv, RoleEnvError, cpu_threads, load_run
 
 log = logging.getLogger("mopd_hpc.trainer")
 
 EXIT_CONFIG = 2
 EXIT_INCOMPATIBLE = 3
-#: Variables read at the edge besides the guard's (`role_env.ENV`).
+#: Variables read at the edge besides the guard's (`roles.env.ENV`).
 ENDPOINT_TIMEOUT_ENV = "MOPD_ENDPOINT_TIMEOUT_S"
 THREADS_ENV = "MOPD_ACTOR_THREADS"
 
@@ -58,13 +57,6 @@ def check_compatibility(cfg: RunConfig, plan: ExecutionPlan) -> None:
     teachers = [ModelFiles(t, cfg.models.teacher(t).path) for t in plan.teachers]
     report = check_models(actor, teachers)
     log.info("models compatible: tokenizer %s", report.tokenizer_digest[:16])
-
-
-def master_address(role: RoleEnv) -> str:
-    """The weight-sync rendezvous address: loopback locally, this node's address on a cluster."""
-    if role.backend == "local":
-        return "127.0.0.1"
-    return socket.gethostbyname(role.host)
 
 
 def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]) -> str:
@@ -162,9 +154,9 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
     """Steps 2-4 of the module docstring; returns the exit code."""
     from transformers import AutoTokenizer
 
+    from mopd_hpc.roles.endpoints import DEFAULT_TIMEOUT_S, wait_for_endpoints
     from mopd_hpc.trainer.controller import Controller, SyncSettings
     from mopd_hpc.trainer.data_setup import build_run_data
-    from mopd_hpc.trainer.endpoints import DEFAULT_TIMEOUT_S, wait_for_endpoints
 
     plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
     check_compatibility(cfg, plan)

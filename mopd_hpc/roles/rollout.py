@@ -1,7 +1,7 @@
-"""The `rollout` role entry point the guard runs: `python -m mopd_hpc.engines.rollout_main`.
+"""The `rollout` role entry point the guard runs: `python -m mopd_hpc.roles.rollout`.
 
 It wraps the hf rollout server (`engines/rollout/hf_server.py`) for one engine of a run: everything comes
-from the guard-given environment (read once, in `main`; `trainer/role_env.py`) and the run's resolved
+from the guard-given environment (read once, in `main`; `roles/env.py`) and the run's resolved
 config `run_dir/config.yaml`:
 
     model        models.actor.path (the student: the rollout samples from the behavior policy μ = π_θ)
@@ -14,7 +14,7 @@ config `run_dir/config.yaml`:
 
 Once the server listens it writes `run_dir/endpoints/rollout-<index>.json` atomically
 ({url, host, port, pid, index, job_id, model_path}) and serves until SIGTERM/SIGINT or until the actor
-announces the end of the job (`trainer/job_end.py`); then it removes the endpoint file and exits 0.
+announces the end of the job (`runtime/job_end.py`); then it removes the endpoint file and exits 0.
 SIGUSR2 (Slurm's checkpoint signal, sent to every process of the step) is ignored: a rollout server has
 no state to save, and the actor and the guard decide when it stops.
 """
@@ -33,8 +33,8 @@ from pathlib import Path
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
-from mopd_hpc.trainer.job_end import stop_on_job_end
-from mopd_hpc.trainer.role_env import RoleEnv, cpu_threads, endpoint_file, start_server_role
+from mopd_hpc.roles.env import RoleEnv, cpu_threads, endpoint_file, master_address, start_server_role
+from mopd_hpc.runtime.job_end import stop_on_job_end
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -70,11 +70,9 @@ def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> Se
 def awex_env(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
     """The variables awex reads in this process: {} unless weight_sync.backend is awex; then
     AWEX_MASTER_ADDR = 127.0.0.1 on the local backend, else this node's address (as the actor computes
-    its rendezvous address: `trainer.actor_main.master_address`)."""
+    its rendezvous address: `roles.env.master_address`)."""
     if cfg.weight_sync.backend != "awex":
         return {}
-    from mopd_hpc.trainer.actor_main import master_address
-
     return {AWEX_MASTER_ADDR_ENV: master_address(role)}
 
 

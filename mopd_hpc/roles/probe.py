@@ -1,6 +1,6 @@
 """The `probe` role: report this child's RankTopology and named ports to the run directory, then exit 0.
 
-Started by a guard (`python -m mopd_hpc.runtime.probe`) for tests and `mopd-debug`. It writes, atomically,
+Started by a guard (`python -m mopd_hpc.roles.probe`) for tests and `mopd-debug`. It writes, atomically,
 
     <MOPD_RUN_DIR>/probe/<host>-<role>-<index>.json
 

@@ -1,0 +1,213 @@
+"""The `teacher` role of a run: `python -m mopd_hpc.roles.teacher` (the guard's role table runs it).
+
+Without arguments it is a job's teacher child: the scoring server (`engines/teacher_serve.py`) takes its
+settings from the run. MOPD_TEACHER_ID (the job plan sets it) names the entry of `models.teachers` in
+`run_dir/config.yaml`, which gives the checkpoint path, the scoring engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel (1: the role starts one process
+per teacher); the port is the named port `http`. This module resolves them (env read once, in `main`) and runs
+`teacher_serve.serve` until SIGTERM/SIGINT or until the actor announces the end of the job
+(`runtime/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has nothing to checkpoint).
+
+Rows scored per forward (`scoring_rows`): a forward materializes [rows, tokens, vocab] logits (and their
+float32 log-softmax), which for a production vocabulary (Qwen3: 151,936) and a long response is gigabytes per
+row: 256 rows × 1,280 tokens would need ~200 GB. The role caps the rows so that one chunk's float32 logits stay
+within `SCORING_BUDGET_BYTES`; a step's rows are then scored in chunks (same results).
+
+With arguments it is a standalone teacher server (tests, debugging), outside any job:
+
+    python -m mopd_hpc.roles.teacher --teacher-id ID --model PATH [--port N] [--host 127.0.0.1]
+        [--engine torch|megatron] [--device auto|cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16]
+        [--run-dir DIR] [--max-batch-rows 64] [--num-threads N]
+
+Each flag not given falls back to its variable of `ENV` (read once, in `main`). SIGTERM or SIGINT stops
+either cleanly (exit 0) and removes the endpoint file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs
+from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, start_server_role
+from mopd_hpc.runtime.job_end import stop_on_job_end
+
+#: The plan's variable naming the teacher of this child.
+TEACHER_ID_ENV = "MOPD_TEACHER_ID"
+#: Bytes of float32 logits one scoring forward may materialize (module docstring).
+SCORING_BUDGET_BYTES = 4 << 30
+#: Logical key → environment variable of the standalone server (read at the edge, in `main`).
+ENV = {
+    "teacher_id": "MOPD_TEACHER_ID",
+    "model_path": "MOPD_MODEL_PATH",
+    "port": "MOPD_PORT_HTTP",
+    "run_dir": "MOPD_RUN_DIR",
+    "host": "MOPD_BIND_HOST",
+    "advertise_host": "MOPD_HOST",
+    "device": "MOPD_DEVICE",
+    "dtype": "MOPD_DTYPE",
+    "engine": "MOPD_TEACHER_ENGINE",
+}
+#: Bind addresses that cannot be connected to as given: the endpoint file advertises MOPD_HOST instead.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def scoring_rows(cfg: RunConfig, model_path: str, budget_bytes: int = SCORING_BUDGET_BYTES) -> int:
+    """Rows per scoring forward: all of a step's rows (data.batch_size · samples_per_prompt, at least 64) unless
+    their float32 logits — rows × (max_prompt_tokens + max_new_tokens) × vocab_size × 4 bytes — exceed
+    `budget_bytes`; then the most rows that fit (at least 1). vocab_size from `model_path`/config.json; when
+    it cannot be read the step's rows are kept (the server's load reports the checkpoint's problem)."""
+    rows = max(64, cfg.data.batch_size * cfg.data.samples_per_prompt)
+    try:
+        vocab = int(json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return rows
+    tokens = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    return max(1, min(rows, budget_bytes // (tokens * vocab * 4)))
+
+
+def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> TeacherArgs:
+    """The scoring server's arguments for this child.
+
+    Raises:
+        RoleEnvError: no or unknown teacher id; the teacher's tensor_parallel is not 1; engine megatron
+            while CUDA_VISIBLE_DEVICES is empty (the child has no GPU). The message names the config field
+            (`models.teachers[i].tensor_parallel`, `models.teachers[i].engine`) and its value.
+    """
+    teacher_id = environ.get(TEACHER_ID_ENV)
+    if not teacher_id:
+        raise RoleEnvError(f"{TEACHER_ID_ENV} is not set: the job plan names the teacher of each child")
+    try:
+        teacher = cfg.models.teacher(teacher_id)
+    except KeyError as exc:
+        raise RoleEnvError(f"{TEACHER_ID_ENV}={teacher_id!r}: {exc.args[0]}") from None
+    here = f"models.teachers[{cfg.models.teacher_ids.index(teacher.id)}]"
+    if teacher.tensor_parallel != 1:
+        raise RoleEnvError(
+            f"{here}.tensor_parallel={teacher.tensor_parallel}: the teacher role serves each teacher from one "
+            "process and starts no follower ranks; expected 1"
+        )
+    gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
+    if teacher.engine == "megatron" and not gpu:
+        raise RoleEnvError(
+            f"{here}.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
+            f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives this teacher child none); expected a "
+            "GPU group, or engine: torch"
+        )
+    base = environ.get("MOPD_BASE_GPU_ID")
+    return TeacherArgs(
+        teacher_id=teacher.id,
+        model_path=teacher.path,
+        host=role.bind_host,
+        port=role.port("http"),
+        advertise_host=role.advertise_host,
+        device=(f"cuda:{base}" if base else "cuda") if gpu else "cpu",
+        dtype=teacher.dtype,
+        run_dir=str(role.run_dir),
+        max_batch_rows=scoring_rows(cfg, teacher.path),
+        # on CPU the teachers of a step score concurrently: each takes its share of the cores
+        num_threads=None if gpu else cpu_threads(environ, share=len(cfg.models.teachers)),
+        engine=teacher.engine,
+        tensor_parallel=teacher.tensor_parallel,
+        source=here,
+    )
+
+
+async def run(role: RoleEnv, args: TeacherArgs) -> None:
+    from mopd_hpc.engines.teacher_serve import serve
+
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop))
+    try:
+        await serve(args, stop)
+    finally:
+        watcher.cancel()
+
+
+def args_from_argv(argv: Sequence[str] | None, environ: Mapping[str, str]) -> TeacherArgs:
+    """Parse `argv` with `environ` as fallback; exits with status 2 naming the missing flag/variable."""
+    p = argparse.ArgumentParser(prog="python -m mopd_hpc.roles.teacher", description=__doc__.split("\n")[0])
+    p.add_argument("--teacher-id", help=f"teacher id (env {ENV['teacher_id']})")
+    p.add_argument("--model", dest="model_path", help=f"HF checkpoint dir (env {ENV['model_path']})")
+    p.add_argument("--host", default=None, help=f"bind address (env {ENV['host']}; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help=f"TCP port, 0 = any (env {ENV['port']})")
+    p.add_argument("--engine", default=None, choices=ENGINES, help=f"scoring engine (env {ENV['engine']})")
+    p.add_argument("--device", default=None, help=f"auto | cpu | cuda | cuda:N (env {ENV['device']})")
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help=f"env {ENV['dtype']}"
+    )
+    p.add_argument(
+        "--run-dir", default=None, help=f"run directory for the endpoint file (env {ENV['run_dir']})"
+    )
+    p.add_argument("--max-batch-rows", type=int, default=64, help="rows per forward pass at most")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ns = p.parse_args(argv)
+    teacher_id = ns.teacher_id or environ.get(ENV["teacher_id"])
+    model_path = ns.model_path or environ.get(ENV["model_path"])
+    if not teacher_id:
+        p.error(f"no teacher id: pass --teacher-id or set {ENV['teacher_id']}")
+    if not model_path:
+        p.error(f"no model: pass --model or set {ENV['model_path']}")
+    port = ns.port
+    if port is None:
+        raw = environ.get(ENV["port"])
+        if raw is None:
+            p.error(f"no port: pass --port or set {ENV['port']}")
+        try:
+            port = int(raw)
+        except ValueError:
+            p.error(f"{ENV['port']}={raw!r}: expected a TCP port number")
+    if not 0 <= port <= 65535:
+        p.error(f"port={port}: expected a TCP port in [0, 65535]")
+    dtype = ns.dtype or environ.get(ENV["dtype"]) or "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        p.error(f"{ENV['dtype']}={dtype!r}: expected float32, bfloat16 or float16")
+    engine = ns.engine or environ.get(ENV["engine"]) or "torch"
+    if engine not in ENGINES:
+        p.error(f"{ENV['engine']}={engine!r}: expected one of {', '.join(ENGINES)}")
+    host = ns.host or environ.get(ENV["host"]) or "127.0.0.1"
+    advertise = (
+        host if host not in WILDCARD_HOSTS else environ.get(ENV["advertise_host"]) or socket.gethostname()
+    )
+    return TeacherArgs(
+        teacher_id=teacher_id,
+        model_path=model_path,
+        host=host,
+        port=port,
+        advertise_host=advertise,
+        device=ns.device or environ.get(ENV["device"]) or "auto",
+        dtype=dtype,
+        run_dir=ns.run_dir or environ.get(ENV["run_dir"]),
+        max_batch_rows=ns.max_batch_rows,
+        num_threads=ns.num_threads,
+        engine=engine,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: reads os.environ once, here. No arguments: a job's teacher child; arguments: a
+    standalone server (`args_from_argv`). Exit 0 after a clean stop."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    environ = dict(os.environ)
+    if argv:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        )
+        from mopd_hpc.engines.teacher_serve import serve
+
+        asyncio.run(serve(args_from_argv(argv, environ)))
+        return 0
+    role, cfg = start_server_role(environ)
+    asyncio.run(run(role, teacher_args(role, cfg, environ)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
