@@ -137,6 +137,6 @@ def test_loss_shards_sum_to_the_step_loss_and_gradient(kind, normalizer) -> None
         part.backward()
         shard_sum += float(part.detach())
         grads.append(leaf.grad)
-    assert abs(float(full)) > 1e-3
-    assert shard_sum == pytest.approx(float(full), abs=1e-12, rel=0)
+    assert abs(float(full.detach())) > 1e-3
+    assert shard_sum == pytest.approx(float(full.detach()), abs=1e-12, rel=0)
     torch.testing.assert_close(torch.cat(grads), full_logits.grad, atol=1e-12, rtol=0)

@@ -16,12 +16,14 @@ The train step (DESIGN.md §3; the loss section is bound once, at construction):
 A step whose gradient norm is not finite is skipped (no parameter changes; `step_skipped` = 1).
 
 Data parallelism (`DataParallel`, DESIGN.md §7): at size n > 1 every rank trains on its shard of the step's
-rows and the model runs under `torch.nn.parallel.DistributedDataParallel` over the record's group (gloo on
-CPU, NCCL on GPU) for the train step's forward and backward; `self.model` stays the unwrapped HF module (its
+rows and the model runs under `torch.nn.parallel.DistributedDataParallel` over the record's group (the
+caller's: gloo on CPU, NCCL on GPU, whose device_ids is the engine's device) for the train step's forward and
+backward (logprobs, topk and evaluation run the bare model: no collective); `self.model` stays the unwrapped HF module (its
 state_dict, named_weights, save_pretrained and evaluation keys do not change). The rank's loss is its shard's
 per-token numerator over the WHOLE step's denominator N (`loss_denominator`, all-reduced): L_r = Σ_{shard r}
 / N, so Σ_r L_r = L of the step at DP = 1. DDP AVERAGES gradients over ranks, so the backward runs on n·L_r:
-(1/n)·Σ_r ∇(n·L_r) = ∇L (Megatron-LM scales by the DP size the same way when it averages). Gradients are
+(1/n)·Σ_r ∇(n·L_r) = ∇L (Megatron-LM multiplies its loss by the context-parallel size for the same reason;
+with `calculate_per_token_loss` it sums gradients instead and divides by the global token count). Gradients are
 synced before clipping, so grad_norm, the clip and the AdamW step are the same on every rank and the replicas
 stay identical. An empty shard (B = 0) runs `TrainBatch.stand_in()` (one fully masked row: loss 0, zero
 gradient), so its rank still takes part in the forward, backward and all-reduce.
@@ -250,7 +252,8 @@ class TorchTrainEngine:
         (module docstring). Returns floats: `loss`, `grad_norm` (L2, before clipping), `grad_clip_coef`
         (≤ 1), `step_skipped`, `lr` (the one this step used), `tokens`, the terms' statistics (`mopd/*` or
         `topk/*`, `grpo/*`), and what `observe` returns when given the step's detached [B, T] float32
-        log π_θ(y_t) (before the update: monitoring statistics without a second forward pass).
+        log π_θ(y_t) (before the update: monitoring statistics without a second forward pass; [0, T] for an
+        empty shard).
 
         At data-parallel size > 1 (a collective: every rank calls it once per step, with its own shard and
         the same loss terms and `observe`), every value is the whole step's, the same on every rank: `loss`,
@@ -293,8 +296,10 @@ class TorchTrainEngine:
         out = {name: float(value) for name, value in stats.items()} | observed
         out["loss"] = float(loss.detach())
         if dp.distributed:
-            sums = {k: v for k, v in out.items() if k == "loss" or k.endswith(("/loss", "/tokens"))}
-            sums = {k: v for k, v in sums.items() if k not in observed or k == "loss"}
+            additive = ("/loss", "/tokens")  # the terms' loss shares and token counts (not `observe`'s means)
+            sums = {
+                k: v for k, v in out.items() if k == "loss" or (k.endswith(additive) and k not in observed)
+            }
             means = {k: v for k, v in out.items() if k not in sums}
             out = dp.all_reduce_stats(means, sums, float(local_tokens), self.device)
         out |= {
