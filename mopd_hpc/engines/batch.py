@@ -13,7 +13,7 @@ Shape legend: B rows (samples), L prompt + response positions, T response positi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -257,26 +257,55 @@ class TrainBatch:
             ref_logprobs,
         )
 
-    def to(self, device: torch.device | str) -> TrainBatch:
-        """This batch with every tensor on `device`."""
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.batch_size
+
+    def _map(self, tokens: TokenBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+        """This batch with `tokens` and `fn` applied to every per-sample tensor (dim 0 = rows)."""
 
         def opt(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
+            return None if t is None else fn(t)
 
         targets = self.targets
         if targets is not None:
-            targets = TeacherTargets(targets.logp_sum.to(device), targets.weight_sum.to(device))
+            targets = TeacherTargets(fn(targets.logp_sum), fn(targets.weight_sum))
         return TrainBatch(
-            self.tokens.to(device),
-            self.behavior_logprobs.to(device),
+            tokens,
+            fn(self.behavior_logprobs),
             targets,
             MappingProxyType(
-                {
-                    k: TeacherTopK(v.indices.to(device), v.logprobs.to(device))
-                    for k, v in self.teacher_topk.items()
-                }
+                {k: TeacherTopK(fn(v.indices), fn(v.logprobs)) for k, v in self.teacher_topk.items()}
             ),
-            MappingProxyType({k: v.to(device) for k, v in self.teacher_weights.items()}),
+            MappingProxyType({k: fn(v) for k, v in self.teacher_weights.items()}),
             opt(self.orm_advantages),
             opt(self.ref_logprobs),
         )
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """This batch with every tensor on `device`."""
+        return self._map(self.tokens.to(device), lambda t: t.to(device))
+
+    def rows(self, start: int, stop: int) -> TrainBatch:
+        """Rows [start, stop) of every tensor (same L, T and K): a data-parallel shard. `start == stop` gives
+        an empty shard (B = 0), which `TorchTrainEngine.train_step` accepts on a data-parallel rank."""
+        return self._map(self.tokens.rows(start, stop), lambda t: t[start:stop])
+
+    def stand_in(self) -> TrainBatch:
+        """One row shaped like this batch (same T, K, dtypes, device, and the same optional fields) with an
+        all-False response mask: every loss term reads it and gives 0 with a zero gradient. What an empty
+        data-parallel shard runs in place of its rows, so that its rank still takes part in the step's
+        forward, backward and gradient all-reduce."""
+        tok = self.tokens
+        width = tok.response_width
+        dev = tok.input_ids.device
+        ids = torch.full((1, width + 1), tok.pad_id, dtype=tok.input_ids.dtype, device=dev)
+        tokens = TokenBatch(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids, dtype=tok.attention_mask.dtype),
+            response_ids=ids[:, 1:].clone(),
+            response_mask=torch.zeros((1, width), dtype=torch.bool, device=dev),
+            response_start=torch.ones(1, dtype=tok.response_start.dtype, device=dev),
+            pad_id=tok.pad_id,
+        )
+        return self._map(tokens, lambda t: torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device))

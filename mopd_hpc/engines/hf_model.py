@@ -64,26 +64,46 @@ def load_causal_lm(path: str | Path, dtype: str, device: torch.device) -> torch.
     return model.to(device)
 
 
+class ResponseLogits(torch.nn.Module):
+    """The causal LM as a module whose forward gives response-position logits (decoder, gather at the T
+    positions, LM head, optional soft-capping): what `DistributedDataParallel` wraps, since DDP needs the
+    whole forward to run through one module call. Its only submodule is `model` (the HF module)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logit_positions: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids, attention_mask [B, L] int64, logit_positions [B, T] int64 → [B, T, V] logits."""
+        body = self.model.get_decoder()
+        head = self.model.get_output_embeddings()
+        out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = out.last_hidden_state
+        pos = logit_positions[..., None].expand(-1, -1, hidden.shape[-1])
+        logits = head(hidden.gather(1, pos))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 class CausalLMForward:
     """The forward pass both engines share: response-position logits and log-probs of a `TokenBatch`."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, backend: Backend = "auto") -> None:
         self.model = model
+        self.module = ResponseLogits(model)
         self.device = device
         self.backend: Backend = backend
-        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.softcap = self.module.softcap
 
-    def response_logits(self, batch: TokenBatch) -> torch.Tensor:
-        """[B, T, V] logits (model dtype) at the positions that predict each response token."""
-        body = self.model.get_decoder()
-        head = self.model.get_output_embeddings()
-        out = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-        hidden = out.last_hidden_state
-        pos = batch.logit_positions[..., None].expand(-1, -1, hidden.shape[-1])
-        logits = head(hidden.gather(1, pos))
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+    def response_logits(self, batch: TokenBatch, module: torch.nn.Module | None = None) -> torch.Tensor:
+        """[B, T, V] logits (model dtype) at the positions that predict each response token, through
+        `module` (a wrapper of `self.module` such as DistributedDataParallel) or `self.module`."""
+        run = self.module if module is None else module
+        return run(batch.input_ids, batch.attention_mask, batch.logit_positions)
 
     def token_logprobs(self, logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
         """[B, T] float32 log π(y_t) of the response tokens from `response_logits`; 0 at padding."""

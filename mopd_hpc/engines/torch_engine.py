@@ -4,7 +4,8 @@ Log-probs of the response tokens are computed from the logits of the response po
 decoder runs over [B, L], its hidden states are gathered at the T positions that predict response tokens,
 and the LM head gives [B, T, V] logits in the model's dtype; `mopd.token_logprobs` turns them into float32
 log-probs without a float32 [B, T, V] copy (fused Triton on CUDA, chunked on CPU). No [B, L, V] logits exist
-(`engines/hf_model.py`: loading and that forward pass; `engines/lr_schedule.py`: the actor's lr schedule).
+(`engines/hf_model.py`: loading and that forward pass; `engines/lr_schedule.py`: the actor's lr schedule;
+`engines/torch_scoring.py`: the teachers' `TorchScoringEngine`, re-exported here).
 
 The train step (DESIGN.md §3; the loss section is bound once, at construction):
 
@@ -14,11 +15,25 @@ The train step (DESIGN.md §3; the loss section is bound once, at construction):
 
 A step whose gradient norm is not finite is skipped (no parameter changes; `step_skipped` = 1).
 
+Data parallelism (`DataParallel`, DESIGN.md §7): at size n > 1 every rank trains on its shard of the step's
+rows and the model runs under `torch.nn.parallel.DistributedDataParallel` over the record's group (the
+caller's: gloo on CPU, NCCL on GPU, whose device_ids is the engine's device) for the train step's forward and
+backward (logprobs, topk and evaluation run the bare model: no collective); `self.model` stays the unwrapped HF module (its
+state_dict, named_weights, save_pretrained and evaluation keys do not change). The rank's loss is its shard's
+per-token numerator over the WHOLE step's denominator N (`loss_denominator`, all-reduced): L_r = Σ_{shard r}
+/ N, so Σ_r L_r = L of the step at DP = 1. DDP AVERAGES gradients over ranks, so the backward runs on n·L_r:
+(1/n)·Σ_r ∇(n·L_r) = ∇L (Megatron-LM multiplies its loss by the context-parallel size for the same reason;
+with `calculate_per_token_loss` it sums gradients instead and divides by the global token count). Gradients are
+synced before clipping, so grad_norm, the clip and the AdamW step are the same on every rank and the replicas
+stay identical. An empty shard (B = 0) runs `TrainBatch.stand_in()` (one fully masked row: loss 0, zero
+gradient), so its rank still takes part in the forward, backward and all-reduce.
+
 Shape legend: B rows, L prompt + response positions, T response positions, V vocabulary, H hidden, K top-k.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -30,112 +45,51 @@ import torch
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.hf_model import TOKENIZER_FILES, CausalLMForward, load_causal_lm, resolve_device
 from mopd_hpc.engines.lr_schedule import lr_scheduler
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.engines.residency import Residency
+from mopd_hpc.engines.torch_scoring import TorchScoringEngine
 from mopd_hpc.mopd.compose import compose_loss
 from mopd_hpc.mopd.grpo import grpo_policy_loss
 from mopd_hpc.mopd.logprobs import Backend
 from mopd_hpc.mopd.loss import mopd_loss
+from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl_loss
 
+__all__ = ["TorchScoringEngine", "TorchTrainEngine"]
 
-class TorchScoringEngine:
-    """A teacher's forward-only engine: no optimizer, no gradient (`torch.inference_mode`), batched by
-    rows. Build with `from_pretrained`."""
 
-    def __init__(
-        self, model: torch.nn.Module, path: str, device: torch.device, max_batch_rows: int, backend: Backend
-    ) -> None:
-        if max_batch_rows < 1:
-            raise EngineError(f"max_batch_rows={max_batch_rows}: expected >= 1")
-        model.eval().requires_grad_(False)
-        self.path = path
-        self.max_batch_rows = max_batch_rows
-        self.forward = CausalLMForward(model, device, backend)
-        self.residency = Residency(model, device)
+def _distributed_module(module: torch.nn.Module, dp: DataParallel, device: torch.device) -> torch.nn.Module:
+    """`module` under torch DDP over `dp.group` (a collective: every rank builds it at the same time; rank 0's
+    parameters are broadcast). Buffers are not broadcast per forward (the models' buffers are constants such
+    as RoPE frequencies).
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        max_batch_rows: int = 64,
-        logprob_backend: Backend = "auto",
-    ) -> TorchScoringEngine:
-        """Load the checkpoint at `path` once. Raises EngineError (dtype, device) or OSError (path)."""
-        dev = resolve_device(device)
-        return cls(load_causal_lm(path, dtype, dev), str(path), dev, max_batch_rows, logprob_backend)
+    Raises:
+        EngineError: the group's backend cannot reduce tensors of `device` (NCCL with a CPU device).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.forward.model
-
-    @property
-    def device(self) -> torch.device:
-        return self.forward.device
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-    def score(self, batch: TokenBatch, k: int | None = None) -> tuple[torch.Tensor, TeacherTopK | None]:
-        """One forward: ([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None).
-
-        Rows are scored `max_batch_rows` at a time; results are on the CPU.
-        Raises:
-            EngineError: the weights are offloaded, or k < 1.
-        """
-        if not self.residency.on_device:
-            raise EngineError("weights are offloaded; onload() before scoring")
-        if k is not None and k < 1:
-            raise EngineError(f"k={k}: expected >= 1 (or None for no top-k)")
-        lps, ids, vals = [], [], []
-        with torch.inference_mode():
-            for start in range(0, batch.batch_size, self.max_batch_rows):
-                part = batch.rows(start, start + self.max_batch_rows).to(self.device)
-                logits = self.forward.response_logits(part)
-                lps.append(self.forward.token_logprobs(logits, part).cpu())
-                if k is not None:
-                    top = TeacherTopK.from_logits(logits, k)
-                    ids.append(top.indices.cpu())
-                    vals.append(top.logprobs.float().cpu())
-        topk = TeacherTopK(torch.cat(ids), torch.cat(vals)) if k is not None else None
-        return torch.cat(lps), topk
-
-    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        return self.score(batch)[0]
-
-    def topk(self, batch: TokenBatch, k: int) -> TeacherTopK:
-        top = self.score(batch, k)[1]
-        assert top is not None
-        return top
-
-    def load_weights(self, path: str | Path) -> None:
-        """Replace the weights by those of the checkpoint at `path` (same architecture and shapes)."""
-        fresh = load_causal_lm(path, "float32", torch.device("cpu"))
-        own = self.model.state_dict()
-        theirs = fresh.state_dict()
-        if set(own) != set(theirs) or any(own[n].shape != theirs[n].shape for n in own):
-            raise EngineError(f"checkpoint {path} does not match the loaded model's names and shapes")
-        with torch.no_grad():
-            for name, tensor in theirs.items():
-                own[name].copy_(tensor)
-        self.path = str(path)
-
-    def offload(self) -> ResidencyReport:
-        return self.residency.offload()
-
-    def onload(self) -> ResidencyReport:
-        return self.residency.onload()
+    backend = str(dist.get_backend(dp.group))
+    if backend == "nccl" and device.type != "cuda":
+        raise EngineError(
+            f"data parallelism over a {backend!r} group needs a CUDA device; the actor is on {device} "
+            "(use a gloo group on CPU)"
+        )
+    ids = None
+    if device.type == "cuda":
+        ids = [device.index if device.index is not None else torch.cuda.current_device()]
+    # No buffer broadcast before each forward (torch >= 2.13 names it forward_sync_buffers).
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+    return DistributedDataParallel(module, device_ids=ids, process_group=dp.group, **no_sync)
 
 
 class TorchTrainEngine:
     """The actor's engine: transformers model + AdamW (+ its lr schedule over `total_steps`) + the bound
-    loss section. Build with `from_pretrained`."""
+    loss section, on one rank of `data_parallel` (module docstring). Build with `from_pretrained`."""
 
     def __init__(
         self,
@@ -146,6 +100,7 @@ class TorchTrainEngine:
         loss: LossConfig,
         backend: Backend = "auto",
         total_steps: int = 1,
+        data_parallel: DataParallel = DataParallel.single(),
     ) -> None:
         if loss.estimator == "topk" and loss.orm_alpha > 0:
             raise EngineError(
@@ -155,7 +110,13 @@ class TorchTrainEngine:
         self.path = path
         self.loss_config = loss
         self.optimizer_config = optimizer
+        data_parallel.check_initialized()
+        self.data_parallel = data_parallel
         self.forward = CausalLMForward(model, device, backend)
+        #: What the train step's forward runs through: the response-logits module, under DDP at size > 1.
+        self.train_module = self.forward.module
+        if data_parallel.distributed:
+            self.train_module = _distributed_module(self.forward.module, data_parallel, device)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, optimizer, total_steps)
@@ -173,16 +134,22 @@ class TorchTrainEngine:
         loss: LossConfig,
         logprob_backend: Backend = "auto",
         total_steps: int = 1,
+        data_parallel: DataParallel = DataParallel.single(),
     ) -> TorchTrainEngine:
         """Load the student from `path`; dtype is the parameter and compute dtype (`ActorConfig.dtype`);
-        total_steps is the run's length, over which the lr schedule runs (`lr_scheduler`).
+        total_steps is the run's length, over which the lr schedule runs (`lr_scheduler`); data_parallel is
+        this process's rank of the actor's data-parallel group (at size > 1 a collective: every rank of the
+        group calls this at the same time, with torch.distributed initialized, each on its own device).
 
         Raises:
-            EngineError: bad dtype/device, total_steps < 1, or a loss section this engine cannot apply.
+            EngineError: bad dtype/device, total_steps < 1, a loss section this engine cannot apply, or an
+                NCCL group with a CPU device.
+            DataParallelError: size > 1 but torch.distributed is not initialized or the group's rank and
+                size are not the record's.
         """
         dev = resolve_device(device)
         model = load_causal_lm(path, dtype, dev)
-        return cls(model, str(path), dev, optimizer, loss, logprob_backend, total_steps)
+        return cls(model, str(path), dev, optimizer, loss, logprob_backend, total_steps, data_parallel)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -216,16 +183,20 @@ class TorchTrainEngine:
         with torch.no_grad():
             return TeacherTopK.from_logits(self.forward.response_logits(batch.to(self.device)), k)
 
-    def compute_loss(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """The bound loss of `batch` (already on the device), the [B, T] float32 log π_θ(y_t) it was
-        computed from (carrying the gradient), and the terms' statistics.
+    def compute_loss(
+        self, batch: TrainBatch, denominator: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The bound loss of `batch` (already on the device, B ≥ 1), the [B, T] float32 log π_θ(y_t) it was
+        computed from (carrying the gradient), and the terms' statistics. `denominator`: None normalizes
+        over `batch`; else the whole step's count (`mopd.normalize.normalize`), for a data-parallel shard.
+        At size > 1 the forward runs through DDP: every rank must then run its backward.
 
         Raises:
             EngineError: the batch lacks what a positive coefficient's term reads.
         """
         cfg = self.loss_config
         tokens = batch.tokens
-        logits = self.forward.response_logits(tokens)
+        logits = self.forward.response_logits(tokens, self.train_module)
         logprobs = self.forward.token_logprobs(logits, tokens)
         mask = tokens.response_mask
         stats: dict[str, torch.Tensor] = {}
@@ -236,7 +207,9 @@ class TorchTrainEngine:
                     raise EngineError(
                         "estimator 'topk' needs batch.teacher_topk and teacher_weights; got none"
                     )
-                value, s = topk_reverse_kl_loss(logits, batch.teacher_topk, batch.teacher_weights, mask, cfg)
+                value, s = topk_reverse_kl_loss(
+                    logits, batch.teacher_topk, batch.teacher_weights, mask, cfg, denominator=denominator
+                )
             else:
                 if batch.targets is None:
                     raise EngineError("estimator 'sampled' needs batch.targets (S, W); got None")
@@ -248,6 +221,7 @@ class TorchTrainEngine:
                     mask,
                     cfg,
                     orm_advantages=batch.orm_advantages,
+                    denominator=denominator,
                 )
             stats.update(s)
             return value
@@ -262,6 +236,7 @@ class TorchTrainEngine:
                 mask,
                 cfg,
                 ref_logprobs=batch.ref_logprobs,
+                denominator=denominator,
             )
             stats.update(s)
             return value
@@ -273,18 +248,41 @@ class TorchTrainEngine:
         batch: TrainBatch,
         observe: Callable[[torch.Tensor], Mapping[str, float]] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on `batch` with the bound loss (module docstring). Returns floats: `loss`,
-        `grad_norm` (L2, before clipping), `grad_clip_coef` (≤ 1), `step_skipped`, `lr` (the one this
-        step used), `tokens`, the terms' statistics (`mopd/*` or `topk/*`, `grpo/*`), and what
-        `observe` returns when given the step's detached [B, T] float32 log π_θ(y_t) (before the update:
-        monitoring statistics without a second forward pass)."""
+        """One optimizer step on `batch` (this rank's shard of the step; B = 0 allowed) with the bound loss
+        (module docstring). Returns floats: `loss`, `grad_norm` (L2, before clipping), `grad_clip_coef`
+        (≤ 1), `step_skipped`, `lr` (the one this step used), `tokens`, the terms' statistics (`mopd/*` or
+        `topk/*`, `grpo/*`), and what `observe` returns when given the step's detached [B, T] float32
+        log π_θ(y_t) (before the update: monitoring statistics without a second forward pass; [0, T] for an
+        empty shard).
+
+        At data-parallel size > 1 (a collective: every rank calls it once per step, with its own shard and
+        the same loss terms and `observe`), every value is the whole step's, the same on every rank: `loss`,
+        each term's `*/loss`, `tokens` and `mopd/tokens` are summed over ranks (each rank's loss is its
+        share of the global one); grad_norm, grad_clip_coef, step_skipped and lr come after the gradient
+        all-reduce; every other statistic, `observe`'s included, is a masked mean over the rank's loss
+        tokens and is reduced as the token-weighted mean Σ_r n_r·x_r / Σ_r n_r (`DataParallel.
+        all_reduce_stats`: exact for means over the loss mask, approximate for a mean over a sub-mask such
+        as `ratio_stats`' teacher_student_gap over W > 0 tokens)."""
         self._require_resident("train_step")
-        self.model.train()
+        dp = self.data_parallel
+        self.train_module.train()
         batch = batch.to(self.device)
-        loss, logprobs, stats = self.compute_loss(batch)
+        mask = batch.tokens.response_mask
+        local_tokens = mask.sum(dtype=torch.int64)
+        denominator = None
+        tokens = float(local_tokens)
+        if dp.distributed:
+            counts = torch.stack([loss_denominator(mask, self.loss_config.normalizer), local_tokens])
+            dp.all_reduce_sum(counts)
+            denominator, tokens = counts[0], float(counts[1])
+        empty = batch.batch_size == 0
+        loss, logprobs, stats = self.compute_loss(batch.stand_in() if empty else batch, denominator)
+        if empty:
+            logprobs = logprobs[:0]
         observed = dict(observe(logprobs.detach())) if observe is not None else {}
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        # DDP averages the ranks' gradients: backward on size·L_r makes the synced gradient Σ_r ∇L_r = ∇L.
+        (loss * dp.size if dp.distributed else loss).backward()
         clip = self.optimizer_config.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=math.inf if clip is None else clip))
@@ -296,13 +294,20 @@ class TorchTrainEngine:
         self.scheduler.step()
         self.steps += 1
         out = {name: float(value) for name, value in stats.items()} | observed
+        out["loss"] = float(loss.detach())
+        if dp.distributed:
+            additive = ("/loss", "/tokens")  # the terms' loss shares and token counts (not `observe`'s means)
+            sums = {
+                k: v for k, v in out.items() if k == "loss" or (k.endswith(additive) and k not in observed)
+            }
+            means = {k: v for k, v in out.items() if k not in sums}
+            out = dp.all_reduce_stats(means, sums, float(local_tokens), self.device)
         out |= {
-            "loss": float(loss.detach()),
             "grad_norm": grad_norm,
             "grad_clip_coef": min(1.0, clip / (grad_norm + 1e-6)) if clip is not None and finite else 1.0,
             "step_skipped": 0.0 if finite else 1.0,
             "lr": lr,
-            "tokens": float(batch.tokens.response_mask.sum()),
+            "tokens": tokens,
         }
         return out
 

@@ -9,7 +9,7 @@ from mopd_hpc.mopd.compose import CompositionError, compose_advantages, compose_
 from mopd_hpc.mopd.grpo import grpo_advantages, grpo_policy_loss
 from mopd_hpc.mopd.logprobs import LogprobError, token_logprobs
 from mopd_hpc.mopd.loss import mopd_loss
-from mopd_hpc.mopd.normalize import LossInputError
+from mopd_hpc.mopd.normalize import LossInputError, loss_denominator, normalize
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine
 from mopd_hpc.mopd.plan import ExecutionPlan, PlanError
 from mopd_hpc.mopd.routing import RoutedDataset, RoutedSample, RoutedSource, RoutingError
@@ -37,7 +37,9 @@ __all__ = [
     "compose_loss",
     "grpo_advantages",
     "grpo_policy_loss",
+    "loss_denominator",
     "mopd_loss",
+    "normalize",
     "token_logprobs",
     "topk_reverse_kl_loss",
 ]

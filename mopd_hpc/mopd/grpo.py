@@ -61,6 +61,7 @@ def grpo_policy_loss(
     config: LossConfig,
     *,
     ref_logprobs: torch.Tensor | None = None,
+    denominator: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """L_RL: the PPO-clip surrogate with GRPO advantages and an optional k3 KL penalty.
 
@@ -71,6 +72,9 @@ def grpo_policy_loss(
         loss_mask: [B, T] bool or 0/1.
         config: `ppo_clip` (ε_clip), `kl_coefficient` (β), `normalizer`.
         ref_logprobs: [B, T] reference-model log-probs, required when β > 0.
+        denominator: None → normalize over this batch; otherwise the whole step's count this batch is a
+            shard of (`normalize`; the sum of every shard's `loss_denominator`), so that the shards' losses
+            (and gradients) sum to the step's.
 
     Returns:
         (loss 0-d, stats: `grpo/loss`, `grpo/ratio_mean`, `grpo/clipped_frac`, `grpo/advantage_mean`,
@@ -105,7 +109,7 @@ def grpo_policy_loss(
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + config.kl_coefficient * kl
     per_token = torch.where(mask, per_token, 0.0)
-    loss = normalize(per_token, mask, config.normalizer)
+    loss = normalize(per_token, mask, config.normalizer, denominator)
     stats: Stats = {
         "grpo/loss": loss.detach().float(),
         "grpo/ratio_mean": masked_mean(ratio, mask),

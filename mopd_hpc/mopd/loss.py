@@ -103,6 +103,7 @@ def mopd_loss(
     config: LossConfig,
     *,
     orm_advantages: torch.Tensor | None = None,
+    denominator: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """L_MOPD with its statistics (formulas in the module docstring).
 
@@ -116,10 +117,13 @@ def mopd_loss(
         config: the `loss:` section (`correction`, `ratio_cap`, `mask_low`, `mask_high`,
             `advantage_clip`, `normalizer`, `orm_alpha`); its `estimator` must be "sampled".
         orm_advantages: [B] or [B, T] A_ORM (e.g. `grpo_advantages`), needed when orm_alpha > 0.
+        denominator: None → normalize over this batch; otherwise the whole step's count this batch is a
+            shard of (`normalize`; the sum of every shard's `loss_denominator`), so that the shards' losses
+            (and gradients) sum to the step's.
 
     Returns:
         (loss: 0-d tensor in logprobs' dtype promoted to at least float32,
-         stats: detached 0-d float32 tensors, keys `mopd/loss`, `mopd/reverse_kl` (mean over loss tokens
+         stats: detached 0-d float32 tensors, keys `mopd/loss` (= loss), `mopd/reverse_kl` (mean over loss tokens
          of W·log π_θ − S, the k1 estimate of Σ_j w_j·KL), `mopd/teacher_student_gap` (mean of
          S/W − log π_θ), `mopd/rho_mean`, `mopd/ratio_capped_frac`, `mopd/ratio_masked_frac`,
          `mopd/advantage_mean`, `mopd/advantage_clipped_frac`, `mopd/tokens`).
@@ -169,7 +173,7 @@ def mopd_loss(
         advantage = torch.where(mask, advantage, 0.0)
 
     per_token = torch.where(mask, -(rho * advantage) * lp, 0.0)
-    loss = normalize(per_token, mask, config.normalizer)
+    loss = normalize(per_token, mask, config.normalizer, denominator)
 
     gap = torch.where(mask & (w > 0), s / torch.where(w > 0, w, 1.0) - lp_d, 0.0)
     stats: Stats = {

@@ -51,6 +51,8 @@ def topk_reverse_kl_loss(
     teacher_weights: Mapping[str, torch.Tensor],
     loss_mask: torch.Tensor,
     config: LossConfig,
+    *,
+    denominator: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """L_MOPD of the `topk` estimator (formula in the module docstring).
 
@@ -62,6 +64,9 @@ def topk_reverse_kl_loss(
             ignored, e.g. not scored); every teacher in `teacher_topk` needs an entry.
         loss_mask: [B, T] bool or 0/1.
         config: `normalizer`.
+        denominator: None → normalize over this batch; otherwise the whole step's count this batch is a
+            shard of (`normalize`; the sum of every shard's `loss_denominator`), so that the shards' losses
+            (and gradients) sum to the step's.
 
     Returns:
         (loss 0-d, stats: `topk/loss`, `topk/reverse_kl` (mean ℓ_t over loss tokens),
@@ -98,7 +103,7 @@ def topk_reverse_kl_loss(
         per_pos = per_pos + torch.where(active, w[:, None] * d, 0.0)
         mass = mass + torch.where(active, w[:, None] * q.sum(dim=-1), 0.0)
         total_w = total_w + w
-    loss = normalize(torch.where(mask, per_pos, 0.0), mask, config.normalizer)
+    loss = normalize(torch.where(mask, per_pos, 0.0), mask, config.normalizer, denominator)
     stats: Stats = {
         "topk/loss": loss.detach().float(),
         "topk/reverse_kl": masked_mean(per_pos, mask),
