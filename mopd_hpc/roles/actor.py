@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
+from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
@@ -118,7 +119,7 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
 
 
 def build_train_engine(
-    cfg: RunConfig, kind: str, environ: Mapping[str, str], data_parallel: Any = None
+    cfg: RunConfig, kind: str, environ: Mapping[str, str], data_parallel: DataParallel | None = None
 ) -> Any:
     """The actor's train engine of `kind` (`check_actor_engine`), with the checkpoint loaded:
     `TorchTrainEngine` (cuda when CUDA_VISIBLE_DEVICES is set, else cpu; `data_parallel` its rank of the
@@ -142,7 +143,7 @@ def build_train_engine(
             optimizer=actor.optimizer,
             loss=cfg.loss,
             total_steps=cfg.steps,
-            **({"data_parallel": data_parallel} if data_parallel is not None else {}),
+            data_parallel=data_parallel or DataParallel.single(),
         )
     try:
         from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
@@ -192,11 +193,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
         print(
             f"servers ready: rollout {list(endpoints.rollout)}, teachers {dict(endpoints.teachers)}", file=out
         )
-        dp = None
-        if group.dp_size > 1:
-            from mopd_hpc.engines.data_parallel import DataParallel
-
-            dp = DataParallel(group.dp_rank, group.dp_size)
+        dp = DataParallel(group.dp_rank, group.dp_size) if group.dp_size > 1 else DataParallel.single()
         engine = build_train_engine(cfg, kind, environ, dp)
         async with contextlib.AsyncExitStack() as stack:
             teachers = {
