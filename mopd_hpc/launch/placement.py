@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from mopd_hpc.config.parallel import ActorParallel, ParallelError
 from mopd_hpc.launch.plan import ChildSpec, GroupPlan, JobPlan, PlanError
 from mopd_hpc.runtime.layout import ChildPlacement, LayoutError, RolloutLayout, assign_transfer_ranks
 
@@ -86,8 +87,9 @@ def place_children(cfg: Any) -> JobPlan:
     """The JobPlan of a validated RunConfig.
 
     Raises:
-        PlanError: the layout breaks a rule (a teacher's tensor-parallel size does not divide the actor's
-            ranks, transfer ranks not dense, a GPU given to two children that run at the same time, ...).
+        PlanError: the layout breaks a rule (the actor's sizes do not divide its slots, a teacher's
+            tensor-parallel size does not divide the actor's ranks, transfer ranks not dense, a GPU given to
+            two children that run at the same time, ...).
     """
     cluster, rollout = cfg.cluster, cfg.rollout
     het = cluster.shape == "heterogeneous"
@@ -111,6 +113,12 @@ def place_children(cfg: Any) -> JobPlan:
         engines = [[rollout_slots[e % len(rollout_slots)]] for e in range(count)]
     children: list[ChildSpec] = []
     world = len(actor_slots)
+    try:
+        shape = ActorParallel.from_config(cfg)
+    except ParallelError as exc:
+        raise PlanError(f"the actor group: {exc}") from None
+    if shape.world != world:  # config/parallel.py actor_world counts the slots laid out here
+        raise PlanError(f"the actor has {world} trainer slots here but {shape.describe()} ({shape.source})")
     actor_local = _local_ranks([n for n, _ in actor_slots])
     rank0_ports = ACTOR_MASTER_PORTS + (ACTOR_SYNC_PORTS if cfg.weight_sync.backend == "torch" else ())
     for rank, ((node, gpu), (lr, lw)) in enumerate(zip(actor_slots, actor_local, strict=True)):
