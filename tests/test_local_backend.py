@@ -91,7 +91,9 @@ def test_probe_only_local_run_reports_every_child(tmp_path: Path) -> None:
         assert report["weight_sync_backend"] == "torch"  # the probe table numbers as the dry-run
     assert [r["topology"]["rank"] for r in got if r["plan_role"] == "rollout"] == [0, 1]
     ports = [p for r in got for p in r["ports"].values()]
-    assert len(ports) == len(set(ports)) == 1 + 2 + 2 * 3  # no port leased twice on this host
+    assert (
+        len(ports) == len(set(ports)) == 2 + 2 + 2 * 3
+    )  # no port leased twice on this host (actor: master, nccl)
     assert "what the 5 probe(s) reported" in out and "[local] done: exit code 0" in out
     assert processes_of(run_dir) == []
 
@@ -102,7 +104,9 @@ def test_ctrl_c_leaves_no_orphan_and_no_lease(tmp_path: Path) -> None:
     try:
         assert wait_for(lambda: len(list((run_dir / "probe").glob("*.json"))) == 4), proc.stderr
         job_id = f"local-{proc.pid}"
-        assert len(leases_of(job_id)) == 1 + 1 + 2 + 3  # the guard's http + master + 2·http + rollout's 3
+        assert (
+            len(leases_of(job_id)) == 1 + 2 + 2 + 3
+        )  # the guard's http + master, nccl + 2·http + rollout's 3
         assert len(set(processes_of(run_dir)) - {proc.pid}) == 5  # the guard and 4 probes
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)

@@ -38,6 +38,7 @@ from typing import TextIO
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
+from mopd_hpc.config.parallel import ActorParallel, ParallelError
 from mopd_hpc.config.paths import local_path_errors, path_warnings
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
@@ -119,8 +120,11 @@ def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
     from rich.console import Console
     from rich.syntax import Syntax
 
+    from mopd_hpc.launch.rankmap import shape_line
+
     console = Console(file=out, soft_wrap=True)
     console.print(f"# {source or 'config'} is valid — {summary(cfg)}", markup=False, highlight=False)
+    console.print(f"# {shape_line(ActorParallel.from_config(cfg))}", markup=False, highlight=False)
     for warning in submit_warnings(cfg):
         console.print(f"# warning: {warning}", markup=False, highlight=False)
     console.print(
@@ -188,6 +192,7 @@ def execute(
         path = resolve_run_dir(cfg, args.run_dir, args.resume)
         cfg = cfg.model_copy(update={"run_dir": str(path)})
         plan = JobPlan.from_config(cfg)
+        parallel = ActorParallel.from_config(cfg)
         missing = unrunnable_roles(plan)
         if missing and not args.probe and not args.render and not args.dry_run:
             print(
@@ -215,7 +220,7 @@ def execute(
                 )
             )
         request = render(jobspec_from_config(cfg, path, python, plan))
-    except (ConfigError, PlanError, JobSpecError, UsageError) as exc:
+    except (ConfigError, PlanError, ParallelError, JobSpecError, UsageError) as exc:
         print(str(exc) if isinstance(exc, ConfigError) else f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
     console = Console(file=out, soft_wrap=False, width=None if out.isatty() else 160)
@@ -229,7 +234,7 @@ def execute(
                 " the script after it is what `cluster.backend: slurm` would submit",
                 file=out,
             )
-        print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
+        print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode, parallel)
         print(request.show(), file=out)
         return 0
     try:
@@ -255,7 +260,7 @@ def execute(
         return 0
     if resumed_from is not None:
         print(f"resuming the run in {path} from checkpoints/{resumed_from}", file=out)
-    print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
+    print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode, parallel)
     if cfg.cluster.backend == "local":
         return _run_local(
             plan,

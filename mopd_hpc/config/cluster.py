@@ -67,6 +67,13 @@ class GroupConfig(Section):
     cpus_per_task: int = Field(
         1, ge=1, description="CPUs per node for its guard and children (one task per node)."
     )
+    actor_ranks_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="Actor ranks per node of a group without GPUs (data parallelism on CPU; they share the "
+        "node's cpus_per_task); null = 1. Only on the group that holds the actor; on a GPU group the ranks "
+        "are its GPUs (null or 1).",
+    )
     mem_gb: int | None = Field(
         None, ge=1, description="Memory per node, in GB; null = the partition default."
     )
@@ -78,6 +85,11 @@ class GroupConfig(Section):
     def gpus(self) -> int:
         """GPUs in the whole group (nodes · gpus_per_node)."""
         return self.nodes * self.gpus_per_node
+
+    @property
+    def actor_slots_per_node(self) -> int:
+        """Actor ranks a node of this group can hold: one per GPU, else actor_ranks_per_node (null = 1)."""
+        return self.gpus_per_node or (self.actor_ranks_per_node or 1)
 
 
 class ClusterConfig(Section):
@@ -165,6 +177,7 @@ class ClusterConfig(Section):
                         expected=f"use {' and '.join(needed)}",
                     )
                 )
+        problems.extend(self._actor_ranks_problems(needed))
         if self.backend == "local" and self.shape == "heterogeneous":
             for name in needed:
                 group = getattr(self, name)
@@ -190,6 +203,36 @@ class ClusterConfig(Section):
             problems.extend(_sbatch_option_problems(join_path("extra_sbatch", i), option))
         raise_if_any(problems)
         return self
+
+    def _actor_ranks_problems(self, names: tuple[str, ...]) -> list[Problem]:
+        """actor_ranks_per_node above 1 only on a CPU group that holds the actor (`trainer` or `group`)."""
+        problems = []
+        for name in names:
+            group = getattr(self, name)
+            ranks = None if group is None else group.actor_ranks_per_node
+            if ranks in (None, 1):
+                continue
+            path = join_path(name, "actor_ranks_per_node")
+            if name == "rollout":
+                problems.append(
+                    Problem(
+                        path,
+                        "the rollout group holds no actor rank",
+                        ranks,
+                        "null; set it on cluster.trainer (the group of the actor)",
+                    )
+                )
+            elif group.gpus_per_node:
+                problems.append(
+                    Problem(
+                        path,
+                        f"on a group with GPUs the actor's ranks are its GPUs ({name}.gpus_per_node is "
+                        f"{group.gpus_per_node}: one rank per GPU)",
+                        ranks,
+                        "null (or 1); more ranks need more GPUs per node, or gpus_per_node: 0 for CPU ranks",
+                    )
+                )
+        return problems
 
 
 def _sbatch_option_problems(path: str, option: str) -> list[Problem]:

@@ -10,13 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from mopd_hpc.config.parallel import actor_world
 from mopd_hpc.config.problems import Problem, join_path
 
 
 def job_gaps(cfg: Any) -> list[Problem]:
     """Valid settings that the job's roles do not run yet, one problem each (issue 8).
 
-    The roles run: the torch actor, or the megatron actor at tensor_parallel 1 (one process); torch or
+    The roles run: the torch actor on one process, or on several CPU ranks (data parallelism over the trainer
+    slots, config/parallel.py: it has not run on GPUs yet), or the megatron actor at tensor_parallel,
+    pipeline_parallel and data-parallel size 1 (one process); torch or
     megatron teachers at tensor_parallel 1; the HF rollout server; torch.distributed weight sync, or AWEX
     (colocate or separate mode) from the megatron actor to the HF server. The rest (tensor-parallel actors
     and teachers, SGLang in the rollout role) exists as components with their tests and benchmarks, but no
@@ -57,7 +60,46 @@ def job_gaps(cfg: Any) -> list[Problem]:
                 "expected 'hf'",
             )
         )
-    return out + list(_awex_gaps(cfg)) if cfg.weight_sync.backend == "awex" else out
+    if cfg.weight_sync.backend == "awex":
+        out += _awex_gaps(cfg)
+    return out + list(_actor_world_gaps(cfg))  # last: the refusals before issue 16 keep their order
+
+
+def _actor_world_gaps(cfg: Any) -> Iterator[Problem]:
+    """The actor beyond one rank: the torch engine has run data-parallel on CPU ranks only (gloo); the
+    megatron engine has run on one GPU only (its TP, PP and DP runs are the multi-GPU issue's)."""
+    actor, group = cfg.models.actor, cfg.cluster.trainer_group
+    world = actor_world(cfg.cluster, cfg.rollout)
+    if world.size <= 1:
+        return
+    one_slot = f"one trainer slot ({world.group_path}.nodes: 1 and gpus_per_node: 1)"
+    if actor.engine == "torch" and group.gpus_per_node:
+        yield Problem(
+            "models.actor.engine",
+            f"the torch actor has trained on several ranks on CPU only (gloo), not yet on GPUs: the actor has "
+            f"{world.size} trainer ranks ({world.how})",
+            actor.engine,
+            f"{one_slot}, or CPU ranks ({world.group_path}.gpus_per_node: 0, actor_ranks_per_node)",
+        )
+    elif actor.engine == "megatron":
+        if actor.pipeline_parallel != 1:
+            yield Problem(
+                "models.actor.pipeline_parallel",
+                "the actor role runs the megatron engine on one process: pipeline_parallel > 1 needs ranks "
+                "it does not start",
+                actor.pipeline_parallel,
+                "expected 1",
+            )
+        dp = world.size // (actor.tensor_parallel * actor.pipeline_parallel)
+        if dp > 1:
+            yield Problem(
+                "models.actor.engine",
+                f"the actor role runs the megatron engine on one process: data parallelism (dp {dp} = world "
+                f"{world.size} / (tensor_parallel·pipeline_parallel), world = {world.how}) needs ranks it "
+                "does not start",
+                actor.engine,
+                f"{one_slot}, or engine: torch on CPU ranks",
+            )
 
 
 def _awex_gaps(cfg: Any) -> Iterator[Problem]:

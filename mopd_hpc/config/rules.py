@@ -19,6 +19,7 @@ from typing import Any
 
 from mopd_hpc.config.data import unevaluated_sources
 from mopd_hpc.config.gaps import job_gaps
+from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message
 from mopd_hpc.config.problems import Problem, join_path, known
 
 RuleFn = Callable[[Any], Iterator[Problem]]
@@ -109,12 +110,6 @@ def _needs_gpus(path: str, what: str, value: object, group_path: str, way_out: s
     )
 
 
-def _divisors(n: int) -> str:
-    """'1, 2, 4 or 8' for 8."""
-    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return ds[0] if len(ds) == 1 else f"{', '.join(ds[:-1])} or {ds[-1]}"
-
-
 def _parallel_problems(
     path: str, tp: int, pp: int, gpus_per_node: int, gpus: int, group_path: str, gpus_label: str = ""
 ) -> Iterator[Problem]:
@@ -130,7 +125,7 @@ def _parallel_problems(
             f"{path}.tensor_parallel",
             f"must divide {group_path}.gpus_per_node ({gpus_per_node})",
             tp,
-            f"a divisor of the GPUs per node: {_divisors(gpus_per_node)}",
+            f"a divisor of the GPUs per node: {divisors(gpus_per_node)}",
         )
     elif gpus % (tp * pp):
         yield Problem(
@@ -150,24 +145,19 @@ def _rollout_path(cluster: Any) -> str:
     return "cluster.rollout" if cluster.shape == "heterogeneous" else "cluster.group"
 
 
-def _actor_gpus(c: Any) -> int:
-    """GPUs the actor spreads over: the trainer group's, less the rollout's in a separated colocated shape."""
-    group = c.cluster.trainer_group
-    if c.cluster.shape == "colocated" and c.rollout.mode == "separated":
-        return group.gpus - c.rollout.engines.count * c.rollout.engines.tensor_parallel
-    return group.gpus
-
-
 @rule("models", "cluster", "rollout")
 def _actor_layout(c: Any) -> Iterator[Problem]:
-    actor, group, where = c.models.actor, c.cluster.trainer_group, _trainer_path(c.cluster)
+    """The actor's sizes fit its trainer slots (config/parallel.py): on CPU no TP or PP; on GPUs TP within a
+    node and tp·pp dividing the actor's world (torchtitan ParallelDims: dp = world / (tp·pp) is whole)."""
+    actor, group = c.models.actor, c.cluster.trainer_group
+    world = actor_world(c.cluster, c.rollout)
+    where = world.group_path
     if actor.engine == "megatron" and group.gpus_per_node == 0:
         yield _needs_gpus(
             "models.actor.engine", "the megatron engine", actor.engine, where, "use engine: torch"
         )
         return
-    gpus = _actor_gpus(c)
-    if group.gpus_per_node and gpus <= 0:
+    if group.gpus_per_node and world.size <= 0:
         yield Problem(
             "rollout.engines",
             f"rollout engines take all {group.gpus} GPUs of {where}, none left for the actor",
@@ -175,45 +165,19 @@ def _actor_layout(c: Any) -> Iterator[Problem]:
             "fewer engines, or rollout.mode: colocated",
         )
         return
-    label = "" if gpus == group.gpus else " left after the rollout engines' GPUs"
-    yield from _parallel_problems(
-        "models.actor",
-        actor.tensor_parallel,
-        actor.pipeline_parallel,
-        group.gpus_per_node,
-        gpus,
-        where,
-        label,
-    )
-
-
-def _actor_ranks(c: Any) -> tuple[int, str]:
-    """(the actor's trainer ranks, how they are counted), as launch/placement.py place_children lays them:
-    one rank per trainer slot (nodes × max(1, gpus_per_node)), less the rollout engines' GPUs
-    (count·tensor_parallel) when the colocated shape runs rollout.mode separated on GPUs."""
-    group, where = c.cluster.trainer_group, _trainer_path(c.cluster)
-    slots = group.nodes * max(1, group.gpus_per_node)
-    how = f"{where}.nodes × max(1, gpus_per_node) = {group.nodes} × {max(1, group.gpus_per_node)}"
-    if c.cluster.shape == "colocated" and c.rollout.mode == "separated" and group.gpus_per_node:
-        engines = c.rollout.engines
-        how += f" − rollout.engines count·tensor_parallel {engines.count}·{engines.tensor_parallel}"
-        return slots - engines.count * engines.tensor_parallel, how
-    return slots, how
-
-
-@rule("models", "cluster", "rollout")
-def _torch_actor_world(c: Any) -> Iterator[Problem]:
-    """The torch engine trains on one process (roles/actor.py check_actor_engine): one trainer rank."""
-    if c.models.actor.engine != "torch":
-        return
-    ranks, how = _actor_ranks(c)
-    if ranks > 1:  # ranks <= 0 is `_actor_layout`'s problem
-        where = _trainer_path(c.cluster)
+    tp, pp = actor.tensor_parallel, actor.pipeline_parallel
+    if group.gpus_per_node == 0 or group.gpus_per_node % tp:
+        yield from _parallel_problems("models.actor", tp, pp, group.gpus_per_node, world.size, where)
+    elif world.size % (tp * pp):
+        label = (
+            " = nodes·gpus_per_node" if world.size == group.gpus else " left after the rollout engines' GPUs"
+        )
         yield Problem(
-            "models.actor.engine",
-            f"the torch engine trains on one process, but the actor has {ranks} trainer ranks ({how})",
-            "torch",
-            f"one trainer slot ({where}.nodes: 1 and gpus_per_node ≤ 1), or engine: megatron",
+            "models.actor",
+            f"tensor_parallel·pipeline_parallel = {tp}·{pp} = {tp * pp} must divide the GPUs of {where} "
+            f"({world.size}{label}): {indivisible_message(world.size, tp, pp)} ({world.how})",
+            tp * pp,
+            f"tensor_parallel·pipeline_parallel among {divisors(world.size)}, or change the trainer slots",
         )
 
 
@@ -364,6 +328,23 @@ def _megatron_schedule(c: Any) -> Iterator[Problem]:
         )
 
 
+def _cpu_budget(cfg: Any) -> Iterator[Problem]:
+    """The actor ranks of a CPU node train at the same time, on the node's cpus_per_task CPUs (one task per
+    node; its children share them): more ranks than CPUs means more threads than cores, which spin-wait
+    (trainer/role_env.py cpu_threads: each rank takes at least one thread)."""
+    group = cfg.cluster.trainer_group
+    ranks = group.actor_slots_per_node
+    if group.gpus_per_node == 0 and ranks > group.cpus_per_task:
+        where = "cluster.trainer" if cfg.cluster.shape == "heterogeneous" else "cluster.group"
+        yield Problem(
+            f"{where}.actor_ranks_per_node",
+            f"{ranks} actor ranks train at the same time on each node's {group.cpus_per_task} CPU(s) "
+            f"({where}.cpus_per_task): more threads than cores slow every step",
+            ranks,
+            f"at most {group.cpus_per_task}, or cpus_per_task ≥ {ranks}",
+        )
+
+
 def config_warnings(cfg: Any) -> list[str]:
     """Legal but suspicious settings of a valid RunConfig, rendered as problems (not errors); `job_gaps`
     first, as "not run by the job's roles yet: ..."."""
@@ -378,6 +359,7 @@ def config_warnings(cfg: Any) -> list[str]:
                 ).render()
             )
     out += [p.render() for p in unevaluated_sources(cfg.data)]
+    out += [p.render() for p in _cpu_budget(cfg)]
     if cfg.checkpoint_interval > cfg.steps:
         out.append(
             Problem(

@@ -3,13 +3,18 @@
 Rules (DESIGN.md §1, §4; config rules in `config/rules.py` already hold when this runs):
 
 - GPUs of a group are numbered node by node: slot (node, gpu). Without GPUs a group has one CPU slot per
-  node.
-- **actor**: one child per trainer slot (its trainer rank), the slots of the trainer group; in the
-  colocated shape with `rollout.mode: separated`, the last `count·tp` GPUs go to the rollout engines and
-  the actor gets the rest. Rank 0 gets the `master` port (torch.distributed rendezvous).
-- **teacher**: for each teacher (none when loss.distillation_coefficient is 0: ExecutionPlan), one child
-  per actor slot, on the actor's GPUs (the phase machine time-slices them, DESIGN.md §3); index =
-  teacher ordinal · world + rank; the first rank of each tensor-parallel replica serves `http`.
+  node, and the actor `actor_ranks_per_node` of them (null = 1) on each node of its group.
+- **actor**: one child per trainer slot (its trainer rank: MOPD_RANK, MOPD_WORLD_SIZE, MOPD_LOCAL_RANK,
+  MOPD_LOCAL_WORLD_SIZE), the slots of the trainer group (`config/parallel.py` actor_world; a rank's DP/TP
+  ranks are `ActorParallel.from_config(cfg).coords(rank)`, not in the env); in the colocated shape with
+  `rollout.mode: separated`, the last `count·tp` GPUs go to the rollout engines and the actor gets the rest.
+  Rank 0 gets the `master` port (the actor group's torch.distributed rendezvous) and, with
+  `weight_sync.backend: torch`, the `nccl` port (the weight-sync group's store, trainer → rollout engines).
+- **teacher**: for each teacher (none when loss.distillation_coefficient is 0: ExecutionPlan), on a GPU
+  group one child per actor slot, on the actor's GPUs (the phase machine time-slices them, DESIGN.md §3);
+  index = teacher ordinal · world + rank; the first rank of each tensor-parallel replica serves `http`. On
+  a CPU group one child per teacher (one replica, on node 0: one per actor rank would share the same
+  cores for nothing), index = teacher ordinal; it serves `http`.
 - **rollout**: engine e takes GPUs [e·tp, (e+1)·tp) of the rollout group (an engine never spans nodes:
   tp divides gpus_per_node); without GPUs engines go round-robin over the nodes. Ports http, nccl,
   dist_init (SGLang's --port, --nccl-port, --dist-init-addr).
@@ -27,20 +32,23 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from mopd_hpc.config.parallel import ActorParallel, ParallelError
 from mopd_hpc.launch.plan import ChildSpec, GroupPlan, JobPlan, PlanError
 from mopd_hpc.runtime.layout import ChildPlacement, LayoutError, RolloutLayout, assign_transfer_ranks
 
 #: Named ports per role (DESIGN.md §4: ports are named, never positional).
 ROLLOUT_PORTS = ("http", "nccl", "dist_init")
+#: Actor rank 0: the actor group's rendezvous; `nccl`: the torch weight-sync group's store.
 ACTOR_MASTER_PORTS = ("master",)
+ACTOR_SYNC_PORTS = ("nccl",)
 ROLE_ORDER = {"actor": 0, "teacher": 1, "rollout": 2, "probe": 3}
 
 Slot = tuple[int, int | None]  # (node index, GPU ordinal or None on CPU)
 
 
-def _slots(nodes: int, gpus_per_node: int) -> list[Slot]:
+def _slots(nodes: int, gpus_per_node: int, cpu_slots_per_node: int = 1) -> list[Slot]:
     if gpus_per_node == 0:
-        return [(n, None) for n in range(nodes)]
+        return [(n, None) for n in range(nodes) for _ in range(cpu_slots_per_node)]
     return [(n, g) for n in range(nodes) for g in range(gpus_per_node)]
 
 
@@ -79,8 +87,9 @@ def place_children(cfg: Any) -> JobPlan:
     """The JobPlan of a validated RunConfig.
 
     Raises:
-        PlanError: the layout breaks a rule (a teacher's tensor-parallel size does not divide the actor's
-            ranks, transfer ranks not dense, a GPU given to two children that run at the same time, ...).
+        PlanError: the layout breaks a rule (the actor's sizes do not divide its slots, a teacher's
+            tensor-parallel size does not divide the actor's ranks, transfer ranks not dense, a GPU given to
+            two children that run at the same time, ...).
     """
     cluster, rollout = cfg.cluster, cfg.rollout
     het = cluster.shape == "heterogeneous"
@@ -92,7 +101,7 @@ def place_children(cfg: Any) -> JobPlan:
     tg, rg = cluster.trainer_group, cluster.rollout_group
     count, tp = rollout.engines.count, rollout.engines.tensor_parallel
     rollout_slots = _slots(rg.nodes, rg.gpus_per_node)
-    actor_slots = _slots(tg.nodes, tg.gpus_per_node)
+    actor_slots = _slots(tg.nodes, tg.gpus_per_node, tg.actor_slots_per_node)
     if rg.gpus_per_node:
         need = count * tp
         split = not het and not colocated  # one group: rollout takes its last GPUs, the actor the rest
@@ -104,7 +113,14 @@ def place_children(cfg: Any) -> JobPlan:
         engines = [[rollout_slots[e % len(rollout_slots)]] for e in range(count)]
     children: list[ChildSpec] = []
     world = len(actor_slots)
+    try:
+        shape = ActorParallel.from_config(cfg)
+    except ParallelError as exc:
+        raise PlanError(f"the actor group: {exc}") from None
+    if shape.world != world:  # config/parallel.py actor_world counts the slots laid out here
+        raise PlanError(f"the actor has {world} trainer slots here but {shape.describe()} ({shape.source})")
     actor_local = _local_ranks([n for n, _ in actor_slots])
+    rank0_ports = ACTOR_MASTER_PORTS + (ACTOR_SYNC_PORTS if cfg.weight_sync.backend == "torch" else ())
     for rank, ((node, gpu), (lr, lw)) in enumerate(zip(actor_slots, actor_local, strict=True)):
         gpus, device = _visibility([gpu], tg.gpus_per_node, colocated)
         children.append(
@@ -115,11 +131,14 @@ def place_children(cfg: Any) -> JobPlan:
                 node_index=node,
                 gpus=gpus,
                 device_index=device,
-                port_names=ACTOR_MASTER_PORTS if rank == 0 else (),
+                port_names=rank0_ports if rank == 0 else (),
                 env=_rank_env(rank, world, lr, lw),
             )
         )
     teachers = cfg.models.teachers if cfg.loss.distillation_coefficient > 0 else []
+    if not tg.gpus_per_node:
+        children += _cpu_teachers(teachers, trainer_hg)
+        teachers = []
     for k, teacher in enumerate(teachers):
         ttp = teacher.tensor_parallel
         if world % ttp:
@@ -173,6 +192,21 @@ def place_children(cfg: Any) -> JobPlan:
         infer_world=count * tp,
         train_world=world,
     )
+
+
+def _cpu_teachers(teachers: Any, het_group: int) -> list[ChildSpec]:
+    """One child per teacher on node 0 of a CPU trainer group: index = teacher ordinal, rank 0 of 1, `http`."""
+    return [
+        ChildSpec.create(
+            role="teacher",
+            index=k,
+            het_group=het_group,
+            node_index=0,
+            port_names=("http",),
+            env={**_rank_env(0, 1, 0, 1), "MOPD_TEACHER_ID": teacher.id},
+        )
+        for k, teacher in enumerate(teachers)
+    ]
 
 
 def _placement(child: ChildSpec, with_gpus: bool) -> ChildPlacement:

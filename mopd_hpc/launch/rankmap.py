@@ -2,6 +2,10 @@
 GPUs, named ports and the child's place in the weight sync), as `mopd-submit --dry-run` prints it. Ports are leased when the guard
 starts the child: the map names them, 'assigned at start'.
 
+Given the actor's parallel shape (`config/parallel.py` ActorParallel, from the config), each actor row shows
+its DP and TP ranks (and its PP rank when pp > 1; "-" for the other roles), and `print_rank_map` prints the
+shape under the table ("actor: world 2 = dp 2 × tp 1 × pp 1 (how the world was counted)").
+
 The weight-sync column follows `weight_sync.backend`: for `awex`, each child's AWEX transfer ranks (the title
 gives the AWEX mode and world sizes); for `torch`, each child's rank in the broadcast group of
 `engines/weight_sync/torch.py` (trainer rank 0 is the source, rank 0; rollout engine i joins as rank 1 + i).
@@ -18,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.launch.plan import ChildSpec, JobPlan
 
 #: What the ports column says about port numbers before the job runs.
@@ -77,11 +82,25 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"weight_sync backend={backend!r}: expected one of {SYNC_BACKENDS}")
 
 
-def rank_map_rows(plan: JobPlan, sync_backend: str = "awex") -> list[dict[str, str]]:
+def parallel_cells(role: str, index: int, parallel: ActorParallel) -> dict[str, str]:
+    """The DP/TP (and PP, when pp > 1) cells of one child: an actor's ranks in `parallel`, "-" otherwise.
+    Keys `dp_rank`, `tp_rank` (, `pp_rank`). Raises ParallelError for an actor index outside the world."""
+    keys = ("dp_rank", "tp_rank", "pp_rank") if parallel.pp > 1 else ("dp_rank", "tp_rank")
+    if role != "actor":
+        return dict.fromkeys(keys, "-")
+    c = parallel.coords(index)
+    return {k: str(v) for k, v in zip(keys, (c.dp, c.tp, c.pp), strict=False)}
+
+
+def rank_map_rows(
+    plan: JobPlan, sync_backend: str = "awex", parallel: ActorParallel | None = None
+) -> list[dict[str, str]]:
     """The rows of the rank map as strings (the table's columns), one per child, in plan order. `model` is a
     teacher's model id (`model_cell`), "-" for other roles.
 
     Args:
+        parallel: the actor's shape (`ActorParallel.from_config(cfg)`): adds `dp_rank`, `tp_rank` (and
+            `pp_rank` when pp > 1) after `index` (`parallel_cells`); None: no such columns (a plan alone).
         sync_backend: `weight_sync.backend`. "awex": the last column is `transfer_rank` (the child's AWEX
             transfer ranks, compacted: "4-7"); "torch": it is `broadcast_rank` (trainer rank 0: "0 (source)",
             rollout engine i: "1 + i", others "-"). Raises ValueError for any other value.
@@ -106,6 +125,7 @@ def rank_map_rows(plan: JobPlan, sync_backend: str = "awex") -> list[dict[str, s
                 "node": str(child.node_index),
                 "role": shown_role,
                 "index": shown_index,
+                **(parallel_cells(role, index, parallel) if parallel else {}),
                 "model": model_cell(role, env),
                 "gpus": gpus,
                 "ports": f"{', '.join(child.port_names)} ({PORTS_NOTE})" if child.port_names else "-",
@@ -115,9 +135,15 @@ def rank_map_rows(plan: JobPlan, sync_backend: str = "awex") -> list[dict[str, s
     return rows
 
 
-def rank_map_table(plan: JobPlan, sync_backend: str = "awex", awex_mode: str | None = None) -> Table:
-    """A rich Table of `rank_map_rows(plan, sync_backend)` with a title giving the weight-sync world: for awex
-    its mode (`awex_mode`, when given) and infer + train world; for torch the broadcast source and group size.
+def rank_map_table(
+    plan: JobPlan,
+    sync_backend: str = "awex",
+    awex_mode: str | None = None,
+    parallel: ActorParallel | None = None,
+) -> Table:
+    """A rich Table of `rank_map_rows(plan, sync_backend, parallel)` with a title giving the weight-sync world:
+    for awex its mode (`awex_mode`, when given) and infer + train world; for torch the broadcast source and
+    group size. With `parallel`, columns "DP", "TP" (and "PP" when pp > 1) after "index": each actor's ranks.
     """
     _check_backend(sync_backend)
     if sync_backend == "awex":
@@ -138,19 +164,32 @@ def rank_map_table(plan: JobPlan, sync_backend: str = "awex", awex_mode: str | N
         f"{' (probe-only: every child runs the probe role)' if plan.probe else ''}; {sync}"
     )
     table = Table(title=title, title_justify="left")
-    headers = ("component", "node", "role", "index", "model", "GPUs", "named ports", column)
+    ranks = () if parallel is None else ("DP", "TP", "PP")[: 3 if parallel.pp > 1 else 2]
+    headers = ("component", "node", "role", "index", *ranks, "model", "GPUs", "named ports", column)
     for header in headers:
         table.add_column(header, overflow="fold")
-    for row in rank_map_rows(plan, sync_backend):
+    for row in rank_map_rows(plan, sync_backend, parallel):
         table.add_row(*row.values())
     return table
 
 
+def shape_line(parallel: ActorParallel) -> str:
+    """'actor: world 2 = dp 2 × tp 1 × pp 1 (cluster.group.nodes × actor_ranks_per_node = 1 × 2)'."""
+    return f"actor: {parallel.describe()}" + (f" ({parallel.source})" if parallel.source else "")
+
+
 def print_rank_map(
-    plan: JobPlan, console: Console, sync_backend: str = "awex", awex_mode: str | None = None
+    plan: JobPlan,
+    console: Console,
+    sync_backend: str = "awex",
+    awex_mode: str | None = None,
+    parallel: ActorParallel | None = None,
 ) -> None:
-    """Print `rank_map_table`; callers with a config pass `cfg.weight_sync.backend` and `.awex_mode`."""
-    console.print(rank_map_table(plan, sync_backend, awex_mode))
+    """Print `rank_map_table`, then `shape_line(parallel)` (when given); callers with a config pass
+    `cfg.weight_sync.backend`, `.awex_mode` and `ActorParallel.from_config(cfg)`."""
+    console.print(rank_map_table(plan, sync_backend, awex_mode, parallel))
+    if parallel is not None:
+        console.print(shape_line(parallel), markup=False, highlight=False)
 
 
 def read_probe_reports(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
