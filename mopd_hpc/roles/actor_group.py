@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, master_address
 from mopd_hpc.trainer.actor_group import ActorGroup, Group, GroupSpec, SoloGroup
 
@@ -45,8 +46,6 @@ def group_spec(
     Raises:
         RoleEnvError: MOPD_WORLD_SIZE differs from the config's actor world (a plan of another config).
     """
-    from mopd_hpc.config.parallel import ActorParallel
-
     shape = ActorParallel.from_config(cfg)
     if shape.world != role.world_size:
         raise RoleEnvError(
