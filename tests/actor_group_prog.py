@@ -9,7 +9,8 @@ calling process: the DP = 1 reference.
 
 Scenarios (argv[1]): `steps` (3 steps, the end), `busy` (rank 0 sleeps `--busy-s` between the start and the
 first step: longer than the collective timeout), `rank1_dies` (rank 1 SIGKILLs itself after receiving
-step 2's record), `rank0_dies` (rank 0 exits after the start barrier). Each rank writes
+step 2's record), `rank1_hangs` (rank 1 sleeps for an hour instead of step 2), `rank0_dies` (rank 0 exits
+after the start barrier), `rank0_freezes` (rank 0 SIGSTOPs itself there: its heartbeat stops too). Each rank writes
 `<out>/rank<r>.json`: what it trained, asked the teachers, gathered, its final parameter, or its error.
 """
 
@@ -123,6 +124,8 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
         group.barrier("start")
         if scenario == "rank0_dies":
             os._exit(3)
+        if scenario == "rank0_freezes":
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(busy_s)  # the loop and the heartbeat thread: a long evaluation or checkpoint save
         stats, receipts = [], []
 
@@ -139,12 +142,14 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
         out |= {"stats": stats, "receipts": receipts}
     else:
         follower = Follower(engine, step, group, Path("."))
-        if scenario == "rank1_dies":
+        if scenario in ("rank1_dies", "rank1_hangs"):
             original = step.run
 
             async def dying(record, **kw):
-                if record.step == 2:
+                if record.step == 2 and scenario == "rank1_dies":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if record.step == 2:
+                    time.sleep(3600)
                 return await original(record, **kw)
 
             step.run = dying

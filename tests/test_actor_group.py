@@ -29,7 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(tmp_path: Path, scenario: str, timeout_s: float = 20.0, busy_s: float = 0.0) -> list[dict]:
+def run_world(
+    tmp_path: Path, scenario: str, timeout_s: float = 20.0, busy_s: float = 0.0, kill_after_s: float = 0.0
+) -> list[dict]:
+    """Both ranks as subprocesses; with kill_after_s, SIGKILL what is left that long after rank 0 or rank 1
+    wrote its result (a hung or frozen peer)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     env.pop("GLOO_SOCKET_IFNAME", None)
@@ -48,6 +52,11 @@ def run_world(tmp_path: Path, scenario: str, timeout_s: float = 20.0, busy_s: fl
         argv += ["--busy-s", str(busy_s)]
         log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
         procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+    if kill_after_s:
+        assert wait_for_any(tmp_path, 120)
+        time.sleep(kill_after_s)
+        for proc in procs:
+            proc.kill()
     for proc in procs:
         proc.wait(timeout=120)
     out = []
@@ -55,6 +64,15 @@ def run_world(tmp_path: Path, scenario: str, timeout_s: float = 20.0, busy_s: fl
         path = tmp_path / f"rank{rank}.json"
         out.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "missing": True})
     return out
+
+
+def wait_for_any(tmp_path: Path, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not any((tmp_path / f"rank{r}.json").exists() for r in (0, 1)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_two_ranks_train_their_own_shards_and_match_dp1(tmp_path):
@@ -105,3 +123,16 @@ def test_a_dead_rank0_ends_the_followers_wait(tmp_path):
     assert r0.get("missing")
     assert r1["error"].startswith("PeerLostError: actor rank 1: rank 0's store is unreachable")
     assert r1["error_after_s"] < 40
+
+
+def test_a_hung_follower_ends_rank0s_collective_after_the_timeout(tmp_path):
+    r0, _ = run_world(tmp_path, "rank1_hangs", timeout_s=4.0, kill_after_s=0.5)
+    assert r0["error"].startswith("PeerLostError: actor rank 0: the drain gather of step 2 failed")
+    assert "Timed out" in r0["error"] or "timed out" in r0["error"]
+
+
+def test_a_frozen_rank0_ends_the_followers_wait_after_the_timeout(tmp_path):
+    # SIGSTOP freezes rank 0's store with it: the store call, bounded by the timeout, gives up
+    _, r1 = run_world(tmp_path, "rank0_freezes", timeout_s=4.0, kill_after_s=0.5)
+    assert r1["error"].startswith("PeerLostError: actor rank 1: rank 0's store did not answer for 4 s")
+    assert r1["error"].endswith("rank 0 is frozen")

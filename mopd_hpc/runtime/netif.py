@@ -10,11 +10,17 @@ resolves to) is wrong on nodes whose /etc/hosts maps their name to 127.0.1.1.
 from __future__ import annotations
 
 import fcntl
+import logging
+import os
 import socket
 import struct
 
 #: ioctl number of SIOCGIFADDR (linux/sockios.h).
 SIOCGIFADDR = 0x8915
+#: The variable gloo reads for the interface to bind.
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+log = logging.getLogger("mopd_hpc.runtime")
 
 
 class NetworkInterfaceError(OSError):
@@ -56,3 +62,25 @@ def interface_of(address: str) -> str:
         f"{', '.join(f'{n}={a}' for n, a in sorted(addresses.items())) or 'none'}); expected the address "
         "this node is reached at"
     )
+
+
+def bind_gloo_to(address: str) -> str:
+    """Have gloo bind the interface carrying `address` (GLOO_SOCKET_IFNAME in this process's environment,
+    which gloo reads itself), unless the user set another; returns the interface gloo will use.
+
+    Raises:
+        NetworkInterfaceError: no interface carries `address`.
+    """
+    name = interface_of(address)
+    chosen = os.environ.get(GLOO_IFNAME_ENV)
+    if chosen and chosen != name:
+        log.warning(
+            "%s=%s set by the user: kept (the job's address %s is on %s)",
+            GLOO_IFNAME_ENV,
+            chosen,
+            address,
+            name,
+        )
+        return chosen
+    os.environ[GLOO_IFNAME_ENV] = name  # the edge: gloo reads it from the process environment itself
+    return name

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -46,24 +45,28 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from mopd_hpc.runtime.netif import interface_of, local_address_towards
-from mopd_hpc.trainer.rendezvous import Rendezvous, rendezvous_path, wait_for_rendezvous, write_rendezvous
+from mopd_hpc.engines.daemon_thread import in_daemon_thread
+from mopd_hpc.runtime.netif import bind_gloo_to, local_address_towards
+from mopd_hpc.trainer.rendezvous import (
+    NONCE_KEY,
+    Rendezvous,
+    connect_store,
+    rendezvous_path,
+    write_rendezvous,
+)
 from mopd_hpc.trainer.step_record import ControlRecord
 
 log = logging.getLogger("mopd_hpc.trainer")
 
 #: Keys of the store (besides torch.distributed's own, under mopd_actor/world/).
-NONCE_KEY = "mopd_actor/nonce"
 HEARTBEAT_KEY = "mopd_actor/heartbeat"
 CONTROL_KEY = "mopd_actor/control/{seq}"
 #: Rank 0's heartbeat period, seconds.
 HEARTBEAT_S = 2.0
+#: How long `close` waits for the process group's teardown, seconds.
+CLOSE_WAIT_S = 10.0
 #: A follower's poll period while it waits for a control record grows from the first value to the second.
 POLL_S = (0.002, 0.05)
-#: How long one attempt to reach rank 0's store may take before the rendezvous file is read again, seconds.
-CONNECT_ATTEMPT_S = 15.0
-#: The variable gloo reads for the interface to bind.
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 
 class ActorGroupError(RuntimeError):
@@ -215,9 +218,9 @@ class ActorGroup:
             write_rendezvous(run_dir, record)
             local = host
         else:
-            store, record = _connect(spec, run_dir, job_id)
+            store, record = connect_store(run_dir, job_id, spec.world_size, spec.rendezvous_timeout_s)
             local = local_address_towards(record.host, record.port)
-        _bind_gloo(local)
+        bind_gloo_to(local)
         if spec.backend == "nccl":
             torch.cuda.set_device(torch.device(spec.device))
         dist.init_process_group(
@@ -269,39 +272,58 @@ class ActorGroup:
     async def receive(self) -> ControlRecord:
         """A rank > 0: the next control record, waiting as long as rank 0 is alive (module docstring).
 
+        Each look at the store runs in a daemon thread, bounded by the collective timeout: the store lives
+        in rank 0's process, and a frozen process (SIGSTOP, a node that stopped scheduling it) keeps the
+        connection open without answering, where a store call would block for ever.
+
         Raises:
-            PeerLostError: rank 0's store is unreachable, or its heartbeat stood still for the collective
-                timeout.
+            PeerLostError: rank 0's store is unreachable or silent, or its heartbeat stood still, for the
+                collective timeout.
         """
         key = CONTROL_KEY.format(seq=self._seq)
+        timeout = self.spec.collective_timeout_s
         delay, beat, moved = POLL_S[0], None, time.monotonic()
         next_beat_check = 0.0
         while True:
+            now = time.monotonic()
+            want_beat = now >= next_beat_check
             try:
-                if self.store.check([key]):
-                    data = self.store.get(key)
-                    break
-                now = time.monotonic()
-                if now >= next_beat_check:
-                    value = self.store.get(HEARTBEAT_KEY)
-                    if value != beat:
-                        beat, moved = value, now
-                    next_beat_check = now + HEARTBEAT_S
+                data, value = await asyncio.wait_for(
+                    in_daemon_thread(self._look, key, want_beat, name="actor-group-receive"), timeout
+                )
+            except TimeoutError:
+                raise PeerLostError(
+                    f"actor rank {self.rank}: rank 0's store did not answer for {timeout:g} s "
+                    f"(models.actor.collective_timeout_s) while waiting for control record {self._seq}: rank 0 "
+                    "is frozen"
+                ) from None
             except RuntimeError as exc:
                 raise PeerLostError(
                     f"actor rank {self.rank}: rank 0's store is unreachable while waiting for control record "
                     f"{self._seq} (rank 0 failed or ended): {exc}"
                 ) from exc
-            if now - moved > self.spec.collective_timeout_s:
+            if data is not None:
+                break
+            now = time.monotonic()
+            if want_beat:
+                if value != beat:
+                    beat, moved = value, now
+                next_beat_check = now + HEARTBEAT_S
+            if now - moved > timeout:
                 raise PeerLostError(
                     f"actor rank {self.rank}: rank 0's heartbeat stood still for {now - moved:.0f} s "
-                    f"(models.actor.collective_timeout_s = {self.spec.collective_timeout_s:g}) while waiting "
-                    f"for control record {self._seq}: rank 0 is frozen"
+                    f"(models.actor.collective_timeout_s = {timeout:g}) while waiting for control record "
+                    f"{self._seq}: rank 0 is frozen"
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_S[1])
         self._seq += 1
         return ControlRecord.from_bytes(bytes(data))
+
+    def _look(self, key: str, want_beat: bool) -> tuple[bytes | None, bytes | None]:
+        """(the record under `key` or None, the heartbeat value when asked for) from the store."""
+        data = self.store.get(key) if self.store.check([key]) else None
+        return data, self.store.get(HEARTBEAT_KEY) if want_beat and data is None else None
 
     def forget_read_records(self) -> None:
         """Rank 0: delete the records published so far. Call it only after a collective that every rank
@@ -344,55 +366,27 @@ class ActorGroup:
         self._collective(f"the barrier {what}", dist.barrier)
 
     def close(self) -> None:
-        """Leave the world; rank 0 removes its rendezvous record and stops its store last."""
+        """Leave the world; rank 0 removes its rendezvous record and stops its store last.
+
+        The process group is destroyed in a daemon thread, given CLOSE_WAIT_S: after a lost peer the
+        teardown can block on a store or a connection that never answers, and a failing rank must still
+        exit (with its error) instead of hanging in its cleanup."""
         self._stop.set()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+
+        def destroy() -> None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+        closing = threading.Thread(target=destroy, name="actor-group-close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_WAIT_S)
+        if closing.is_alive():
+            log.warning(
+                "actor rank %d: the process group did not close in %g s; leaving it", self.rank, CLOSE_WAIT_S
+            )
         if self.rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 rendezvous_path(self.run_dir).unlink()
             if self._listener is not None:
                 self._listener.close()
         self.store = None
-
-
-def _connect(spec: GroupSpec, run_dir: Path, job_id: str) -> tuple[Any, Rendezvous]:
-    """A rank > 0: rank 0's store, through the record of `job_id` whose nonce the store confirms."""
-    deadline = time.monotonic() + spec.rendezvous_timeout_s
-    stale: str | None = None
-    while True:
-        left = max(1.0, deadline - time.monotonic())
-        record = wait_for_rendezvous(run_dir, job_id, spec.world_size, left, not_nonce=stale)
-        attempt = timedelta(seconds=min(CONNECT_ATTEMPT_S, left))
-        try:
-            store = dist.TCPStore(record.host, record.port, spec.world_size, False, attempt)
-            nonce = store.get(NONCE_KEY).decode()
-        except RuntimeError as exc:
-            log.info(
-                "rendezvous %s:%d (nonce %s) unreachable: %s", record.host, record.port, record.nonce, exc
-            )
-            nonce = None
-        if nonce == record.nonce:
-            return store, record
-        stale = record.nonce
-        if time.monotonic() > deadline:
-            raise ActorGroupError(
-                f"actor rank {spec.rank}: rank 0's store {record.host}:{record.port} named by "
-                f"{rendezvous_path(run_dir)} is not this run's (nonce {nonce!r}, expected {record.nonce!r})"
-            )
-
-
-def _bind_gloo(address: str) -> None:
-    """Have gloo bind the interface carrying `address` (GLOO_SOCKET_IFNAME), unless the user chose one."""
-    name = interface_of(address)
-    chosen = os.environ.get(GLOO_IFNAME_ENV)
-    if chosen and chosen != name:
-        log.warning(
-            "%s=%s set by the user: kept (the job's address %s is on %s)",
-            GLOO_IFNAME_ENV,
-            chosen,
-            address,
-            name,
-        )
-        return
-    os.environ[GLOO_IFNAME_ENV] = name  # the edge: gloo reads it from the process environment itself

@@ -11,27 +11,37 @@ names the rank's own job and world size: a file left by an earlier job of the sa
 A requeued Slurm job keeps its job id, so a stale record of the run before the requeue can name the same
 job: the `nonce` (random, per run of rank 0) is also set in the store itself, and a rank that connects to a
 store whose nonce differs (another job now owns that port) or to no store reads the file again
-(trainer/actor_group.py).
+(`connect_store`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from mopd_hpc.atomic import atomic_write_json
+
+log = logging.getLogger("mopd_hpc.trainer")
 
 #: The record, under the run directory (beside the servers' endpoint files).
 RENDEZVOUS_FILE = "endpoints/actor-rendezvous.json"
 #: How often a waiting rank reads the file, seconds.
 POLL_S = 0.1
+#: The store key rank 0 sets to the record's nonce before it publishes the record.
+NONCE_KEY = "mopd_actor/nonce"
+#: How long one attempt to reach rank 0's store may take before the file is read again, seconds.
+CONNECT_ATTEMPT_S = 15.0
 
 
 class RendezvousTimeoutError(RuntimeError):
-    """No valid rendezvous record appeared in time (the message says what the file held, if anything)."""
+    """No valid rendezvous record appeared in time (the message says what the file held, if anything), or
+    the store it names is not this run's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,3 +129,37 @@ def wait_for_rendezvous(
                 f"writes it once its store listens; its log: {Path(run_dir) / 'logs'}/<host>/actor-0.g1.err"
             )
         time.sleep(poll_s)
+
+
+def connect_store(run_dir: Path, job_id: str, world_size: int, timeout_s: float) -> tuple[Any, Rendezvous]:
+    """A rank > 0: a client of rank 0's TCP store, through the record of `job_id` whose nonce the store
+    itself confirms (module docstring); a stale record is skipped until rank 0 rewrites it.
+
+    Raises:
+        RendezvousTimeoutError: no record of this job, or none whose store answers with its nonce, within
+            `timeout_s`.
+    """
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    stale: str | None = None
+    while True:
+        left = max(1.0, deadline - time.monotonic())
+        record = wait_for_rendezvous(run_dir, job_id, world_size, left, not_nonce=stale)
+        attempt = timedelta(seconds=min(CONNECT_ATTEMPT_S, left))
+        try:
+            store = dist.TCPStore(record.host, record.port, world_size, False, attempt)
+            nonce = store.get(NONCE_KEY).decode()
+        except RuntimeError as exc:
+            log.info(
+                "rendezvous %s:%d (nonce %s) unreachable: %s", record.host, record.port, record.nonce, exc
+            )
+            nonce = None
+        if nonce == record.nonce:
+            return store, record
+        stale = record.nonce
+        if time.monotonic() > deadline:
+            raise RendezvousTimeoutError(
+                f"rank 0's store {record.host}:{record.port} named by {rendezvous_path(run_dir)} is not this "
+                f"run's (nonce {nonce!r}, expected {record.nonce!r}) and no newer record came in {timeout_s:.0f} s"
+            )
