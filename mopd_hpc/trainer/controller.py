@@ -79,14 +79,6 @@ WORLD_SIZE_KEY = "actor_world_size"
 
 
 @dataclass(frozen=True, slots=True)
-class Endpoints:
-    """Where the servers of the job listen: rollout engine URLs (by index) and teacher URLs (by id)."""
-
-    rollout: tuple[str, ...]
-    teachers: Mapping[str, str]
-
-
-@dataclass(frozen=True, slots=True)
 class RunOutcome:
     """How a run ended on this rank: `reason` "finished" or "checkpoint_signal"; `step` = steps done."""
 
