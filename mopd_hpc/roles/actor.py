@@ -4,7 +4,8 @@ Every actor child is one rank of the actor group (DESIGN.md §7); rank 0 is the 
 ranks follow it (trainer/follower.py). In order, on every rank:
 
 1. read the guard-given environment (once, here: `RoleEnv.from_env`) and the run's resolved config
-   `run_dir/config.yaml` (model paths made absolute);
+   `run_dir/config.yaml` (model paths made absolute); torch threads: MOPD_ACTOR_THREADS, else the node's
+   CPU budget split between its actor ranks (MOPD_LOCAL_WORLD_SIZE: they train at the same time);
 2. derive the `ExecutionPlan` (which teachers are scored) and check model compatibility before anything
    trains: every scored teacher shares the actor's tokenizer (`mopd.compatibility.check_models`);
 3. join the actor group (`roles/actor_group.py`: a one-rank `SoloGroup` at world size 1);
@@ -63,6 +64,8 @@ EXIT_INCOMPATIBLE = 3
 #: Variables read at the edge besides the guard's (`roles.env.ENV`).
 ENDPOINT_TIMEOUT_ENV = "MOPD_ENDPOINT_TIMEOUT_S"
 THREADS_ENV = "MOPD_ACTOR_THREADS"
+#: The actor ranks of this node (launch/placement.py), which split its CPUs.
+LOCAL_WORLD_ENV = "MOPD_LOCAL_WORLD_SIZE"
 #: Total time allowed per rollout request, seconds.
 ROLLOUT_TIMEOUT_S = 600.0
 
@@ -270,6 +273,21 @@ async def _lead(
         return await controller.run()
 
 
+def local_actor_ranks(environ: Mapping[str, str]) -> int:
+    """The actor ranks on this node (MOPD_LOCAL_WORLD_SIZE, default 1): they train at the same time, so they
+    split the node's CPU budget (`cpu_threads`; more torch threads than cores makes OpenMP spin-wait).
+
+    Raises:
+        RoleEnvError: MOPD_LOCAL_WORLD_SIZE is not a positive integer.
+    """
+    raw = environ.get(LOCAL_WORLD_ENV) or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise RoleEnvError(
+            f"{LOCAL_WORLD_ENV}={raw!r}: expected a positive integer (actor ranks on this node)"
+        )
+    return int(raw)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: reads os.environ once, here."""
     del argv
@@ -280,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         role = RoleEnv.from_env(environ)
         cfg = load_run(role.run_dir, environ)
-        threads = int(environ[THREADS_ENV]) if environ.get(THREADS_ENV) else cpu_threads(environ)
+        local_ranks = local_actor_ranks(environ)
+        threads = int(environ[THREADS_ENV]) if environ.get(THREADS_ENV) else cpu_threads(environ, local_ranks)
     except (RoleEnvError, ConfigError) as exc:
         print(f"actor: {exc}", file=sys.stderr)
         return EXIT_CONFIG
