@@ -17,7 +17,7 @@ import pytest
 from mopd_hpc.cli import submit
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.data import unevaluated_sources
-from mopd_hpc.config.paths import MissingPath, local_path_errors, missing_paths, path_warnings
+from mopd_hpc.launch.paths import MissingPath, local_path_errors, missing_paths, path_warnings
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
