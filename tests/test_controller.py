@@ -26,8 +26,8 @@ import yaml
 from helpers_configs import set_dotted
 from helpers_models import build_micro_models
 
-from mopd_hpc.logs.metrics import MetricsWriter, read_metrics, rollback_metrics
 from mopd_hpc.mopd.phases import Phase
+from mopd_hpc.records.metrics import MetricsWriter, read_metrics, rollback_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 #: The metrics line contract (issue 6) every step must carry, finite.
@@ -287,7 +287,7 @@ def test_role_env_is_read_at_the_edge_and_names_what_is_missing(tmp_path):
 
 def test_end_of_job_marker_counts_only_for_this_job_after_the_server_started(tmp_path):
     from mopd_hpc.atomic import atomic_write_json
-    from mopd_hpc.runtime.job_end import job_ended, stop_on_job_end, write_job_end
+    from mopd_hpc.records.job_end import job_ended, stop_on_job_end, write_job_end
 
     marker = write_job_end(tmp_path, "77", "checkpoint_signal", 5)  # the same job id before a requeue
     started = time.time() + 60.0  # the requeued run's server starts a minute later

@@ -13,7 +13,7 @@ import pytest
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.local_setup import after_local_run
 from mopd_hpc.launch.resume import ResumeError, check_resume
-from mopd_hpc.runtime.job_end import write_job_end
+from mopd_hpc.records.job_end import write_job_end
 from mopd_hpc.trainer.evaluate import write_eval
 
 REPO = Path(__file__).resolve().parents[1]

@@ -42,9 +42,11 @@ def gpu_config(tensor_parallel: int, engine: str = "megatron") -> RunConfig:
     return RunConfig.from_dict(data)
 
 
-def role(tmp_path: Path) -> RoleEnv:
+def role(tmp_path: Path, environ: dict[str, str] | None = None) -> RoleEnv:
+    """The teacher's RoleEnv; `environ` adds the child's device variables (CUDA_VISIBLE_DEVICES, ...)."""
     return RoleEnv.from_env(
-        {
+        (environ or {})
+        | {
             "MOPD_RUN_DIR": str(tmp_path),
             "MOPD_ROLE": "teacher",
             "MOPD_INDEX": "0",
@@ -98,7 +100,7 @@ def test_teacher_args_megatron_from_the_config(tmp_path: Path) -> None:
         "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
         "MOPD_BASE_GPU_ID": "3",
     }
-    args = teacher_args(role(tmp_path), cfg, environ)
+    args = teacher_args(role(tmp_path, environ), cfg, environ)
     teacher = cfg.models.teacher("teacher")
     assert (args.engine, args.tensor_parallel, args.device, args.dtype) == (
         "megatron",
@@ -110,14 +112,14 @@ def test_teacher_args_megatron_from_the_config(tmp_path: Path) -> None:
     assert args.field("engine") == "models.teachers[0].engine"
     assert args.num_threads is None  # a GPU child: torch's own thread count
     torch_cfg = gpu_config(1, engine="torch")
-    assert teacher_args(role(tmp_path), torch_cfg, environ).engine == "torch"
+    assert teacher_args(role(tmp_path, environ), torch_cfg, environ).engine == "torch"
 
 
 @pytest.mark.parametrize("visible", [None, ""])
 def test_teacher_args_megatron_without_a_gpu_names_the_field(tmp_path: Path, visible: str | None) -> None:
     environ = {"MOPD_TEACHER_ID": "teacher"} | ({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
     with pytest.raises(RoleEnvError) as err:
-        teacher_args(role(tmp_path), gpu_config(1), environ)
+        teacher_args(role(tmp_path, environ), gpu_config(1), environ)
     text = str(err.value)
     assert text.startswith("models.teachers[0].engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is ")
     assert repr(visible) in text and "engine: torch" in text
@@ -126,7 +128,7 @@ def test_teacher_args_megatron_without_a_gpu_names_the_field(tmp_path: Path, vis
 def test_teacher_args_tensor_parallel_2_names_the_field(tmp_path: Path) -> None:
     environ = {"MOPD_TEACHER_ID": "teacher", "CUDA_VISIBLE_DEVICES": "0,1"}
     with pytest.raises(RoleEnvError, match=r"^models\.teachers\[0\]\.tensor_parallel=2: .*expected 1$"):
-        teacher_args(role(tmp_path), gpu_config(2), environ)
+        teacher_args(role(tmp_path, environ), gpu_config(2), environ)
 
 
 # --- teacher_serve: the engine choice ------------------------------------------------------------------

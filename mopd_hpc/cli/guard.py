@@ -28,11 +28,12 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, GuardAuthError, read_token_file
 from mopd_hpc.runtime.guard.autostart import NodeAssignment, assign_node, run_plan, visible_gpus
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig, GuardConfigError
+from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.runtime.ports import DEFAULT_LEASE_RANGE, LeasePolicy, PortLeaseError, read_ephemeral_range
 from mopd_hpc.runtime.signals import EXIT_GUARD_START_FAILED, EXIT_USAGE
 from mopd_hpc.runtime.topology import TopologyError
@@ -83,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--plan", default=None, help="job plan (plan.json): spawn this node's children, exit after"
     )
-    plan.add_argument("--autostart", action="store_true", help="--plan <run-dir>/plan.json")
+    plan.add_argument("--autostart", action="store_true", help=f"--plan <run-dir>/{PLAN_FILE_NAME}")
 
 
 def resolve_bind(bind: str, host: str, backend: str) -> str:
@@ -120,7 +121,7 @@ def build_config(args: argparse.Namespace, env: dict[str, str], ephemeral: tuple
     if not sep or not lo.isdigit() or not hi.isdigit():
         raise ValueError(f"--port-range {args.port_range!r} is invalid: expected LO-HI, e.g. 20000-65535")
     host = args.host or env.get(NODENAME_ENV) or socket.gethostname()
-    backend = env.get("MOPD_BACKEND") or ("slurm" if env.get("SLURM_JOB_ID") else "local")
+    backend = env.get(child_env.BACKEND) or ("slurm" if env.get("SLURM_JOB_ID") else "local")
     return GuardConfig.create(
         args.run_dir,
         args.job_id,

@@ -39,19 +39,21 @@ from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
-from mopd_hpc.config.paths import local_path_errors, path_warnings
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
-from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
+from mopd_hpc.launch.paths import local_path_errors, path_warnings
+from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.resume import ResumeError, check_resume
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
+from mopd_hpc.records.run_dir import CONFIG_FILE
+from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
 
 HELP = "plan a run config's job, then print (--dry-run), render (--render), run here (--local) or submit it"
 #: Exit code when sbatch refused the job or could not be run.
 EXIT_SUBMIT_FAILED = 1
 #: The resolved config, written into the run directory (what `--resume` and mopd-logs read).
-CONFIG_FILE_NAME = "config.yaml"
+CONFIG_FILE_NAME = CONFIG_FILE
 
 __all__ = ["HELP", "add_arguments", "check", "execute", "load_run_config", "main", "print_config", "run"]
 
@@ -191,7 +193,7 @@ def execute(
         cfg = load_run_config(args.config, args.overrides, args.local)
         path = resolve_run_dir(cfg, args.run_dir, args.resume)
         cfg = cfg.model_copy(update={"run_dir": str(path)})
-        plan = JobPlan.from_config(cfg)
+        plan = place_children(cfg)
         parallel = ActorParallel.from_config(cfg)
         missing = unrunnable_roles(plan)
         if missing and not args.probe and not args.render and not args.dry_run:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.serving import start_app
+from mopd_hpc.records.run_dir import endpoint_file
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +67,7 @@ class TeacherArgs:
 
 def endpoint_path(run_dir: str | Path, teacher_id: str) -> Path:
     """`run_dir/endpoints/teacher-<id>.json`."""
-    return Path(run_dir) / "endpoints" / f"teacher-{teacher_id}.json"
+    return endpoint_file(run_dir, "teacher", teacher_id)
 
 
 def build_engine(args: TeacherArgs) -> Any:

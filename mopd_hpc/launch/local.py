@@ -27,10 +27,11 @@ from typing import Any, TextIO
 
 from mopd_hpc.launch import local_setup
 from mopd_hpc.launch.env import scrub_slurm_env
-from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan
 from mopd_hpc.launch.rundir import RunDir
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.guard.events import events_path
+from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan
 from mopd_hpc.runtime.signals import killpg_quiet
 
 #: Job ids of local runs: `local-<pid of mopd-submit>` (a valid port-lease owner id).
@@ -50,7 +51,7 @@ def local_environment(environ: Mapping[str, str], gpus: Sequence[str] = ()) -> d
     MOPD_BACKEND=local and CUDA_VISIBLE_DEVICES = the job's GPU tokens (`launch.local_gpus`; "" for none)."""
     env = scrub_slurm_env(environ, keep=())
     env.pop("MOPD_SECRET_FILE", None)
-    env["MOPD_BACKEND"] = "local"
+    env[child_env.BACKEND] = "local"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return env
 

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.records.run_dir import CONFIG_FILE, LATEST_CHECKPOINT
 
 #: The checkpoint pointer of a run directory (trainer/checkpoint.py's layout: checkpoints/latest).
-LATEST_POINTER = Path("checkpoints") / "latest"
-#: The config the run directory was last started with (mopd-submit writes it).
-CONFIG_FILE = "config.yaml"
+LATEST_POINTER = Path(LATEST_CHECKPOINT)
 
 
 class ResumeError(ValueError):

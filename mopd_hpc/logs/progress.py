@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mopd_hpc.logs.metrics_schema import (
-    EVAL_FILE,
+from mopd_hpc.records.metrics_schema import (
     LOSS_KEYS,
-    METRICS_FILE,
     MOPD_KEYS,
     PHASE_KEYS,
     SERIES_KEYS,
@@ -30,6 +28,7 @@ from mopd_hpc.logs.metrics_schema import (
     MetricsLineError,
     route_of,
 )
+from mopd_hpc.records.run_dir import EVAL_FILE, METRICS_FILE
 
 #: Points kept per series (sparklines and --plot).
 MAX_POINTS = 512

@@ -11,9 +11,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from mopd_hpc.logs.metrics_schema import LOSS_KEYS, MOPD_KEYS, TOKENS_PER_S_KEY
 from mopd_hpc.logs.progress import Progress, sparkline
 from mopd_hpc.logs.summary import CHECKPOINTED, RunSummary
+from mopd_hpc.records.metrics_schema import LOSS_KEYS, MOPD_KEYS, TOKENS_PER_S_KEY
 
 #: Traceback lines shown on screen (the --json output has the whole bounded window).
 SCREEN_TRACEBACK_LINES = 14

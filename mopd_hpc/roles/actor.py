@@ -11,10 +11,11 @@ Rank 0 of the actor is the MOPD controller. In order:
 4. build the train engine `models.actor.engine` names (the loss section bound once; `build_train_engine`),
    the tokenizer and the routed data, install the SIGUSR2 checkpoint handler, and run `Controller.run()`.
 
-Engines: torch (transformers; CUDA when the guard gives this child a GPU, else CPU; one process) or megatron
-(megatron-core on the child's GPU: tensor_parallel 1, world size 1 — a one-rank NCCL group, no port). With
-weight_sync.backend awex, `main` puts the variables awex reads itself into os.environ before anything
-imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master address, DEVICE = 0).
+Engines: torch (transformers; on the child's device `RoleEnv.device`: the GPU the plan gives it, else CPU; one
+process) or megatron (megatron-core on the child's GPU: tensor_parallel 1, world size 1 — a one-rank NCCL
+group, no port). With weight_sync.backend awex, `main` puts the variables awex reads itself into os.environ
+before anything imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master address, DEVICE = the
+child's device index).
 
 Exit codes: 0 finished or checkpointed on SIGUSR2; 2 a config or environment error; 3 a model
 compatibility error; 1 anything else (the traceback is in the child's .err log).
@@ -36,6 +37,7 @@ from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableEr
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address
+from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.runtime.signals import CheckpointRequest
 
 log = logging.getLogger("mopd_hpc.trainer")
@@ -77,7 +79,7 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
         return "torch"
     if actor.engine != "megatron":
         raise RoleEnvError(f"models.actor.engine={actor.engine!r}: expected 'torch' or 'megatron'")
-    if not environ.get("CUDA_VISIBLE_DEVICES"):
+    if not role.device.is_cuda:
         raise RoleEnvError(
             f"models.actor.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
             f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives the actor child none); expected a GPU "
@@ -96,11 +98,11 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
     return "megatron"
 
 
-def build_train_engine(cfg: RunConfig, kind: str, environ: Mapping[str, str]) -> Any:
-    """The actor's train engine of `kind` (`check_actor_engine`), with the checkpoint loaded:
-    `TorchTrainEngine` (cuda when CUDA_VISIBLE_DEVICES is set, else cpu) or `MegatronTrainEngine` (after
-    `initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)`, on cuda:0 — the child's
-    one visible GPU).
+def build_train_engine(cfg: RunConfig, kind: str, device: ChildDevice) -> Any:
+    """The actor's train engine of `kind` (`check_actor_engine`), with the checkpoint loaded, on the child's
+    `device` (`RoleEnv.device`): `TorchTrainEngine` (on `device.torch_name`: cuda:<index>, or cpu) or
+    `MegatronTrainEngine` (after `initialize_parallel(rank=0, world_size=1, tensor_parallel=1,
+    device_index=device.index)`).
 
     Raises:
         RoleEnvError: megatron-core does not import (naming models.actor.engine).
@@ -110,11 +112,10 @@ def build_train_engine(cfg: RunConfig, kind: str, environ: Mapping[str, str]) ->
     if kind == "torch":
         from mopd_hpc.engines.torch_engine import TorchTrainEngine
 
-        gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
         return TorchTrainEngine.from_pretrained(
             actor.path,
             dtype=actor.dtype,
-            device="cuda" if gpu else "cpu",
+            device=device.torch_name,
             optimizer=actor.optimizer,
             loss=cfg.loss,
             total_steps=cfg.steps,
@@ -126,15 +127,16 @@ def build_train_engine(cfg: RunConfig, kind: str, environ: Mapping[str, str]) ->
             f"models.actor.engine='megatron' needs megatron-core, which does not import here ({err}); "
             "expected the megatron extra installed, or engine: torch"
         ) from None
-    device = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)
+    cuda = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=device.index or 0)
     hf_config = json.loads((Path(actor.path) / "config.json").read_text(encoding="utf-8"))
-    model, shape = build_from_hf(actor.path, hf_config, actor.dtype, device)
-    return MegatronTrainEngine(model, shape, hf_config, cfg.loss, actor.optimizer, device, actor.dtype)
+    model, shape = build_from_hf(actor.path, hf_config, actor.dtype, cuda)
+    return MegatronTrainEngine(model, shape, hf_config, cfg.loss, actor.optimizer, cuda, actor.dtype)
 
 
 def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
-    """The variables awex reads itself in the actor (trainer rank 0 on device 0): `AwexJobConfig.
-    trainer_env(0, master_address(role), 0)`; {} unless weight_sync.backend is awex.
+    """The variables awex reads itself in the actor (its trainer rank, on its device): `AwexJobConfig.
+    trainer_env(role.rank, master_address(role), role.device.index)` (device 0 for a CPU child, which awex
+    refuses later); {} unless weight_sync.backend is awex.
 
     Raises:
         AwexConfigError: the AWEX settings of the job (`trainer.weight_sync.awex_job_config`).
@@ -147,7 +149,7 @@ def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
 
     require_awex()
 
-    return awex_job_config(cfg).trainer_env(0, master_address(role), 0)
+    return awex_job_config(cfg).trainer_env(role.rank, master_address(role), role.device.index or 0)
 
 
 async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], out: TextIO) -> int:
@@ -166,8 +168,8 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
         role.run_dir, plan.teachers, cfg.rollout.engines.count, role.job_id, timeout_s
     )
     print(f"servers ready: rollout {list(endpoints.rollout)}, teachers {dict(endpoints.teachers)}", file=out)
-    gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
-    engine = build_train_engine(cfg, kind, environ)
+    gpu = role.device.is_cuda
+    engine = build_train_engine(cfg, kind, role.device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.models.tokenizer.path)
     data = build_run_data(cfg)
     request = CheckpointRequest(lambda signum: log.info("signal %d: checkpoint after this step", signum))

@@ -1,12 +1,13 @@
 """The environment of a guard child, read once at the edge, and the run it belongs to.
 
 A guard child (actor, teacher, rollout) learns who it is from the environment the guard gives it
-(`runtime/guard/children.py` identity keys, `launch/plan.py::child_environment`, named ports):
+(the table `runtime/child_env.py`: identity keys, `runtime/plan.py::child_environment`, named ports):
 
     MOPD_RUN_DIR, MOPD_ROLE, MOPD_INDEX, MOPD_JOB_ID, MOPD_HOST, MOPD_BACKEND,
-    MOPD_RANK, MOPD_WORLD_SIZE, MOPD_PORT_<NAME>
+    MOPD_RANK, MOPD_WORLD_SIZE, MOPD_PORT_<NAME>, and the device: CUDA_VISIBLE_DEVICES, MOPD_BASE_GPU_ID
 
-`RoleEnv.from_env(environ)` validates them into a frozen record; `load_run(run_dir, environ)` reads the
+`RoleEnv.from_env(environ)` validates them into a frozen record (integers through the topology's reader,
+`runtime/topology_env.read_int`; the device through `ChildDevice.from_env`); `load_run(run_dir, environ)` reads the
 resolved run config `run_dir/config.yaml` (written by `mopd-submit`) and makes its model paths absolute.
 
 Relative model paths in a config are relative to the directory `mopd-submit` ran in, while a child's
@@ -25,25 +26,24 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.runtime.ports import PORT_ENV_PREFIX
+from mopd_hpc.records.run_dir import CONFIG_FILE
+from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.child_device import ChildDevice
+from mopd_hpc.runtime.topology_env import TopologyError, read_int
 
 #: Logical key → environment variable (read only here).
 ENV = {
-    "run_dir": "MOPD_RUN_DIR",
-    "role": "MOPD_ROLE",
-    "index": "MOPD_INDEX",
-    "job_id": "MOPD_JOB_ID",
-    "host": "MOPD_HOST",
-    "backend": "MOPD_BACKEND",
-    "rank": "MOPD_RANK",
-    "world_size": "MOPD_WORLD_SIZE",
+    "run_dir": child_env.RUN_DIR,
+    "role": child_env.ROLE,
+    "index": child_env.INDEX,
+    "job_id": child_env.JOB_ID,
+    "host": child_env.HOST,
+    "backend": child_env.BACKEND,
+    "rank": child_env.RANK,
+    "world_size": child_env.WORLD_SIZE,
 }
 #: Environment variables naming the directory relative model paths are relative to, in order.
 SUBMIT_DIR_KEYS = ("MOPD_SUBMIT_DIR", "SLURM_SUBMIT_DIR", "PWD")
-#: The resolved config in the run directory (cli/submit.py CONFIG_FILE_NAME).
-CONFIG_FILE_NAME = "config.yaml"
-#: Where children publish their endpoints.
-ENDPOINTS_DIR = "endpoints"
 
 
 class RoleEnvError(ValueError):
@@ -62,6 +62,7 @@ class RoleEnv:
         backend: "local" or "slurm".
         rank, world_size: rank within the role's group (MOPD_RANK / MOPD_WORLD_SIZE; 0 / 1 if absent).
         ports: named ports leased for this child (`master`, `http`, ...), name → TCP port.
+        device: the device it computes on (`ChildDevice`: CUDA index, token, physical id; CPU without GPUs).
     """
 
     run_dir: Path
@@ -73,6 +74,7 @@ class RoleEnv:
     rank: int = 0
     world_size: int = 1
     ports: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    device: ChildDevice = field(default_factory=ChildDevice)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> RoleEnv:
@@ -88,24 +90,26 @@ class RoleEnv:
             return value
 
         def integer(key: str, default: int | None) -> int:
-            raw = environ.get(ENV[key])
-            if raw is None and default is not None:
-                return default
             try:
-                value = int(raw or "")
-            except ValueError:
-                raise RoleEnvError(f"{ENV[key]}={raw!r}: expected an integer >= 0") from None
-            if value < 0:
-                raise RoleEnvError(f"{ENV[key]}={raw!r}: expected an integer >= 0")
+                value = read_int(environ, ENV[key], default=default)
+            except TopologyError as exc:
+                raise RoleEnvError(str(exc)) from None
+            if value is None:
+                raise RoleEnvError(f"{ENV[key]}={environ.get(ENV[key])!r}: expected an integer >= 0")
             return value
 
         ports = {}
         for key, raw in environ.items():
-            if key.startswith(PORT_ENV_PREFIX):
+            name = child_env.port_name(key)
+            if name is not None:
                 try:
-                    ports[key[len(PORT_ENV_PREFIX) :].lower()] = int(raw)
+                    ports[name] = int(raw)
                 except ValueError:
                     raise RoleEnvError(f"{key}={raw!r}: expected a TCP port number") from None
+        try:
+            device = ChildDevice.from_env(environ)
+        except TopologyError as exc:
+            raise RoleEnvError(str(exc)) from None
         world = integer("world_size", 1)
         if world < 1:
             raise RoleEnvError(f"{ENV['world_size']}={world}: expected >= 1")
@@ -119,6 +123,7 @@ class RoleEnv:
             rank=integer("rank", 0),
             world_size=world,
             ports=MappingProxyType(ports),
+            device=device,
         )
 
     def port(self, name: str) -> int:
@@ -175,7 +180,7 @@ def cpu_threads(environ: Mapping[str, str], share: int = 1) -> int:
 
 
 def port_env_name(name: str) -> str:
-    return PORT_ENV_PREFIX + name.upper()
+    return child_env.port_env_name(name)
 
 
 def resolve_path(path: str, environ: Mapping[str, str], run_dir: Path | None = None) -> str:
@@ -232,10 +237,5 @@ def load_run(run_dir: Path, environ: Mapping[str, str]) -> RunConfig:
     Raises:
         ConfigError: the file is missing, unreadable or invalid (named).
     """
-    cfg = RunConfig.from_yaml(run_dir / CONFIG_FILE_NAME)
+    cfg = RunConfig.from_yaml(run_dir / CONFIG_FILE)
     return with_absolute_paths(cfg, environ, run_dir)
-
-
-def endpoint_file(run_dir: Path, role: str, key: str) -> Path:
-    """`run_dir/endpoints/<role>-<key>.json` (teacher: key = teacher id; rollout: key = engine index)."""
-    return run_dir / ENDPOINTS_DIR / f"{role}-{key}.json"

@@ -5,7 +5,7 @@ settings from the run. MOPD_TEACHER_ID (the job plan sets it) names the entry of
 `run_dir/config.yaml`, which gives the checkpoint path, the scoring engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel (1: the role starts one process
 per teacher); the port is the named port `http`. This module resolves them (env read once, in `main`) and runs
 `teacher_serve.serve` until SIGTERM/SIGINT or until the actor announces the end of the job
-(`runtime/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has nothing to checkpoint).
+(`records/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has nothing to checkpoint).
 
 Rows scored per forward (`scoring_rows`): a forward materializes [rows, tokens, vocab] logits (and their
 float32 log-softmax), which for a production vocabulary (Qwen3: 151,936) and a long response is gigabytes per
@@ -36,21 +36,22 @@ from pathlib import Path
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs
+from mopd_hpc.records.job_end import stop_on_job_end
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, start_server_role
-from mopd_hpc.runtime.job_end import stop_on_job_end
+from mopd_hpc.runtime import child_env
 
 #: The plan's variable naming the teacher of this child.
-TEACHER_ID_ENV = "MOPD_TEACHER_ID"
+TEACHER_ID_ENV = child_env.TEACHER_ID
 #: Bytes of float32 logits one scoring forward may materialize (module docstring).
 SCORING_BUDGET_BYTES = 4 << 30
 #: Logical key → environment variable of the standalone server (read at the edge, in `main`).
 ENV = {
-    "teacher_id": "MOPD_TEACHER_ID",
+    "teacher_id": child_env.TEACHER_ID,
     "model_path": "MOPD_MODEL_PATH",
-    "port": "MOPD_PORT_HTTP",
-    "run_dir": "MOPD_RUN_DIR",
+    "port": child_env.port_env_name("http"),
+    "run_dir": child_env.RUN_DIR,
     "host": "MOPD_BIND_HOST",
-    "advertise_host": "MOPD_HOST",
+    "advertise_host": child_env.HOST,
     "device": "MOPD_DEVICE",
     "dtype": "MOPD_DTYPE",
     "engine": "MOPD_TEACHER_ENGINE",
@@ -94,21 +95,20 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
             f"{here}.tensor_parallel={teacher.tensor_parallel}: the teacher role serves each teacher from one "
             "process and starts no follower ranks; expected 1"
         )
-    gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
+    gpu = role.device.is_cuda
     if teacher.engine == "megatron" and not gpu:
         raise RoleEnvError(
             f"{here}.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
             f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives this teacher child none); expected a "
             "GPU group, or engine: torch"
         )
-    base = environ.get("MOPD_BASE_GPU_ID")
     return TeacherArgs(
         teacher_id=teacher.id,
         model_path=teacher.path,
         host=role.bind_host,
         port=role.port("http"),
         advertise_host=role.advertise_host,
-        device=(f"cuda:{base}" if base else "cuda") if gpu else "cpu",
+        device=role.device.torch_name,
         dtype=teacher.dtype,
         run_dir=str(role.run_dir),
         max_batch_rows=scoring_rows(cfg, teacher.path),

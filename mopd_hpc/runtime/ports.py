@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mopd_hpc.runtime.child_env import PORT_PREFIX
 from mopd_hpc.runtime.ports_registry import OwnerRecordServer, bind_lease_socket
 
 #: Where Linux keeps the ephemeral port range ("lo<TAB>hi"); read at the edge, passed in.
@@ -34,7 +35,7 @@ EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
 #: Default search range for leases (the ephemeral range is cut out of it).
 DEFAULT_LEASE_RANGE = (20000, 65535)
 #: Environment variable that carries named port `<name>` to a child: `MOPD_PORT_<NAME>`.
-PORT_ENV_PREFIX = "MOPD_PORT_"
+PORT_ENV_PREFIX = PORT_PREFIX
 
 _PORT_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _ROLE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from mopd_hpc.atomic import atomic_open, atomic_write_json, atomic_write_text
+from mopd_hpc.records.run_dir import LATEST
 
 #: Name of the pointer file.
-LATEST = "latest"
 #: Version of the on-disk layout, written to state.json.
 FORMAT_VERSION = 1
 #: Checkpoints kept by default (the newest N; `latest` is never removed).

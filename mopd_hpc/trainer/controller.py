@@ -11,14 +11,14 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN):
     SYNC     weights actor → rollout engines (`trainer/weight_sync.py`, weight_sync.backend: torch broadcast,
              gloo on CPU; or AWEX); the rollout engines' weight_version = str(step)
 
-then one metrics line (`logs/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
+then one metrics line (`records/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
 checkpoint under run_dir/checkpoints (model, optimizer, data-stream position, RNG, step).
 
 Resume: the newest checkpoint (if any) restores engine, stream and RNG; metrics lines after its step are
 rolled back; the rollout engines get the restored weights before the first rollout. SIGUSR2
 (`CheckpointRequest`) is honoured between steps: checkpoint now, announce the end, return. At the end:
 evaluation, the student as an HF checkpoint in run_dir/student_final, and the end of the job announced to
-the servers (`runtime/job_end.py`).
+the servers (`records/job_end.py`).
 
 Residency: the actor is made resident (`engine.onload()` when `engine.residency.on_device` is False) before
 every train step, checkpoint, evaluation and save: AWEX's colocate mode releases the actor's memory after
@@ -40,10 +40,11 @@ from typing import Any, TextIO
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.teacher_server import TeacherClient
-from mopd_hpc.logs.metrics import METRICS_FILE, MetricsWriter
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine, Transition
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.runtime.job_end import write_job_end
+from mopd_hpc.records.job_end import write_job_end
+from mopd_hpc.records.metrics import MetricsWriter
+from mopd_hpc.records.run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE
 from mopd_hpc.runtime.signals import CheckpointRequest
 from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
@@ -57,9 +58,8 @@ from mopd_hpc.trainer.weight_sync import SyncSettings, WeightSync, build_sync
 log = logging.getLogger("mopd_hpc.trainer")
 
 #: Checkpoints live here, under the run directory.
-CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_DIR = CHECKPOINTS_DIR
 #: The student as an HF checkpoint at the end of the run.
-FINAL_DIR = "student_final"
 #: The consumer name of the actor's drain receipts.
 ACTOR_CONSUMER = "actor"
 

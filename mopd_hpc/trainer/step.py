@@ -4,7 +4,7 @@
 the teachers' top-k and per-row weights (topk estimator), and A_ORM = GRPO group-normalized rewards when a
 loss term needs them (`ExecutionPlan.requires_reward`).
 
-`step_metrics` maps the engine's statistics onto the metrics contract (`logs/metrics_schema.py`):
+`step_metrics` maps the engine's statistics onto the metrics contract (`records/metrics_schema.py`):
 loss terms, `mopd/*` diagnostics, reward and accuracy per route, tokens/s and seconds per phase. With the
 `sampled` estimator the `mopd/*` values are the loss's own statistics; with `topk` the reverse KL is the
 top-k loss's, and the importance-ratio and gap statistics are measured on the sampled tokens with the

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -29,9 +29,7 @@ from mopd_hpc.engines.rollout.control import (
     add_memory_routes,
 )
 from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestError
-
-if TYPE_CHECKING:
-    from mopd_hpc.engines.rollout.hf_server import ServerArgs
+from mopd_hpc.engines.rollout.server_args import ServerArgs
 
 log = logging.getLogger("mopd_hpc.rollout")
 

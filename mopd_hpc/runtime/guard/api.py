@@ -20,6 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mopd_hpc.runtime import child_env
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -42,7 +44,7 @@ class SpawnRequest(SlotRequest):
         default=None, description="GPU tokens as given (ints, GPU-/MIG- ids) → CUDA_VISIBLE_DEVICES"
     )
     ports: list[str] = Field(
-        default_factory=list, description="port names leased for this slot → MOPD_PORT_*"
+        default_factory=list, description=f"port names leased for this slot → {child_env.PORT_PREFIX}*"
     )
 
 

@@ -3,7 +3,7 @@
 The guard finds its place from its own environment (`RankTopology.from_env`: het group and node index on
 Slurm; the local backend runs every child of the plan on this machine), leases each child's named ports,
 maps the plan's GPU ordinals onto the GPUs it sees, and spawns the children with the plan's environment
-(`launch.plan.child_environment`). Then it waits:
+(`runtime.plan.child_environment`). Then it waits:
 
 - every child exited 0 → teardown, exit 0;
 - one child failed (non-zero exit or a signal) → kill the rest at once (no checkpoint wait), exit with
@@ -25,11 +25,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mopd_hpc.atomic import atomic_write_json
-from mopd_hpc.launch.plan import ChildSpec, JobPlan, PlanError, child_environment
+from mopd_hpc.records.run_dir import ports_record_file
 from mopd_hpc.runtime.gpus import GpuTokenError, parse_visible_devices
 from mopd_hpc.runtime.guard.children import Child, ChildEnvError
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, UnregisteredRoleError
 from mopd_hpc.runtime.guard.server import Guard
+from mopd_hpc.runtime.plan import ChildSpec, JobPlan, PlanError, child_environment
 from mopd_hpc.runtime.ports import PortLeaseError, PortOwner
 from mopd_hpc.runtime.topology import RankTopology
 
@@ -188,9 +189,9 @@ def _signum(name: str | None) -> int:
 
 def _write_ports(guard: Guard, assignment: NodeAssignment, children: list[Child]) -> None:
     cfg = guard.config
-    (cfg.run_dir / "ports").mkdir(parents=True, exist_ok=True)
+    ports_record_file(cfg.run_dir, cfg.host).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
-        cfg.run_dir / "ports" / f"{cfg.host}.json",
+        ports_record_file(cfg.run_dir, cfg.host),
         {
             "host": cfg.host,
             "het_group": assignment.het_group,

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mopd_hpc.records.run_dir import child_log_paths
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.guard.events import EventLog
 from mopd_hpc.runtime.ports import PORT_ENV_PREFIX, PortLease
 from mopd_hpc.runtime.signals import PARENT_DEATH_SIGNAL, group_alive, killpg_quiet, signal_name
@@ -37,20 +39,13 @@ PDEATH_EXEC = Path(__file__).with_name("pdeath_exec.py")
 SIGKILL_REAP_S = 5.0
 #: Period of the group-emptiness poll while killing.
 _POLL_S = 0.02
-#: Environment keys the guard sets for every child; overrides may not set them.
-IDENTITY_KEYS = ("MOPD_ROLE", "MOPD_INDEX", "MOPD_GENERATION", "MOPD_JOB_ID", "MOPD_RUN_DIR", "MOPD_HOST")
+#: Environment keys the guard sets for every child; overrides may not set them (`runtime/child_env.py`).
+IDENTITY_KEYS = child_env.IDENTITY_KEYS
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class ChildEnvError(ValueError):
     """An env override is malformed or collides with a key the guard sets (HTTP 400)."""
-
-
-def child_log_paths(run_dir: Path, host: str, role: str, index: int, generation: int) -> tuple[Path, Path]:
-    """`(stdout, stderr)` paths of one child generation."""
-    base = Path(run_dir) / "logs" / host
-    stem = f"{role}-{index}.g{generation}"
-    return base / f"{stem}.out", base / f"{stem}.err"
 
 
 def build_child_env(
@@ -183,12 +178,12 @@ class ChildSupervisor:
         """
         generation = len(self._generations.get((role, index), [])) + 1
         identity = {
-            "MOPD_ROLE": role,
-            "MOPD_INDEX": str(index),
-            "MOPD_GENERATION": str(generation),
-            "MOPD_JOB_ID": self.job_id,
-            "MOPD_RUN_DIR": str(self.run_dir),
-            "MOPD_HOST": self.host,
+            child_env.ROLE: role,
+            child_env.INDEX: str(index),
+            child_env.GENERATION: str(generation),
+            child_env.JOB_ID: self.job_id,
+            child_env.RUN_DIR: str(self.run_dir),
+            child_env.HOST: self.host,
         }
         env = build_child_env(self.base_env, env_overrides, identity, gpus, ports)
         out_path, err_path = child_log_paths(self.run_dir, self.host, role, index, generation)

@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mopd_hpc.records.run_dir import guard_events_file
+
 
 def events_path(run_dir: str | os.PathLike[str], host: str) -> Path:
-    return Path(run_dir) / "events" / f"{host}.guard.jsonl"
+    return guard_events_file(run_dir, host)
 
 
 class EventLog:

@@ -28,6 +28,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.records.run_dir import guard_record_file
 from mopd_hpc.runtime.guard.api import (
     KillRequest,
     ReserveRequest,
@@ -104,7 +105,7 @@ class GuardConfig:
 
     @property
     def guard_file(self) -> Path:
-        return self.run_dir / "guards" / f"{self.host}.json"
+        return guard_record_file(self.run_dir, self.host)
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:

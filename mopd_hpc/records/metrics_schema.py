@@ -27,9 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: File names inside a run directory.
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.json"
 #: Required keys of every metrics line.
 STEP_KEY = "step"
 TS_KEY = "ts"
