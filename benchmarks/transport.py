@@ -11,12 +11,17 @@ A real `TeacherServer` (aiohttp, its own process) over a stand-in engine that re
 The production step is 256 rows x 4,096 response tokens (prompts of 512), top-k 64: ~67 M id/value pairs
 per teacher. A fraction f sends 256·f rows of that shape. Payload = the answer's information at the binary
 dtypes (log-probs f32 + top-k ids i32 + top-k values f32 = 4 + 8·K bytes per response token), the same for
-both encodings; payload GB/s = payload / round-trip seconds (request encode → answer decoded). Bytes on the
-wire = request + answer bodies (HTTP headers excluded). Binary answers are checked bit for bit against the
-engine's tensors (rows 0 and B−1 regenerated here), JSON against binary at the smallest fraction. Each
-process runs torch with `--threads` threads (default 1: two processes on a 2-core host). The host's memory
-copy rates (into fresh and into reused memory) are measured first, for context: every byte of the answer is
-copied at least twice in user space (into the frame's pieces, out of the socket into the client's buffer).
+both encodings; payload GB/s = payload / round-trip seconds (request encode → answer decoded, best of
+`--repeats`). Bytes on the wire = request + answer bodies (HTTP headers excluded). cpu srv / cpu cli = CPU
+seconds of the server's handler and of the client's call (all threads, kernel time included); cpu-bound
+GB/s = payload / the busier side's CPU seconds: the rate when the two sides overlap on cores of their own
+(on a shared host the wall clock also counts other processes' turns).
+
+Binary answers are checked bit for bit against the engine's tensors (rows 0 and B−1 regenerated here),
+JSON against binary at the smallest fraction. Each process runs torch with `--threads` threads (default 1:
+two processes on a 2-core host). The host's memory copy rates (into fresh and into reused memory) are
+measured after the runs, for context: every byte of the answer is copied at least twice in user space
+(into the frame's pieces, out of the socket into the client's buffer) and twice by the kernel.
 
     .venv/bin/python benchmarks/transport.py [--binary 1/64,1/16,1/4,1] [--json 1/64,1/16] [--repeats 3]
 
@@ -135,6 +140,7 @@ def request_rows(rows: int) -> tuple[list[list[int]], list[int]]:
 async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[str, Any]:
     import aiohttp
 
+    from mopd_hpc.engines.buffer_pool import BufferPool
     from mopd_hpc.engines.teacher_server import TeacherClient
     from mopd_hpc.engines.wire_http import read_frame
 
@@ -142,22 +148,28 @@ async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[s
     times, cpus, answer = [], [], None
     tokens = rows * RESPONSE
     payload = tokens * (4 + 8 * TOP_K)
-    async with TeacherClient(url, binary=encoding != "json") as client, aiohttp.ClientSession() as http:
+    pool = BufferPool(keep=1)  # as TeacherClient's
+    async with (
+        TeacherClient(url, binary=encoding != "json") as client,
+        TeacherClient(url) as binary,
+        aiohttp.ClientSession() as http,
+    ):
 
         async def raw_bytes(_ids: Any, _starts: Any, _k: int) -> Any:
             n = payload if len(_ids) == rows else 8
             async with http.post(url + "/bytes", json={"n": n}) as resp:
-                return await read_frame(resp)
+                return await read_frame(resp, pool=pool)
 
         call = {"json": client.score, "binary": client.score_tensors, "bytes": raw_bytes}[encoding]
         await call(ids[:1], starts[:1], TOP_K)  # warm the connection
-        for r in range(repeats + 1):  # the first builds the engine's fixed answer: not timed
+        build = raw_bytes if encoding == "bytes" else binary.score_tensors
+        await build(ids, starts, TOP_K)  # the server builds its fixed answer for this shape: not timed
+        for _ in range(repeats):
             answer = None
             start, cpu = time.perf_counter(), time.process_time()
             answer = await call(ids, starts, TOP_K)
-            if r:
-                times.append(time.perf_counter() - start)
-                cpus.append(time.process_time() - cpu)
+            times.append(time.perf_counter() - start)
+            cpus.append(time.process_time() - cpu)
         async with http.get(url + "/sizes") as resp:
             sizes = await resp.json()
     check = verify(answer, rows) if encoding == "binary" else None
@@ -177,6 +189,7 @@ async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[s
         "wire_bytes": sizes["request_bytes"] + sizes["answer_bytes"],
         "payload_bytes": payload,
         "payload_GBps": payload / best / 1e9,
+        "payload_GBps_cpu_bound": payload / max(min(cpus), sizes["server_cpu_s"]) / 1e9,
         "server_peak_rss_bytes": sizes["peak_rss_bytes"],
         "client_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "bitwise_checked": check,
@@ -279,17 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from results_file import write_results
 
-    memory = memory_rates()
+    rows = asyncio.run(run(args))
+    memory = memory_rates()  # after the runs: peak RSS (which a child inherits at exec) stays the runs' own
     print(f"host memory copy: {memory['fresh_copy_GBps']:.2f} GB/s into fresh memory, "
           f"{memory['warm_copy_GBps']:.2f} GB/s into reused memory (256 MB, one thread)")  # fmt: skip
-    rows = asyncio.run(run(args))
     json_equal = equal_at_smallest(rows)
     print(f"\n{'encoding':8} {'fraction':>8} {'rows':>5} {'pairs M':>8} {'seconds':>8} {'cpu srv':>8} "
-          f"{'cpu cli':>8} {'wire MB':>9} {'payload MB':>10} {'payload GB/s':>12}")  # fmt: skip
+          f"{'cpu cli':>8} {'wire MB':>9} {'payload MB':>10} {'payload GB/s':>12} {'cpu-bound GB/s':>14}")  # fmt: skip
     for r in rows:
         print(f"{r['encoding']:8} {r['fraction']:>8} {r['rows']:>5} {r['pairs_millions']:>8.1f} "
               f"{r['seconds']:>8.3f} {r['server_cpu_s']:>8.3f} {r['client_cpu_s']:>8.3f} "
-              f"{r['wire_bytes'] / 1e6:>9.1f} {r['payload_bytes'] / 1e6:>10.1f} {r['payload_GBps']:>12.3f}")  # fmt: skip
+              f"{r['wire_bytes'] / 1e6:>9.1f} {r['payload_bytes'] / 1e6:>10.1f} {r['payload_GBps']:>12.3f} "
+              f"{r['payload_GBps_cpu_bound']:>14.3f}")  # fmt: skip
     scaling = {}
     for enc in ("binary", "json"):
         mine = sorted((r for r in rows if r["encoding"] == enc), key=lambda r: r["rows"])

@@ -133,7 +133,8 @@ def test_encode_refuses_what_it_cannot_carry():
     with pytest.raises(WireError, match=r"tensor 'c' has dtype torch.complex64; expected one of"):
         encode({"c": torch.zeros(2, dtype=torch.complex64)})
     with pytest.raises(WireError, match="meta is not JSON-serializable"):
-        encode({}, {"x": float("nan")})
+        encode({}, {"x": object()})
+    assert decode(encode({}, {"lp": [float("-inf"), None]})).meta == {"lp": [float("-inf"), None]}
     with pytest.raises(WireError, match="tensor name '__metadata__'"):
         encode({"__metadata__": torch.zeros(1)})
     with pytest.raises(WireError, match="tensor 'l' is list; expected a torch.Tensor"):

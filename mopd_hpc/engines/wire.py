@@ -204,7 +204,7 @@ def layout(
         if t.dtype not in _NAMES:
             raise WireError(f"tensor {name!r} has dtype {t.dtype}; expected one of {sorted(DTYPES)}")
     try:
-        meta_text = json.dumps(dict(meta or {}), allow_nan=False, separators=(",", ":"))
+        meta_text = json.dumps(dict(meta or {}), separators=(",", ":"))  # ±Infinity/NaN as Python writes them
     except (TypeError, ValueError) as err:
         raise WireError(
             f"meta is not JSON-serializable ({err}); expected str/int/float/bool/None/lists/dicts"

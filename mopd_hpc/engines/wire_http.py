@@ -48,9 +48,12 @@ async def send_frame(
     await resp.prepare(request)
     pieces = frame.chunks(CHUNK_BYTES, pool)
     nxt = asyncio.ensure_future(asyncio.to_thread(next, pieces, None))
-    while (piece := await nxt) is not None:
-        nxt = asyncio.ensure_future(asyncio.to_thread(next, pieces, None))  # fills the other buffer
-        await resp.write(piece)  # returns once the transport sent or copied it
+    try:
+        while (piece := await nxt) is not None:
+            nxt = asyncio.ensure_future(asyncio.to_thread(next, pieces, None))  # fills the next piece
+            await resp.write(piece)  # the transport may keep the piece until sent: it has its own buffer
+    finally:
+        nxt.cancel()  # a client gone mid-answer: nothing waits for the piece being filled
     await resp.write_eof()
     return resp
 
