@@ -95,3 +95,10 @@ def test_both_encodings_agree_bitwise_with_nonfinite_values(tmp_path):
     want_top = torch.nan_to_num(top.logprobs[mask], nan=f, posinf=f, neginf=f)
     assert torch.equal(packed.topk_logprobs.view(torch.int32), want_top.view(torch.int32))
     assert torch.equal(packed.topk_ids.long(), top.indices[mask])
+    ids, vals = packed.padded_topk(batch.response_width)
+    assert torch.equal(ids[mask], top.indices[mask]) and not ids[~mask].any() and not vals[~mask].any()
+    assert torch.equal(vals[mask].view(torch.int32), want_top.view(torch.int32))
+    padded = packed.padded_logprobs()
+    assert padded.shape == (3, 4) and padded[~mask].isnan().all()
+    with pytest.raises(WireError, match=r"width=3: a row has 4 response tokens; expected width >= 4"):
+        packed.padded_topk(3)

@@ -155,29 +155,41 @@ class ScoreTensors:
         return list(values.split(self.lengths.tolist()))
 
     def padded_logprobs(self, width: int | None = None, fill: float = float("nan")) -> torch.Tensor:
-        """[B, width] float32 (width default max |response_b|), `fill` after each row's end."""
-        width = int(self.lengths.max()) if width is None else width
-        mask = torch.arange(width)[None, :] < self.lengths[:, None]
-        out = torch.full((self.lengths.numel(), width), fill, dtype=torch.float32)
-        out[mask] = self.logprobs
+        """[B, width] float32 (width default max |response_b|), `fill` after each row's end.
+
+        Raises:
+            WireError: width is shorter than a row's response.
+        """
+        out = torch.full((self.lengths.numel(), self._width(width)), fill, dtype=torch.float32)
+        self._scatter(self.logprobs, out)
         return out
 
     def padded_topk(self, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [B, width, K] int64, log-probs [B, width, K] float32), zeros after each row's end.
 
         Raises:
-            WireError: the answer holds no top-k (top_k was not asked).
+            WireError: the answer holds no top-k (top_k was not asked), or width is too short.
         """
         if self.topk_ids is None or self.topk_logprobs is None:
             raise WireError("the answer holds no top-k; ask /score with top_k")
-        width = int(self.lengths.max()) if width is None else width
-        mask = torch.arange(width)[None, :] < self.lengths[:, None]
-        k = self.topk_ids.shape[1]
-        ids = torch.zeros((self.lengths.numel(), width, k), dtype=torch.int64)
-        vals = torch.zeros((self.lengths.numel(), width, k), dtype=torch.float32)
-        ids[mask] = self.topk_ids.long()
-        vals[mask] = self.topk_logprobs
+        shape = (self.lengths.numel(), self._width(width), self.topk_ids.shape[1])
+        ids, vals = torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.float32)
+        self._scatter(self.topk_ids, ids)
+        self._scatter(self.topk_logprobs, vals)
         return ids, vals
+
+    def _width(self, width: int | None) -> int:
+        longest = int(self.lengths.max()) if self.lengths.numel() else 0
+        if width is not None and width < longest:
+            raise WireError(
+                f"width={width}: a row has {longest} response tokens; expected width >= {longest}"
+            )
+        return longest if width is None else width
+
+    def _scatter(self, packed: torch.Tensor, out: torch.Tensor) -> None:
+        """Row b's packed values → out[b, :|response_b|] (one copy per row, cast to out's dtype)."""
+        for b, part in enumerate(self.split(packed)):
+            out[b, : part.shape[0]] = part
 
 
 def score_answer(
