@@ -43,7 +43,7 @@ from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
-from mopd_hpc.launch.resume import ResumeError, check_resume
+from mopd_hpc.launch.resume import ResumeError, check_resume, resume_choice
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
 
 HELP = "plan a run config's job, then print (--dry-run), render (--render), run here (--local) or submit it"
@@ -234,13 +234,16 @@ def execute(
         return 0
     try:
         gpus = _local_gpus(cfg, environ) if cfg.cluster.backend == "local" and not args.render else ()
-        resumed_from = check_resume(path, cfg)
+        choice = resume_choice(path)
+        resumed_from = check_resume(path, cfg, choice)
         run_dir = prepare_run_dir(path)
     except (RunDirError, ResumeError, LocalGpuError) as exc:
         print(f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
     for warning in warnings:  # as --check prints them, before the rank map
         print(f"# warning: {warning}", file=out)
+    for line in choice.skipped:  # a damaged newer checkpoint: the actor passes over it too
+        print(f"# warning: checkpoint skipped: {line}", file=out)
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
     plan.write(run_dir.root / PLAN_FILE_NAME)
     if args.render:  # the run dir is prepared as for a submission, so the script runs as written
