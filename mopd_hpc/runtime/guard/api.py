@@ -11,7 +11,7 @@
 | POST   | /shutdown        | `ShutdownRequest`                      | 202 `{"status": "shutting_down"}`    |
 
 Every other request carries `Authorization: Bearer <token>`. Errors answer `{"error": <kind>, "message"}`
-with 400 (malformed), 401 (token), 403 (unregistered role), 404, 405, 409 (conflict) or 500.
+with 400 (malformed), 401 (token), 403 (unregistered role, or an env key env_policy.py refuses), 404, 405, 409 (conflict) or 500.
 """
 
 from __future__ import annotations

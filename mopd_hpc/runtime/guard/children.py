@@ -22,11 +22,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mopd_hpc.runtime.guard import env_policy
 from mopd_hpc.runtime.guard.events import EventLog
 from mopd_hpc.runtime.ports import PORT_ENV_PREFIX, PortLease
 from mopd_hpc.runtime.signals import PARENT_DEATH_SIGNAL, group_alive, killpg_quiet, signal_name
@@ -44,6 +45,35 @@ _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 class ChildEnvError(ValueError):
     """An env override is malformed or collides with a key the guard sets (HTTP 400)."""
+
+
+class ChildEnvDeniedError(ChildEnvError):
+    """An env override sets a loader, interpreter or shell variable (env_policy.py; HTTP 403)."""
+
+
+def check_overrides(overrides: Mapping[str, str], reserved: Collection[str] = IDENTITY_KEYS) -> None:
+    """Refuse what a spawn's env overrides may not carry (nothing is leased or started before this).
+
+    Args:
+        overrides: the spawn's env overrides.
+        reserved: keys the guard sets itself (identity, GPU tokens, named ports), besides `MOPD_PORT_*`.
+    Raises:
+        ChildEnvError: a key is not an identifier, a value holds NUL, or an override sets a guard-set key.
+        ChildEnvDeniedError: a key is a loader, interpreter or shell variable (env_policy.denial).
+    """
+    for key, value in overrides.items():
+        if not _ENV_KEY_RE.match(key):
+            raise ChildEnvError(f"env key {key!r} is invalid: expected [A-Za-z_][A-Za-z0-9_]*")
+        if "\0" in value:
+            raise ChildEnvError(f"env value of {key} contains a NUL byte, which no environment can carry")
+        if key in reserved or key.startswith(PORT_ENV_PREFIX):
+            raise ChildEnvError(
+                f"env key {key} is set by the guard (identity, GPU tokens or named ports); "
+                "pass GPUs in 'gpus' and ports in 'ports' instead"
+            )
+    why = env_policy.first_denial(overrides)
+    if why is not None:
+        raise ChildEnvDeniedError(why)
 
 
 def child_log_paths(run_dir: Path, host: str, role: str, index: int, generation: int) -> tuple[Path, Path]:
@@ -66,21 +96,12 @@ def build_child_env(
     newlines): no `k=v,k=v` serialization anywhere.
 
     Raises:
-        ChildEnvError: a key is not an identifier, a value holds NUL, or an override sets a guard-set key.
+        ChildEnvError: as `check_overrides` (ChildEnvDeniedError for a loader or interpreter variable).
     """
     reserved = set(identity) | {lease.env_key for lease in ports.values()}
     if gpus is not None:
         reserved.add("CUDA_VISIBLE_DEVICES")
-    for key, value in overrides.items():
-        if not _ENV_KEY_RE.match(key):
-            raise ChildEnvError(f"env key {key!r} is invalid: expected [A-Za-z_][A-Za-z0-9_]*")
-        if "\0" in value:
-            raise ChildEnvError(f"env value of {key} contains a NUL byte, which no environment can carry")
-        if key in reserved or key.startswith(PORT_ENV_PREFIX):
-            raise ChildEnvError(
-                f"env key {key} is set by the guard (identity, GPU tokens or named ports); "
-                "pass GPUs in 'gpus' and ports in 'ports' instead"
-            )
+    check_overrides(overrides, reserved)
     env = {k: v for k, v in base.items() if not k.startswith(PORT_ENV_PREFIX)}
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(overrides)
@@ -230,6 +251,7 @@ class ChildSupervisor:
             stderr=str(err_path),
             ports=child.ports,
             gpus=gpus,
+            env=env_policy.recorded(env_overrides),  # every override, secret-looking values redacted
         )
         self._watch(child)
         return child

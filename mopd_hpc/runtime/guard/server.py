@@ -2,7 +2,8 @@
 
 It leases its own HTTP port (owner `<job>/guard/0`, name `http`), binds it on `--bind`, and writes
 `run_dir/guards/<host>.json` (`host`, `bind`, `port`, `url`, `pid`, `job_id`) atomically once it serves.
-Every endpoint except `GET /health` needs the job's token. It spawns only registered roles, leases named
+Every endpoint except `GET /health` needs the job's token. It spawns only registered roles (with env
+overrides that pass runtime/guard/env_policy.py: loader and interpreter variables are a 403), leases named
 ports per (role, index), reports status per (role, index, generation), kills process groups, and on
 SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to `checkpoint_wait_s`, kills what is
 left, releases every lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked).
@@ -37,7 +38,13 @@ from mopd_hpc.runtime.guard.api import (
     describe_validation_error,
 )
 from mopd_hpc.runtime.guard.auth import AUTH_HEADER, token_matches
-from mopd_hpc.runtime.guard.children import ChildEnvError, ChildSupervisor
+from mopd_hpc.runtime.guard.children import (
+    IDENTITY_KEYS,
+    ChildEnvDeniedError,
+    ChildEnvError,
+    ChildSupervisor,
+    check_overrides,
+)
 from mopd_hpc.runtime.guard.events import EventLog, events_path
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
 from mopd_hpc.runtime.ports import (
@@ -305,10 +312,22 @@ class Guard:
                 "kill it first",
             )
         owner = self._owner(req)
+        try:  # before any lease or process: a refused env leaves nothing behind
+            check_overrides(
+                req.env, (*IDENTITY_KEYS, *(("CUDA_VISIBLE_DEVICES",) if req.gpus is not None else ()))
+            )
+        except ChildEnvError as exc:
+            denied = isinstance(exc, ChildEnvDeniedError)
+            self.events.emit(
+                "spawn_refused", role=req.role, index=req.index, reason=str(exc), keys=sorted(req.env)
+            )
+            log.warning("guard: spawn of %s/%d refused: %s", req.role, req.index, exc)
+            return _error(403 if denied else 400, "env_denied" if denied else "bad_env", str(exc))
         leases = self.leaser.reserve(owner, req.ports) if req.ports else {}
         try:
             child = self.children.spawn(req.role, req.index, module, req.env, req.gpus, leases)
         except ChildEnvError as exc:
+            self.leaser.release(owner)
             return _error(400, "bad_env", str(exc))
         self.leaser.note_child(owner, child.pid)
         return web.json_response(child.to_dict(), status=201)
