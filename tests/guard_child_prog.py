@@ -6,8 +6,9 @@ behaviour comes from env overrides of the spawn request:
 - `GUARD_TEST_DIR`: where it writes `<role>-<index>.g<gen>.ready` (JSON: pid, pgid, grandchild pid) and
   `<role>-<index>.g<gen>.usr2` (when it got SIGUSR2: it then exits 0, like a checkpointing worker).
 - `GUARD_TEST_MODE`: `sleep` (wait for signals), `grandchild` (also start a `sleep` in its group),
-  `stubborn` (ignore SIGTERM and SIGUSR2, child and grandchild: only SIGKILL ends it), `envdump` (write
-  its whole environment to `env-<role>-<index>.g<gen>.json` and exit 0).
+  `stubborn` (ignore SIGTERM and SIGUSR2, child and grandchild: only SIGKILL ends it), `lingering` (the
+  child dies on SIGTERM, its grandchild in the group ignores it: the group outlives the child until the
+  guard's SIGKILL), `envdump` (write its whole environment to `env-<role>-<index>.g<gen>.json` and exit 0).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("sleep", "grandchild", "stubborn", "envdump")
+MODES = ("sleep", "grandchild", "stubborn", "lingering", "envdump")
 
 
 def main() -> int:
@@ -42,6 +43,10 @@ def main() -> int:
     else:
         signal.signal(signal.SIGUSR2, on_usr2)
     grandchild = None
+    if mode == "lingering":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        grandchild = subprocess.Popen(["sleep", "1000"])  # keeps SIG_IGN for TERM across exec
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if mode in ("grandchild", "stubborn"):
         grandchild = subprocess.Popen(["sleep", "1000"])  # inherits SIG_IGN for TERM in stubborn mode
     ready = {"pid": os.getpid(), "pgid": os.getpgid(0), "grandchild": grandchild.pid if grandchild else None}

@@ -178,6 +178,10 @@ class ChildSupervisor:
         self.base_env = dict(base_env)
         self._generations: dict[tuple[str, int], list[Child]] = {}
 
+    def next_generation(self, role: str, index: int) -> int:
+        """The generation the next spawn of (role, index) gets (1 for the first)."""
+        return len(self._generations.get((role, index), [])) + 1
+
     def latest(self, role: str, index: int) -> Child | None:
         gens = self._generations.get((role, index))
         return gens[-1] if gens else None
@@ -202,7 +206,7 @@ class ChildSupervisor:
         Raises:
             ChildEnvError: bad env overrides (nothing is started). OSError: fork/exec failed.
         """
-        generation = len(self._generations.get((role, index), [])) + 1
+        generation = self.next_generation(role, index)
         identity = {
             "MOPD_ROLE": role,
             "MOPD_INDEX": str(index),

@@ -275,7 +275,13 @@ class Guard:
             and (generation is None or c.generation == generation)
         ]
         ports = [
-            {"role": x.owner.role, "index": x.owner.index, "name": x.name, "port": x.port}
+            {
+                "role": x.owner.role,
+                "index": x.owner.index,
+                "name": x.name,
+                "port": x.port,
+                "generation": x.generation,
+            }
             for x in self.leaser.leases()
         ]
         return web.json_response({"host": self.config.host, "children": children, "ports": ports})
@@ -323,13 +329,14 @@ class Guard:
             )
             log.warning("guard: spawn of %s/%d refused: %s", req.role, req.index, exc)
             return _error(403 if denied else 400, "env_denied" if denied else "bad_env", str(exc))
-        leases = self.leaser.reserve(owner, req.ports) if req.ports else {}
+        generation = self.children.next_generation(req.role, req.index)
+        leases = self.leaser.reserve(owner, req.ports, generation) if req.ports else {}
         try:
             child = self.children.spawn(req.role, req.index, module, req.env, req.gpus, leases)
         except ChildEnvError as exc:
-            self.leaser.release(owner)
+            self.leaser.release(owner, generation)
             return _error(400, "bad_env", str(exc))
-        self.leaser.note_child(owner, child.pid)
+        self.leaser.note_child(owner, child.pid, generation)
         return web.json_response(child.to_dict(), status=201)
 
     async def _kill(self, request: web.Request) -> web.Response:
@@ -341,7 +348,9 @@ class Guard:
             gone = await self.children.kill(
                 child, self.config.kill_wait_s if req.wait_s is None else req.wait_s
             )
-        released = _ports(self.leaser.release(owner))
+        # Only this generation's leases (and older ones): a spawn of the next generation may have come in
+        # while this kill waited for the group, and its leases are its own.
+        released = _ports(self.leaser.release(owner, child.generation if child is not None else None))
         if not gone:
             assert child is not None
             tail = self.children.tail(child.stderr)
