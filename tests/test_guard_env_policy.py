@@ -16,7 +16,7 @@ from test_guard import RunningGuard, raw, start_guard, stop_guard, wait_until
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.plan import JobPlan, child_environment
-from mopd_hpc.runtime.guard.children import check_overrides
+from mopd_hpc.runtime.guard.child_env import check_overrides
 from mopd_hpc.runtime.guard.client import GuardForbiddenError
 from mopd_hpc.runtime.guard.env_policy import REDACTED, denial
 

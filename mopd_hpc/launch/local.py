@@ -5,7 +5,8 @@
 scrubbed: a shell inside an allocation must not make the local job look like a Slurm step), streams a
 short status from the guard's event log, and waits. SIGINT/SIGTERM to this process are forwarded to the
 guard (SIGINT: stop now; SIGTERM: checkpoint, then stop), which kills its children and releases their
-ports; if it has not exited `stop_wait_s` after that, its process group is killed. The exit code is the
+ports; if it has not exited `stop_wait_s` after that, its process group is killed, and once it has exited
+any process still carrying the job's id is killed (`kill_leftovers`). The exit code is the
 guard's (a signal becomes 128 + its number; a guard that stopped cleanly on a forwarded signal gives
 128 + that signal's number).
 
@@ -28,6 +29,7 @@ from typing import Any, TextIO
 from mopd_hpc.launch.env import scrub_slurm_env
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan
 from mopd_hpc.launch.rundir import RunDir
+from mopd_hpc.runtime.guard import proctree
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.guard.events import events_path
 from mopd_hpc.runtime.signals import killpg_quiet
@@ -187,11 +189,22 @@ def run_local(
         if proc.poll() is None:  # interrupted by an exception: leave no guard behind
             killpg_quiet(proc.pid, signal.SIGKILL)
         rc = proc.wait()
+        left = kill_leftovers(job_id)
+        if left:
+            print(f"[local] killed {left} process(es) of job {job_id} the guard left behind", file=out)
     follower.poll()
     local_setup.after_local_run(run_dir.root, out, progress, rc, job_id)  # how the job ended
     if rc < 0:
         return 128 - rc
     return 128 + forwarded[0] if rc == 0 and forwarded else rc
+
+
+def kill_leftovers(job_id: str) -> int:
+    """SIGKILL every process of this user that carries `MOPD_JOB_ID=<job_id>` in its environment, with its
+    tree: the last net when the guard and its keeper were both killed (runtime/guard/children.py says what
+    each layer guarantees). A local job id (`local-<pid>`) is unique on the host while this process lives.
+    Returns how many processes were signalled."""
+    return proctree.kill_now(proctree.tagged_trees({"MOPD_JOB_ID": job_id}, (), anywhere=True))
 
 
 def _size(path: Path) -> int:

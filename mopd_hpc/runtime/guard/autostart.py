@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.launch.plan import ChildSpec, JobPlan, PlanError, child_environment
 from mopd_hpc.runtime.gpus import GpuTokenError, parse_visible_devices
-from mopd_hpc.runtime.guard.children import Child, ChildEnvError
+from mopd_hpc.runtime.guard.child_env import ChildEnvError
+from mopd_hpc.runtime.guard.children import Child
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, UnregisteredRoleError
 from mopd_hpc.runtime.guard.server import Guard
 from mopd_hpc.runtime.ports import PortLeaseError, PortOwner

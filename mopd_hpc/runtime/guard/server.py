@@ -6,7 +6,9 @@ Every endpoint except `GET /health` needs the job's token. It spawns only regist
 overrides that pass runtime/guard/env_policy.py: loader and interpreter variables are a 403), leases named
 ports per (role, index), reports status per (role, index, generation), kills process groups, and on
 SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to `checkpoint_wait_s`, kills what is
-left, releases every lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked).
+left (each child's whole tree: runtime/guard/children.py), releases every lease and exits 0 (SIGINT and
+`POST /shutdown` skip the checkpoint wait unless asked; SIGHUP, its parent-death signal from the keeper,
+SIGKILLs every tree at once).
 Request logs name method, path and status only: never headers, bodies or env values.
 """
 
@@ -38,14 +40,15 @@ from mopd_hpc.runtime.guard.api import (
     describe_validation_error,
 )
 from mopd_hpc.runtime.guard.auth import AUTH_HEADER, token_matches
-from mopd_hpc.runtime.guard.children import (
+from mopd_hpc.runtime.guard.child_env import (
     IDENTITY_KEYS,
     ChildEnvDeniedError,
     ChildEnvError,
-    ChildSupervisor,
     check_overrides,
 )
+from mopd_hpc.runtime.guard.children import ChildSupervisor
 from mopd_hpc.runtime.guard.events import EventLog, events_path
+from mopd_hpc.runtime.guard.keeper import KEEPER_DEATH_SIGNAL
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
 from mopd_hpc.runtime.ports import (
     LeasePolicy,
@@ -133,6 +136,7 @@ class Guard:
         self._runner: web.AppRunner | None = None
         self._stopped = asyncio.Event()
         self._teardown_task: asyncio.Task[None] | None = None
+        self._signals_seen: set[int] = set()
         #: The signal that started the teardown, if one did (autostart turns it into 128 + signum).
         self.stop_signal: int | None = None
         self.app = web.Application(middlewares=[self._errors, self._auth])
@@ -168,6 +172,7 @@ class Guard:
         loop = asyncio.get_running_loop()
         for signum, checkpoint in ((signal.SIGTERM, True), (CHECKPOINT_SIGNAL, True), (signal.SIGINT, False)):
             loop.add_signal_handler(signum, self._on_signal, signum, checkpoint)
+        loop.add_signal_handler(KEEPER_DEATH_SIGNAL, self._on_keeper_death)
         url_host = cfg.host if cfg.bind in ("0.0.0.0", "::") else cfg.bind
         url = f"http://{'[' + url_host + ']' if ':' in url_host else url_host}:{self.port}"
         record = {"host": cfg.host, "bind": cfg.bind, "port": self.port, "url": url, "pid": _pid()}
@@ -184,11 +189,29 @@ class Guard:
         return EXIT_OK
 
     def _on_signal(self, signum: int, checkpoint: bool) -> None:
+        if signum in self._signals_seen:  # the keeper forwards what Slurm also sent us: act once
+            return
+        self._signals_seen.add(signum)
         if self._teardown_task is None and self.stop_signal is None:
             self.stop_signal = signum
         self.events.emit("guard_signal", signal=signal_name(signum), pid=_pid())
         log.info("guard got %s: tearing down (checkpoint=%s)", signal_name(signum), checkpoint)
         self.start_teardown(checkpoint)
+
+    def _on_keeper_death(self) -> None:
+        """The keeper (our parent, runtime/guard/keeper.py) is gone, or the terminal hung up: nobody would
+        clean up after us, so every child's tree is SIGKILLed now, our lease copies closed first (a child
+        holds its own until it dies), then the teardown reaps and stops."""
+        if self._teardown_task is None and self.stop_signal is None:
+            self.stop_signal = KEEPER_DEATH_SIGNAL
+        self.events.emit("guard_signal", signal=signal_name(KEEPER_DEATH_SIGNAL), pid=_pid())
+        log.warning(
+            "guard got %s (its keeper is gone): killing every child's tree now",
+            signal_name(KEEPER_DEATH_SIGNAL),
+        )
+        self.leaser.close()
+        self.children.kill_all_now()
+        self.start_teardown(checkpoint=False)
 
     @property
     def stopping(self) -> bool:
@@ -213,6 +236,7 @@ class Guard:
                     await sup.signal_group(child, CHECKPOINT_SIGNAL)
                 await asyncio.gather(*(sup.wait_gone(c, cfg.checkpoint_wait_s) for c in running))
             await asyncio.gather(*(sup.kill(c, cfg.kill_wait_s) for c in sup.all()))
+            await sup.sweep(cfg.kill_wait_s)  # what left its children's trees, wherever it went
         finally:
             self.leaser.close()
             with contextlib.suppress(FileNotFoundError):
