@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,6 +46,8 @@ from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.launch.resume import ResumeError, check_resume, resume_choice
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
+from mopd_hpc.runtime import run_lock
+from mopd_hpc.runtime.run_lock import RunDirLockedError, RunLock
 
 HELP = "plan a run config's job, then print (--dry-run), render (--render), run here (--local) or submit it"
 #: Exit code when sbatch refused the job or could not be run.
@@ -232,12 +235,16 @@ def execute(
         print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
         print(request.show(), file=out)
         return 0
+    lock: RunLock | None = None
     try:
         gpus = _local_gpus(cfg, environ) if cfg.cluster.backend == "local" and not args.render else ()
+        lock = _claim_run_dir(path, runs_here=cfg.cluster.backend == "local" and not args.render)
         choice = resume_choice(path)
         resumed_from = check_resume(path, cfg, choice)
         run_dir = prepare_run_dir(path)
-    except (RunDirError, ResumeError, LocalGpuError) as exc:
+    except (RunDirError, ResumeError, LocalGpuError, RunDirLockedError) as exc:
+        if lock is not None:
+            lock.release()
         print(f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
     for warning in warnings:  # as --check prints them, before the rank map
@@ -270,10 +277,25 @@ def execute(
             python=python,
             console=console,
             gpus=gpus,
+            lock=lock,
         )
     return _submit_slurm(
         cfg, plan, request, run_dir, args.config, out=out, err=err, environ=environ, python=python
     )
+
+
+def _claim_run_dir(path: Path, runs_here: bool) -> RunLock | None:
+    """Before anything is written into the run dir: a local job takes its lock (runtime/run_lock.py) for its
+    whole life; a Slurm submission or a render only checks that no running job holds it (the job's guards
+    take it when the job starts). Raises RunDirLockedError naming the holder."""
+    if runs_here:
+        from mopd_hpc.launch.local import local_job_id
+
+        return run_lock.acquire(path, local_job_id(), socket.gethostname())
+    holder = run_lock.holder_of(path)
+    if holder is not None:
+        raise RunDirLockedError(path, holder)
+    return None
 
 
 def _local_gpus(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -296,6 +318,7 @@ def _run_local(
     python: str,
     console: object,
     gpus: Sequence[str] = (),
+    lock: RunLock | None = None,
 ) -> int:
     from mopd_hpc.launch.local import local_job_id, run_local
     from mopd_hpc.launch.rankmap import probe_report_table, read_probe_reports
@@ -303,7 +326,9 @@ def _run_local(
     job_id = local_job_id()
     # so that `mopd-logs summarize local-N` finds the run dir, as it does a Slurm job id
     record_in_job_index(job_id, run_dir, plan.name, config_path, environ, err)
-    rc = run_local(plan, run_dir, python=python, environ=environ, out=out, job_id=job_id, gpus=gpus)
+    rc = run_local(
+        plan, run_dir, python=python, environ=environ, out=out, job_id=job_id, gpus=gpus, lock=lock
+    )
     if plan.probe:
         console.print(probe_report_table(read_probe_reports(run_dir.root)))  # type: ignore[attr-defined]
     print(f"[local] done: exit code {rc}; run dir {run_dir.root}", file=out)

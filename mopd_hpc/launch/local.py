@@ -32,6 +32,7 @@ from mopd_hpc.launch.rundir import RunDir
 from mopd_hpc.runtime.guard import proctree
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.guard.events import events_path
+from mopd_hpc.runtime.run_lock import RunLock
 from mopd_hpc.runtime.signals import killpg_quiet
 from mopd_hpc.trainer import local_setup
 
@@ -126,6 +127,7 @@ def run_local(
     gpus: Sequence[str] = (),
     poll_s: float = 0.2,
     stop_wait_s: float = DEFAULT_STOP_WAIT_S,
+    lock: RunLock | None = None,
 ) -> int:
     """Run `plan` here through one guard (the run dir must be prepared: `prepare_run_dir`).
 
@@ -137,6 +139,8 @@ def run_local(
         out: where status lines go.
         host, job_id: defaults: this host's name, `local-<pid>`.
         gpus: the GPU tokens the guard gets (`launch.local_gpus.local_gpu_tokens`); () runs on CPU.
+        lock: the run dir's lock this job holds (runtime/run_lock.py): the guard inherits it, so it lives
+            while either process does; released here when the guard has exited.
     Returns:
         the guard's exit code (128 + N when it died of signal N).
     """
@@ -156,6 +160,7 @@ def run_local(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            pass_fds=(lock.inheritable().fd,) if lock is not None and lock.held else (),
         )
     print(
         f"[local] job {job_id}: guard pid {proc.pid}, log {log_path}; follow it with "
@@ -192,6 +197,8 @@ def run_local(
         left = kill_leftovers(job_id)
         if left:
             print(f"[local] killed {left} process(es) of job {job_id} the guard left behind", file=out)
+        if lock is not None:
+            lock.release()
     follower.poll()
     local_setup.after_local_run(run_dir.root, out, progress, rc, job_id)  # how the job ended
     if rc < 0:
