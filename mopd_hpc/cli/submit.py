@@ -43,12 +43,15 @@ from mopd_hpc.config.paths import local_path_errors, path_warnings
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
+from mopd_hpc.launch.pipe_out import PipeOut
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.launch.resume import ResumeError, check_resume, resume_choice
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
 from mopd_hpc.runtime import run_lock
 from mopd_hpc.runtime.run_lock import RunDirLockedError, RunLock
 
+#: Exit code after Ctrl-C (128 + SIGINT, the shell's convention).
+EXIT_INTERRUPTED = 130
 HELP = "plan a run config's job, then print (--dry-run), render (--render), run here (--local) or submit it"
 #: Exit code when sbatch refused the job or could not be run.
 EXIT_SUBMIT_FAILED = 1
@@ -404,7 +407,14 @@ def record_in_job_index(
 
 
 def run(args: argparse.Namespace) -> int:
-    return execute(args, out=sys.stdout, err=sys.stderr, environ=dict(os.environ), python=sys.executable)
+    """`execute` on this process's streams (a closed reader is no error: launch/pipe_out.py); Ctrl-C before
+    or after the job (while it runs, launch/local.py forwards it to the guard) exits 130 without a traceback."""
+    out, err = PipeOut(sys.stdout), PipeOut(sys.stderr)
+    try:
+        return execute(args, out=out, err=err, environ=dict(os.environ), python=sys.executable)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        print("mopd-submit: interrupted", file=err)  # type: ignore[arg-type]
+        return EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ guard (SIGINT: stop now; SIGTERM: checkpoint, then stop), which kills its childr
 ports; if it has not exited `stop_wait_s` after that, its process group is killed, and once it has exited
 any process still carrying the job's id is killed (`kill_leftovers`). The exit code is the
 guard's (a signal becomes 128 + its number; a guard that stopped cleanly on a forwarded signal gives
-128 + that signal's number).
+128 + that signal's number; a job stopped because the reader of its output went away gives 141, 128 + SIGPIPE).
 
 The guard's own output goes to `run_dir/logs/guard.local.log`.
 """
@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from mopd_hpc.launch.env import scrub_slurm_env
+from mopd_hpc.launch.pipe_out import is_broken
 from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan
 from mopd_hpc.launch.rundir import RunDir
 from mopd_hpc.runtime.guard import proctree
@@ -136,7 +137,8 @@ def run_local(
         run_dir: the prepared run directory (0700, token file).
         python: the interpreter that runs the guard (sys.executable at the CLI edge).
         environ: this process's environment (read at the edge).
-        out: where status lines go.
+        out: where status lines go; a `launch.pipe_out.PipeOut` whose reader went away (`| head`) stops
+            the job as a SIGTERM would (checkpoint, teardown) and makes the exit code 141.
         host, job_id: defaults: this host's name, `local-<pid>`.
         gpus: the GPU tokens the guard gets (`launch.local_gpus.local_gpu_tokens`); () runs on CPU.
         lock: the run dir's lock this job holds (runtime/run_lock.py): the guard inherits it, so it lives
@@ -179,8 +181,12 @@ def run_local(
             stop_deadline.append(time.monotonic() + stop_wait_s)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    pipe_stop = False  # the stop was ours: the reader of `out` went away (`| head`)
     try:
         while proc.poll() is None:
+            if is_broken(out) and not forwarded:  # stop as a lost terminal would: checkpoint, teardown
+                pipe_stop = True
+                forward(signal.SIGTERM, None)
             follower.poll()
             progress.poll()  # training progress from run_dir/metrics.jsonl
             if stop_deadline and time.monotonic() > stop_deadline[0]:
@@ -201,6 +207,8 @@ def run_local(
             lock.release()
     follower.poll()
     local_setup.after_local_run(run_dir.root, out, progress, rc, job_id)  # how the job ended
+    if pipe_stop and forwarded[0] == signal.SIGTERM:
+        return 128 + signal.SIGPIPE  # what a shell reports for a writer whose reader went away
     if rc < 0:
         return 128 - rc
     return 128 + forwarded[0] if rc == 0 and forwarded else rc

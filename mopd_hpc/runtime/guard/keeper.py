@@ -94,12 +94,16 @@ def fork_guard(grace_s: float, python: str = sys.executable) -> None:
     keeper = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
+    # Blocked across fork and exec (a signal mask survives execve): a stop signal that comes before the
+    # keeper's handlers exist waits for them instead of killing it (main unblocks once they are set).
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     pid = os.fork()
     if pid:
         try:
             os.execv(python, [python, "-S", os.path.abspath(__file__), str(pid), str(grace_s)])
         except OSError:  # cannot exec an interpreter: be the keeper in this process
             os._exit(main(["keeper", str(pid), str(grace_s)]))
+    # The guard keeps them blocked until its own handlers are set (server.py Guard.start unblocks them).
     _prctl(PR_SET_PDEATHSIG, int(KEEPER_DEATH_SIGNAL))
     if os.getppid() != keeper:  # the keeper died before the line above
         os._exit(EXIT_KEEPER_GONE)
@@ -119,6 +123,7 @@ def main(argv: list[str]) -> int:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by fork_guard until now
     status = 0
     while True:
         try:

@@ -48,7 +48,7 @@ from mopd_hpc.runtime.guard.child_env import (
 )
 from mopd_hpc.runtime.guard.children import ChildSupervisor
 from mopd_hpc.runtime.guard.events import EventLog, events_path
-from mopd_hpc.runtime.guard.keeper import KEEPER_DEATH_SIGNAL
+from mopd_hpc.runtime.guard.keeper import FORWARDED, KEEPER_DEATH_SIGNAL
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
 from mopd_hpc.runtime.ports import (
     LeasePolicy,
@@ -173,6 +173,7 @@ class Guard:
         for signum, checkpoint in ((signal.SIGTERM, True), (CHECKPOINT_SIGNAL, True), (signal.SIGINT, False)):
             loop.add_signal_handler(signum, self._on_signal, signum, checkpoint)
         loop.add_signal_handler(KEEPER_DEATH_SIGNAL, self._on_keeper_death)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked since keeper.fork_guard: now handled
         url_host = cfg.host if cfg.bind in ("0.0.0.0", "::") else cfg.bind
         url = f"http://{'[' + url_host + ']' if ':' in url_host else url_host}:{self.port}"
         record = {"host": cfg.host, "bind": cfg.bind, "port": self.port, "url": url, "pid": _pid()}
