@@ -87,6 +87,16 @@ def test_the_kernel_frees_the_lock_when_its_holder_dies(tmp_path: Path) -> None:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         with pytest.raises(RunDirLockedError, match=rf"in use by job j9 \(host h9, pid {holder.pid} since "):
             acquire(tmp_path, "j10", "h10")
+        render = subprocess.run(  # a submission (here --render) only checks, and is refused the same way
+            [sys.executable, "-m", "mopd_hpc.cli.submit", str(REPO / "configs" / "slurm_het_cpu.yaml"),
+             "--render", str(tmp_path / "job.sbatch"), "--run-dir", str(tmp_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert render.returncode == 2, render.stderr
+        assert (
+            f"mopd-submit: run dir {tmp_path} is in use by job j9 (host h9, pid {holder.pid}" in render.stderr
+        )
+        assert not (tmp_path / "job.sbatch").exists() and not (tmp_path / "plan.json").exists()
         record = holder_of(tmp_path)
         assert record is not None and (record["job_id"], record["host"], record["pid"]) == (
             "j9",

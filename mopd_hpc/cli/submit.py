@@ -241,7 +241,9 @@ def execute(
     lock: RunLock | None = None
     try:
         gpus = _local_gpus(cfg, environ) if cfg.cluster.backend == "local" and not args.render else ()
-        lock = _claim_run_dir(path, runs_here=cfg.cluster.backend == "local" and not args.render)
+        lock = run_lock.claim(  # a local job locks its run dir; a submission checks nobody holds it
+            path, _local_job_id() if runs_here else None, socket.gethostname()
+        )
         choice = resume_choice(path)
         resumed_from = check_resume(path, cfg, choice)
         run_dir = prepare_run_dir(path)
@@ -287,18 +289,10 @@ def execute(
     )
 
 
-def _claim_run_dir(path: Path, runs_here: bool) -> RunLock | None:
-    """Before anything is written into the run dir: a local job takes its lock (runtime/run_lock.py) for its
-    whole life; a Slurm submission or a render only checks that no running job holds it (the job's guards
-    take it when the job starts). Raises RunDirLockedError naming the holder."""
-    if runs_here:
-        from mopd_hpc.launch.local import local_job_id
+def _local_job_id() -> str:
+    from mopd_hpc.launch.local import local_job_id  # lazily: launch.local imports the trainer's setup
 
-        return run_lock.acquire(path, local_job_id(), socket.gethostname())
-    holder = run_lock.holder_of(path)
-    if holder is not None:
-        raise RunDirLockedError(path, holder)
-    return None
+    return local_job_id()
 
 
 def _local_gpus(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[str, ...]:

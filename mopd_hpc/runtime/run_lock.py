@@ -148,6 +148,18 @@ def holder_of(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return None
 
 
+def claim(run_dir: str | os.PathLike[str], job_id: str | None, host: str) -> RunLock | None:
+    """Before anything is written into `run_dir`: with a `job_id` (a job that runs here), `acquire`;
+    without (a Slurm submission or a render: its guards take the lock when the job starts), only check
+    that no running job holds it. Raises RunDirLockedError naming the holder."""
+    if job_id is not None:
+        return acquire(run_dir, job_id, host)
+    holder = holder_of(run_dir)
+    if holder is not None:
+        raise RunDirLockedError(Path(run_dir), holder)
+    return None
+
+
 def _holder_record(root: Path) -> dict[str, Any]:
     deadline = time.monotonic() + _RECORD_WAIT_S
     while not (holder := read_holder(root)) and time.monotonic() < deadline:

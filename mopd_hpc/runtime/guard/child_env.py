@@ -50,6 +50,19 @@ def check_overrides(overrides: Mapping[str, str], reserved: Collection[str] = ID
         raise ChildEnvDeniedError(why)
 
 
+def spawn_refusal(overrides: Mapping[str, str], gpus: list[str] | None) -> tuple[int, str, str] | None:
+    """`(HTTP status, error kind, message)` when a spawn's env overrides are refused (`check_overrides`
+    with CUDA_VISIBLE_DEVICES reserved when `gpus` are given), else None."""
+    reserved = (*IDENTITY_KEYS, *(("CUDA_VISIBLE_DEVICES",) if gpus is not None else ()))
+    try:
+        check_overrides(overrides, reserved)
+    except ChildEnvDeniedError as exc:
+        return 403, "env_denied", str(exc)
+    except ChildEnvError as exc:
+        return 400, "bad_env", str(exc)
+    return None
+
+
 def build_child_env(
     base: Mapping[str, str],
     overrides: Mapping[str, str],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.runtime.guard.api import (
@@ -37,15 +36,10 @@ from mopd_hpc.runtime.guard.api import (
     ShutdownRequest,
     SlotRequest,
     SpawnRequest,
-    describe_validation_error,
+    parse_request,
 )
 from mopd_hpc.runtime.guard.auth import AUTH_HEADER, token_matches
-from mopd_hpc.runtime.guard.child_env import (
-    IDENTITY_KEYS,
-    ChildEnvDeniedError,
-    ChildEnvError,
-    check_overrides,
-)
+from mopd_hpc.runtime.guard.child_env import ChildEnvError, spawn_refusal
 from mopd_hpc.runtime.guard.children import ChildSupervisor
 from mopd_hpc.runtime.guard.events import EventLog, events_path
 from mopd_hpc.runtime.guard.keeper import FORWARDED, KEEPER_DEATH_SIGNAL
@@ -312,7 +306,7 @@ class Guard:
         return web.json_response({"host": self.config.host, "children": children, "ports": ports})
 
     async def _reserve(self, request: web.Request) -> web.Response:
-        req = await _parse(request, ReserveRequest)
+        req = await parse_request(request, ReserveRequest)
         owner = self._owner(req)
         leases = self.leaser.reserve(owner, req.names)
         return web.json_response(
@@ -320,12 +314,12 @@ class Guard:
         )
 
     async def _release(self, request: web.Request) -> web.Response:
-        req = await _parse(request, SlotRequest)
+        req = await parse_request(request, SlotRequest)
         released = self.leaser.release(self._owner(req))
         return web.json_response({"role": req.role, "index": req.index, "released": _ports(released)})
 
     async def _spawn(self, request: web.Request) -> web.Response:
-        req = await _parse(request, SpawnRequest)
+        req = await parse_request(request, SpawnRequest)
         if self._teardown_task is not None:
             return _error(409, "shutting_down", "the guard is shutting down: nothing new is spawned")
         try:
@@ -343,17 +337,12 @@ class Guard:
                 "kill it first",
             )
         owner = self._owner(req)
-        try:  # before any lease or process: a refused env leaves nothing behind
-            check_overrides(
-                req.env, (*IDENTITY_KEYS, *(("CUDA_VISIBLE_DEVICES",) if req.gpus is not None else ()))
-            )
-        except ChildEnvError as exc:
-            denied = isinstance(exc, ChildEnvDeniedError)
-            self.events.emit(
-                "spawn_refused", role=req.role, index=req.index, reason=str(exc), keys=sorted(req.env)
-            )
-            log.warning("guard: spawn of %s/%d refused: %s", req.role, req.index, exc)
-            return _error(403 if denied else 400, "env_denied" if denied else "bad_env", str(exc))
+        refusal = spawn_refusal(req.env, req.gpus)  # before any lease or process: nothing is left behind
+        if refusal is not None:
+            keys = sorted(req.env)
+            self.events.emit("spawn_refused", role=req.role, index=req.index, reason=refusal[2], keys=keys)
+            log.warning("guard: spawn of %s/%d refused: %s", req.role, req.index, refusal[2])
+            return _error(*refusal)
         generation = self.children.next_generation(req.role, req.index)
         leases = self.leaser.reserve(owner, req.ports, generation) if req.ports else {}
         try:
@@ -365,7 +354,7 @@ class Guard:
         return web.json_response(child.to_dict(), status=201)
 
     async def _kill(self, request: web.Request) -> web.Response:
-        req = await _parse(request, KillRequest)
+        req = await parse_request(request, KillRequest)
         owner = self._owner(req)
         child = self.children.latest(req.role, req.index)
         gone = True
@@ -394,7 +383,7 @@ class Guard:
 
     async def _shutdown(self, request: web.Request) -> web.Response:
         body = await request.read()
-        req = await _parse(request, ShutdownRequest) if body.strip() else ShutdownRequest()
+        req = await parse_request(request, ShutdownRequest) if body.strip() else ShutdownRequest()
         self.start_teardown(req.checkpoint)
         return web.json_response({"status": "shutting_down"}, status=202)
 
@@ -412,15 +401,3 @@ def _pid() -> int:
 
 def _ports(leases: list[Any]) -> dict[str, int]:
     return {x.name: x.port for x in leases}
-
-
-async def _parse(request: web.Request, model: type[_M]) -> _M:
-    """Parse the JSON body into `model`; a 400 naming the problem otherwise."""
-    try:
-        data = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise web.HTTPBadRequest(text=f"{model.__name__}: {describe_validation_error(exc)}") from None
