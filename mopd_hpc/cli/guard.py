@@ -3,6 +3,7 @@
     mopd-guard --run-dir DIR --job-id ID [--host H] [--bind 127.0.0.1|auto|ADDR] [--port 0]
                [--token-file FILE] [--kill-wait-s 10] [--checkpoint-wait-s 60]
                [--port-range 20000-65535] [--extra-role NAME=MODULE ...] [--plan PLAN | --autostart]
+               [--keeper | --no-keeper]
 
 With `--plan run_dir/plan.json` (or `--autostart`, the same with the run dir's plan.json) the guard spawns
 its node's children of the job plan and exits when they are done (runtime/guard/autostart.py): 0 when all
@@ -13,6 +14,12 @@ that other nodes reach it.
 The token is read from `--token-file` (mode 0600; default `$MOPD_SECRET_FILE`, else
 `<run-dir>/guard.token`), never from argv or the environment. `--host` defaults to `$SLURMD_NODENAME`.
 The environment is read here, at the edge, and handed to the guard (children inherit it).
+With a plan (every job's guard; `--keeper` for a bare one) the process started forks: the guard runs in
+the child, the parent execs the keeper (runtime/guard/keeper.py: a subreaper that forwards signals, kills
+whatever the guard leaves behind, even after a SIGKILL of the guard, and exits as the guard did);
+`guards/<host>.json` records the guard's own pid.
+The guard takes the run dir's lock (runtime/run_lock.py) before it serves: a guard of another job on the
+same run dir exits 3 naming the job that holds it; a guard of the same job joins.
 Exit codes: 0 clean teardown, 2 bad arguments (or a plan that does not fit this node), 3 the guard could
 not start (token file, port lease), 4 a child of the plan could not be spawned.
 """
@@ -28,13 +35,16 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime import child_env, run_lock
 from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, GuardAuthError, read_token_file
 from mopd_hpc.runtime.guard.autostart import NodeAssignment, assign_node, run_plan, visible_gpus
+from mopd_hpc.runtime.guard.keeper import fork_guard
+from mopd_hpc.runtime.guard.proctree import set_child_subreaper
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig, GuardConfigError
 from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.runtime.ports import DEFAULT_LEASE_RANGE, LeasePolicy, PortLeaseError, read_ephemeral_range
+from mopd_hpc.runtime.run_lock import RunDirLockedError
 from mopd_hpc.runtime.signals import EXIT_GUARD_START_FAILED, EXIT_USAGE
 from mopd_hpc.runtime.topology import TopologyError
 
@@ -78,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--extra-role", action="append", default=[], metavar="NAME=MODULE", help="register another role"
+    )
+    parser.add_argument(
+        "--keeper",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run under a keeper process that kills what the guard leaves behind (default: with a plan)",
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     plan = parser.add_mutually_exclusive_group()
@@ -154,6 +170,22 @@ def run(args: argparse.Namespace) -> int:
     except GuardAuthError as exc:
         print(f"mopd-guard: {exc}", file=sys.stderr)
         return EXIT_GUARD_START_FAILED
+    try:  # one job per run dir: taken (or joined, by a guard of the same job) before anything starts
+        lock = run_lock.acquire(
+            config.run_dir, config.job_id, config.host
+        ).inheritable()  # the keeper keeps it
+    except (RunDirLockedError, OSError) as exc:
+        print(f"mopd-guard: {exc}", file=sys.stderr)
+        return EXIT_GUARD_START_FAILED
+    if lock.unsupported:
+        print(
+            f"mopd-guard: warning: {config.run_dir} is on a file system without flock: no run-dir lock",
+            file=sys.stderr,
+        )
+    if args.keeper if args.keeper is not None else assignment is not None:
+        fork_guard(config.kill_wait_s)  # from here on this is the guard (a subreaper); its parent the keeper
+    else:
+        set_child_subreaper()  # orphans of the children's trees stay the guard's to find (proctree.py)
     return asyncio.run(_serve(config, token, assignment, visible))
 
 

@@ -259,6 +259,8 @@ class Controller:
         if ckpt is None:
             log.info("no checkpoint under %s: starting at step 0", self.run_dir / CHECKPOINT_DIR)
             return 0
+        for line in ckpt.skipped:  # a damaged newer checkpoint: said where the user reads, then passed over
+            print(f"checkpoint skipped: {line}", file=self.out, flush=True)
         self.engine.load_state_dict(ckpt.engine_state)
         self.data.dataset.load_state_dict(ckpt.data_state)
         restore_rng_state(ckpt.rng_state)

@@ -48,7 +48,7 @@ class GuardUnauthorizedError(GuardHTTPError):
 
 
 class GuardForbiddenError(GuardHTTPError):
-    """403: the role is not a registered entry point."""
+    """403: the role is not a registered entry point, or an env key is refused (env_policy.py)."""
 
 
 class GuardBadRequestError(GuardHTTPError, ValueError):
