@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_auth import TOKEN, write_run_dir_token
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.teacher_serve import endpoint_path
@@ -55,7 +56,7 @@ def run(coro):
 
 
 async def call(url: str, method: str, *args, **kwargs):
-    async with TeacherClient(url, timeout_s=60) as client:
+    async with TeacherClient(url, timeout_s=60, token=TOKEN) as client:
         return await getattr(client, method)(*args, **kwargs)
 
 
@@ -64,6 +65,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("teacher")
     model = save_micro_qwen3(root / "teacher", seed=1, vocab_size=VOCAB, initializer_range=0.2)
     run_dir = root / "run"
+    write_run_dir_token(run_dir)  # the standalone server reads the run dir's token file
     env = dict(os.environ) | {
         "MOPD_TEACHER_ID": "t1",
         "MOPD_MODEL_PATH": str(model),

@@ -37,6 +37,7 @@ from aiohttp import web
 from mopd_hpc.engines.batch import BatchError, TokenBatch
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
+from mopd_hpc.runtime.http_auth import auth_headers
 
 log = logging.getLogger("mopd_hpc.teacher")
 
@@ -232,12 +233,20 @@ class TeacherClient:
         url: "http://host:port".
         timeout_s: total time allowed per request, in seconds.
         connect_timeout_s: time allowed to connect, in seconds.
+        token: the job's token, sent with every request (`runtime/http_auth.py`; a job's server answers 401
+            without it); None sends none.
     """
 
     def __init__(
-        self, url: str, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = 10.0
+        self,
+        url: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = 10.0,
+        *,
+        token: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self._headers = auth_headers(token)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
@@ -247,7 +256,7 @@ class TeacherClient:
         return cls(f"http://{endpoint['host']}:{int(endpoint['port'])}", **kwargs)
 
     async def __aenter__(self) -> TeacherClient:
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -267,7 +276,11 @@ class TeacherClient:
             except (aiohttp.ContentTypeError, json.JSONDecodeError):
                 raise TeacherClientError(resp.status, (await resp.text())[:400]) from None
             if resp.status != 200:
-                message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+                body = data if isinstance(data, dict) else {}
+                error = body.get(
+                    "error"
+                )  # the server's {"error": {...}}, or the token check's {"error": str}
+                message = error.get("message", data) if isinstance(error, dict) else body.get("message", data)
                 raise TeacherClientError(resp.status, str(message))
             return data
 

@@ -2,10 +2,12 @@
 
 It leases its own HTTP port (owner `<job>/guard/0`, name `http`), binds it on `--bind`, and writes
 `run_dir/guards/<host>.json` (`host`, `bind`, `port`, `url`, `pid`, `job_id`) atomically once it serves.
-Every endpoint except `GET /health` needs the job's token. It spawns only registered roles, leases named
-ports per (role, index), reports status per (role, index, generation), kills process groups, and on
-SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to `checkpoint_wait_s`, kills what is
-left, releases every lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked).
+Every endpoint except the bare liveness probe `GET /health` needs the job's token (`runtime/http_auth.py`);
+its children get the bind address as MOPD_NODE_ADDR, so their servers listen where the guard does. It spawns
+only registered roles, leases named ports per (role, index), reports status per (role, index, generation),
+kills process groups, and on SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to
+`checkpoint_wait_s`, kills what is left, releases every lease and exits 0 (SIGINT and `POST /shutdown` skip
+the checkpoint wait unless asked).
 Request logs name method, path and status only: never headers, bodies or env values.
 """
 
@@ -37,10 +39,10 @@ from mopd_hpc.runtime.guard.api import (
     SpawnRequest,
     describe_validation_error,
 )
-from mopd_hpc.runtime.guard.auth import AUTH_HEADER, token_matches
 from mopd_hpc.runtime.guard.children import ChildEnvError, ChildSupervisor
 from mopd_hpc.runtime.guard.events import EventLog, events_path
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
+from mopd_hpc.runtime.http_auth import token_middleware
 from mopd_hpc.runtime.ports import (
     LeasePolicy,
     PortInUseError,
@@ -117,11 +119,10 @@ class Guard:
 
     def __init__(self, config: GuardConfig, token: str) -> None:
         self.config = config
-        self._token = token
         self.leaser = PortLeaser(config.lease_policy)
         self.events = EventLog(events_path(config.run_dir, config.host), config.host)
         self.children = ChildSupervisor(
-            config.run_dir, config.host, config.job_id, self.events, config.base_env
+            config.run_dir, config.host, config.job_id, self.events, config.base_env, node_addr=config.bind
         )
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -129,7 +130,8 @@ class Guard:
         self._teardown_task: asyncio.Task[None] | None = None
         #: The signal that started the teardown, if one did (autostart turns it into 128 + signum).
         self.stop_signal: int | None = None
-        self.app = web.Application(middlewares=[self._errors, self._auth])
+        # the token check (runtime/http_auth.py) inside the error middleware, which logs every answer
+        self.app = web.Application(middlewares=[self._errors, token_middleware(token)])
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -234,21 +236,6 @@ class Guard:
             response = _error(500, "internal", f"{type(exc).__name__}: {exc}")
         log.info("%s %s -> %d", request.method, request.path, response.status)
         return response
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path == "/health" and request.method == "GET":
-            return await handler(request)
-        if not token_matches(request.headers.get(AUTH_HEADER), self._token):
-            return web.json_response(
-                {
-                    "error": "unauthorized",
-                    "message": "missing or wrong token (Authorization: Bearer <token>)",
-                },
-                status=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return await handler(request)
 
     # ---- handlers ----------------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
