@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from helpers_auth import AUTH, TOKEN
 from helpers_models import save_micro_qwen3
 from test_rollout_server import PROMPTS, free_port, start_server, stop_server
 
@@ -46,7 +47,7 @@ def without_latency(answer):
 
 
 async def post(url: str, body: dict, binary: bool):
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=AUTH) as session:
         headers = ACCEPT_HEADERS if binary else None
         async with session.post(url + "/generate", json=body, headers=headers) as resp:
             assert resp.status == 200
@@ -89,7 +90,10 @@ def test_client_generate_binary_equals_json_and_the_engine_bitwise(url, model):
     from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine, RowRequest
 
     async def both():
-        async with RolloutClient(url, binary=False) as js, RolloutClient(url) as binary:
+        async with (
+            RolloutClient(url, binary=False, token=TOKEN) as js,
+            RolloutClient(url, token=TOKEN) as binary,
+        ):
             return (
                 await js.generate(PROMPTS, SAMPLING, rids=RIDS),
                 await binary.generate(PROMPTS, SAMPLING, rids=RIDS),

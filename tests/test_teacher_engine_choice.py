@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from helpers_auth import TOKEN
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config import RunConfig
@@ -194,7 +195,7 @@ def test_serve_refuses_megatron_without_cuda_before_listening(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = cli_args(tmp_path, engine="megatron", run_dir=str(tmp_path / "run"), source="models.teachers[0]")
     with pytest.raises(EngineError, match=r"models\.teachers\[0\]\.engine='megatron' needs a CUDA device"):
-        asyncio.run(serve(args, asyncio.Event()))
+        asyncio.run(serve(args, TOKEN, asyncio.Event()))
     assert not endpoint_path(tmp_path / "run", "t").exists()
 
 
@@ -292,6 +293,7 @@ def test_megatron_score_errors(engines, monkeypatch: pytest.MonkeyPatch) -> None
 def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """The HTTP surface over the megatron engine: /score with top_k through the controller's client."""
     from mopd_hpc.engines.serving import start_app
+    from mopd_hpc.engines.teacher_serve import teacher_app
     from mopd_hpc.engines.teacher_server import TeacherClient, TeacherServer
 
     megatron_engine, engine, _ = engines
@@ -301,9 +303,9 @@ def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.
 
     async def go():
         server = TeacherServer(engine, "mt", engine.path, pad_id=pad_token_id(engine))
-        runner, port, stop = await start_app(server.app(), "127.0.0.1", 0, asyncio.Event())
+        runner, port, stop = await start_app(teacher_app(server, TOKEN), "127.0.0.1", 0, asyncio.Event())
         try:
-            async with TeacherClient(f"http://127.0.0.1:{port}", timeout_s=60) as client:
+            async with TeacherClient(f"http://127.0.0.1:{port}", timeout_s=60, token=TOKEN) as client:
                 return await client.score(ROWS, STARTS, top_k=3)
         finally:
             stop.set()

@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from helpers_auth import AUTH, TOKEN, write_run_dir_token
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.teacher_serve import endpoint_path
@@ -57,7 +58,7 @@ def run(coro):
 
 
 async def call(url: str, method: str, *args, binary: bool = True, **kwargs):
-    async with TeacherClient(url, timeout_s=60, binary=binary) as client:
+    async with TeacherClient(url, timeout_s=60, binary=binary, token=TOKEN) as client:
         return await getattr(client, method)(*args, **kwargs)
 
 
@@ -66,6 +67,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("teacher")
     model = save_micro_qwen3(root / "teacher", seed=1, vocab_size=VOCAB, initializer_range=0.2)
     run_dir = root / "run"
+    write_run_dir_token(run_dir)  # the standalone server reads the run dir's token file
     env = dict(os.environ) | {
         "MOPD_TEACHER_ID": "t1",
         "MOPD_MODEL_PATH": str(model),
@@ -144,7 +146,10 @@ def test_binary_transport_equals_json_and_the_engine_bit_for_bit(server):
     from mopd_hpc.engines.torch_engine import TorchScoringEngine
 
     async def both():
-        async with TeacherClient(server["url"], binary=False) as js, TeacherClient(server["url"]) as binary:
+        async with (
+            TeacherClient(server["url"], binary=False, token=TOKEN) as js,
+            TeacherClient(server["url"], token=TOKEN) as binary,
+        ):
             return (
                 await js.score(ROWS, STARTS, top_k=5),
                 await binary.score(ROWS, STARTS, top_k=5),
@@ -226,7 +231,7 @@ def test_malformed_frames_are_400_and_the_server_keeps_serving(server):
     }
 
     async def post_all():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             out = {}
             for name, (body, _) in bad.items():
                 async with session.post(server["url"] + "/score", data=body, headers=FRAME_HEADERS) as resp:

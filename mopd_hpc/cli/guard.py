@@ -9,7 +9,8 @@ With `--plan run_dir/plan.json` (or `--autostart`, the same with the run dir's p
 its node's children of the job plan and exits when they are done (runtime/guard/autostart.py): 0 when all
 exited 0, the first failing child's code otherwise, 0 after USR2/TERM (a requested stop), 130 after SIGINT.
 `--bind auto` listens on this node's address (its host name resolved; 127.0.0.1 on the local backend), so
-that other nodes reach it.
+that other nodes reach it; the guard's children bind the same address (MOPD_NODE_ADDR). Binding every
+interface takes an explicit `--bind 0.0.0.0`.
 
 The token is read from `--token-file` (mode 0600; default `$MOPD_SECRET_FILE`, else
 `<run-dir>/guard.token`), never from argv or the environment. `--host` defaults to `$SLURMD_NODENAME`.
@@ -42,6 +43,7 @@ from mopd_hpc.runtime.guard.keeper import fork_guard
 from mopd_hpc.runtime.guard.proctree import set_child_subreaper
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig, GuardConfigError
+from mopd_hpc.runtime.node_address import LOOPBACK, NodeAddressError, node_address
 from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.runtime.ports import DEFAULT_LEASE_RANGE, LeasePolicy, PortLeaseError, read_ephemeral_range
 from mopd_hpc.runtime.run_lock import RunDirLockedError
@@ -105,18 +107,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_bind(bind: str, host: str, backend: str) -> str:
     """The address to listen on: `bind` as given, or for 'auto' the IPv4 address `host` resolves to
-    (127.0.0.1 on the local backend). Raises ValueError naming the host when it does not resolve."""
+    (127.0.0.1 on the local backend; `runtime/node_address.py`). Raises ValueError naming the host when it
+    does not resolve."""
     if bind != BIND_AUTO:
         return bind
     if backend == "local":
-        return "127.0.0.1"
+        return LOOPBACK
     try:
-        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ValueError(
-            f"--bind auto: host name {host!r} does not resolve ({exc}); pass --bind ADDR"
-        ) from None
-    return str(infos[0][4][0])
+        return node_address(host)
+    except NodeAddressError as exc:
+        raise ValueError(f"--bind auto: {exc}") from None
 
 
 def load_assignment(args: argparse.Namespace, env: dict[str, str]) -> NodeAssignment | None:

@@ -50,6 +50,7 @@ from mopd_hpc.engines.teacher_wire import (
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
 from mopd_hpc.engines.wire import DEFAULT_MAX_BODY_BYTES, WireError
 from mopd_hpc.engines.wire_http import FRAME_HEADERS, accepts_frame, is_frame, read_frame, send_frame
+from mopd_hpc.runtime.http_auth import auth_headers
 
 log = logging.getLogger("mopd_hpc.teacher")
 
@@ -277,6 +278,8 @@ class TeacherClient:
         max_body_bytes: the largest answer frame accepted, in bytes (larger: TeacherClientError).
         keep_buffers: answer buffers kept for reuse once the tensors of an answer are dropped (0: none);
             each is as large as the largest answer.
+        token: the job's token, sent with every request (`runtime/http_auth.py`; a job's server answers 401
+            without it); None sends none.
     """
 
     def __init__(
@@ -288,8 +291,10 @@ class TeacherClient:
         binary: bool = True,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         keep_buffers: int = 1,
+        token: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self._headers = auth_headers(token)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self.binary, self.max_body_bytes = binary, max_body_bytes
         self.buffers = BufferPool(keep=keep_buffers)
@@ -301,7 +306,7 @@ class TeacherClient:
         return cls(f"http://{endpoint['host']}:{int(endpoint['port'])}", **kwargs)
 
     async def __aenter__(self) -> TeacherClient:
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -321,7 +326,11 @@ class TeacherClient:
             except (aiohttp.ContentTypeError, json.JSONDecodeError):
                 raise TeacherClientError(resp.status, (await resp.text())[:400]) from None
             if resp.status != 200:
-                message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+                body = data if isinstance(data, dict) else {}
+                error = body.get(
+                    "error"
+                )  # the server's {"error": {...}}, or the token check's {"error": str}
+                message = error.get("message", data) if isinstance(error, dict) else body.get("message", data)
                 raise TeacherClientError(resp.status, str(message))
             return data
 

@@ -36,7 +36,7 @@ from mopd_hpc.config import ConfigError, RunConfig
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address
+from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address, read_job_token
 from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.runtime.signals import CheckpointRequest
 
@@ -163,6 +163,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
     plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
     check_compatibility(cfg, plan)
     kind = check_actor_engine(cfg, role, environ)
+    token = read_job_token(role)  # the servers' token, read once here (before waiting for them)
     timeout_s = float(environ.get(ENDPOINT_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     endpoints = await wait_for_endpoints(
         role.run_dir, plan.teachers, cfg.rollout.engines.count, role.job_id, timeout_s
@@ -186,6 +187,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
         role.job_id,
         out,
         checkpoint_request=request,
+        token=token,
     )
     outcome = await controller.run()
     log.info("controller ended: %s at step %d", outcome.reason, outcome.step)

@@ -3,7 +3,7 @@
 A guard child (actor, teacher, rollout) learns who it is from the environment the guard gives it
 (the table `runtime/child_env.py`: identity keys, `runtime/plan.py::child_environment`, named ports):
 
-    MOPD_RUN_DIR, MOPD_ROLE, MOPD_INDEX, MOPD_JOB_ID, MOPD_HOST, MOPD_BACKEND,
+    MOPD_RUN_DIR, MOPD_ROLE, MOPD_INDEX, MOPD_JOB_ID, MOPD_HOST, MOPD_NODE_ADDR, MOPD_BACKEND,
     MOPD_RANK, MOPD_WORLD_SIZE, MOPD_PORT_<NAME>, and the device: CUDA_VISIBLE_DEVICES, MOPD_BASE_GPU_ID
 
 `RoleEnv.from_env(environ)` validates them into a frozen record (integers through the topology's reader,
@@ -14,21 +14,27 @@ Relative model paths in a config are relative to the directory `mopd-submit` ran
 working directory is the run directory: `resolve_path` tries, in order, MOPD_SUBMIT_DIR, SLURM_SUBMIT_DIR,
 PWD (the submitter's shell), then the run directory's parent, and keeps the first base under which the
 path exists (`prepare_local_run` writes absolute paths into config.yaml, so local runs never need this).
+
+Addresses (`runtime/node_address.py`): a child's servers and its rendezvous bind `bind_host`, the guard's own
+address (MOPD_NODE_ADDR; without it loopback locally, this node's name resolved on a cluster), never every
+interface unless the guard was told to bind them; endpoint records advertise `advertise_host`. The job's token
+(`read_job_token`) is the run directory's token file, read once by each role.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.records.run_dir import CONFIG_FILE
+from mopd_hpc.records.run_dir import CONFIG_FILE, TOKEN_FILE
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.child_device import ChildDevice
+from mopd_hpc.runtime.guard.auth import GuardAuthError, read_token_file
+from mopd_hpc.runtime.node_address import LOOPBACK, NodeAddressError, is_wildcard, node_address
 from mopd_hpc.runtime.topology_env import TopologyError, read_int
 
 #: Logical key → environment variable (read only here).
@@ -38,6 +44,7 @@ ENV = {
     "index": child_env.INDEX,
     "job_id": child_env.JOB_ID,
     "host": child_env.HOST,
+    "node_addr": child_env.NODE_ADDR,
     "backend": child_env.BACKEND,
     "rank": child_env.RANK,
     "world_size": child_env.WORLD_SIZE,
@@ -59,6 +66,7 @@ class RoleEnv:
         role, index: the child's role and index within the role.
         job_id: the job (Slurm job id, or `local-<pid>`).
         host: this node's name as the guard knows it.
+        node_addr: the address this node's guard binds (MOPD_NODE_ADDR), None when not given.
         backend: "local" or "slurm".
         rank, world_size: rank within the role's group (MOPD_RANK / MOPD_WORLD_SIZE; 0 / 1 if absent).
         ports: named ports leased for this child (`master`, `http`, ...), name → TCP port.
@@ -75,6 +83,7 @@ class RoleEnv:
     world_size: int = 1
     ports: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     device: ChildDevice = field(default_factory=ChildDevice)
+    node_addr: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> RoleEnv:
@@ -124,6 +133,7 @@ class RoleEnv:
             world_size=world,
             ports=MappingProxyType(ports),
             device=device,
+            node_addr=environ.get(ENV["node_addr"]) or None,
         )
 
     def port(self, name: str) -> int:
@@ -137,20 +147,61 @@ class RoleEnv:
 
     @property
     def bind_host(self) -> str:
-        """Where a server of this child listens: loopback locally, every interface on a cluster node."""
-        return "127.0.0.1" if self.backend == "local" else "0.0.0.0"
+        """Where a server of this child listens: the guard's address (MOPD_NODE_ADDR); without it loopback
+        locally and this node's address on a cluster.
+
+        Raises:
+            RoleEnvError: on a cluster without MOPD_NODE_ADDR, MOPD_HOST does not resolve.
+        """
+        if self.node_addr:
+            return self.node_addr
+        if self.backend == "local":
+            return LOOPBACK
+        try:
+            return node_address(self.host)
+        except NodeAddressError as exc:
+            raise RoleEnvError(f"{ENV['host']}={self.host!r}: {exc}") from None
 
     @property
     def advertise_host(self) -> str:
-        """The address others reach this child's servers at (endpoint files carry it)."""
-        return "127.0.0.1" if self.backend == "local" else self.host
+        """The address others reach this child's servers at (endpoint files carry it): `bind_host`, or the
+        node's name when the guard binds every interface."""
+        bind = self.bind_host
+        return self.host if is_wildcard(bind) else bind
+
+    @property
+    def token_file(self) -> Path:
+        """The job's token file: `run_dir/guard.token` (mode 0600)."""
+        return self.run_dir / TOKEN_FILE
 
 
 def master_address(role: RoleEnv) -> str:
-    """The weight-sync rendezvous address: loopback locally, this node's address on a cluster."""
-    if role.backend == "local":
-        return "127.0.0.1"
-    return socket.gethostbyname(role.host)
+    """The address of this child's torch rendezvous (the store binds it and the other ranks connect to it):
+    `role.bind_host`, or this node's resolved address when the guard binds every interface.
+
+    Raises:
+        RoleEnvError: the address is needed from MOPD_HOST, which does not resolve.
+    """
+    bind = role.bind_host
+    if not is_wildcard(bind):
+        return bind
+    try:
+        return node_address(role.host)
+    except NodeAddressError as exc:
+        raise RoleEnvError(f"{ENV['host']}={role.host!r}: {exc}") from None
+
+
+def read_job_token(role: RoleEnv) -> str:
+    """The job's token, from `role.token_file` (read by each role once, at its start).
+
+    Raises:
+        RoleEnvError: the file is missing, empty, or readable by others (the message names the path and mode,
+            never the token).
+    """
+    try:
+        return read_token_file(role.token_file)
+    except GuardAuthError as exc:
+        raise RoleEnvError(f"the job's token: {exc}") from None
 
 
 def cpu_threads(environ: Mapping[str, str], share: int = 1) -> int:

@@ -5,7 +5,9 @@ from the guard-given environment (read once, in `main`; `roles/env.py`) and the 
 config `run_dir/config.yaml`:
 
     model        models.actor.path (the student: the rollout samples from the behavior policy μ = π_θ)
-    port         the named port `http` (MOPD_PORT_HTTP); bind 127.0.0.1 locally, every interface on Slurm
+    port         the named port `http` (MOPD_PORT_HTTP), bound on the guard's address (`RoleEnv.bind_host`:
+                 127.0.0.1 locally, the node's address on Slurm); every route but /health requires the job's
+                 token (read once, in `run`)
     dtype        models.actor.dtype;  device: the child's (`RoleEnv.device`: the plan's GPU, else cpu)
     rows/batch   data.batch_size · data.samples_per_prompt (one step's rollouts decode together)
     seed         run seed + engine index (rows without a sampling_seed)
@@ -35,7 +37,7 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
 from mopd_hpc.records.job_end import stop_on_job_end
 from mopd_hpc.records.run_dir import endpoint_file, rollout_ready_file
-from mopd_hpc.roles.env import RoleEnv, cpu_threads, master_address, start_server_role
+from mopd_hpc.roles.env import RoleEnv, cpu_threads, master_address, read_job_token, start_server_role
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -101,6 +103,7 @@ async def run(role: RoleEnv, args: ServerArgs) -> None:
     """Serve until SIGTERM/SIGINT or the end of the job; the endpoint file is removed on the way out."""
     from mopd_hpc.engines.rollout.hf_server import serve
 
+    token = read_job_token(role)
     stop = asyncio.Event()
     endpoint = endpoint_file(role.run_dir, "rollout", str(role.index))
     endpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +113,7 @@ async def run(role: RoleEnv, args: ServerArgs) -> None:
         asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop)),
     ]
     try:
-        await serve(args, stop)
+        await serve(args, token, stop)
     finally:
         stop.set()
         for task in tasks:

@@ -9,6 +9,7 @@ child_environment`: backend, het group and size, transfer ranks, base GPU). Read
 (tests/test_child_env_names.py) checks that the names appear as string literals in this module only.
 
     identity (guard)   MOPD_ROLE MOPD_INDEX MOPD_GENERATION MOPD_JOB_ID MOPD_RUN_DIR MOPD_HOST
+    address (guard)    MOPD_NODE_ADDR     the address the guard binds (the child's servers and rendezvous too)
     ports (guard)      MOPD_PORT_<NAME>   one per named port lease (`port_env_name`)
     ranks (plan)       MOPD_RANK MOPD_WORLD_SIZE MOPD_LOCAL_RANK MOPD_LOCAL_WORLD_SIZE
     role (plan)        MOPD_TEACHER_ID (teacher), MOPD_ROLLOUT_TP (rollout), MOPD_PLAN_ROLE MOPD_PLAN_INDEX (a
@@ -27,6 +28,10 @@ JOB_ID = "MOPD_JOB_ID"
 RUN_DIR = "MOPD_RUN_DIR"
 HOST = "MOPD_HOST"
 IDENTITY_KEYS: tuple[str, ...] = (ROLE, INDEX, GENERATION, JOB_ID, RUN_DIR, HOST)
+#: The address the guard listens on (`runtime/node_address.py`); set for every child, like the identity.
+NODE_ADDR = "MOPD_NODE_ADDR"
+#: Every key the guard sets for every child besides the named ports.
+GUARD_KEYS: tuple[str, ...] = (*IDENTITY_KEYS, NODE_ADDR)
 
 #: Named port `<name>` reaches a child as `MOPD_PORT_<NAME>` (the guard sets one per lease).
 PORT_PREFIX = "MOPD_PORT_"
@@ -53,6 +58,7 @@ BASE_GPU_ID = "MOPD_BASE_GPU_ID"
 #: Every variable above (the port family by its prefix), in the order of the module docstring.
 CHILD_ENV_NAMES: tuple[str, ...] = (
     *IDENTITY_KEYS,
+    NODE_ADDR,
     PORT_PREFIX,
     RANK,
     WORLD_SIZE,

@@ -33,8 +33,8 @@ PLAN_VERSION = 1
 PLAN_FILE_NAME = PLAN_FILE
 #: Role that stands in for every role of a probe-only plan.
 PROBE_ROLE = "probe"
-#: Keys the guard sets itself for every child (`child_env.IDENTITY_KEYS`); a plan may not set them.
-GUARD_SET_KEYS = frozenset(child_env.IDENTITY_KEYS)
+#: Keys the guard sets itself for every child (`child_env.GUARD_KEYS`); a plan may not set them.
+GUARD_SET_KEYS = frozenset(child_env.GUARD_KEYS)
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PORT_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 

@@ -92,6 +92,7 @@ class Controller:
         endpoints: the servers. sync: the weight-sync rendezvous.
         run_dir: the run directory. job_id: this job (for the end-of-job marker).
         out: progress output. checkpoint_request: the installed SIGUSR2 handler (None: not honoured).
+        token: the job's token, sent by the teacher and rollout clients (None: the servers take none).
     """
 
     def __init__(
@@ -107,10 +108,12 @@ class Controller:
         job_id: str,
         out: TextIO,
         checkpoint_request: CheckpointRequest | None = None,
+        token: str | None = None,
     ) -> None:
         self.cfg, self.plan, self.engine, self.tokenizer, self.data = cfg, plan, engine, tokenizer, data
         self.endpoints, self.sync, self.run_dir, self.job_id, self.out = endpoints, sync, run_dir, job_id, out
         self.checkpoint_request = checkpoint_request
+        self._token = token
         self.routes = tuple(cfg.data.routes_used)
         self.route_weights = {r: dict(cfg.routes[r]) for r in self.routes}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -129,8 +132,10 @@ class Controller:
         """Resume or start, run the remaining steps, evaluate and save at the end (module docstring)."""
         start = self._resume()
         metrics = MetricsWriter.open(self.run_dir / METRICS_FILE, resume_step=start)
-        rollout = [RolloutClient(url, timeout_s=600.0) for url in self.endpoints.rollout]
-        teachers = {t: TeacherClient(self.endpoints.teachers[t]) for t in self.plan.teachers}
+        rollout = [RolloutClient(url, token=self._token, timeout_s=600.0) for url in self.endpoints.rollout]
+        teachers = {
+            t: TeacherClient(self.endpoints.teachers[t], token=self._token) for t in self.plan.teachers
+        }
         sync = build_sync(self.cfg, self.engine, self.sync, self.run_dir)
         async with contextlib.AsyncExitStack() as stack:
             for client in [*rollout, *teachers.values()]:

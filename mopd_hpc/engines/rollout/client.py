@@ -4,7 +4,8 @@ Timeouts and retries: every call has a total timeout (`timeout_s`, seconds) and 
 that could not reach the server (connection refused; for GET also reset or timed out) is retried up to
 `retries` times with exponential backoff from `retry_backoff_s`; a 503 answer is retried for the
 idempotent GET endpoints only. A non-2xx answer raises `RolloutServerError` carrying the status and the
-server's message; exhausted retries raise `RolloutUnavailableError`.
+server's message; exhausted retries raise `RolloutUnavailableError`. Every request carries the job's token
+(`token`, as `Authorization: Bearer`; `runtime/http_auth.py`): without it a job's server answers 401.
 
 Binary transport (DESIGN.md §7): with `binary=True` (the default) `generate` and `generate_batch` ask for
 the answer as one frame (`generate_wire.py`), and accept SGLang's JSON from a server that answers JSON
@@ -28,6 +29,7 @@ from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
 from mopd_hpc.engines.wire import DEFAULT_MAX_BODY_BYTES, Frame, WireError
 from mopd_hpc.engines.wire_http import ACCEPT_HEADERS, is_frame, read_frame
+from mopd_hpc.runtime.http_auth import auth_headers
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class RolloutClient:
         self,
         base_url: str,
         *,
+        token: str | None = None,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
         retries: int = 3,
@@ -71,6 +74,7 @@ class RolloutClient:
                 f"retry_backoff_s={retry_backoff_s}: expected positive timeouts and non-negative retries"
             )
         self.base_url = base_url.rstrip("/")
+        self._headers = auth_headers(token)  # the job's token (None: a server outside the job)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self.retries, self.retry_backoff_s = retries, retry_backoff_s
         self.binary, self.max_body_bytes = binary, max_body_bytes
@@ -101,7 +105,7 @@ class RolloutClient:
         when `accept_frame` asked for one and the server answered one. `timeout` replaces the client's for
         this request."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers)
         url = f"{self.base_url}{path}"
         last: BaseException | None = None
         for attempt in range(self.retries + 1):

@@ -1,11 +1,14 @@
 """The HF rollout server: SGLang 0.5.23's HTTP surface for RL over a transformers model (DESIGN.md §5).
 
 Run:  python -m mopd_hpc.engines.rollout.hf_server --model PATH --host 127.0.0.1 --port N
-      [--device cpu|cuda] [--dtype auto|float32|bfloat16|float16] [--ready-file PATH]
+      [--device cpu|cuda] [--dtype auto|float32|bfloat16|float16] [--ready-file PATH] [--token-file PATH]
 
 The port comes from `--port` or, under the guard, from the named port in env `MOPD_PORT_HTTP`. When the
 server listens it writes the ready file (atomically; JSON {url, host, port, pid, model_path}) and logs
-"rollout server ready". Endpoints (shapes: ../shared/reference/algo_awex.md §3.2):
+"rollout server ready". Every endpoint but the bare liveness probe `GET /health` requires the token
+(`Authorization: Bearer`, `runtime/http_auth.py`): a job's rollout child passes the job's; `main` reads
+`--token-file` (created with a new token when missing; none given: a new file in a private temporary
+directory) and logs its path. Endpoints (shapes: ../shared/reference/algo_awex.md §3.2):
 
   GET  /health /health_generate      200 once the model is loaded (empty body)
   GET  /model_info /get_model_info   model_path, weight_version, architectures, ...
@@ -39,6 +42,7 @@ from mopd_hpc.engines.rollout.control import MEMORY_TAGS
 from mopd_hpc.engines.rollout.http_app import RolloutServer
 from mopd_hpc.engines.rollout.server_args import ServerArgs
 from mopd_hpc.engines.serving import start_app
+from mopd_hpc.runtime.http_auth import protect, standalone_token
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -56,16 +60,20 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def rollout_app(server: RolloutServer, *, awex_factory: AwexFactory | None = None) -> web.Application:
-    """The server's aiohttp app: SGLang's surface (`RolloutServer.app`) plus the AWEX reader's routes
-    (`awex_routes.add_awex_routes`; `awex_factory` None = awex_hf's engine, tests pass a fake)."""
+def rollout_app(
+    server: RolloutServer, token: str, *, awex_factory: AwexFactory | None = None
+) -> web.Application:
+    """The server's aiohttp app as it is served: SGLang's surface (`RolloutServer.app`) plus the AWEX reader's
+    routes (`awex_routes.add_awex_routes`; `awex_factory` None = awex_hf's engine, tests pass a fake), behind
+    `token` (`http_auth.protect`)."""
     app = server.app()
     add_awex_routes(app, server.engine, factory=awex_factory)
-    return app
+    return protect(app, token)
 
 
-async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
-    """Load the model, listen, write the ready file, and serve until `stop` is set (or SIGTERM/SIGINT)."""
+async def serve(args: ServerArgs, token: str, stop: asyncio.Event | None = None) -> None:
+    """Load the model, listen (every route but the liveness probe requires `token`), write the ready file,
+    and serve until `stop` is set (or SIGTERM/SIGINT)."""
     import torch
 
     from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
@@ -75,7 +83,7 @@ async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
     engine = await asyncio.to_thread(HFRolloutEngine.load, args.model_path, args.device, args.dtype)
     server = RolloutServer(args, engine, await asyncio.to_thread(_load_tokenizer, args.model_path))
     server.scheduler.start()
-    runner, port, stop = await start_app(rollout_app(server), args.host, args.port, stop)
+    runner, port, stop = await start_app(rollout_app(server, token), args.host, args.port, stop)
     url = f"http://{args.host}:{port}"
     if args.ready_file:
         ready = {
@@ -111,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     args = ServerArgs.from_argv(argv, environ)
-    asyncio.run(serve(args))
+    token, token_file = standalone_token(args.token_file, None)
+    log.info("rollout server token file: %s", token_file)
+    asyncio.run(serve(args, token))
     return 0
 
 

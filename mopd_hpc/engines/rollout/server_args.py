@@ -27,7 +27,10 @@ ENV = {
 
 @dataclass(frozen=True, slots=True)
 class ServerArgs:
-    """Command line of the server, resolved. Build with `ServerArgs.from_argv(argv, environ)`."""
+    """Command line of the server, resolved. Build with `ServerArgs.from_argv(argv, environ)`.
+
+    `token_file` is the path of the standalone server's token (`main` reads it; never the token itself: the
+    record is shown by /server_info)."""
 
     model_path: str
     host: str
@@ -39,6 +42,7 @@ class ServerArgs:
     ready_file: str | None = None
     num_threads: int | None = None
     weight_sync_timeout_s: float = 600.0
+    token_file: str | None = None
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None, environ: Mapping[str, str]) -> ServerArgs:
@@ -66,6 +70,12 @@ class ServerArgs:
         )
         p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         p.add_argument("--weight-sync-timeout-s", type=float, default=600.0, help="collective timeout, s")
+        p.add_argument(
+            "--token-file",
+            default=None,
+            help="0600 file of the token every route but /health requires (created when missing; "
+            "default: a new one in a private temporary directory)",
+        )
         ns = p.parse_args(argv)
         model_path = ns.model_path or environ.get(ENV["model_path"])
         if not model_path:

@@ -126,10 +126,19 @@ class ChildSupervisor:
     (the parent-death signal is tied to the forking thread, which must live as long as the guard)."""
 
     def __init__(
-        self, run_dir: Path, host: str, job_id: str, events: EventLog, base_env: Mapping[str, str]
+        self,
+        run_dir: Path,
+        host: str,
+        job_id: str,
+        events: EventLog,
+        base_env: Mapping[str, str],
+        node_addr: str = "127.0.0.1",
     ) -> None:
+        """`node_addr`: the address the guard listens on; each child gets it as MOPD_NODE_ADDR (and binds
+        it)."""
         self.run_dir = Path(run_dir)
         self.host = host
+        self.node_addr = node_addr
         self.job_id = job_id
         self.events = events
         self.base_env = dict(base_env)
@@ -172,6 +181,7 @@ class ChildSupervisor:
             child_env.JOB_ID: self.job_id,
             child_env.RUN_DIR: str(self.run_dir),
             child_env.HOST: self.host,
+            child_env.NODE_ADDR: self.node_addr,
         }
         env = build_child_env(self.base_env, env_overrides, identity, gpus, ports)
         out_path, err_path = child_log_paths(self.run_dir, self.host, role, index, generation)

@@ -2,13 +2,14 @@
 
 It leases its own HTTP port (owner `<job>/guard/0`, name `http`), binds it on `--bind`, and writes
 `run_dir/guards/<host>.json` (`host`, `bind`, `port`, `url`, `pid`, `job_id`) atomically once it serves.
-Every endpoint except `GET /health` needs the job's token. It spawns only registered roles (with env
-overrides that pass runtime/guard/env_policy.py: loader and interpreter variables are a 403), leases named
-ports per (role, index), reports status per (role, index, generation), kills process groups, and on
-SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to `checkpoint_wait_s`, kills what is
-left (each child's whole tree: runtime/guard/children.py), releases every lease and exits 0 (SIGINT and
-`POST /shutdown` skip the checkpoint wait unless asked; SIGHUP, its parent-death signal from the keeper,
-SIGKILLs every tree at once).
+Every endpoint except the bare liveness probe `GET /health` needs the job's token (`runtime/http_auth.py`);
+its children get the bind address as MOPD_NODE_ADDR, so their servers listen where the guard does. It spawns
+only registered roles (with env overrides that pass runtime/guard/env_policy.py: loader and interpreter
+variables are a 403), leases named ports per (role, index), reports status per (role, index, generation),
+kills process groups, and on SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to
+`checkpoint_wait_s`, kills what is left (each child's whole tree: runtime/guard/children.py), releases every
+lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked; SIGHUP, its
+parent-death signal from the keeper, SIGKILLs every tree at once).
 Request logs name method, path and status only: never headers, bodies or env values.
 """
 
@@ -39,12 +40,12 @@ from mopd_hpc.runtime.guard.api import (
     SpawnRequest,
     parse_request,
 )
-from mopd_hpc.runtime.guard.auth import AUTH_HEADER, token_matches
 from mopd_hpc.runtime.guard.children import ChildSupervisor
 from mopd_hpc.runtime.guard.events import EventLog, events_path
 from mopd_hpc.runtime.guard.keeper import FORWARDED, KEEPER_DEATH_SIGNAL
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
 from mopd_hpc.runtime.guard.spawn_env import ChildEnvError, spawn_refusal
+from mopd_hpc.runtime.http_auth import token_middleware
 from mopd_hpc.runtime.ports import (
     LeasePolicy,
     PortInUseError,
@@ -121,11 +122,10 @@ class Guard:
 
     def __init__(self, config: GuardConfig, token: str) -> None:
         self.config = config
-        self._token = token
         self.leaser = PortLeaser(config.lease_policy)
         self.events = EventLog(events_path(config.run_dir, config.host), config.host)
         self.children = ChildSupervisor(
-            config.run_dir, config.host, config.job_id, self.events, config.base_env
+            config.run_dir, config.host, config.job_id, self.events, config.base_env, node_addr=config.bind
         )
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -134,7 +134,8 @@ class Guard:
         self._signals_seen: set[int] = set()
         #: The signal that started the teardown, if one did (autostart turns it into 128 + signum).
         self.stop_signal: int | None = None
-        self.app = web.Application(middlewares=[self._errors, self._auth])
+        # the token check (runtime/http_auth.py) inside the error middleware, which logs every answer
+        self.app = web.Application(middlewares=[self._errors, token_middleware(token)])
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -260,21 +261,6 @@ class Guard:
             response = _error(500, "internal", f"{type(exc).__name__}: {exc}")
         log.info("%s %s -> %d", request.method, request.path, response.status)
         return response
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path == "/health" and request.method == "GET":
-            return await handler(request)
-        if not token_matches(request.headers.get(AUTH_HEADER), self._token):
-            return web.json_response(
-                {
-                    "error": "unauthorized",
-                    "message": "missing or wrong token (Authorization: Bearer <token>)",
-                },
-                status=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return await handler(request)
 
     # ---- handlers ----------------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
