@@ -22,6 +22,7 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel, DataParallelError
+from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.torch_engine import TorchTrainEngine
 from mopd_hpc.mopd.targets import TeacherTargets
@@ -89,6 +90,24 @@ def load_record(path: Path) -> TrainBatch:
     )
 
 
+def train_engine(case: dict[str, Any], dp: DataParallel) -> TorchTrainEngine:
+    """The case's engine on CPU; dtype "float64" (for exact comparisons; not a config dtype) is the float32
+    checkpoint cast to float64, built through the constructor."""
+    micro = MicroBatching(case.get("micro_batch_tokens"), case.get("activation_checkpointing", False))
+    optimizer = OptimizerConfig(lr=LR, grad_clip=None)
+    loss = LossConfig(**case["loss"])
+    if case.get("dtype") == "float64":
+        cpu = torch.device("cpu")
+        model = load_causal_lm(case["model"], "float32", cpu).double()
+        return TorchTrainEngine(
+            model, str(case["model"]), cpu, optimizer, loss, data_parallel=dp, micro_batching=micro
+        )
+    return TorchTrainEngine.from_pretrained(
+        case["model"], dtype=case.get("dtype", "float32"), device="cpu", optimizer=optimizer, loss=loss,
+        data_parallel=dp, micro_batching=micro,
+    )  # fmt: skip
+
+
 def run_case(dp: DataParallel, case: dict[str, Any]) -> dict[str, Any]:
     """One train step of rank `dp.rank` on its rows `case["bounds"][rank]` of the recorded batch, with
     `ratio_stats` observed (optional `dtype`, `micro_batch_tokens` and `activation_checkpointing` in the case). Returns the step's statistics, AdamW's exp_avg (= (1 − β1)·g after one step
@@ -96,17 +115,7 @@ def run_case(dp: DataParallel, case: dict[str, Any]) -> dict[str, Any]:
     batch = load_record(Path(case["batch"]))
     start, stop = case["bounds"][dp.rank]
     shard = batch.rows(start, stop)
-    engine = TorchTrainEngine.from_pretrained(
-        case["model"],
-        dtype=case.get("dtype", "float32"),
-        device="cpu",
-        optimizer=OptimizerConfig(lr=LR, grad_clip=None),
-        loss=LossConfig(**case["loss"]),
-        data_parallel=dp,
-        micro_batching=MicroBatching(
-            case.get("micro_batch_tokens"), case.get("activation_checkpointing", False)
-        ),
-    )
+    engine = train_engine(case, dp)
     stats = engine.train_step(
         shard, observe=functools.partial(ratio_stats, batch=shard, loss=engine.loss_config)
     )

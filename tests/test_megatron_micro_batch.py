@@ -18,8 +18,8 @@ from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.micro_batch import MicroBatching
-from mopd_hpc.engines.torch_engine import TorchScoringEngine
 from mopd_hpc.mopd.targets import TeacherTargets
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [2, 4, 6], [3, 5]]
@@ -64,7 +64,7 @@ def make_actor(engine_module: Any, student: Path, monkeypatch, normalizer: str, 
         calls.append("no_sync")
         yield
 
-    hf = TorchScoringEngine.from_pretrained(student, dtype="float64", device="cpu").model.requires_grad_(True)
+    hf = load_causal_lm(student, "float32", torch.device("cpu")).double().requires_grad_(True)
     actor = object.__new__(engine_module.MegatronTrainEngine)
     actor.device, actor.steps = torch.device("cpu"), 0
     actor.loss_config = LossConfig(normalizer=normalizer, correction="mask")

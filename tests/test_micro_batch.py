@@ -4,7 +4,7 @@ On one recorded batch (8 rows of lengths 7, 3, 4, 4, 8, 4, 5, 7 positions, one e
 an off-policy μ, a reference model, GRPO advantages) the engine runs one step with `micro_batch_tokens`
 None (the reference: one micro-batch, rows in order) and with budgets that split it into 1 (sorted), 2 and 5
 micro-batches, for both estimators, both normalizers, with and without an RL term. Asserted in float64 (the
-engines' test dtype): loss, grad norm and gradient (AdamW's first exp_avg = (1 − β1)·g) within 1e-10
+float32 checkpoint cast to float64): loss, grad norm and gradient (AdamW's first exp_avg = (1 − β1)·g) within 1e-10
 relative, every statistic within 1e-6 (they are the losses' float32 outputs); in float32 the gradient within
 1e-6 relative norm. Activation checkpointing changes nothing but memory (float64, 1e-12).
 """

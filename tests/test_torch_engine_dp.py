@@ -164,7 +164,7 @@ def test_an_empty_shard_at_dp1_is_a_zero_loss_step(recorded):
 #: an empty rank (its one stand-in row) beside a rank of 3 micro-batches — ranks with different counts still
 #: meet in exactly one gradient all-reduce, in their last micro-batch's backward.
 MICRO_SPLITS = [(((0, 4), (4, 8)), 16, (2, 2)), (((0, 0), (0, 8)), 16, (1, 3))]
-#: In float64 (the engine's test dtype): a summation order that differs between the runs is the only
+#: In float64 (the float32 checkpoint cast, `helpers_dp.train_engine`): a summation order that differs between the runs is the only
 #: difference left; in float32 the same comparison gives gradients within 5.7e-7 relative, the loss's
 #: cancelling signs amplifying float32 rounding.
 MICRO_RTOL = 1e-10

@@ -15,10 +15,7 @@ from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.mopd.logprobs import Backend, token_logprobs
 
-#: The engines' dtypes by name (`models.*.dtype` offers float32, bfloat16 and float16; float64 is for exact
-#: equivalence tests of the engines themselves).
 DTYPES: Mapping[str, torch.dtype] = {
-    "float64": torch.float64,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mopd_hpc.engines.batch import TrainBatch
+from mopd_hpc.engines.memory_model import ModelShape, default_micro_batch_tokens
 
 if TYPE_CHECKING:
     from mopd_hpc.config.models import ActorConfig
@@ -42,7 +43,8 @@ class MicroBatching:
 
     Attributes:
         tokens: the budget of one micro-batch in positions (rows × padded length, module docstring), ≥ 1;
-            None = the whole shard in one micro-batch.
+            None = on CPU the whole shard in one micro-batch, on CUDA a budget derived at each step from the
+            free GPU memory and the model's shape (`step_budget`).
         activation_checkpointing: recompute each decoder layer's activations in the backward (torch:
             transformers' gradient checkpointing, non-reentrant; megatron: full recompute, uniform, one
             layer per unit).
@@ -65,6 +67,30 @@ class MicroBatching:
     def from_actor(cls, actor: ActorConfig) -> MicroBatching:
         """`models.actor.micro_batch_tokens` and `models.actor.activation_checkpointing`."""
         return cls(actor.micro_batch_tokens, actor.activation_checkpointing)
+
+
+def step_budget(
+    micro: MicroBatching,
+    device: torch.device,
+    shape: ModelShape | None,
+    dtype: str,
+    engine: str,
+    still_to_allocate: int = 0,
+) -> int | None:
+    """This step's micro-batch budget: `micro.tokens` when set; else, on CUDA with a known shape,
+    `memory_model.default_micro_batch_tokens` of what the GPU has free now (the driver's free memory plus
+    what this process's caching allocator holds unused) less `still_to_allocate` (state the step will still
+    allocate: gradients, a first step's optimizer moments); else None (the whole shard: CPU, or a model
+    config the estimate cannot read)."""
+    if micro.tokens is not None:
+        return micro.tokens
+    if device.type != "cuda" or shape is None:
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return default_micro_batch_tokens(
+        shape, dtype, engine, free - still_to_allocate, micro.activation_checkpointing
+    )
 
 
 def plan_rows(lengths: Sequence[int], budget: int | None) -> list[list[int]]:

@@ -20,7 +20,9 @@ Micro-batches (`MicroBatching`, `engines/micro_batch.py`): the shard's rows run 
 gradients accumulated before the one clip and AdamW step; every micro-batch's loss is its per-token sum over
 the denominator of the WHOLE step (computed once, all-reduced at DP > 1), so the accumulated gradient is the
 one-batch gradient; statistics combine as sums and token-weighted means. Under DDP all but the last
-micro-batch run in `no_sync()` (one gradient all-reduce per step). `activation_checkpointing` turns on
+micro-batch run in `no_sync()` (one gradient all-reduce per step). `micro_batch_tokens` null: on CUDA a
+budget derived at each step from the free GPU memory and the model's shape (`micro_batch.step_budget`,
+`memory_model`), on CPU the whole shard. `activation_checkpointing` turns on
 transformers' gradient checkpointing (non-reentrant): each decoder layer's activations are recomputed in the
 backward.
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -58,7 +61,8 @@ from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.hf_model import TOKENIZER_FILES, CausalLMForward, load_causal_lm, resolve_device
 from mopd_hpc.engines.lr_schedule import lr_scheduler
-from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows
+from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, dtype_bytes
+from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.engines.residency import Residency
 from mopd_hpc.engines.torch_scoring import TorchScoringEngine
@@ -70,6 +74,8 @@ from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl_loss
 
 __all__ = ["TorchScoringEngine", "TorchTrainEngine"]
+
+log = logging.getLogger(__name__)
 
 
 def _distributed_module(module: torch.nn.Module, dp: DataParallel, device: torch.device) -> torch.nn.Module:
@@ -107,6 +113,14 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _shape_of(model: torch.nn.Module) -> ModelShape | None:
+    """The memory estimate's shape of a transformers model's config; None when it lacks a key it needs."""
+    try:
+        return ModelShape.from_hf_config(model.config.to_dict())
+    except (MemoryModelError, AttributeError):
+        return None
 
 
 class TorchTrainEngine:
@@ -148,6 +162,10 @@ class TorchTrainEngine:
         self.scheduler = lr_scheduler(self.optimizer, optimizer, total_steps)
         self.residency = Residency(model, device, self.optimizer)
         self.steps = 0
+        #: The shape and dtype the default CUDA micro-batch budget is estimated from (None: not a shape the
+        #: estimate reads; the whole shard then runs in one micro-batch).
+        self.shape = _shape_of(model)
+        self.dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
 
     @classmethod
     def from_pretrained(
@@ -312,7 +330,7 @@ class TorchTrainEngine:
         dp.all_reduce_sum(counts)
         denominator, tokens = counts[0], float(counts[1])
         empty = batch.batch_size == 0
-        parts = [None] if empty else split_rows(batch, self.micro_batching.tokens)
+        parts = [None] if empty else split_rows(batch, self._budget())
         full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         combined = StepStats()
         self.optimizer.zero_grad(set_to_none=True)
@@ -355,6 +373,19 @@ class TorchTrainEngine:
             "micro_batches": float(len(parts)),
         }
         return out
+
+    def _budget(self) -> int | None:
+        """This step's micro-batch budget (`step_budget`): gradients are allocated anew each step, the AdamW
+        moments at the first."""
+        if self.micro_batching.tokens is not None or self.device.type != "cuda" or self.shape is None:
+            return self.micro_batching.tokens
+        params = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"])
+        pending = params * dtype_bytes(self.dtype_name) * (1 if self.optimizer.state else 3)
+        budget = step_budget(self.micro_batching, self.device, self.shape, self.dtype_name, "torch", pending)
+        if budget is not None and budget != getattr(self, "_last_budget", None):
+            log.info("micro-batch budget of this step: %d positions (from the free GPU memory)", budget)
+            self._last_budget = budget
+        return budget
 
     def state_dict(self) -> dict[str, Any]:
         """{"model": model state_dict, "optimizer": AdamW state_dict, "scheduler": its lr schedule's state,

@@ -22,7 +22,8 @@ budget, each micro-batch's loss its per-token sum over the WHOLE step's denomina
 computed once), its backward accumulating into DDP's fp32 main-grad buffers; all but the last run under the
 DDP's `no_sync()` (the bucket groups' `is_last_microbatch` = False: no grad reduce is started, which matters
 with `overlap_grad_reduce`), and `finalize_model_grads` reduces once. Statistics combine as sums and
-token-weighted means (`StepStats`). `activation_checkpointing`: full recompute of each layer
+token-weighted means (`StepStats`); `micro_batch_tokens` null derives a budget from the free GPU memory
+(`micro_batch.step_budget`). `activation_checkpointing`: full recompute of each layer
 (`model.enable_full_recompute`).
 (`finalize_model_grads` = DDP's finish_grad_sync plus the tensor-parallel all-reduce of replicated
 weights whose gradients differ per TP rank: q/k layernorm, each rank seeing its own heads; with only
@@ -47,7 +48,8 @@ from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
-from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, split_rows
+from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
+from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, split_rows, step_budget
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.mopd.loss import mopd_loss
 from mopd_hpc.mopd.normalize import loss_denominator
@@ -211,6 +213,10 @@ class MegatronTrainEngine:
         self.forward = MegatronForward(self.ddp, device)
         self.residency = DDPResidency(self.ddp, self.optimizer, device)
         self.steps = 0
+        try:  # what the default micro-batch budget is estimated from (None: the whole batch in one)
+            self.memory_shape: ModelShape | None = ModelShape.from_hf_config(hf_config)
+        except MemoryModelError:
+            self.memory_shape = None
 
     def _require_resident(self, what: str) -> None:
         if not self.residency.on_device:
@@ -254,7 +260,7 @@ class MegatronTrainEngine:
         batch = batch.to(self.device)
         mask = batch.tokens.response_mask
         denominator = loss_denominator(mask, self.loss_config.normalizer)  # the whole step's, once
-        parts = [None] if batch.batch_size == 0 else split_rows(batch, self.micro_batching.tokens)
+        parts = [None] if batch.batch_size == 0 else split_rows(batch, self._budget())
         full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         combined = StepStats()
         for i, part in enumerate(parts):
@@ -287,6 +293,16 @@ class MegatronTrainEngine:
                 "tokens": float(mask.sum()),
                 "micro_batches": float(len(parts)),
             }
+        )
+
+    def _budget(self) -> int | None:
+        """This step's micro-batch budget (`micro_batch.step_budget`; the grad buffers exist already, Adam's
+        moments are allocated at the first step)."""
+        if self.micro_batching.tokens is not None or self.device.type != "cuda" or self.memory_shape is None:
+            return self.micro_batching.tokens
+        pending = 0 if self.steps else train_state(self.memory_shape, self.dtype, "megatron").optimizer
+        return step_budget(
+            self.micro_batching, self.device, self.memory_shape, self.dtype, "megatron", pending
         )
 
     def full_mcore_state(self) -> dict[str, torch.Tensor]:
