@@ -52,7 +52,8 @@ class ActorConfig(Section):
         ge=1,
         description="Token budget of one train micro-batch: rows × padded positions (prompt + response) per "
         "forward/backward, gradients accumulated over the step's micro-batches (the loss is normalized over "
-        "the whole step); null = each rank's whole shard in one micro-batch.",
+        "the whole step); null = on CPU each rank's whole shard in one micro-batch, on a GPU a budget derived "
+        "at each step from the free GPU memory and the model's shape.",
     )
     activation_checkpointing: bool = Field(
         False,
