@@ -95,7 +95,9 @@ def test_state_loss_and_default_budget_arithmetic() -> None:
     assert budget == int(0.5 * 100 * 2**30) // one
     assert micro_batch_bytes(shape, "bfloat16", "megatron", budget, budget) <= 50 * 2**30
     assert default_micro_batch_tokens(shape, "bfloat16", "megatron", -5) == 1
-    with pytest.raises(MemoryModelError, match="config.json num_attention_heads=None: expected a positive int"):
+    with pytest.raises(
+        MemoryModelError, match="config.json num_attention_heads=None: expected a positive int"
+    ):
         ModelShape.from_hf_config({"hidden_size": 8})
     with pytest.raises(MemoryModelError, match="engine 'jax'"):
         train_state(shape, "bfloat16", "jax")
