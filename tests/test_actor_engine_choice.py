@@ -8,6 +8,7 @@ tests/test_megatron_convert.py, tests/test_awex_hf_gpu.py on the H200).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ from mopd_hpc.config import LossConfig, RunConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.torch_engine import TorchScoringEngine, TorchTrainEngine
 from mopd_hpc.mopd.targets import TeacherTargets
@@ -303,7 +305,10 @@ def stand_in_actor(megatron_engine: Any, student: Path, monkeypatch: pytest.Monk
     hf = TorchScoringEngine.from_pretrained(student, dtype="float32", device="cpu").model.requires_grad_(True)
     actor = object.__new__(megatron_engine.MegatronTrainEngine)
     actor.device, actor.loss_config, actor.steps = torch.device("cpu"), LossConfig(), 0
-    actor.ddp = SimpleNamespace(train=lambda: None, zero_grad_buffer=lambda: None)
+    actor.ddp = SimpleNamespace(
+        train=lambda: None, zero_grad_buffer=lambda: None, no_sync=contextlib.nullcontext
+    )
+    actor.micro_batching = MicroBatching()
     actor.optimizer = SimpleNamespace(
         zero_grad=lambda: None, step=lambda: (True, 0.5, None), param_groups=[{"lr": 1e-5}]
     )

@@ -47,6 +47,19 @@ class ActorConfig(Section):
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size, in GPUs (within one node).")
     pipeline_parallel: int = Field(1, ge=1, description="Pipeline-parallel size, in stages (megatron only).")
     optimizer: OptimizerConfig = Field(description="AdamW settings.")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of one train micro-batch: rows × padded positions (prompt + response) per "
+        "forward/backward, gradients accumulated over the step's micro-batches (the loss is normalized over "
+        "the whole step); null = on CPU each rank's whole shard in one micro-batch, on a GPU a budget derived "
+        "at each step from the free GPU memory and the model's shape.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward instead of keeping them "
+        "(torch: gradient checkpointing; megatron: full recompute, one layer per unit).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ActorConfig:

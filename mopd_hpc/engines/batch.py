@@ -203,6 +203,29 @@ class TokenBatch:
             response_start=self.response_start[start:stop],
         )
 
+    def select(self, index: torch.Tensor, length: int, width: int) -> TokenBatch:
+        """Rows `index` ([b] int64, on this batch's device) cut to their first `length` positions and
+        `width` response positions: a micro-batch without the padding it does not need. Exact for the
+        right-padded layout when length ≥ every chosen row's prompt + response and width ≥ its response
+        (what `engines.micro_batch.split_rows` passes).
+
+        Raises:
+            BatchError: length or width outside [1, L] / [0, T].
+        """
+        if not 1 <= length <= self.input_ids.shape[1] or not 0 <= width <= self.response_width:
+            raise BatchError(
+                f"select(length={length}, width={width}); expected 1 <= length <= {self.input_ids.shape[1]} "
+                f"and 0 <= width <= {self.response_width}"
+            )
+        return replace(
+            self,
+            input_ids=self.input_ids[index, :length],
+            attention_mask=self.attention_mask[index, :length],
+            response_ids=self.response_ids[index, :width],
+            response_mask=self.response_mask[index, :width],
+            response_start=self.response_start[index],
+        )
+
     def pad_response_values(self, rows: Sequence[Sequence[float]], fill: float = 0.0) -> torch.Tensor:
         """Per-response-token values (e.g. μ from the rollout, log π_j from a teacher) as [B, T] float32.
 
@@ -336,6 +359,41 @@ class TrainBatch:
         """Rows [start, stop) of every tensor (same L, T and K): a data-parallel shard. `start == stop` gives
         an empty shard (B = 0), which `TorchTrainEngine.train_step` accepts on a data-parallel rank."""
         return self._map(self.tokens.rows(start, stop), lambda t: t[start:stop])
+
+    def select(self, index: torch.Tensor, length: int, width: int) -> TrainBatch:
+        """Rows `index` of every tensor, positions cut to `length` and response positions to `width`
+        (`TokenBatch.select`): a micro-batch. [B] tensors (weights, A_ORM) keep their one dimension.
+
+        Raises:
+            BatchError: what `TokenBatch.select` raises.
+        """
+        tokens = self.tokens.select(index, length, width)
+
+        def per_token(t: torch.Tensor) -> torch.Tensor:
+            return t[index, :width]
+
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t[index] if t.dim() == 1 else per_token(t)
+
+        targets = self.targets
+        if targets is not None:
+            targets = TeacherTargets(per_token(targets.logp_sum), per_token(targets.weight_sum))
+        return TrainBatch(
+            tokens,
+            per_token(self.behavior_logprobs),
+            targets,
+            MappingProxyType(
+                {
+                    k: TeacherTopK(per_token(v.indices), per_token(v.logprobs))
+                    for k, v in self.teacher_topk.items()
+                }
+            ),
+            MappingProxyType({k: v[index] for k, v in self.teacher_weights.items()}),
+            opt(self.orm_advantages),
+            opt(self.ref_logprobs),
+        )
 
     def stand_in(self) -> TrainBatch:
         """One row shaped like this batch (same T, K, dtypes, device, and the same optional fields) with an

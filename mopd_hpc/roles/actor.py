@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
+from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
@@ -119,6 +120,7 @@ def build_train_engine(cfg: RunConfig, kind: str, device: ChildDevice) -> Any:
             optimizer=actor.optimizer,
             loss=cfg.loss,
             total_steps=cfg.steps,
+            micro_batching=MicroBatching.from_actor(actor),
         )
     try:
         from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
@@ -130,7 +132,9 @@ def build_train_engine(cfg: RunConfig, kind: str, device: ChildDevice) -> Any:
     cuda = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=device.index or 0)
     hf_config = json.loads((Path(actor.path) / "config.json").read_text(encoding="utf-8"))
     model, shape = build_from_hf(actor.path, hf_config, actor.dtype, cuda)
-    return MegatronTrainEngine(model, shape, hf_config, cfg.loss, actor.optimizer, cuda, actor.dtype)
+    return MegatronTrainEngine(
+        model, shape, hf_config, cfg.loss, actor.optimizer, cuda, actor.dtype, MicroBatching.from_actor(actor)
+    )
 
 
 def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:

@@ -49,6 +49,7 @@ from mopd_hpc.runtime.signals import CheckpointRequest
 from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from mopd_hpc.trainer.data_setup import RunData
+from mopd_hpc.trainer.phase_memory import PhaseMemory
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rollout_phase import Rollouts, collect_rollouts
 from mopd_hpc.trainer.step import ratio_stats, step_metrics, train_batch
@@ -120,8 +121,12 @@ class Controller:
         self.gpu = any(g.gpus_per_node > 0 for g in cfg.cluster.groups().values())
         #: Every phase change of the run, in order (for the event log and tests).
         self.transitions: list[Transition] = []
+        #: Peak GPU memory of this child per phase (inactive on CPU), fed by the phase machine's transitions.
+        self.phase_memory = PhaseMemory.of_engine(engine)
         self.machine = PhaseMachine.from_plan(
-            plan, consumers=(ACTOR_CONSUMER,), on_transition=self.transitions.append
+            plan,
+            consumers=(ACTOR_CONSUMER,),
+            on_transition=self.phase_memory.observer(self.transitions.append),
         )
         self.step = 0
         self._saved_step = -1
@@ -183,6 +188,7 @@ class Controller:
         sync: WeightSync,
     ) -> dict[str, Any]:
         timings: dict[str, float] = {}
+        self.phase_memory.start_step()
         try:
             t0 = time.perf_counter()
             draws = self.data.dataset.take(self.cfg.data.batch_size)
@@ -221,6 +227,7 @@ class Controller:
         self.step = step
         values = step_metrics(stats, rollouts, timings, self.cfg.loss, self.routes)
         values["rollout/weight_version"] = _as_number(rollouts.weight_versions[0])
+        values |= self.phase_memory.take()
         return values
 
     async def _teacher_phases(
