@@ -59,9 +59,16 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
-from mopd_hpc.engines.hf_model import TOKENIZER_FILES, CausalLMForward, load_causal_lm, resolve_device
+from mopd_hpc.engines.hf_model import (
+    TOKENIZER_FILES,
+    CausalLMForward,
+    enable_activation_checkpointing,
+    load_causal_lm,
+    memory_shape,
+    resolve_device,
+)
 from mopd_hpc.engines.lr_schedule import lr_scheduler
-from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, dtype_bytes
+from mopd_hpc.engines.memory_model import dtype_bytes
 from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.engines.residency import Residency
@@ -102,25 +109,6 @@ def _distributed_module(module: torch.nn.Module, dp: DataParallel, device: torch
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
     return DistributedDataParallel(module, device_ids=ids, process_group=dp.group, **no_sync)
-
-
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute every decoder layer of a transformers model in the backward, non-reentrant (works under DDP
-    and with inputs that do not require grad): `activation_checkpointing_enable` (transformers >= 5.2x),
-    else `gradient_checkpointing_enable`. Active in train mode only."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _shape_of(model: torch.nn.Module) -> ModelShape | None:
-    """The memory estimate's shape of a transformers model's config; None when it lacks a key it needs."""
-    try:
-        return ModelShape.from_hf_config(model.config.to_dict())
-    except (MemoryModelError, AttributeError):
-        return None
 
 
 class TorchTrainEngine:
@@ -164,7 +152,7 @@ class TorchTrainEngine:
         self.steps = 0
         #: The shape and dtype the default CUDA micro-batch budget is estimated from (None: not a shape the
         #: estimate reads; the whole shard then runs in one micro-batch).
-        self.shape = _shape_of(model)
+        self.shape = memory_shape(model)
         self.dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
 
     @classmethod
