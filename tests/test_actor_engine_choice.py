@@ -120,8 +120,10 @@ def test_megatron_actor_beyond_one_process_names_tensor_parallel(student: Path, 
     ):
         check_actor_engine(config(student), role(tmp_path, world_size=2, environ=gpu), gpu)
     torch_cfg = RunConfig.from_dict(yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text()))
-    with pytest.raises(RoleEnvError, match=r"^actor world size 2: the torch engine trains on one process"):
-        check_actor_engine(torch_cfg, role(tmp_path, world_size=2), {})
+    # torch DP > 1 runs on CPU (the actor group, issue 16); on GPUs it stays refused until it has run there
+    assert check_actor_engine(torch_cfg, role(tmp_path, world_size=2), {}) == "torch"
+    with pytest.raises(RoleEnvError, match=r"^actor world size 2 on GPUs: .*has run on CPU only"):
+        check_actor_engine(torch_cfg, role(tmp_path, world_size=2), gpu)
 
 
 # --- the AWEX environment (set by main, at the edge) ------------------------------------------------------
@@ -382,6 +384,7 @@ def test_controller_onloads_before_checkpoint_evaluation_and_save(
     import io
 
     from mopd_hpc.trainer import controller as controller_module
+    from mopd_hpc.trainer.actor_group import SoloGroup
 
     evaluated: list[Any] = []
     monkeypatch.setattr(
@@ -391,7 +394,7 @@ def test_controller_onloads_before_checkpoint_evaluation_and_save(
     )
     ctrl = object.__new__(controller_module.Controller)  # only what these three phases read
     ctrl.engine, ctrl.run_dir, ctrl.job_id, ctrl.step = OffloadedActor(), tmp_path, "local-1", 2
-    ctrl.out, ctrl.tokenizer = io.StringIO(), None
+    ctrl.out, ctrl.tokenizer, ctrl.group = io.StringIO(), None, SoloGroup()
     sampling = SimpleNamespace(max_new_tokens=4)
     ctrl.cfg = SimpleNamespace(name="one-gpu", rollout=SimpleNamespace(sampling=sampling))
     ctrl.data = SimpleNamespace(dataset=SimpleNamespace(state_dict=lambda: {"position": 3}), eval_prompts={})

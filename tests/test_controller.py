@@ -10,6 +10,7 @@ sampled with the weights of step s-1); the servers stop on the end-of-job marker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import math
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers_auth import write_run_dir_token
+from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
 from helpers_models import build_micro_models
 
@@ -106,10 +107,55 @@ def start_role(
     )
 
 
+async def drive_controller(cfg, run_dir: Path, job_id: str, out: io.StringIO):
+    """The controller with real collaborators, built here as `roles/actor.py` builds them for rank 0 of a
+    one-rank actor: the endpoints waited for, the torch engine, clients of the servers, the torch sync."""
+    from transformers import AutoTokenizer
+
+    from mopd_hpc.engines.rollout.client import RolloutClient
+    from mopd_hpc.engines.teacher_server import TeacherClient
+    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.mopd.plan import ExecutionPlan
+    from mopd_hpc.roles.endpoints import wait_for_endpoints
+    from mopd_hpc.trainer.controller import Controller
+    from mopd_hpc.trainer.data_setup import build_run_data
+    from mopd_hpc.trainer.weight_sync import SyncSettings, TorchSync
+
+    plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
+    endpoints = await wait_for_endpoints(run_dir, plan.teachers, cfg.rollout.engines.count, job_id, 120.0)
+    actor = cfg.models.actor
+    engine = TorchTrainEngine.from_pretrained(
+        actor.path, dtype=actor.dtype, device="cpu", optimizer=actor.optimizer, loss=cfg.loss,
+        total_steps=cfg.steps,
+    )  # fmt: skip
+    async with contextlib.AsyncExitStack() as stack:
+        rollout = [
+            await stack.enter_async_context(RolloutClient(url, token=TOKEN)) for url in endpoints.rollout
+        ]
+        teachers = {
+            t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t], token=TOKEN))
+            for t in plan.teachers
+        }
+        controller = Controller(
+            cfg,
+            plan,
+            engine,
+            AutoTokenizer.from_pretrained(cfg.models.tokenizer.path),
+            build_run_data(cfg),
+            rollout=rollout,
+            teachers=teachers,
+            sync=TorchSync(engine, SyncSettings("127.0.0.1", free_port(), "gloo")),
+            run_dir=run_dir,
+            job_id=job_id,
+            out=out,
+        )
+        outcome = await controller.run()
+    return controller, outcome
+
+
 def run_controller(config: Path, run_dir: Path, job_id: str):
     """Servers as subprocesses, the controller in-process; returns (controller, outcome, exit codes, stdout)."""
-    from mopd_hpc.roles import actor as actor_main
-    from mopd_hpc.roles.env import RoleEnv, load_run
+    from mopd_hpc.roles.env import load_run
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config.read_text())
@@ -121,31 +167,10 @@ def run_controller(config: Path, run_dir: Path, job_id: str):
             procs.append(
                 start_role("mopd_hpc.roles.teacher", run_dir, "teacher", i, job_id, MOPD_TEACHER_ID=teacher)
             )
-    role = RoleEnv.from_env(
-        {
-            "MOPD_RUN_DIR": str(run_dir),
-            "MOPD_ROLE": "actor",
-            "MOPD_INDEX": "0",
-            "MOPD_JOB_ID": job_id,
-            "MOPD_BACKEND": "local",
-            "MOPD_PORT_MASTER": str(free_port()),
-        }
-    )
     out = io.StringIO()
-    captured: dict = {}
-
-    from mopd_hpc.trainer import controller as controller_module
-
-    class Recording(controller_module.Controller):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            captured["controller"] = self
-
-    controller_module.Controller, saved = Recording, controller_module.Controller
     try:
-        rc = asyncio.run(actor_main.run_actor(role, cfg, {"MOPD_ENDPOINT_TIMEOUT_S": "120"}, out))
+        controller, outcome = asyncio.run(drive_controller(cfg, run_dir, job_id, out))
     finally:
-        controller_module.Controller = saved
         codes = []
         for proc in procs:
             try:
@@ -153,7 +178,7 @@ def run_controller(config: Path, run_dir: Path, job_id: str):
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGKILL)
                 codes.append(proc.wait())
-    return captured["controller"], rc, codes, out.getvalue()
+    return controller, outcome, codes, out.getvalue()
 
 
 def assert_metrics(run_dir: Path, steps: int) -> list[dict]:
@@ -175,8 +200,8 @@ def assert_metrics(run_dir: Path, steps: int) -> list[dict]:
 def test_three_steps_with_teachers(micro_models, tmp_path):
     run_dir = tmp_path / "run"
     config = micro_config(micro_models, run_dir, tmp_path / "c.yaml", **{"loss.estimator": "topk"})
-    controller, rc, codes, out = run_controller(config, run_dir, "job-a")
-    assert rc == 0 and codes == [0, 0, 0], out
+    controller, outcome, codes, out = run_controller(config, run_dir, "job-a")
+    assert (outcome.reason, outcome.step) == ("finished", 3) and codes == [0, 0, 0], out
     lines = assert_metrics(run_dir, 3)
     # step s samples with the weights synced after step s-1 (version "0" is the initial sync)
     assert [line["rollout/weight_version"] for line in lines] == [0.0, 1.0, 2.0]
@@ -218,8 +243,8 @@ def test_no_distillation_scores_no_teacher(micro_models, tmp_path):
         "steps": 2,
     }
     config = micro_config(micro_models, run_dir, tmp_path / "c.yaml", **changes)
-    controller, rc, codes, _ = run_controller(config, run_dir, "job-b")
-    assert rc == 0 and codes == [0]  # only the rollout server was started
+    controller, outcome, codes, _ = run_controller(config, run_dir, "job-b")
+    assert outcome.reason == "finished" and codes == [0]  # only the rollout server was started
     assert controller.plan.teachers == () and not controller.plan.requires_teacher_scoring
     assert Phase.TEACHER not in {t.target for t in controller.transitions}
     lines = read_metrics(run_dir / "metrics.jsonl")

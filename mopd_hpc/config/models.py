@@ -46,6 +46,14 @@ class ActorConfig(Section):
     engine: Engine = Field("torch", description="'torch' (transformers, CPU/GPU) or 'megatron' (GPU only).")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size, in GPUs (within one node).")
     pipeline_parallel: int = Field(1, ge=1, description="Pipeline-parallel size, in stages (megatron only).")
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds an actor rank waits in a collective (gradient all-reduce, drain gather, barrier) "
+        "for the other ranks, and the longest rank 0's heartbeat may stand still; a hung rank ends the job "
+        "after this. Rank 0's evaluation and checkpoint saves do not count against it.",
+    )
     optimizer: OptimizerConfig = Field(description="AdamW settings.")
     micro_batch_tokens: int | None = Field(
         None,

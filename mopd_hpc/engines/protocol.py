@@ -10,7 +10,7 @@ Shape legend: B rows, T response positions, K top-k tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -59,16 +59,41 @@ class ScoringEngine(Protocol):
         ...
 
 
+class Resident(Protocol):
+    """Where an engine's weights are: `on_device` False while any of them is offloaded."""
+
+    on_device: bool
+
+
 @runtime_checkable
 class TrainEngine(ScoringEngine, Protocol):
-    """The actor's engine: a scoring engine plus one optimizer step with the bound loss."""
+    """The actor's engine: a scoring engine plus one optimizer step with the bound loss, as the controller
+    and the actor group's ranks call it (trainer/controller.py, trainer/rank_step.py).
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Forward, loss (bound at construction), backward, gradient clipping, optimizer step.
+    Attributes:
+        residency: where the weights are (the controller onloads the engine when `on_device` is False).
+    """
 
+    residency: Resident
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        observe: Callable[[torch.Tensor], Mapping[str, float]] | None = None,
+    ) -> dict[str, float]:
+        """Forward, loss (bound at construction), backward, gradient clipping, optimizer step, on this
+        rank's rows of the step (the loss normalized over the whole step when the engine is data parallel).
+
+        observe: called once with the step's detached [B, T] float32 log π_θ(y_t) before the update (monitoring
+        statistics without a second forward pass); what it returns is merged into the result.
         Returns floats: `loss`, `grad_norm` (before clipping), the loss terms' statistics (`mopd/*`,
         `topk/*`, `grpo/*`) and `tokens`.
         """
+        ...
+
+    def evaluation_model(self) -> torch.nn.Module:
+        """A transformers causal LM with the current weights, for greedy evaluation (the engine's own model
+        or a copy the caller drops after use)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -34,6 +34,14 @@ CAUSE_PATTERNS: tuple[CausePattern, ...] = (
         "address_in_use", "address already in use", _p(r"Address already in use|EADDRINUSE|\[Errno 98\]")
     ),
     CausePattern(
+        "peer_lost",
+        "a peer rank was lost first (connection closed or collective timed out)",
+        _p(
+            r"PeerLostError|Connection closed by peer|Connection reset by peer|gloo.*(?:Timed out|timed out)|"
+            r"rank 0's store is unreachable"
+        ),
+    ),
+    CausePattern(
         "cuda_oom",
         "CUDA out of memory",
         _p(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation"),
@@ -86,6 +94,10 @@ CAUSE_PATTERNS: tuple[CausePattern, ...] = (
         _p(r"\b(?:\w*ConfigError|TopologyError|RuleViolation|ValidationError|CompatibilityError)\b"),
     ),
 )
+#: Causes that are, as a rule, the consequence of another rank's failure: a rank that lost its peer (its
+#: gloo connection closed, a collective timed out waiting, rank 0's store gone) fails AFTER the rank that
+#: died, so the summarizer names the failure that is not one of these first (`logs/failure.py`).
+CONSEQUENCE_KEYS = frozenset({"peer_lost"})
 #: Keys that are not text patterns.
 KILLED_BY_SIGNAL = "killed_by_signal"
 INTERRUPTED = "interrupted"  # SIGINT to the guards (Ctrl-C)

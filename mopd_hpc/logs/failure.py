@@ -1,7 +1,10 @@
 """The first failure of a run: which child failed first in time, why, and on how many ranks the same happened.
 
 Failures cascade (one rank's CUDA OOM becomes every other rank's NCCL timeout), so the earliest failing exit
-wins. A failing exit is a non-zero exit code or a signal that the guard did not cause: exits after the guard's
+wins, unless its cause is a consequence (`causes.CONSEQUENCE_KEYS`: a rank whose gloo peer closed its
+connection, or whose collective timed out, after another rank died): then the earliest failing exit whose
+cause is not one wins (the guards of two nodes stamp exits with two clocks, and a rank can notice its peer's
+death before the peer's guard reports it), and the consequences are its cascade. A failing exit is a non-zero exit code or a signal that the guard did not cause: exits after the guard's
 own `kill` or after Slurm signalled the guard are teardown (`run_events`). Order of evidence:
 
 1. guard events: the earliest failing child exit; its stderr (and stdout) are scanned for the fatal traceback
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.logs.causes import (
+    CONSEQUENCE_KEYS,
     STEP_FAILED,
     UNKNOWN,
     Cause,
@@ -208,9 +212,12 @@ def find_first_failure(
         key=lambda c: (c.exit_ts, c.host, c.role, c.index),
     )
     if failing:
-        first = failing[0]
+        causes = {id(c): classify_child(c, scans_of(c, with_stdout=True)[0]) for c in failing}
+        primary = [c for c in failing if causes[id(c)].key not in CONSEQUENCE_KEYS]
+        first = primary[0] if primary else failing[0]
+        failing = [first, *(c for c in failing if c is not first)]
         first_scans, path = scans_of(first, with_stdout=True)
-        cause = classify_child(first, first_scans)
+        cause = causes[id(first)]
         err_scan = first_scans[0] if first_scans else None
         signature = traceback_signature(err_scan)
         same_on = []
@@ -221,10 +228,7 @@ def find_first_failure(
                 other_scans, _ = scans_of(other, with_stdout=False)
                 if other_scans and traceback_signature(other_scans[0]) == signature:
                     same_on.append(child_label(other))
-        cascade = []
-        for other in failing[1:]:
-            other_scans, _ = scans_of(other, with_stdout=True)
-            cascade.append((child_label(other), classify_child(other, other_scans).key))
+        cascade = [(child_label(other), causes[id(other)].key) for other in failing[1:]]
         tb = err_scan.last_traceback if err_scan is not None else None
         return FirstFailure(
             cause=cause,

@@ -1,45 +1,62 @@
 """The `actor` role entry point the guard runs: `python -m mopd_hpc.roles.actor`.
 
-Rank 0 of the actor is the MOPD controller. In order:
+Every actor child is one rank of the actor group (DESIGN.md §7); rank 0 is the MOPD controller, the other
+ranks follow it (trainer/follower.py). In order, on every rank:
 
 1. read the guard-given environment (once, here: `RoleEnv.from_env`) and the run's resolved config
    `run_dir/config.yaml` (model paths made absolute);
 2. derive the `ExecutionPlan` (which teachers are scored) and check model compatibility before anything
    trains: every scored teacher shares the actor's tokenizer (`mopd.compatibility.check_models`);
-3. wait for the teacher and rollout endpoints (`MOPD_ENDPOINT_TIMEOUT_S`, default 600 s; the error names
-   what is missing);
-4. build the train engine `models.actor.engine` names (the loss section bound once; `build_train_engine`),
-   the tokenizer and the routed data, install the SIGUSR2 checkpoint handler, and run `Controller.run()`.
+3. join the actor group (`roles/actor_group.py`: a one-rank `SoloGroup` at world size 1);
+4. wait for the teacher and rollout endpoints (`MOPD_ENDPOINT_TIMEOUT_S`, default 600 s; the error names
+   what is missing; every rank waits for the same servers, so they build their engines together);
+5. build the train engine `models.actor.engine` names (the loss section bound once, the data-parallel rank
+   of the group; `build_train_engine`), open a client per teacher (every rank scores its own rows);
+6. rank 0: the tokenizer, the routed data, the rollout clients and the weight sync (the `nccl` port), the
+   SIGUSR2 checkpoint handler, then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
+   checkpoint and sends the stop record), then `Follower.run()`.
 
-Engines: torch (transformers; on the child's device `RoleEnv.device`: the GPU the plan gives it, else CPU; one
-process) or megatron (megatron-core on the child's GPU: tensor_parallel 1, world size 1 — a one-rank NCCL
-group, no port). With weight_sync.backend awex, `main` puts the variables awex reads itself into os.environ
-before anything imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master address, DEVICE = the
-child's device index).
+Engines: torch (transformers on the child's device `RoleEnv.device`: the GPU the plan gives it, else CPU;
+DDP over the actor group's gloo world on CPU at world > 1) or megatron (megatron-core on the child's GPU:
+tensor_parallel 1, world size 1 — a one-rank NCCL group, no port). The torch engine on more than one GPU rank
+is refused until it has run on GPUs. With weight_sync.backend awex, `main` puts the variables awex reads
+itself into os.environ before anything imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master
+address, DEVICE = the child's device index).
 
 Exit codes: 0 finished or checkpointed on SIGUSR2; 2 a config or environment error; 3 a model
-compatibility error; 1 anything else (the traceback is in the child's .err log).
+compatibility error; 1 anything else (the traceback is in the child's .err log; a rank that lost its peers
+raises `PeerLostError`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
+from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
+from mopd_hpc.engines.rollout.client import RolloutClient
+from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address, read_job_token
 from mopd_hpc.runtime.child_device import ChildDevice
-from mopd_hpc.runtime.signals import CheckpointRequest
+from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, CheckpointRequest
+from mopd_hpc.trainer.actor_group import Group
+from mopd_hpc.trainer.controller import Controller, RunOutcome
+from mopd_hpc.trainer.follower import Follower
+from mopd_hpc.trainer.rank_step import ShardStep
+from mopd_hpc.trainer.weight_sync import SyncSettings, build_sync
 
 log = logging.getLogger("mopd_hpc.trainer")
 
@@ -48,6 +65,8 @@ EXIT_INCOMPATIBLE = 3
 #: Variables read at the edge besides the guard's (`roles.env.ENV`).
 ENDPOINT_TIMEOUT_ENV = "MOPD_ENDPOINT_TIMEOUT_S"
 THREADS_ENV = "MOPD_ACTOR_THREADS"
+#: Total time allowed per rollout request, seconds.
+ROLLOUT_TIMEOUT_S = 600.0
 
 
 def check_compatibility(cfg: RunConfig, plan: ExecutionPlan) -> None:
@@ -66,16 +85,18 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
     """The engine `models.actor.engine` names, if this child can run it; checked before waiting for servers.
 
     Raises:
-        RoleEnvError: torch with world size > 1; megatron with CUDA_VISIBLE_DEVICES empty (naming
-            models.actor.engine), or at tensor_parallel / pipeline_parallel / world size other than 1
-            (naming models.actor.tensor_parallel, or the field that is not 1).
+        RoleEnvError: torch with world size > 1 on GPUs (not run on GPUs yet: naming the trainer group's
+            fields); megatron with CUDA_VISIBLE_DEVICES empty (naming models.actor.engine), or at
+            tensor_parallel / pipeline_parallel / world size other than 1 (naming models.actor.tensor_parallel,
+            or the field that is not 1).
     """
     actor = cfg.models.actor
     if actor.engine == "torch":
-        if role.world_size > 1:
+        if role.world_size > 1 and environ.get("CUDA_VISIBLE_DEVICES"):
             raise RoleEnvError(
-                f"actor world size {role.world_size}: the torch engine trains on one process; "
-                "use one trainer slot (cluster.<group>.nodes = 1, gpus_per_node <= 1) or engine: megatron"
+                f"actor world size {role.world_size} on GPUs: the torch engine's data parallelism has run on "
+                "CPU only; use one trainer GPU (cluster.<group>.nodes = 1, gpus_per_node = 1), a CPU group "
+                "(gpus_per_node: 0, actor_ranks_per_node), or engine: megatron"
             )
         return "torch"
     if actor.engine != "megatron":
@@ -99,11 +120,13 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
     return "megatron"
 
 
-def build_train_engine(cfg: RunConfig, kind: str, device: ChildDevice) -> Any:
+def build_train_engine(
+    cfg: RunConfig, kind: str, device: ChildDevice, data_parallel: DataParallel | None = None
+) -> Any:
     """The actor's train engine of `kind` (`check_actor_engine`), with the checkpoint loaded, on the child's
-    `device` (`RoleEnv.device`): `TorchTrainEngine` (on `device.torch_name`: cuda:<index>, or cpu) or
-    `MegatronTrainEngine` (after `initialize_parallel(rank=0, world_size=1, tensor_parallel=1,
-    device_index=device.index)`).
+    `device` (`RoleEnv.device`): `TorchTrainEngine` (on `device.torch_name`: cuda:<index>, or cpu;
+    `data_parallel` its rank of the actor group, default one rank) or `MegatronTrainEngine` (after
+    `initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=device.index)`).
 
     Raises:
         RoleEnvError: megatron-core does not import (naming models.actor.engine).
@@ -121,6 +144,7 @@ def build_train_engine(cfg: RunConfig, kind: str, device: ChildDevice) -> Any:
             loss=cfg.loss,
             total_steps=cfg.steps,
             micro_batching=MicroBatching.from_actor(actor),
+            data_parallel=data_parallel or DataParallel.single(),
         )
     try:
         from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
@@ -157,45 +181,96 @@ def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
 
 
 async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], out: TextIO) -> int:
-    """Steps 2-4 of the module docstring; returns the exit code."""
-    from transformers import AutoTokenizer
-
+    """Steps 2-6 of the module docstring; returns the exit code."""
+    from mopd_hpc.roles.actor_group import join_group
     from mopd_hpc.roles.endpoints import DEFAULT_TIMEOUT_S, wait_for_endpoints
-    from mopd_hpc.trainer.controller import Controller, SyncSettings
-    from mopd_hpc.trainer.data_setup import build_run_data
 
     plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
     check_compatibility(cfg, plan)
     kind = check_actor_engine(cfg, role, environ)
     token = read_job_token(role)  # the servers' token, read once here (before waiting for them)
     timeout_s = float(environ.get(ENDPOINT_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
-    endpoints = await wait_for_endpoints(
-        role.run_dir, plan.teachers, cfg.rollout.engines.count, role.job_id, timeout_s
-    )
-    print(f"servers ready: rollout {list(endpoints.rollout)}, teachers {dict(endpoints.teachers)}", file=out)
-    gpu = role.device.is_cuda
-    engine = build_train_engine(cfg, kind, role.device)
+    group = join_group(role, cfg, environ, timeout_s)
+    try:
+        endpoints = await wait_for_endpoints(
+            role.run_dir, plan.teachers, cfg.rollout.engines.count, role.job_id, timeout_s
+        )
+        print(
+            f"servers ready: rollout {list(endpoints.rollout)}, teachers {dict(endpoints.teachers)}", file=out
+        )
+        dp = DataParallel(group.dp_rank, group.dp_size) if group.dp_size > 1 else DataParallel.single()
+        engine = build_train_engine(cfg, kind, role.device, dp)
+        async with contextlib.AsyncExitStack() as stack:
+            teachers = {
+                t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t], token=token))
+                for t in plan.teachers
+            }
+            if role.rank == 0:
+                outcome = await _lead(role, cfg, plan, engine, endpoints.rollout, teachers, group, token, out)
+            else:
+                signal.signal(CHECKPOINT_SIGNAL, signal.SIG_IGN)  # rank 0 decides when to checkpoint
+                shard_step = ShardStep(engine, teachers, plan, cfg.loss, route_weights(cfg), group)
+                outcome = await Follower(engine, shard_step, group, role.run_dir).run()
+    finally:
+        group.close()
+    log.info("actor rank %d ended: %s at step %d", role.rank, outcome.reason, outcome.step)
+    return 0
+
+
+def route_weights(cfg: RunConfig) -> dict[str, dict[str, float]]:
+    """route → {teacher id: w_j} for every route the data uses."""
+    return {r: dict(cfg.routes[r]) for r in cfg.data.routes_used}
+
+
+async def _lead(
+    role: RoleEnv,
+    cfg: RunConfig,
+    plan: ExecutionPlan,
+    engine: Any,
+    rollout_urls: Sequence[str],
+    teachers: Mapping[str, TeacherClient],
+    group: Group,
+    token: str | None,
+    out: TextIO,
+) -> RunOutcome:
+    """Rank 0: the controller with its collaborators (step 6 of the module docstring)."""
+    from transformers import AutoTokenizer
+
+    from mopd_hpc.roles.actor_group import sync_port
+    from mopd_hpc.trainer.data_setup import build_run_data
+
     tokenizer = AutoTokenizer.from_pretrained(cfg.models.tokenizer.path)
     data = build_run_data(cfg)
+    gpu = role.device.is_cuda
+    sync = build_sync(
+        cfg,
+        engine,
+        SyncSettings(master_address(role), sync_port(role), "nccl" if gpu else "gloo"),
+        role.run_dir,
+    )
     request = CheckpointRequest(lambda signum: log.info("signal %d: checkpoint after this step", signum))
     request.install()
-    controller = Controller(
-        cfg,
-        plan,
-        engine,
-        tokenizer,
-        data,
-        endpoints,
-        SyncSettings(master_address(role), role.port("master"), "nccl" if gpu else "gloo"),
-        role.run_dir,
-        role.job_id,
-        out,
-        checkpoint_request=request,
-        token=token,
-    )
-    outcome = await controller.run()
-    log.info("controller ended: %s at step %d", outcome.reason, outcome.step)
-    return 0
+    async with contextlib.AsyncExitStack() as stack:
+        rollout = [
+            await stack.enter_async_context(RolloutClient(url, token=token, timeout_s=ROLLOUT_TIMEOUT_S))
+            for url in rollout_urls
+        ]
+        controller = Controller(
+            cfg,
+            plan,
+            engine,
+            tokenizer,
+            data,
+            rollout=rollout,
+            teachers=teachers,
+            sync=sync,
+            run_dir=role.run_dir,
+            job_id=role.job_id,
+            out=out,
+            group=group,
+            checkpoint_request=request,
+        )
+        return await controller.run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -208,7 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         role = RoleEnv.from_env(environ)
         cfg = load_run(role.run_dir, environ)
-        threads = int(environ[THREADS_ENV]) if environ.get(THREADS_ENV) else cpu_threads(environ)
+        threads = (
+            int(environ[THREADS_ENV])
+            if environ.get(THREADS_ENV)
+            else cpu_threads(environ, share=role.local_world_size)  # the node's actor ranks train together
+        )
     except (RoleEnvError, ConfigError) as exc:
         print(f"actor: {exc}", file=sys.stderr)
         return EXIT_CONFIG

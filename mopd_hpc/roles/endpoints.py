@@ -12,18 +12,26 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from mopd_hpc.records.run_dir import LOGS_DIR, endpoint_file
-from mopd_hpc.trainer.controller import Endpoints
 
 #: Default deadline for every server to be up, in seconds (model loading included).
 DEFAULT_TIMEOUT_S = 600.0
 #: Poll period, seconds.
 POLL_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """Where the servers of the job listen: rollout engine URLs (by index) and teacher URLs (by id)."""
+
+    rollout: tuple[str, ...]
+    teachers: Mapping[str, str]
 
 
 class EndpointTimeoutError(RuntimeError):

@@ -48,6 +48,7 @@ ENV = {
     "backend": child_env.BACKEND,
     "rank": child_env.RANK,
     "world_size": child_env.WORLD_SIZE,
+    "local_world_size": child_env.LOCAL_WORLD_SIZE,
 }
 #: Environment variables naming the directory relative model paths are relative to, in order.
 SUBMIT_DIR_KEYS = ("MOPD_SUBMIT_DIR", "SLURM_SUBMIT_DIR", "PWD")
@@ -69,6 +70,8 @@ class RoleEnv:
         node_addr: the address this node's guard binds (MOPD_NODE_ADDR), None when not given.
         backend: "local" or "slurm".
         rank, world_size: rank within the role's group (MOPD_RANK / MOPD_WORLD_SIZE; 0 / 1 if absent).
+        local_world_size: ranks of the role's group on this node (MOPD_LOCAL_WORLD_SIZE; 1 if absent): the
+            actor ranks that compute at the same time on this node's CPUs.
         ports: named ports leased for this child (`master`, `http`, ...), name → TCP port.
         device: the device it computes on (`ChildDevice`: CUDA index, token, physical id; CPU without GPUs).
     """
@@ -84,6 +87,7 @@ class RoleEnv:
     ports: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     device: ChildDevice = field(default_factory=ChildDevice)
     node_addr: str | None = None
+    local_world_size: int = 1
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> RoleEnv:
@@ -134,6 +138,7 @@ class RoleEnv:
             ports=MappingProxyType(ports),
             device=device,
             node_addr=environ.get(ENV["node_addr"]) or None,
+            local_world_size=max(1, integer("local_world_size", 1)),
         )
 
     def port(self, name: str) -> int:

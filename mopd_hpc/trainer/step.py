@@ -1,14 +1,15 @@
 """TRAIN inputs and the metrics line of one step.
 
-`train_batch` assembles the `TrainBatch` the bound loss reads: tokens, μ (as the rollout gave it), S and W,
-the teachers' top-k and per-row weights (topk estimator), and A_ORM = GRPO group-normalized rewards when a
-loss term needs them (`ExecutionPlan.requires_reward`).
+`shard_batch` assembles the `TrainBatch` the bound loss reads for one data-parallel rank's rows of the step:
+tokens, μ (as the rollout gave it), S and W, the teachers' top-k and per-row weights (topk estimator), and
+A_ORM = GRPO group-normalized rewards of the whole step when a loss term needs them
+(`ExecutionPlan.requires_reward`; `orm_advantages`, on rank 0, before the split).
 
 `step_metrics` maps the engine's statistics onto the metrics contract (`records/metrics_schema.py`):
 loss terms, `mopd/*` diagnostics, reward and accuracy per route, tokens/s and seconds per phase. With the
 `sampled` estimator the `mopd/*` values are the loss's own statistics; with `topk` the reverse KL is the
 top-k loss's, and the importance-ratio and gap statistics are measured on the sampled tokens with the
-student's log-probs just before the step (`ratio_stats`): the topk loss itself applies no ratio.
+student's log-probs just before the step (`ratio_sums` on each rank, summed over the ranks): the topk loss itself applies no ratio.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.batch import TrainBatch
 from mopd_hpc.mopd.grpo import grpo_advantages
 from mopd_hpc.mopd.loss import importance_weights
-from mopd_hpc.mopd.normalize import masked_mean
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.trainer.rollout_phase import Rollouts
+from mopd_hpc.trainer.shards import Shard
+from mopd_hpc.trainer.step_record import ControlRecord
 from mopd_hpc.trainer.teacher_phase import TeacherScores
 
 #: Phase timing keys of the contract, by phase name.
@@ -37,41 +39,63 @@ PHASE_TIME_KEYS = {
 }
 
 
-def train_batch(
-    rollouts: Rollouts, scores: TeacherScores | None, plan: ExecutionPlan, samples_per_prompt: int
-) -> TrainBatch:
-    """The step's `TrainBatch` (module docstring)."""
-    orm = None
-    if plan.requires_reward:
-        orm = grpo_advantages(rollouts.rewards, samples_per_prompt)
+def shard_batch(record: ControlRecord, shard: Shard, scores: TeacherScores | None) -> TrainBatch:
+    """The `TrainBatch` of rows [shard.start, shard.stop) of a step record: tokens and μ of those rows (as the
+    rollout gave them), S and W, the teachers' top-k and per-row weights (topk estimator) from `scores` (the
+    shard's own), and the shard's slice of the step's A_ORM (computed over every row by rank 0)."""
+    tokens = record.tokens(shard.start, shard.stop)
     return TrainBatch.create(
-        rollouts.tokens,
-        rollouts.behavior_logprobs,
+        tokens,
+        record.behavior(tokens, shard.start, shard.stop),
         targets=scores.targets if scores is not None else None,
         teacher_topk=scores.topk if scores is not None else None,
         teacher_weights=scores.weights if scores is not None and scores.topk else None,
-        orm_advantages=orm,
+        orm_advantages=record.orm_advantages(shard.start, shard.stop),
     )
 
 
-def ratio_stats(student_logprobs: torch.Tensor, batch: TrainBatch, loss: LossConfig) -> dict[str, float]:
-    """`mopd/rho_mean`, `mopd/ratio_capped_frac`, `mopd/ratio_masked_frac` of r_t = π_θ(y_t)/μ(y_t) under
-    `loss.correction`, and `mopd/teacher_student_gap` = mean(S/W − log π_θ(y_t)), over response tokens."""
-    mask = batch.tokens.response_mask
+def orm_advantages(
+    rewards: torch.Tensor, plan: ExecutionPlan, samples_per_prompt: int
+) -> torch.Tensor | None:
+    """[B] float32 A_ORM = GRPO group-normalized rewards of the whole step, when a loss term reads them."""
+    return grpo_advantages(rewards, samples_per_prompt) if plan.requires_reward else None
+
+
+#: `ratio_sums` keys → the metric each (sum, count) pair gives.
+RATIO_KEYS = ("mopd/rho_mean", "mopd/ratio_capped_frac", "mopd/ratio_masked_frac", "mopd/teacher_student_gap")
+
+
+def ratio_sums(
+    student_logprobs: torch.Tensor, batch: TrainBatch, loss: LossConfig
+) -> dict[str, tuple[float, float]]:
+    """(sum, count) over response tokens of ρ, capped, masked under `loss.correction` (r_t = π_θ(y_t)/μ(y_t))
+    and of the gap S/W − log π_θ(y_t) (tokens with W > 0): summed over the data-parallel ranks, then divided
+    (`ratio_means`), they are the whole step's `mopd/*` statistics."""
+    mask = batch.tokens.response_mask.cpu()
     lp = torch.where(mask, student_logprobs.float().cpu(), 0.0)
-    mu = torch.where(mask, batch.behavior_logprobs.float(), 0.0)
+    mu = torch.where(mask, batch.behavior_logprobs.float().cpu(), 0.0)
     rho, capped, dropped = importance_weights(lp - mu, mask, loss)
+    count = float(mask.sum())
+
+    def total(values: torch.Tensor, where: torch.Tensor) -> float:
+        return float(torch.where(where, values.detach().float(), 0.0).sum())
+
     out = {
-        "mopd/rho_mean": float(masked_mean(rho, mask)),
-        "mopd/ratio_capped_frac": float(masked_mean(capped, mask)),
-        "mopd/ratio_masked_frac": float(masked_mean(dropped, mask)),
+        "mopd/rho_mean": (total(rho, mask), count),
+        "mopd/ratio_capped_frac": (total(capped, mask), count),
+        "mopd/ratio_masked_frac": (total(dropped, mask), count),
     }
     if batch.targets is not None:
-        s, w = batch.targets.logp_sum, batch.targets.weight_sum
+        s, w = batch.targets.logp_sum.cpu(), batch.targets.weight_sum.cpu()
         ok = mask & (w > 0)
         gap = torch.where(ok, torch.where(ok, s, 0.0) / torch.where(ok, w, 1.0) - lp, 0.0)
-        out["mopd/teacher_student_gap"] = float(masked_mean(gap, ok))
+        out["mopd/teacher_student_gap"] = (total(gap, ok), float(ok.sum()))
     return out
+
+
+def ratio_means(sums: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """sum / count of each `ratio_sums` entry (0 for an empty count, as `masked_mean`)."""
+    return {k: s / max(c, 1.0) for k, (s, c) in sums.items()}
 
 
 def step_metrics(
@@ -83,7 +107,7 @@ def step_metrics(
 ) -> dict[str, Any]:
     """The metrics line's values (without `step` and `ts`).
 
-    stats: `TorchTrainEngine.train_step` output (with `ratio_stats` observed under the topk estimator).
+    stats: `TorchTrainEngine.train_step` output (with `ratio_means` under the topk estimator).
     timings: phase name → seconds (absent phases: 0). routes: every route of the run (a route absent from
     this step's rollouts gets NaN reward/accuracy, written as null).
     """

@@ -1,0 +1,67 @@
+"""A rank > 0 of the actor group: the same step as rank 0 (SPMD), without the step's I/O.
+
+    start record   load the checkpoint rank 0 resumes from (the same directory: step_<N>, not `latest`,
+                   which rank 0 may rewrite later), restore its RNG; barrier
+    step record    `ShardStep.run` on this rank's shard: its own rows' teacher scores straight from the
+                   teacher servers, the drain gather, `train_step` (the gradient all-reduce)
+    stop record    the last barrier; return
+
+Rank 0 decides everything else: when to checkpoint (a follower ignores SIGUSR2; the actor role sets it so),
+when the run ends, the metrics and the checkpoints (the DDP state is replicated: rank 0's copy is every
+rank's). A follower waits for each record as long as rank 0 is alive (trainer/actor_group.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mopd_hpc.engines.protocol import TrainEngine
+from mopd_hpc.trainer.actor_group import ActorGroupError, Group
+from mopd_hpc.trainer.checkpoint import load_checkpoint, restore_rng_state, step_dir_name
+from mopd_hpc.trainer.controller import CHECKPOINT_DIR, RunOutcome
+from mopd_hpc.trainer.rank_step import ShardStep, make_resident
+
+log = logging.getLogger("mopd_hpc.trainer")
+
+
+class Follower:
+    """Runs a rank > 0 of the actor group (module docstring).
+
+    Args:
+        engine: this rank's train engine (the same checkpoint and config as rank 0's).
+        shard_step: its `ShardStep` (teacher clients opened by the caller).
+        group: the actor group, joined as this rank.
+        run_dir: the run directory (checkpoints under run_dir/checkpoints).
+    """
+
+    def __init__(self, engine: TrainEngine, shard_step: ShardStep, group: Group, run_dir: Path) -> None:
+        if group.rank == 0:
+            raise ActorGroupError("actor rank 0 runs the controller, not a follower")
+        self.engine, self.shard_step, self.group, self.run_dir = engine, shard_step, group, Path(run_dir)
+        #: Steps this rank trained, in order (for tests).
+        self.steps: list[int] = []
+
+    async def run(self) -> RunOutcome:
+        """Follow rank 0 until its stop record. Raises PeerLostError when rank 0 or a peer is gone."""
+        start = await self.group.receive()
+        if start.kind != "start":
+            raise ActorGroupError(f"actor rank {self.group.rank}: first control record is {start.kind!r}")
+        if start.step > 0:
+            path = self.run_dir / CHECKPOINT_DIR / step_dir_name(start.step)
+            ckpt = load_checkpoint(path)
+            make_resident(self.engine, "checkpoint load")
+            self.engine.load_state_dict(ckpt.engine_state)
+            restore_rng_state(ckpt.rng_state)
+            log.info("actor rank %d resumed from %s", self.group.rank, path)
+        self.group.barrier(f"after every rank loaded the state of step {start.step}")
+        while True:
+            record = await self.group.receive()
+            if record.kind == "stop":
+                self.group.barrier(f"at the end of the run ({record.reason})")
+                log.info("actor rank %d: %s at step %d", self.group.rank, record.reason, record.step)
+                return RunOutcome(record.reason, record.step, start.step)
+            if record.kind != "step":
+                raise ActorGroupError(f"actor rank {self.group.rank}: unexpected {record.kind!r} record")
+            await self.shard_step.run(record, before_train=lambda: make_resident(self.engine, "train step"))
+            self.steps.append(record.step)

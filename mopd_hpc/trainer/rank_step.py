@@ -1,0 +1,153 @@
+"""The part of one step every rank of the actor group runs (SPMD), on its own shard of the step's rows.
+
+Given the step record rank 0 sent (`trainer/step_record.py`) and this rank's shard (`trainer/shards.py`):
+
+    TEACHER  this rank's rows go to the teacher servers straight from this rank (`score_teachers` on the
+             shard): no rank receives, or re-sends, another rank's top-k targets
+    DRAIN    the answers now live in this rank's tensors only; its receipt (step, rows scored) is gathered
+             at rank 0, which may then release the teachers (the controller's `on_drained`); a barrier
+             keeps every rank from training before that release (on GPU the teachers' memory is the
+             actor's to use)
+    TRAIN    `engine.train_step` on the shard; the engine divides the loss sum by the token count of the
+             whole step (engines/data_parallel.py), so the update is the DP = 1 update; the topk
+             estimator's ratio statistics are summed over the ranks (`step.ratio_sums`)
+
+SYNC and everything else of the step (rollout, metrics, checkpoints) is rank 0's (trainer/controller.py).
+
+Shape legend: b rows of the shard, T response positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mopd_hpc.config.loss import LossConfig
+from mopd_hpc.engines.protocol import TrainEngine
+from mopd_hpc.engines.teacher_server import TeacherClient
+from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.trainer.actor_group import Group, Receipts
+from mopd_hpc.trainer.shards import Shard, shard_rows
+from mopd_hpc.trainer.step import RATIO_KEYS, ratio_means, ratio_sums, shard_batch
+from mopd_hpc.trainer.step_record import ControlRecord
+from mopd_hpc.trainer.teacher_phase import TeacherScores, score_teachers
+
+log = logging.getLogger("mopd_hpc.trainer")
+
+
+def make_resident(engine: TrainEngine, what: str) -> None:
+    """Onload the actor when any of it is offloaded (AWEX colocate releases it after each publish)."""
+    if not engine.residency.on_device:
+        report = engine.onload()
+        log.info("actor onloaded before the %s: %s", what, report.message)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardOutcome:
+    """What one rank's shard step gives: the engine's statistics (global: reduced over the ranks), the
+    shard, and seconds per phase on this rank ("teacher", "drain", "train"; absent phases absent)."""
+
+    stats: Mapping[str, float]
+    shard: Shard
+    timings: Mapping[str, float]
+
+
+class ShardStep:
+    """One rank's TEACHER → DRAIN → TRAIN of a step (module docstring).
+
+    Args:
+        engine: the actor's train engine (its DDP group is the actor group's data-parallel ranks).
+        teachers: teacher id → client of its server, opened by the caller.
+        plan: the run's ExecutionPlan. loss: the loss section (its top-k and correction).
+        route_weights: route → {teacher id: w_j}. group: the actor group.
+    """
+
+    def __init__(
+        self,
+        engine: TrainEngine,
+        teachers: Mapping[str, TeacherClient],
+        plan: ExecutionPlan,
+        loss: LossConfig,
+        route_weights: Mapping[str, Mapping[str, float]],
+        group: Group,
+    ) -> None:
+        self.engine, self.teachers, self.plan, self.loss = engine, teachers, plan, loss
+        self.route_weights, self.group = route_weights, group
+
+    def shard_of(self, record: ControlRecord) -> Shard:
+        """This rank's rows of the step (`shard_rows`, the same on every rank)."""
+        return shard_rows(record.response_lengths, self.group.dp_size)[self.group.dp_rank]
+
+    async def run(
+        self,
+        record: ControlRecord,
+        on_drained: Callable[[Receipts], Awaitable[None]] | None = None,
+        before_train: Callable[[], None] | None = None,
+    ) -> ShardOutcome:
+        """TEACHER, DRAIN, TRAIN of `record` on this rank's shard.
+
+        on_drained: rank 0's release of the teachers, given every rank's receipt (called between the gather
+            and the barrier). before_train: called just before `train_step` (rank 0: onload the actor).
+
+        Raises:
+            TeacherPhaseError / TeacherClientError: a teacher's answer or server failed.
+            PeerLostError: another rank failed during a collective.
+        """
+        shard = self.shard_of(record)
+        timings: dict[str, float] = {}
+        scores = None
+        if self.plan.requires_teacher_scoring:
+            t0 = time.perf_counter()
+            scores = await self.score(record, shard)
+            timings["teacher"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            receipts = self.group.gather_receipts(record.step, shard.rows)
+            if on_drained is not None and receipts is not None:
+                await on_drained(receipts)
+            self.group.barrier(f"after the drain of step {record.step}")
+            timings["drain"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if before_train is not None:
+            before_train()
+        stats = self.train(record, shard, scores)
+        timings["train"] = time.perf_counter() - t0
+        return ShardOutcome(stats, shard, timings)
+
+    async def score(self, record: ControlRecord, shard: Shard) -> TeacherScores:
+        """TEACHER: this rank's rows scored by the teachers of their routes."""
+        lo, hi = shard.start, shard.stop
+        return await score_teachers(
+            self.teachers,
+            record.rows[lo:hi],
+            record.starts[lo:hi],
+            record.tokens(lo, hi),
+            record.routes[lo:hi],
+            self.route_weights,
+            top_k=self.loss.topk if self.plan.estimator == "topk" else None,
+        )
+
+    def train(self, record: ControlRecord, shard: Shard, scores: TeacherScores | None) -> dict[str, float]:
+        """TRAIN: one `train_step` on the shard; the ratio statistics of the topk estimator summed over the
+        data-parallel ranks (every rank takes part in that all-reduce)."""
+        batch = shard_batch(record, shard, scores)
+        seen: dict[str, Any] = {}
+        observe = None
+        if self.plan.estimator == "topk" and self.plan.requires_teacher_scoring:
+            # ρ statistics from the train step's own log π_θ (no second forward pass)
+            def observe(logprobs: torch.Tensor) -> dict[str, float]:
+                seen["sums"] = ratio_sums(logprobs, batch, self.loss)
+                return {}
+
+        stats = dict(self.engine.train_step(batch, observe=observe))
+        self.group.forget_read_records()  # the gradient all-reduce: every rank has read this record
+        if "sums" in seen:
+            sums = seen["sums"]
+            keys = [k for k in RATIO_KEYS if k in sums]
+            flat = self.group.all_reduce_sum([x for k in keys for x in sums[k]])
+            stats |= ratio_means({k: (flat[2 * i], flat[2 * i + 1]) for i, k in enumerate(keys)})
+        return stats

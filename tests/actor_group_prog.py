@@ -1,0 +1,195 @@
+"""One rank of the actor-group protocol tests (`python tests/actor_group_prog.py ...`); it holds no tests.
+
+Every rank joins a real `ActorGroup` (gloo, real TCP store) and runs the real step protocol: rank 0 publishes
+the start record and three step records (and the stop record) and runs its `ShardStep`; the other ranks run
+`Follower`. The engine is a fake with one float64 parameter vector and a real gradient all-reduce (the
+normalizer is the step's global token count, as the torch engine's), and the teachers are fake clients
+that record the rows they are asked for. `run_rank(..., world=1)` runs the same steps on a `SoloGroup` in the
+calling process: the DP = 1 reference.
+
+Scenarios (argv[1]): `steps` (3 steps, the end), `busy` (rank 0 sleeps `--busy-s` between the start and the
+first step: longer than the collective timeout), `rank1_dies` (rank 1 SIGKILLs itself after receiving
+step 2's record), `rank1_hangs` (rank 1 sleeps for an hour instead of step 2), `rank0_dies` (rank 0 exits
+after the start barrier), `rank0_freezes` (rank 0 SIGSTOPs itself there: its heartbeat stops too). Each rank writes
+`<out>/rank<r>.json`: what it trained, asked the teachers, gathered, its final parameter, or its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mopd_hpc.config.loss import LossConfig
+from mopd_hpc.engines.residency import Residency
+from mopd_hpc.engines.teacher_server import ScoreResponse
+from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.trainer.actor_group import ActorGroup, GroupSpec, SoloGroup
+from mopd_hpc.trainer.follower import Follower
+from mopd_hpc.trainer.rank_step import ShardStep
+from mopd_hpc.trainer.step_record import ControlRecord
+
+STEPS = 3
+LR = 0.5
+LOSS = LossConfig(estimator="topk", topk=2)
+PLAN = ExecutionPlan.from_config(LOSS, teachers=("t",))
+ROUTE_WEIGHTS = {"a": {"t": 1.0}, "b": {"t": 0.5}}
+
+
+def step_record(step: int) -> ControlRecord:
+    """Step `step`'s rows: 5 rows of random length (an odd count: the split is uneven)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    rows, starts = [], []
+    for _ in range(5):
+        prompt = int(torch.randint(1, 4, (1,), generator=gen))
+        response = int(torch.randint(1, 7, (1,), generator=gen))
+        rows.append(torch.randint(0, 30, (prompt + response,), generator=gen).tolist())
+        starts.append(prompt)
+    width = max(len(r) - s for r, s in zip(rows, starts, strict=True))
+    mu = -torch.rand((5, width), generator=gen)
+    orm = torch.randn(5, generator=gen)
+    return ControlRecord.from_rows(step, rows, starts, ["a", "b", "a", "b", "a"], mu, orm, pad_id=0)
+
+
+class FakeTeacher:
+    """A teacher client that answers from the token ids and records the rows it is asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    async def score(self, input_ids, response_start, top_k=None) -> ScoreResponse:
+        self.asked += [list(r) for r in input_ids]
+        responses = [row[s:] for row, s in zip(input_ids, response_start, strict=True)]
+        return ScoreResponse(
+            [[-0.05 * (t % 7) for t in r] for r in responses],
+            [[[t % 4, (t + 1) % 4] for t in r] for r in responses],
+            [[[-0.05 * (t % 7), -3.0] for t in r] for r in responses],
+            "0",
+            "fake",
+        )
+
+
+class FakeEngine:
+    """w: [4] float64; per response token y at row b: (w[y mod 4] − target)², target = the teacher's top-1
+    log-prob + 0.01·μ + 0.1·A_ORM[b]; loss = Σ / the step's global token count; SGD with lr LR."""
+
+    def __init__(self, distributed: bool) -> None:
+        self.w = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+        self.distributed = distributed
+        self.residency = Residency(torch.nn.Linear(1, 1), torch.device("cpu"))
+        self.trained: list[list[list[int]]] = []
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+    def train_step(self, batch, observe=None):
+        tokens = batch.tokens
+        self.trained.append(tokens.input_ids.tolist())
+        mask = tokens.response_mask
+        pred = self.w[tokens.response_ids % 4]
+        target = batch.teacher_topk["t"].logprobs[..., 0].double() + 0.01 * batch.behavior_logprobs.double()
+        target = target + 0.1 * batch.orm_advantages.double()[:, None]
+        count = self._sum(mask.sum().double().reshape(1))[0]
+        loss = torch.where(mask, (pred - target) ** 2, 0.0).sum() / count
+        if observe is not None:
+            observe(pred.detach().float())
+        loss.backward()
+        with torch.no_grad():
+            grad = self._sum(self.w.grad.clone())
+            self.w -= LR * grad
+            self.w.grad = None
+        return {"loss": float(self._sum(loss.detach().reshape(1))[0]), "tokens": float(count)}
+
+    def load_state_dict(self, state) -> None:
+        raise AssertionError("no checkpoint in these scenarios")
+
+
+async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 0.0) -> dict:
+    engine = FakeEngine(distributed=world > 1)
+    teacher = FakeTeacher()
+    step = ShardStep(engine, {"t": teacher}, PLAN, LOSS, ROUTE_WEIGHTS, group)
+    out: dict = {"rank": rank}
+    if rank == 0:
+        await group.publish(ControlRecord.start(0))
+        group.barrier("start")
+        if scenario == "rank0_dies":
+            os._exit(3)
+        if scenario == "rank0_freezes":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(busy_s)  # the loop and the heartbeat thread: a long evaluation or checkpoint save
+        stats, receipts = [], []
+
+        async def drained(got):
+            receipts.append(got)
+
+        for s in range(1, STEPS + 1):
+            record = step_record(s)
+            await group.publish(record)
+            outcome = await step.run(record, on_drained=drained)
+            stats.append(dict(outcome.stats))
+        await group.publish(ControlRecord.stop(STEPS, "finished"))
+        group.barrier("end")
+        out |= {"stats": stats, "receipts": receipts}
+    else:
+        follower = Follower(engine, step, group, Path("."))
+        if scenario in ("rank1_dies", "rank1_hangs"):
+            original = step.run
+
+            async def dying(record, **kw):
+                if record.step == 2 and scenario == "rank1_dies":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if record.step == 2:
+                    time.sleep(3600)
+                return await original(record, **kw)
+
+            step.run = dying
+        outcome = await follower.run()
+        out |= {"outcome": [outcome.reason, outcome.step], "steps": follower.steps}
+    out |= {"trained": engine.trained, "asked": teacher.asked, "w": engine.w.detach().tolist()}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--busy-s", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = GroupSpec(args.rank, args.world, args.rank, args.world, "gloo", "cpu", args.timeout_s, 60.0)
+    t0 = time.monotonic()
+    result: dict = {"rank": args.rank}
+    try:
+        group = ActorGroup.join(spec, args.run_dir, "job-1", "127.0.0.1", args.port)
+        try:
+            result = asyncio.run(run_rank(args.scenario, args.rank, args.world, group, args.busy_s))
+        finally:
+            group.close()
+    except Exception as exc:  # the tests read the error and how long it took to come
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["error_after_s"] = time.monotonic() - t0
+    (args.run_dir / f"rank{args.rank}.json").write_text(json.dumps(result))
+    return 1 if "error" in result else 0
+
+
+def reference() -> dict:
+    """The DP = 1 run of the same steps, in this process."""
+    return asyncio.run(run_rank("steps", 0, 1, SoloGroup()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The actor group's step protocol on a real 2-process gloo world (tests/actor_group_prog.py): rendezvous
+through the run directory, the start/step/stop records through rank 0's store, each rank's own shard (its
+rows asked of the teachers by itself, nothing else), the drain receipts gathered at rank 0, the gradient
+all-reduce giving the DP = 1 parameters, the ratio statistics summed over the ranks; a follower outlives a
+rank 0 busier than the collective timeout; a dead rank ends its peer's wait at once with PeerLostError."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import actor_group_prog as prog
+import pytest
+
+from mopd_hpc.trainer.rendezvous import rendezvous_path
+from mopd_hpc.trainer.shards import shard_rows
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(
+    tmp_path: Path, scenario: str, timeout_s: float = 20.0, busy_s: float = 0.0, kill_after_s: float = 0.0
+) -> list[dict]:
+    """Both ranks as subprocesses; with kill_after_s, SIGKILL what is left that long after rank 0 or rank 1
+    wrote its result (a hung or frozen peer)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    procs = []
+    for rank in (1, 0):  # the follower first: it waits for the rendezvous record
+        argv = [
+            sys.executable,
+            str(HERE / "actor_group_prog.py"),
+            scenario,
+            "--rank",
+            str(rank),
+            "--world",
+            "2",
+        ]
+        argv += ["--run-dir", str(tmp_path), "--port", str(port), "--timeout-s", str(timeout_s)]
+        argv += ["--busy-s", str(busy_s)]
+        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
+        procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+    if kill_after_s:
+        assert wait_for_any(tmp_path, 120)
+        time.sleep(kill_after_s)
+        for proc in procs:
+            proc.kill()
+    for proc in procs:
+        proc.wait(timeout=120)
+    out = []
+    for rank in (0, 1):
+        path = tmp_path / f"rank{rank}.json"
+        out.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "missing": True})
+    return out
+
+
+def wait_for_any(tmp_path: Path, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not any((tmp_path / f"rank{r}.json").exists() for r in (0, 1)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_two_ranks_train_their_own_shards_and_match_dp1(tmp_path):
+    r0, r1 = run_world(tmp_path, "steps")
+    assert "error" not in r0 and "error" not in r1, (r0, r1, (tmp_path / "rank0.log").read_text()[-3000:])
+    ref = prog.reference()
+    assert r1["outcome"] == ["finished", 3] and r1["steps"] == [1, 2, 3]
+    for step in range(1, 4):
+        record = prog.step_record(step)
+        shards = shard_rows(record.response_lengths, 2)
+        for rank, result in ((0, r0), (1, r1)):
+            lo, hi = shards[rank].start, shards[rank].stop
+            trained = [
+                row[: len(record.rows[b])]
+                for b, row in zip(range(lo, hi), result["trained"][step - 1], strict=True)
+            ]
+            assert trained == [list(r) for r in record.rows[lo:hi]]  # exactly its own rows
+        assert r0["receipts"][step - 1] == [[0, step, shards[0].rows], [1, step, shards[1].rows]]
+    # each rank asked the teacher for its own rows only, and together for every row once
+    every = [list(r) for s in range(1, 4) for r in prog.step_record(s).rows]
+    assert sorted(r0["asked"] + r1["asked"]) == sorted(every)
+    assert not set(map(tuple, r0["asked"])) & set(map(tuple, r1["asked"]))
+    # the gradient all-reduce over the global token count: the DP = 1 parameters, on both ranks
+    assert r0["w"] == pytest.approx(ref["w"], rel=1e-12, abs=1e-14) and r1["w"] == r0["w"]
+    for got, want in zip(r0["stats"], ref["stats"], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-12)
+        for key in ("mopd/rho_mean", "mopd/ratio_capped_frac", "mopd/teacher_student_gap"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
+    assert not rendezvous_path(tmp_path).exists()  # rank 0 removed its record at the end
+
+
+def test_a_follower_waits_out_a_rank0_busier_than_the_collective_timeout(tmp_path):
+    r0, r1 = run_world(tmp_path, "busy", timeout_s=3.0, busy_s=8.0)
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert r1["outcome"] == ["finished", 3]
+
+
+def test_a_killed_follower_ends_rank0s_collective_at_once(tmp_path):
+    t0 = time.monotonic()
+    r0, r1 = run_world(tmp_path, "rank1_dies", timeout_s=60.0)
+    assert r1.get("missing")  # SIGKILL: it wrote nothing
+    assert r0["error"].startswith("PeerLostError: actor rank 0: the drain gather of step 2 failed")
+    assert time.monotonic() - t0 < 45  # long before the 60 s collective timeout
+
+
+def test_a_dead_rank0_ends_the_followers_wait(tmp_path):
+    r0, r1 = run_world(tmp_path, "rank0_dies", timeout_s=60.0)
+    assert r0.get("missing")
+    assert r1["error"].startswith("PeerLostError: actor rank 1: rank 0's store is unreachable")
+    assert r1["error_after_s"] < 40
+
+
+def test_a_hung_follower_ends_rank0s_collective_after_the_timeout(tmp_path):
+    r0, _ = run_world(tmp_path, "rank1_hangs", timeout_s=4.0, kill_after_s=0.5)
+    assert r0["error"].startswith("PeerLostError: actor rank 0: the drain gather of step 2 failed")
+    assert "Timed out" in r0["error"] or "timed out" in r0["error"]
+
+
+def test_a_frozen_rank0_ends_the_followers_wait_after_the_timeout(tmp_path):
+    # SIGSTOP freezes rank 0's store with it: the store call, bounded by the timeout, gives up
+    _, r1 = run_world(tmp_path, "rank0_freezes", timeout_s=4.0, kill_after_s=0.5)
+    assert r1["error"].startswith("PeerLostError: actor rank 1: rank 0's store did not answer for 4 s")
+    assert r1["error"].endswith("rank 0 is frozen")
