@@ -27,7 +27,7 @@ from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.torch_engine import TorchTrainEngine
 from mopd_hpc.mopd.targets import TeacherTargets
 from mopd_hpc.mopd.topk import TeacherTopK
-from mopd_hpc.trainer.step import ratio_stats
+from mopd_hpc.trainer.step import ratio_means, ratio_sums
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [2, 4, 6], [3, 5], [7], [8, 9, 1, 2]]
@@ -45,6 +45,11 @@ ROUTES = [{"a": 1.0}, {"a": 1.0, "b": 0.5}, {"b": 1.0}, {"a": 0.3, "b": 1.0}] * 
 GROUP_TIMEOUT_S = 60
 ANSWER_TIMEOUT_S = 120
 LR = 1e-3
+
+
+def ratio_stats(student_logprobs, batch, loss):
+    """The shard's importance-ratio statistics as `observe` returns them (trainer/step.py: sums over counts)."""
+    return ratio_means(ratio_sums(student_logprobs, batch, loss))
 
 
 def save_record(path: Path, batch: TrainBatch) -> Path:
