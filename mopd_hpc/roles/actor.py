@@ -4,7 +4,8 @@ Every actor child is one rank of the actor group (DESIGN.md §7); rank 0 is the 
 ranks follow it (trainer/follower.py). In order, on every rank:
 
 1. read the guard-given environment (once, here: `RoleEnv.from_env`) and the run's resolved config
-   `run_dir/config.yaml` (model paths made absolute);
+   `run_dir/config.yaml` (model paths made absolute); torch threads: MOPD_ACTOR_THREADS, else the node's
+   CPU budget split between its actor ranks (MOPD_LOCAL_WORLD_SIZE: they train at the same time);
 2. derive the `ExecutionPlan` (which teachers are scored) and check model compatibility before anything
    trains: every scored teacher shares the actor's tokenizer (`mopd.compatibility.check_models`);
 3. join the actor group (`roles/actor_group.py`: a one-rank `SoloGroup` at world size 1);
