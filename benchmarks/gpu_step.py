@@ -66,6 +66,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
     from mopd_hpc.engines.torch_engine import TorchScoringEngine
     from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender
     from mopd_hpc.mopd.targets import TeacherTargets
+    from mopd_hpc.runtime.http_auth import standalone_token
 
     shape = SHAPES[args.size]
     student, teacher_dir = tmp / "student", tmp / "teacher"
@@ -73,6 +74,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
     make_checkpoint(shape, teacher_dir, seed=1)
     torch.cuda.empty_cache()
     ready = tmp / "ready.json"
+    token, token_file = standalone_token(tmp / "token", None)  # the server requires it on every route
     env = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "1",
@@ -81,7 +83,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
     server = subprocess.Popen(
         [sys.executable, "-m", "mopd_hpc.engines.rollout.hf_server", "--model", str(student), "--port",
          str(args.base_port), "--device", "cuda", "--dtype", "bfloat16", "--ready-file", str(ready),
-         "--max-batch-rows", str(args.prompts * args.samples)],
+         "--max-batch-rows", str(args.prompts * args.samples), "--token-file", str(token_file)],
         env=env,
     )  # fmt: skip
     try:
@@ -104,7 +106,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
         )
         g = torch.Generator().manual_seed(0)
         steps = []
-        async with RolloutClient(url) as client:
+        async with RolloutClient(url, token=token) as client:
             sender = TorchBroadcastSender("127.0.0.1", args.base_port + 2, 2, backend="nccl", device="cuda:0")
             await sender.init_group([client])
             for step in range(args.steps):

@@ -136,21 +136,24 @@ async def _wait_ready(ready: Path, proc: subprocess.Popen, timeout_s: float = 30
 async def measure(size: str, http_port: int, group_port: int, repeats: int, bw: float, tmp: Path) -> dict:
     from mopd_hpc.engines.rollout.client import RolloutClient
     from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender
+    from mopd_hpc.runtime.http_auth import standalone_token
 
     ckpt = tmp / size
     model = write_checkpoint(SHAPES[size], ckpt)
     ready = tmp / f"{size}.ready.json"
+    token, token_file = standalone_token(tmp / "token", None)  # the server requires it on every route
     env = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     cmd = [sys.executable, "-m", "mopd_hpc.engines.rollout.hf_server", "--model", str(ckpt), "--port", str(http_port),
-           "--device", "cuda", "--dtype", "bfloat16", "--ready-file", str(ready)]  # fmt: skip
+           "--device", "cuda", "--dtype", "bfloat16", "--ready-file", str(ready),
+           "--token-file", str(token_file)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env)
     try:
         url = await _wait_ready(ready, proc)
-        async with RolloutClient(url) as client:
+        async with RolloutClient(url, token=token) as client:
             sender = TorchBroadcastSender("127.0.0.1", group_port, 2, backend="nccl", device="cuda:0")
             await sender.init_group([client])
             named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]  # tied: one copy

@@ -6,8 +6,12 @@ behaviour comes from env overrides of the spawn request:
 - `GUARD_TEST_DIR`: where it writes `<role>-<index>.g<gen>.ready` (JSON: pid, pgid, grandchild pid) and
   `<role>-<index>.g<gen>.usr2` (when it got SIGUSR2: it then exits 0, like a checkpointing worker).
 - `GUARD_TEST_MODE`: `sleep` (wait for signals), `grandchild` (also start a `sleep` in its group),
-  `stubborn` (ignore SIGTERM and SIGUSR2, child and grandchild: only SIGKILL ends it), `envdump` (write
-  its whole environment to `env-<role>-<index>.g<gen>.json` and exit 0).
+  `stubborn` (ignore SIGTERM and SIGUSR2, child and grandchild: only SIGKILL ends it), `lingering` (the
+  child dies on SIGTERM, its grandchild in the group ignores it: the group outlives the child until the
+  guard's SIGKILL), `detached` (also start a `sleep` in a session of its own, `grandchild`, and a daemon:
+  a `sleep` double-forked into a new session whose parent exits at once, `daemon`, as SGLang's and torch's
+  workers leave the group), `envdump` (write its whole environment to `env-<role>-<index>.g<gen>.json` and
+  exit 0).
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("sleep", "grandchild", "stubborn", "envdump")
+MODES = ("sleep", "grandchild", "stubborn", "lingering", "detached", "envdump")
+#: The daemon's double fork: the intermediate prints the daemon's pid and exits.
+DAEMONIZE = (
+    "import subprocess, sys; p = subprocess.Popen(['sleep', '1000'], start_new_session=True, "
+    "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True)"
+)
 
 
 def main() -> int:
@@ -42,9 +51,21 @@ def main() -> int:
     else:
         signal.signal(signal.SIGUSR2, on_usr2)
     grandchild = None
+    if mode == "lingering":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        grandchild = subprocess.Popen(["sleep", "1000"])  # keeps SIG_IGN for TERM across exec
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if mode in ("grandchild", "stubborn"):
         grandchild = subprocess.Popen(["sleep", "1000"])  # inherits SIG_IGN for TERM in stubborn mode
+    daemon = None
+    if mode == "detached":
+        grandchild = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        out_text = subprocess.run(
+            [sys.executable, "-c", DAEMONIZE], capture_output=True, text=True, check=True
+        )
+        daemon = int(out_text.stdout.strip())
     ready = {"pid": os.getpid(), "pgid": os.getpgid(0), "grandchild": grandchild.pid if grandchild else None}
+    ready["daemon"] = daemon
     tmp = out / f".{stem}.ready"
     tmp.write_text(json.dumps(ready))
     os.replace(tmp, out / f"{stem}.ready")

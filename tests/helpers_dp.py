@@ -22,14 +22,34 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel, DataParallelError
+from mopd_hpc.engines.hf_model import load_causal_lm
+from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.torch_engine import TorchTrainEngine
 from mopd_hpc.mopd.targets import TeacherTargets
 from mopd_hpc.mopd.topk import TeacherTopK
-from mopd_hpc.trainer.step import ratio_stats
+from mopd_hpc.trainer.step import ratio_means, ratio_sums
 
+VOCAB = 32
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [2, 4, 6], [3, 5], [7], [8, 9, 1, 2]]
+OUTPUTS = [
+    [11, 12, 13, 14],
+    [15],
+    [],
+    [18, 19, 20],
+    [21, 22, 23, 24, 25],
+    [26, 27],
+    [28, 29, 30, 31],
+    [5, 6, 7],
+]
+ROUTES = [{"a": 1.0}, {"a": 1.0, "b": 0.5}, {"b": 1.0}, {"a": 0.3, "b": 1.0}] * 2
 GROUP_TIMEOUT_S = 60
 ANSWER_TIMEOUT_S = 120
 LR = 1e-3
+
+
+def ratio_stats(student_logprobs, batch, loss):
+    """The shard's importance-ratio statistics as `observe` returns them (trainer/step.py: sums over counts)."""
+    return ratio_means(ratio_sums(student_logprobs, batch, loss))
 
 
 def save_record(path: Path, batch: TrainBatch) -> Path:
@@ -75,21 +95,32 @@ def load_record(path: Path) -> TrainBatch:
     )
 
 
+def train_engine(case: dict[str, Any], dp: DataParallel) -> TorchTrainEngine:
+    """The case's engine on CPU; dtype "float64" (for exact comparisons; not a config dtype) is the float32
+    checkpoint cast to float64, built through the constructor."""
+    micro = MicroBatching(case.get("micro_batch_tokens"), case.get("activation_checkpointing", False))
+    optimizer = OptimizerConfig(lr=LR, grad_clip=None)
+    loss = LossConfig(**case["loss"])
+    if case.get("dtype") == "float64":
+        cpu = torch.device("cpu")
+        model = load_causal_lm(case["model"], "float32", cpu).double()
+        return TorchTrainEngine(
+            model, str(case["model"]), cpu, optimizer, loss, data_parallel=dp, micro_batching=micro
+        )
+    return TorchTrainEngine.from_pretrained(
+        case["model"], dtype=case.get("dtype", "float32"), device="cpu", optimizer=optimizer, loss=loss,
+        data_parallel=dp, micro_batching=micro,
+    )  # fmt: skip
+
+
 def run_case(dp: DataParallel, case: dict[str, Any]) -> dict[str, Any]:
     """One train step of rank `dp.rank` on its rows `case["bounds"][rank]` of the recorded batch, with
-    `ratio_stats` observed. Returns the step's statistics, AdamW's exp_avg (= (1 − β1)·g after one step
+    `ratio_stats` observed (optional `dtype`, `micro_batch_tokens` and `activation_checkpointing` in the case). Returns the step's statistics, AdamW's exp_avg (= (1 − β1)·g after one step
     without clipping) and the parameters after the step, by parameter name."""
     batch = load_record(Path(case["batch"]))
     start, stop = case["bounds"][dp.rank]
     shard = batch.rows(start, stop)
-    engine = TorchTrainEngine.from_pretrained(
-        case["model"],
-        dtype="float32",
-        device="cpu",
-        optimizer=OptimizerConfig(lr=LR, grad_clip=None),
-        loss=LossConfig(**case["loss"]),
-        data_parallel=dp,
-    )
+    engine = train_engine(case, dp)
     stats = engine.train_step(
         shard, observe=functools.partial(ratio_stats, batch=shard, loss=engine.loss_config)
     )
@@ -180,3 +211,36 @@ class WorkerGroup:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
+
+
+def record_step(root: Path) -> dict[str, Path]:
+    """A student checkpoint and one recorded step's batch under `root` (8 rows, one with an empty response,
+    two teachers scored with top-4 / top-3, an off-policy μ, a reference model's log-probs, GRPO
+    advantages): {"model": student dir, "batch": the record}."""
+    from helpers_models import save_micro_qwen3
+
+    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.mopd import aggregate_teacher_targets, grpo_advantages
+
+    student = save_micro_qwen3(root / "student", 0, vocab_size=VOCAB, initializer_range=0.2)
+    teachers = {
+        tid: TorchScoringEngine.from_pretrained(save_micro_qwen3(root / tid, seed, initializer_range=0.2))
+        for tid, seed in (("a", 1), ("b", 2))
+    }
+    tokens = TokenBatch.from_samples(PROMPTS, OUTPUTS, pad_id=0)
+    mask = tokens.response_mask
+    gen = torch.Generator().manual_seed(0)
+    lp = TorchScoringEngine.from_pretrained(student).logprobs(tokens)
+    mu = torch.where(mask, lp + 0.3 * torch.randn(lp.shape, generator=gen), 0.0)
+    ref = torch.where(mask, lp + 0.1 * torch.randn(lp.shape, generator=gen), 0.0)
+    scored = {tid: t.score(tokens, k) for (tid, t), k in zip(teachers.items(), (4, 3), strict=True)}
+    batch = TrainBatch.create(
+        tokens,
+        mu,
+        targets=aggregate_teacher_targets({tid: s[0] for tid, s in scored.items()}, ROUTES),
+        teacher_topk={tid: s[1] for tid, s in scored.items()},
+        teacher_weights={tid: torch.tensor([r.get(tid, 0.0) for r in ROUTES]) for tid in teachers},
+        orm_advantages=grpo_advantages(torch.rand(len(PROMPTS), generator=gen), 4),
+        ref_logprobs=ref,
+    )
+    return {"model": student, "batch": save_record(root / "step.pt", batch)}

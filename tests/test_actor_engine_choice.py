@@ -8,6 +8,7 @@ tests/test_megatron_convert.py, tests/test_awex_hf_gpu.py on the H200).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ from mopd_hpc.config import LossConfig, RunConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.torch_engine import TorchScoringEngine, TorchTrainEngine
 from mopd_hpc.mopd.targets import TeacherTargets
@@ -59,9 +61,17 @@ def config(student: Path, **changes: Any) -> RunConfig:
     return RunConfig.from_dict(config_dict(student, **changes))
 
 
-def role(tmp_path: Path, world_size: int = 1, backend: str = "local", host: str = "localhost") -> RoleEnv:
+def role(
+    tmp_path: Path,
+    world_size: int = 1,
+    backend: str = "local",
+    host: str = "localhost",
+    environ: dict[str, str] | None = None,
+) -> RoleEnv:
+    """The actor's RoleEnv; `environ` adds the child's device variables (CUDA_VISIBLE_DEVICES, ...)."""
     return RoleEnv.from_env(
-        {
+        (environ or {})
+        | {
             "MOPD_RUN_DIR": str(tmp_path),
             "MOPD_ROLE": "actor",
             "MOPD_INDEX": "0",
@@ -78,7 +88,8 @@ def role(tmp_path: Path, world_size: int = 1, backend: str = "local", host: str 
 
 
 def test_megatron_actor_on_one_gpu_is_chosen(student: Path, tmp_path: Path) -> None:
-    assert check_actor_engine(config(student), role(tmp_path), {"CUDA_VISIBLE_DEVICES": "0"}) == "megatron"
+    gpu = {"CUDA_VISIBLE_DEVICES": "0"}
+    assert check_actor_engine(config(student), role(tmp_path, environ=gpu), gpu) == "megatron"
     torch_cfg = RunConfig.from_dict(yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text()))
     assert check_actor_engine(torch_cfg, role(tmp_path), {}) == "torch"
 
@@ -86,7 +97,7 @@ def test_megatron_actor_on_one_gpu_is_chosen(student: Path, tmp_path: Path) -> N
 def test_megatron_actor_without_a_gpu_names_the_engine_field(student: Path, tmp_path: Path) -> None:
     for environ in ({}, {"CUDA_VISIBLE_DEVICES": ""}):
         with pytest.raises(RoleEnvError) as info:
-            check_actor_engine(config(student), role(tmp_path), environ)
+            check_actor_engine(config(student), role(tmp_path, environ=environ), environ)
         assert str(info.value).startswith(
             "models.actor.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is"
         )
@@ -103,11 +114,11 @@ def test_megatron_actor_beyond_one_process_names_tensor_parallel(student: Path, 
     with pytest.raises(
         RoleEnvError, match=r"^models.actor.tensor_parallel=2 \(actor world size 1\): .*expected 1"
     ):
-        check_actor_engine(two, role(tmp_path), gpu)
+        check_actor_engine(two, role(tmp_path, environ=gpu), gpu)
     with pytest.raises(
         RoleEnvError, match=r"^models.actor.tensor_parallel=1 \(actor world size 2\): .*expected 1"
     ):
-        check_actor_engine(config(student), role(tmp_path, world_size=2), gpu)
+        check_actor_engine(config(student), role(tmp_path, world_size=2, environ=gpu), gpu)
     torch_cfg = RunConfig.from_dict(yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text()))
     # torch DP > 1 runs on CPU (the actor group, issue 16); on GPUs it stays refused until it has run there
     assert check_actor_engine(torch_cfg, role(tmp_path, world_size=2), {}) == "torch"
@@ -296,7 +307,10 @@ def stand_in_actor(megatron_engine: Any, student: Path, monkeypatch: pytest.Monk
     hf = TorchScoringEngine.from_pretrained(student, dtype="float32", device="cpu").model.requires_grad_(True)
     actor = object.__new__(megatron_engine.MegatronTrainEngine)
     actor.device, actor.loss_config, actor.steps = torch.device("cpu"), LossConfig(), 0
-    actor.ddp = SimpleNamespace(train=lambda: None, zero_grad_buffer=lambda: None)
+    actor.ddp = SimpleNamespace(
+        train=lambda: None, zero_grad_buffer=lambda: None, no_sync=contextlib.nullcontext
+    )
+    actor.micro_batching = MicroBatching()
     actor.optimizer = SimpleNamespace(
         zero_grad=lambda: None, step=lambda: (True, 0.5, None), param_groups=[{"lr": 1e-5}]
     )

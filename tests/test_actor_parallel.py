@@ -13,7 +13,7 @@ import pytest
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel, ParallelError, RankCoords, actor_world
-from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.placement import place_children
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LOCAL = CONFIGS / "local_cpu.yaml"
@@ -67,7 +67,7 @@ def test_world_is_the_trainer_slots_and_dp_the_rest(
     assert (shape.world, shape.dp, shape.tp, shape.pp) == sizes
     assert shape.source == how == actor_world(cfg.cluster, cfg.rollout).how
     # the placement lays out exactly that world: one actor child per rank, each told the world size
-    actors = JobPlan.from_config(cfg).by_role("actor")
+    actors = place_children(cfg).by_role("actor")
     assert (
         [a.index for a in actors]
         == list(range(shape.world))
@@ -79,7 +79,7 @@ def test_world_is_the_trainer_slots_and_dp_the_rest(
 def test_every_shipped_config_places_its_actor_world() -> None:
     for path in sorted(CONFIGS.glob("*.yaml")):
         cfg = load_run_config(path)
-        plan = JobPlan.from_config(cfg)
+        plan = place_children(cfg)
         assert len(plan.by_role("actor")) == ActorParallel.from_config(cfg).world == plan.train_world, path
 
 

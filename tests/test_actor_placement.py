@@ -16,7 +16,7 @@ from mopd_hpc.cli import submit
 from mopd_hpc.config import load_run_config
 from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.launch.from_config import jobspec_from_config
-from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import print_rank_map, rank_map_rows, shape_line
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -38,7 +38,7 @@ def execute(*argv: str) -> tuple[int, str, str]:
 
 
 def test_two_actor_ranks_on_one_cpu_node() -> None:
-    plan = JobPlan.from_config(load_run_config(DP2))
+    plan = place_children(load_run_config(DP2))
     assert [(c.role, c.index, c.het_group, c.node_index) for c in plan.children] == [
         ("actor", 0, 0, 0), ("actor", 1, 0, 0), ("teacher", 0, 0, 0), ("teacher", 1, 0, 0), ("rollout", 0, 0, 0),
     ]  # fmt: skip
@@ -58,7 +58,7 @@ def test_two_actor_ranks_on_one_cpu_node() -> None:
 
 def test_cpu_ranks_per_node_times_nodes() -> None:
     cfg = load_run_config(DP2, ["cluster.group.nodes=2"])
-    plan = JobPlan.from_config(cfg)
+    plan = place_children(cfg)
     actors = plan.by_role("actor")
     assert [(a.index, a.node_index, a.env_dict["MOPD_LOCAL_RANK"]) for a in actors] == [
         (0, 0, "0"), (1, 0, "1"), (2, 1, "0"), (3, 1, "1"),
@@ -69,18 +69,18 @@ def test_cpu_ranks_per_node_times_nodes() -> None:
 
 
 def test_a_one_rank_plan_is_unchanged_but_for_the_sync_port() -> None:
-    plan = JobPlan.from_config(load_run_config(CONFIGS / "local_cpu.yaml"))
+    plan = place_children(load_run_config(CONFIGS / "local_cpu.yaml"))
     assert [(c.role, c.index, c.port_names) for c in plan.children] == [
         ("actor", 0, ("master", "nccl")), ("teacher", 0, ("http",)), ("teacher", 1, ("http",)),
         ("rollout", 0, ("http", "nccl", "dist_init")),
     ]  # fmt: skip
     # AWEX does not use the torch weight-sync group: rank 0 leases `master` only
-    awex = JobPlan.from_config(load_run_config(CONFIGS / "qwen3_coder_4node.yaml"))
+    awex = place_children(load_run_config(CONFIGS / "qwen3_coder_4node.yaml"))
     assert awex.by_role("actor")[0].port_names == ("master",)
 
 
 def test_gpu_groups_keep_one_teacher_child_per_actor_slot() -> None:
-    plan = JobPlan.from_config(load_run_config(CONFIGS / "qwen3_coder_4node.yaml"))
+    plan = place_children(load_run_config(CONFIGS / "qwen3_coder_4node.yaml"))
     teachers = plan.by_role("teacher")
     assert len(teachers) == len(plan.by_role("actor")) == 32
     assert [t.gpus for t in teachers[:2]] == [("0",), ("1",)]
@@ -88,7 +88,7 @@ def test_gpu_groups_keep_one_teacher_child_per_actor_slot() -> None:
 
 def test_het_plan_with_two_trainer_nodes(tmp_path: Path) -> None:
     cfg = load_run_config(HET_DP2)
-    plan = JobPlan.from_config(cfg)
+    plan = place_children(cfg)
     assert [(g.name, g.nodes) for g in plan.groups] == [("trainer", 2), ("rollout", 2)]
     assert [(c.role, c.index, c.het_group, c.node_index, c.port_names) for c in plan.children] == [
         ("actor", 0, 0, 0, ("master", "nccl")),
@@ -111,7 +111,7 @@ def test_het_plan_with_two_trainer_nodes(tmp_path: Path) -> None:
 
 def test_rank_map_shows_each_actor_ranks_dp_and_tp() -> None:
     cfg = load_run_config(HET_DP2)
-    plan, shape = JobPlan.from_config(cfg), ActorParallel.from_config(cfg)
+    plan, shape = place_children(cfg), ActorParallel.from_config(cfg)
     rows = rank_map_rows(plan, "torch", shape)
     assert [(r["role"], r["index"], r["dp_rank"], r["tp_rank"], r["broadcast_rank"]) for r in rows] == [
         ("actor", "0", "0", "0", "0 (source)"), ("teacher", "0", "-", "-", "-"), ("teacher", "1", "-", "-", "-"),
@@ -139,7 +139,7 @@ def test_rank_map_shows_each_actor_ranks_dp_and_tp() -> None:
 def test_rank_map_has_a_pp_column_when_pp_is_above_1() -> None:
     cfg = load_run_config(CONFIGS / "qwen3_coder_4node.yaml", ["models.actor.pipeline_parallel=2"])
     shape = ActorParallel.from_config(cfg)
-    actors = [r for r in rank_map_rows(JobPlan.from_config(cfg), "awex", shape) if r["role"] == "actor"]
+    actors = [r for r in rank_map_rows(place_children(cfg), "awex", shape) if r["role"] == "actor"]
     # tp 4 innermost, then dp 4, then pp 2: rank 17 = tp 1 + 4·(dp 0 + 4·pp 1)
     assert [(r["index"], r["dp_rank"], r["tp_rank"], r["pp_rank"]) for r in actors][16:18] == [
         ("16", "0", "0", "1"), ("17", "0", "1", "1"),

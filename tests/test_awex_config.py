@@ -25,7 +25,8 @@ from mopd_hpc.engines.weight_sync.awex import (
     write_meta_server_address,
 )
 from mopd_hpc.engines.weight_sync.awex_plan import simulate_transfer_plan
-from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.placement import place_children
+from mopd_hpc.runtime.plan import JobPlan
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
@@ -42,7 +43,7 @@ def _plan(**cluster_rollout: object) -> JobPlan:
         data["weight_sync"] = cluster_rollout.get("weight_sync", data["weight_sync"])
         data["models"]["actor"].update(cluster_rollout.get("actor", {}))
         data["models"]["teachers"][0].update(cluster_rollout.get("actor", {}))
-    return JobPlan.from_config(RunConfig.from_dict(data))
+    return place_children(RunConfig.from_dict(data))
 
 
 def test_colocate_config_from_the_8gpu_plan(tmp_path: Path) -> None:

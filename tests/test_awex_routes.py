@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from aiohttp import web
+from helpers_auth import TOKEN
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError
@@ -127,11 +128,12 @@ async def serving(engine: HFRolloutEngine, factory: FakeFactory) -> AsyncIterato
     """The hf server's app (`rollout_app`: SGLang surface + AWEX routes) on 127.0.0.1, any port."""
     server = RolloutServer(ServerArgs(model_path=engine.model_path, host="127.0.0.1", port=0), engine)
     server.scheduler.start()
-    runner = web.AppRunner(rollout_app(server, awex_factory=factory), access_log=None)
+    runner = web.AppRunner(rollout_app(server, TOKEN, awex_factory=factory), access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
-        async with RolloutClient(f"http://127.0.0.1:{runner.addresses[0][1]}", timeout_s=60) as client:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with RolloutClient(url, token=TOKEN, timeout_s=60) as client:
             yield client
     finally:
         await runner.cleanup()
@@ -367,7 +369,7 @@ def test_awex_update_waits_past_the_clients_shorter_timeout(engine, factory) -> 
     async def body() -> None:
         async with serving(engine, factory) as client:
             await client.awex_init(CONFIG)
-            short = RolloutClient(client.base_url, timeout_s=0.3)
+            short = RolloutClient(client.base_url, token=TOKEN, timeout_s=0.3)
             try:
                 update = asyncio.create_task(short.awex_update(4))
                 assert await asyncio.to_thread(factory.built[0].updating.wait, 30)

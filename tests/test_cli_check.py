@@ -131,7 +131,7 @@ def test_main_parses_argv(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
 
 def test_check_warns_about_model_directories_missing_here(tmp_path: Path) -> None:
     from mopd_hpc.config import load_run_config
-    from mopd_hpc.config.paths import path_warnings as missing_model_paths
+    from mopd_hpc.launch.paths import path_warnings as missing_model_paths
 
     cfg = load_run_config(
         REPO / "configs" / "local_cpu.yaml",

@@ -19,7 +19,7 @@ from mopd_hpc.cli import debug_run, debug_shell, submit
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.debug_session import Allocation, AllocationShapeError, check_fit
 from mopd_hpc.launch.debug_shell import job_run_dir, parse_scontrol_job, shell_argv
-from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import broadcast_rank, rank_map_rows
 from mopd_hpc.logs.index import append_job_index
 
@@ -46,7 +46,7 @@ def test_torch_sync_rank_map_shows_the_broadcast_group_not_awex() -> None:
     assert "AWEX" not in text and "transfer" not in text
     assert "; torch broadcast world 1 + 2 = 3 (trainer rank 0 to 2 rollout engine(s))" in text
     assert "torch broadcast rank" in text
-    rows = rank_map_rows(JobPlan.from_config(load_run_config(HET)), "torch")
+    rows = rank_map_rows(place_children(load_run_config(HET)), "torch")
     assert [(r["role"], r["index"], r["broadcast_rank"]) for r in rows] == [
         ("actor", "0", "0 (source)"), ("teacher", "0", "-"), ("teacher", "1", "-"),
         ("rollout", "0", "1"), ("rollout", "1", "2"),
@@ -72,10 +72,10 @@ def test_awex_sync_rank_map_keeps_the_transfer_ranks_and_names_the_mode() -> Non
     text = dry_run(AWEX)
     assert "AWEX infer world 8 + train world 8 = 16 (awex_mode colocate)" in text
     assert "AWEX transfer rank" in text and "broadcast" not in text
-    rows = rank_map_rows(JobPlan.from_config(load_run_config(AWEX)), "awex")
+    rows = rank_map_rows(place_children(load_run_config(AWEX)), "awex")
     assert [r["transfer_rank"] for r in rows if r["role"] == "rollout"] == [str(i) for i in range(8)]
     with pytest.raises(ValueError, match=r"weight_sync backend='nccl': expected one of \('awex', 'torch'\)"):
-        rank_map_rows(JobPlan.from_config(load_run_config(AWEX)), "nccl")
+        rank_map_rows(place_children(load_run_config(AWEX)), "nccl")
 
 
 # ---- 2. mopd-debug shell: run dir and het size; a ports line per het group ------------------------------
@@ -157,12 +157,12 @@ def test_shell_run_dir_from_the_job_index_when_scontrol_has_no_batch_log(tmp_pat
 
 def test_submit_prints_a_ports_line_for_every_het_group(tmp_path: Path) -> None:
     debug = tmp_path / "bin" / "mopd-debug"
-    het = submit.ports_commands("77", JobPlan.from_config(load_run_config(HET)), debug)
+    het = submit.ports_commands("77", place_children(load_run_config(HET)), debug)
     assert het == [
         f"srun --jobid=77 --het-group=0 --overlap {debug} ports   # leases on the trainer nodes",
         f"srun --jobid=77 --het-group=1 --overlap {debug} ports   # leases on the rollout nodes",
     ]
-    colocated = submit.ports_commands("78", JobPlan.from_config(load_run_config(AWEX)), debug)
+    colocated = submit.ports_commands("78", place_children(load_run_config(AWEX)), debug)
     assert colocated == [f"srun --jobid=78 --overlap {debug} ports   # leases on its nodes"]
 
 
@@ -196,7 +196,7 @@ def het_env(cpus0: str, cpus1: str) -> dict[str, str]:
 
 def test_check_fit_compares_cpus_per_task_with_the_config() -> None:
     cfg = load_run_config(HET)
-    plan = JobPlan.from_config(cfg)
+    plan = place_children(cfg)
     cpus = [g.cpus_per_task for g in cfg.cluster.groups().values()]
     assert cpus == [2, 1]
     short = Allocation.from_env(het_env("1", "2(x2)"))  # `salloc -N1 : -N2 -c2`: the trainer node has 1 CPU
@@ -223,7 +223,7 @@ def test_check_fit_compares_cpus_per_task_with_the_config() -> None:
     local = load_run_config(CONFIGS / "local_cpu.yaml")
     with pytest.raises(AllocationShapeError, match=r"het group 0 \(group\): cpus_per_task is 2 in the config, 1 in "
                        r"the allocation \(the fewest CPUs on one of its nodes, SLURM_JOB_CPUS_PER_NODE;"):  # fmt: skip
-        check_fit(plain, JobPlan.from_config(local), [local.cluster.group.cpus_per_task])
+        check_fit(plain, place_children(local), [local.cluster.group.cpus_per_task])
 
 
 def test_debug_run_refuses_too_few_cpus_before_writing_anything(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.data import unevaluated_sources
 from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel
-from mopd_hpc.config.paths import MissingPath, local_path_errors, missing_paths, path_warnings
+from mopd_hpc.launch.paths import MissingPath, local_path_errors, missing_paths, path_warnings
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

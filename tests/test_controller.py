@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
 from helpers_models import build_micro_models
 
-from mopd_hpc.logs.metrics import MetricsWriter, read_metrics, rollback_metrics
 from mopd_hpc.mopd.phases import Phase
+from mopd_hpc.records.metrics import MetricsWriter, read_metrics, rollback_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 #: The metrics line contract (issue 6) every step must carry, finite.
@@ -128,9 +129,12 @@ async def drive_controller(cfg, run_dir: Path, job_id: str, out: io.StringIO):
         total_steps=cfg.steps,
     )  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
-        rollout = [await stack.enter_async_context(RolloutClient(url)) for url in endpoints.rollout]
+        rollout = [
+            await stack.enter_async_context(RolloutClient(url, token=TOKEN)) for url in endpoints.rollout
+        ]
         teachers = {
-            t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t])) for t in plan.teachers
+            t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t], token=TOKEN))
+            for t in plan.teachers
         }
         controller = Controller(
             cfg,
@@ -155,6 +159,7 @@ def run_controller(config: Path, run_dir: Path, job_id: str):
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config.read_text())
+    write_run_dir_token(run_dir)  # the job's token, as the launcher creates it: every role reads it
     cfg = load_run(run_dir, {})
     procs = [start_role("mopd_hpc.roles.rollout", run_dir, "rollout", 0, job_id)]
     if cfg.loss.distillation_coefficient > 0:
@@ -279,7 +284,7 @@ def test_metrics_rollback_keeps_one_line_per_step(tmp_path):
 
 
 def test_role_env_is_read_at_the_edge_and_names_what_is_missing(tmp_path):
-    from mopd_hpc.roles.env import RoleEnv, RoleEnvError, resolve_path
+    from mopd_hpc.roles.env import RoleEnv, RoleEnvError, master_address, resolve_path
 
     env = {
         "MOPD_RUN_DIR": str(tmp_path),
@@ -293,7 +298,23 @@ def test_role_env_is_read_at_the_edge_and_names_what_is_missing(tmp_path):
     }
     role = RoleEnv.from_env(env)
     assert (role.index, role.job_id, dict(role.ports)) == (1, "77", {"http": 30001, "dist_init": 30003})
-    assert (role.bind_host, role.advertise_host) == ("0.0.0.0", "n2")
+    # servers bind the guard's address (MOPD_NODE_ADDR), never every interface, and advertise it
+    on_node = RoleEnv.from_env({**env, "MOPD_NODE_ADDR": "10.0.0.2"})
+    assert (on_node.bind_host, on_node.advertise_host, master_address(on_node)) == ("10.0.0.2",) * 3
+    # an operator's every-interface guard: the endpoint advertises the node's name, the rendezvous its address
+    wildcard = RoleEnv.from_env({**env, "MOPD_NODE_ADDR": "0.0.0.0", "MOPD_HOST": "localhost"})
+    assert (wildcard.bind_host, wildcard.advertise_host, master_address(wildcard)) == (
+        "0.0.0.0",
+        "localhost",
+        "127.0.0.1",
+    )
+    # without MOPD_NODE_ADDR: the node's name resolved; a name that does not resolve is named
+    assert RoleEnv.from_env({**env, "MOPD_HOST": "localhost"}).bind_host == "127.0.0.1"
+    with pytest.raises(
+        RoleEnvError, match=r"MOPD_HOST='no-such-node\.invalid': host name .* does not resolve"
+    ):
+        _ = RoleEnv.from_env({**env, "MOPD_HOST": "no-such-node.invalid"}).bind_host
+    assert role.token_file == tmp_path / "guard.token"
     with pytest.raises(RoleEnvError, match="MOPD_PORT_MASTER"):
         role.port("master")
     with pytest.raises(RoleEnvError, match="MOPD_JOB_ID is not set"):
@@ -309,7 +330,7 @@ def test_role_env_is_read_at_the_edge_and_names_what_is_missing(tmp_path):
 
 def test_end_of_job_marker_counts_only_for_this_job_after_the_server_started(tmp_path):
     from mopd_hpc.atomic import atomic_write_json
-    from mopd_hpc.runtime.job_end import job_ended, stop_on_job_end, write_job_end
+    from mopd_hpc.records.job_end import job_ended, stop_on_job_end, write_job_end
 
     marker = write_job_end(tmp_path, "77", "checkpoint_signal", 5)  # the same job id before a requeue
     started = time.time() + 60.0  # the requeued run's server starts a minute later

@@ -13,17 +13,17 @@ from pathlib import Path
 from mopd_hpc.launch.debug_session import run_steps
 from mopd_hpc.launch.rundir import prepare_run_dir
 
-# The trainer step announces the job end (runtime/job_end.py) and exits 0; the rollout step, per `mode`, stops
+# The trainer step announces the job end (records/job_end.py) and exits 0; the rollout step, per `mode`, stops
 # on it ("stops": exit 0), fails on it ("fails": exit 3) or ignores it ("hangs"). SIGINT makes it record
 # the signal and exit 130, as a guard stopped by Ctrl-C does.
 _TRAINER_STEP = (
-    "import pathlib, sys; from mopd_hpc.runtime.job_end import write_job_end; "
+    "import pathlib, sys; from mopd_hpc.records.job_end import write_job_end; "
     "sys.exit(0 if write_job_end(pathlib.Path(sys.argv[1]), '77', 'finished', 10) and sys.argv[2] == '0' "
     "else int(sys.argv[2]))"
 )
 _ROLLOUT_STEP = """
 import pathlib, signal, sys, time
-from mopd_hpc.runtime.job_end import job_ended
+from mopd_hpc.records.job_end import job_ended
 run_dir, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
 def on_sigint(signum, frame):
     (run_dir / "rollout.sigint").write_text("SIGINT")

@@ -31,8 +31,9 @@ from mopd_hpc.launch.debug_session import (
 )
 from mopd_hpc.launch.debug_shell import job_run_dir, parse_scontrol_job, shell_argv
 from mopd_hpc.launch.from_config import jobspec_from_config
-from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rundir import prepare_run_dir
+from mopd_hpc.runtime.plan import JobPlan
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "slurm_het_cpu.yaml"
@@ -147,7 +148,7 @@ def _plan(tmp_path: Path) -> tuple[JobPlan, object]:
     from mopd_hpc.config import load_run_config
 
     cfg = load_run_config(CONFIG).model_copy(update={"run_dir": str(tmp_path / "run")})
-    plan = JobPlan.from_config(cfg).as_probe()
+    plan = place_children(cfg).as_probe()
     return plan, jobspec_from_config(cfg, tmp_path / "run", sys.executable, plan)
 
 

@@ -14,7 +14,7 @@ from helpers_configs import set_dotted
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.problems import ConfigError
-from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import rank_map_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_check_passes() -> None:
 
 
 def test_dry_run_rank_map() -> None:
-    plan = JobPlan.from_config(RunConfig.from_yaml(CONFIG))
+    plan = place_children(RunConfig.from_yaml(CONFIG))
     assert (plan.infer_world, plan.train_world, plan.transfer_world) == (8, 8, 16)
     actors, teachers, rollouts = (
         sorted(plan.by_role(r), key=lambda c: c.index) for r in ("actor", "teacher", "rollout")

@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,9 @@ class RunningGuard:
         return json.loads(path.read_text())
 
 
-def start_guard(tmp: Path, *, kill_wait_s: float = 1.0, checkpoint_wait_s: float = 3.0) -> RunningGuard:
+def start_guard(
+    tmp: Path, *, kill_wait_s: float = 1.0, checkpoint_wait_s: float = 3.0, extra_args: Sequence[str] = ()
+) -> RunningGuard:
     run_dir, work = tmp / "run", tmp / "work"
     run_dir.mkdir()
     work.mkdir()
@@ -78,7 +80,7 @@ def start_guard(tmp: Path, *, kill_wait_s: float = 1.0, checkpoint_wait_s: float
     out, err = tmp / "guard.out", tmp / "guard.err"
     argv = [sys.executable, "-m", "mopd_hpc.cli.guard", "--run-dir", str(run_dir), "--job-id", JOB]
     argv += ["--host", HOST, "--kill-wait-s", str(kill_wait_s), "--checkpoint-wait-s", str(checkpoint_wait_s)]
-    argv += ["--extra-role", "testchild=guard_child_prog"]
+    argv += ["--extra-role", "testchild=guard_child_prog", *extra_args]
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen(argv, env=env, stdout=o, stderr=e, stdin=subprocess.DEVNULL)
     guard_file = run_dir / "guards" / f"{HOST}.json"

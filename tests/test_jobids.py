@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from mopd_hpc.launch.jobids import (
+from mopd_hpc.runtime.jobids import (
     SLURM_STATES,
     JobIdError,
     JobState,

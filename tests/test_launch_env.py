@@ -17,11 +17,11 @@ import pytest
 
 from mopd_hpc.launch import slurm as launch_slurm
 from mopd_hpc.launch.env import scrub_slurm_env, submit_environment
-from mopd_hpc.launch.jobids import JobState
 from mopd_hpc.launch.jobspec import Component, JobSpec
 from mopd_hpc.launch.render import render
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
 from mopd_hpc.launch.slurm import HetInfoWatcher, HetSlurmExecutor, HetSlurmJob, SubmitError, submit
+from mopd_hpc.runtime.jobids import JobState
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_SH = REPO / "launchers" / "node.sh"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_auth import TOKEN, write_run_dir_token
 
 from mopd_hpc.engines.batch import TokenBatch
 
@@ -107,7 +108,7 @@ async def exercise(url: str, ckpt: Path) -> dict:
     from mopd_hpc.engines.teacher_server import TeacherClient, TeacherClientError
 
     out: dict = {}
-    async with TeacherClient(url, timeout_s=120) as client:
+    async with TeacherClient(url, timeout_s=120, token=TOKEN) as client:
         health = await client.health()
         assert (health["teacher_id"], health["resident"], health["weight_version"]) == ("mt", True, "1")
         out["scored"] = await client.score(ROWS, STARTS, top_k=TOP_K)
@@ -133,6 +134,7 @@ def test_megatron_teacher_server_matches_torch_engine(tmp_path: Path) -> None:
     ckpt = save_checkpoint(tmp_path / "ckpt", seed=0)
     expected = oracle(ckpt)
     run_dir = tmp_path / "run"
+    write_run_dir_token(run_dir)  # the standalone server reads the run dir's token file
     env = dict(os.environ) | {
         "MOPD_TEACHER_ID": "mt",
         "MOPD_MODEL_PATH": str(ckpt),

@@ -12,17 +12,18 @@ import pytest
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.from_config import guard_command, jobspec_from_config
-from mopd_hpc.launch.plan import ChildSpec, JobPlan, PlanError, child_environment
+from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import compact_ranges, rank_map_rows
 from mopd_hpc.launch.render import render
 from mopd_hpc.runtime.guard.autostart import assign_node, map_gpus
+from mopd_hpc.runtime.plan import ChildSpec, JobPlan, PlanError, child_environment
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
 def plan_of(name: str, *overrides: str) -> JobPlan:
-    return JobPlan.from_config(load_run_config(CONFIGS / name, overrides))
+    return place_children(load_run_config(CONFIGS / name, overrides))
 
 
 def gpu_owners(plan: JobPlan, role: str) -> Counter[tuple[int, int, str]]:
@@ -170,7 +171,7 @@ def test_rank_map_rows() -> None:
 
 def test_jobspec_from_config(tmp_path: Path) -> None:
     cfg = load_run_config(CONFIGS / "slurm_het_cpu.yaml")
-    plan = JobPlan.from_config(cfg).as_probe()
+    plan = place_children(cfg).as_probe()
     spec = jobspec_from_config(cfg, tmp_path / "run", sys.executable, plan)
     assert spec.shape == "heterogeneous" and [c.name for c in spec.components] == ["trainer", "rollout"]
     assert [c.nodes for c in spec.components] == [1, 2] and spec.components[1].roles == ("probe",)

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from mopd_hpc.config import load_run_config
-from mopd_hpc.launch.plan import JobPlan
+from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import model_cell, probe_report_table, rank_map_rows
 from mopd_hpc.roles.probe import weight_sync_backend
 
@@ -25,7 +25,7 @@ def render(table: object) -> list[list[str]]:
 
 
 def test_teacher_rows_name_their_model() -> None:
-    plan = JobPlan.from_config(load_run_config(CONFIGS / "local_cpu.yaml"))
+    plan = place_children(load_run_config(CONFIGS / "local_cpu.yaml"))
     rows = rank_map_rows(plan, "torch")
     assert [(r["role"], r["index"], r["model"]) for r in rows] == [
         ("actor", "0", "-"), ("teacher", "0", "chain"), ("teacher", "1", "legs"), ("rollout", "0", "-"),
@@ -35,7 +35,7 @@ def test_teacher_rows_name_their_model() -> None:
     assert [r["model"] for r in probe_rows] == ["-", "chain", "legs", "-"]
     assert probe_rows[1]["role"] == "teacher (probe 1)"
     # a teacher over several ranks and nodes: each row names the model and the rank within it
-    rows = rank_map_rows(JobPlan.from_config(load_run_config(CONFIGS / "qwen3_coder_4node.yaml")))
+    rows = rank_map_rows(place_children(load_run_config(CONFIGS / "qwen3_coder_4node.yaml")))
     teachers = [(r["node"], r["index"], r["model"]) for r in rows if r["role"] == "teacher"]
     assert teachers[0] == ("0", "0", "coder_teacher (rank 0/32)")
     assert teachers[9] == ("1", "9", "coder_teacher (rank 9/32)")
@@ -79,7 +79,7 @@ def test_probe_table_shows_gpus_and_the_dry_run_weight_sync_rank(tmp_path: Path)
         ("rollout[0]", "-", "GPU-aa (from GPU-aa)", "1"),
         ("rollout[1]", "-", "cpu", "2"),
     ]
-    dry = rank_map_rows(JobPlan.from_config(load_run_config(CONFIGS / "slurm_het_cpu.yaml")), "torch")
+    dry = rank_map_rows(place_children(load_run_config(CONFIGS / "slurm_het_cpu.yaml")), "torch")
     assert [r["broadcast_rank"] for r in dry if r["role"] != "teacher"] == ["0 (source)", "1", "2"]
     # backend awex: the AWEX transfer ranks, labelled as such
     awex = probe_report_table(reports, "awex")

@@ -18,7 +18,7 @@ import pytest
 from helpers_models import build_micro_models
 from test_controller import assert_metrics, micro_config
 
-from mopd_hpc.logs.metrics import read_metrics
+from mopd_hpc.records.metrics import read_metrics
 
 STEPS = 80
 BATCH = 8

@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.local_setup import after_local_run
 from mopd_hpc.launch.resume import ResumeError, check_resume
-from mopd_hpc.runtime.job_end import write_job_end
+from mopd_hpc.records.job_end import write_job_end
+from mopd_hpc.trainer.checkpoint import save_checkpoint
 from mopd_hpc.trainer.evaluate import write_eval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,10 +23,10 @@ CONFIG = REPO / "configs" / "local_cpu.yaml"
 
 
 def checkpointed_run(tmp_path: Path, *overrides: str) -> Path:
-    """A run dir as a checkpointed run leaves it: config.yaml (with `overrides`) and checkpoints/latest."""
+    """A run dir as a checkpointed run leaves it: config.yaml (with `overrides`) and a real checkpoint (a
+    tiny engine state) with checkpoints/latest naming it."""
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "latest").write_text("step_000030\n")
+    save_checkpoint(run / "checkpoints", 30, {"model": {"w": torch.zeros(2)}}, data_state={"position": 30})
     (run / "config.yaml").write_text(load_run_config(CONFIG, ["steps=30", *overrides]).to_yaml())
     return run
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_auth import AUTH, TOKEN, write_token_file
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError, RolloutUnavailableError
@@ -37,10 +38,12 @@ def free_port() -> int:
 
 
 def start_server(model: Path, tmp: Path, *extra: str) -> tuple[subprocess.Popen, str, Path]:
-    """Start the server on a free port; wait for its ready file. Returns (process, url, ready file)."""
+    """Start the server on a free port (token: helpers_auth.TOKEN); wait for its ready file. Returns (process,
+    url, ready file)."""
     port, ready = free_port(), tmp / "ready.json"
     cmd = [sys.executable, "-m", "mopd_hpc.engines.rollout.hf_server", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--ready-file", str(ready), "--num-threads", "1"]
+    cmd += ["--token-file", str(write_token_file(tmp / "token"))]
     cmd += list(extra)
     log = open(tmp / "server.log", "wb")  # noqa: SIM115 - the server writes it until teardown
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -64,7 +67,9 @@ def stop_server(proc: subprocess.Popen) -> int:
 
 def http(url: str, path: str, body: object = None, raw: bytes | None = None) -> tuple[int, object]:
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data=data, method="GET" if data is None else "POST")
+    req = urllib.request.Request(
+        url + path, data=data, method="GET" if data is None else "POST", headers=AUTH
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             text = resp.read()
@@ -236,7 +241,7 @@ async def _wait_state(client: RolloutClient, key: str, value: int) -> None:
 
 def test_pause_makes_generate_wait_until_continue(server):
     async def scenario():
-        async with RolloutClient(server[0], retries=0) as client:
+        async with RolloutClient(server[0], token=TOKEN, retries=0) as client:
             expected = await client.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=0))
             await client.pause("in_place")
             task = asyncio.create_task(
@@ -254,7 +259,7 @@ def test_pause_makes_generate_wait_until_continue(server):
 
 def test_pause_in_place_keeps_running_request(server):
     async def scenario():
-        async with RolloutClient(server[0], retries=0) as client:
+        async with RolloutClient(server[0], token=TOKEN, retries=0) as client:
             long = SamplingParams(max_new_tokens=1500, ignore_eos=True, sampling_seed=5)
             reference = (await client.generate([PROMPTS[0]], long))[0]
             task = asyncio.create_task(client.generate([PROMPTS[0]], long))
@@ -273,7 +278,7 @@ def test_pause_in_place_keeps_running_request(server):
 
 def test_pause_abort_ends_running_request(server):
     async def scenario():
-        async with RolloutClient(server[0], retries=0) as client:
+        async with RolloutClient(server[0], token=TOKEN, retries=0) as client:
             long = SamplingParams(max_new_tokens=20000, ignore_eos=True, sampling_seed=0)
             task = asyncio.create_task(client.generate([PROMPTS[1]], long))
             await _wait_state(client, "num_running_reqs", 1)
@@ -343,7 +348,7 @@ def test_client_errors_are_typed():
 
 def test_client_raises_server_message(server):
     async def scenario():
-        async with RolloutClient(server[0]) as client:
+        async with RolloutClient(server[0], token=TOKEN) as client:
             with pytest.raises(RolloutServerError, match="not released") as info:
                 await client.resume_memory(["cuda_graph"])
             assert info.value.status == 400

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import test_utils
+from helpers_auth import AUTH, TOKEN
 
 from mopd_hpc.engines.rollout.protocol import GenerateRequest
 from mopd_hpc.engines.rollout.sglang_backend import (
@@ -24,6 +25,7 @@ from mopd_hpc.engines.rollout.sglang_backend import (
     generate_kwargs,
     ports_from_env,
     readiness_path,
+    sglang_app,
 )
 
 PORTS = {"http": 31000, "nccl": 31001, "dist_init": 31002, "master": 31003}
@@ -163,8 +165,8 @@ def test_http_surface_over_the_engine_api() -> None:
         engine = FakeSGLangEngine()
         server = SGLangRolloutServer(SGLangLaunch.from_ports("/m", PORTS), engine)
         async with (
-            test_utils.TestServer(server.app(), host="127.0.0.1") as ts,
-            aiohttp.ClientSession() as http,
+            test_utils.TestServer(sglang_app(server, TOKEN), host="127.0.0.1") as ts,
+            aiohttp.ClientSession(headers=AUTH) as http,
         ):
             base = f"http://127.0.0.1:{ts.port}"
             async with http.get(base + "/health") as r:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from mopd_hpc.cli import submit
+from mopd_hpc.launch.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -114,9 +115,8 @@ def test_layout_and_config_errors_exit_2() -> None:
 
 
 def test_unrunnable_roles_fall_back_to_probes() -> None:
-    from mopd_hpc.launch.plan import JobPlan
 
-    plan = JobPlan.from_config(submit.load_run_config(CONFIGS / "local_cpu.yaml"))
+    plan = place_children(submit.load_run_config(CONFIGS / "local_cpu.yaml"))
     missing = submit.unrunnable_roles(plan)
     assert set(missing) <= {"actor", "teacher", "rollout"}
     assert submit.unrunnable_roles(plan.as_probe()) == []

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from helpers_auth import TOKEN
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config import RunConfig
@@ -42,9 +43,11 @@ def gpu_config(tensor_parallel: int, engine: str = "megatron") -> RunConfig:
     return RunConfig.from_dict(data)
 
 
-def role(tmp_path: Path) -> RoleEnv:
+def role(tmp_path: Path, environ: dict[str, str] | None = None) -> RoleEnv:
+    """The teacher's RoleEnv; `environ` adds the child's device variables (CUDA_VISIBLE_DEVICES, ...)."""
     return RoleEnv.from_env(
-        {
+        (environ or {})
+        | {
             "MOPD_RUN_DIR": str(tmp_path),
             "MOPD_ROLE": "teacher",
             "MOPD_INDEX": "0",
@@ -98,7 +101,7 @@ def test_teacher_args_megatron_from_the_config(tmp_path: Path) -> None:
         "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
         "MOPD_BASE_GPU_ID": "3",
     }
-    args = teacher_args(role(tmp_path), cfg, environ)
+    args = teacher_args(role(tmp_path, environ), cfg, environ)
     teacher = cfg.models.teacher("teacher")
     assert (args.engine, args.tensor_parallel, args.device, args.dtype) == (
         "megatron",
@@ -110,14 +113,14 @@ def test_teacher_args_megatron_from_the_config(tmp_path: Path) -> None:
     assert args.field("engine") == "models.teachers[0].engine"
     assert args.num_threads is None  # a GPU child: torch's own thread count
     torch_cfg = gpu_config(1, engine="torch")
-    assert teacher_args(role(tmp_path), torch_cfg, environ).engine == "torch"
+    assert teacher_args(role(tmp_path, environ), torch_cfg, environ).engine == "torch"
 
 
 @pytest.mark.parametrize("visible", [None, ""])
 def test_teacher_args_megatron_without_a_gpu_names_the_field(tmp_path: Path, visible: str | None) -> None:
     environ = {"MOPD_TEACHER_ID": "teacher"} | ({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
     with pytest.raises(RoleEnvError) as err:
-        teacher_args(role(tmp_path), gpu_config(1), environ)
+        teacher_args(role(tmp_path, environ), gpu_config(1), environ)
     text = str(err.value)
     assert text.startswith("models.teachers[0].engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is ")
     assert repr(visible) in text and "engine: torch" in text
@@ -126,7 +129,7 @@ def test_teacher_args_megatron_without_a_gpu_names_the_field(tmp_path: Path, vis
 def test_teacher_args_tensor_parallel_2_names_the_field(tmp_path: Path) -> None:
     environ = {"MOPD_TEACHER_ID": "teacher", "CUDA_VISIBLE_DEVICES": "0,1"}
     with pytest.raises(RoleEnvError, match=r"^models\.teachers\[0\]\.tensor_parallel=2: .*expected 1$"):
-        teacher_args(role(tmp_path), gpu_config(2), environ)
+        teacher_args(role(tmp_path, environ), gpu_config(2), environ)
 
 
 # --- teacher_serve: the engine choice ------------------------------------------------------------------
@@ -192,7 +195,7 @@ def test_serve_refuses_megatron_without_cuda_before_listening(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = cli_args(tmp_path, engine="megatron", run_dir=str(tmp_path / "run"), source="models.teachers[0]")
     with pytest.raises(EngineError, match=r"models\.teachers\[0\]\.engine='megatron' needs a CUDA device"):
-        asyncio.run(serve(args, asyncio.Event()))
+        asyncio.run(serve(args, TOKEN, asyncio.Event()))
     assert not endpoint_path(tmp_path / "run", "t").exists()
 
 
@@ -290,6 +293,7 @@ def test_megatron_score_errors(engines, monkeypatch: pytest.MonkeyPatch) -> None
 def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """The HTTP surface over the megatron engine: /score with top_k through the controller's client."""
     from mopd_hpc.engines.serving import start_app
+    from mopd_hpc.engines.teacher_serve import teacher_app
     from mopd_hpc.engines.teacher_server import TeacherClient, TeacherServer
 
     megatron_engine, engine, _ = engines
@@ -299,9 +303,9 @@ def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.
 
     async def go():
         server = TeacherServer(engine, "mt", engine.path, pad_id=pad_token_id(engine))
-        runner, port, stop = await start_app(server.app(), "127.0.0.1", 0, asyncio.Event())
+        runner, port, stop = await start_app(teacher_app(server, TOKEN), "127.0.0.1", 0, asyncio.Event())
         try:
-            async with TeacherClient(f"http://127.0.0.1:{port}", timeout_s=60) as client:
+            async with TeacherClient(f"http://127.0.0.1:{port}", timeout_s=60, token=TOKEN) as client:
                 return await client.score(ROWS, STARTS, top_k=3)
         finally:
             stop.set()

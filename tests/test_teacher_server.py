@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
+from helpers_auth import AUTH, TOKEN, write_run_dir_token
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.teacher_serve import endpoint_path
@@ -54,8 +57,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def call(url: str, method: str, *args, **kwargs):
-    async with TeacherClient(url, timeout_s=60) as client:
+async def call(url: str, method: str, *args, binary: bool = True, **kwargs):
+    async with TeacherClient(url, timeout_s=60, binary=binary, token=TOKEN) as client:
         return await getattr(client, method)(*args, **kwargs)
 
 
@@ -64,6 +67,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("teacher")
     model = save_micro_qwen3(root / "teacher", seed=1, vocab_size=VOCAB, initializer_range=0.2)
     run_dir = root / "run"
+    write_run_dir_token(run_dir)  # the standalone server reads the run dir's token file
     env = dict(os.environ) | {
         "MOPD_TEACHER_ID": "t1",
         "MOPD_MODEL_PATH": str(model),
@@ -137,14 +141,107 @@ def test_score_equals_direct_forward_with_topk(server):
     assert sorted(wide.topk_ids[0][0]) == list(range(VOCAB))
 
 
-def test_bad_requests_are_400_naming_the_field(server):
+def test_binary_transport_equals_json_and_the_engine_bit_for_bit(server):
+    from mopd_hpc.engines.batch import TokenBatch
+    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+
+    async def both():
+        async with (
+            TeacherClient(server["url"], binary=False, token=TOKEN) as js,
+            TeacherClient(server["url"], token=TOKEN) as binary,
+        ):
+            return (
+                await js.score(ROWS, STARTS, top_k=5),
+                await binary.score(ROWS, STARTS, top_k=5),
+                await binary.score_tensors(ROWS, STARTS, top_k=5),
+                await binary.score_tensors(ROWS, STARTS),
+            )
+
+    from_json, from_binary, packed, plain = run(both())
+    assert from_binary == from_json  # the same lists of Python floats, exactly
+    assert (packed.logprobs.dtype, packed.topk_ids.dtype, packed.topk_logprobs.dtype) == (
+        torch.float32,
+        torch.int32,
+        torch.float32,
+    )
+    assert packed.lengths.tolist() == [3, 1, 4] and packed.topk_ids.shape == (8, 5)
+    flat = torch.tensor([v for row in from_json.logprobs for v in row], dtype=torch.float32)
+    assert torch.equal(flat.view(torch.int32), packed.logprobs.view(torch.int32))  # bitwise
+    vals = torch.tensor([p for row in from_json.topk_logprobs for p in row], dtype=torch.float32)
+    assert torch.equal(vals.view(torch.int32), packed.topk_logprobs.view(torch.int32))
+    assert plain.topk_ids is None and torch.equal(plain.logprobs.view(torch.int32), flat.view(torch.int32))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server's --num-threads: the same kernels, the same bits
+    try:
+        engine = TorchScoringEngine.from_pretrained(server["model"])
+        batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
+        lp, top = engine.score(batch, 5)
+    finally:
+        torch.set_num_threads(threads)
+    mask = batch.response_mask
+    assert torch.equal(lp[mask].view(torch.int32), packed.logprobs.view(torch.int32))
+    assert torch.equal(top.indices[mask], packed.topk_ids.long())
+    assert torch.equal(top.logprobs[mask].view(torch.int32), packed.topk_logprobs.view(torch.int32))
+    ids, values = packed.padded_topk(batch.response_width)
+    assert torch.equal(ids[mask], top.indices[mask]) and not ids[~mask].any() and not values[~mask].any()
+    padded = packed.padded_logprobs(batch.response_width)
+    assert torch.equal(padded[mask], lp[mask]) and padded[~mask].isnan().all()
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_bad_requests_are_400_naming_the_field(server, binary):
     with pytest.raises(TeacherClientError, match=r"response_start\[1\] is 0") as err:
-        run(call(server["url"], "score", ROWS, [3, 0, 4]))
+        run(call(server["url"], "score", ROWS, [3, 0, 4], binary=binary))
     assert err.value.status == 400
     with pytest.raises(TeacherClientError, match=r"input_ids\[0\]: expected token ids in \[0, 32\)"):
-        run(call(server["url"], "score", [[1, 99]], [1]))
+        run(call(server["url"], "score", [[1, 99]], [1], binary=binary))
     with pytest.raises(TeacherClientError, match="top_k is 0"):
-        run(call(server["url"], "score", ROWS, STARTS, top_k=0))
+        run(call(server["url"], "score", ROWS, STARTS, top_k=0, binary=binary))
+
+
+def test_malformed_frames_are_400_and_the_server_keeps_serving(server):
+    from mopd_hpc.engines.teacher_wire import encode_score_request
+    from mopd_hpc.engines.wire import encode
+    from mopd_hpc.engines.wire_http import FRAME_HEADERS
+
+    good = encode_score_request(ROWS, STARTS, 2)
+    bad = {
+        "truncated": (bytes(good)[:-3], r"truncated frame: tensor '\w+' needs data bytes"),
+        "not a frame": (b"{}", r"truncated frame: 2 bytes; expected at least 8"),
+        "float ids": (
+            encode(
+                {
+                    "input_ids": torch.zeros(3),
+                    "row_lengths": torch.tensor([3]),
+                    "response_start": torch.tensor([1]),
+                }
+            ),
+            r"tensor 'input_ids' is F32 of shape \[3\]; expected I32 or I64 with 1 dims",
+        ),
+        "lengths": (
+            encode(
+                {
+                    "input_ids": torch.zeros(3, dtype=torch.int64),
+                    "row_lengths": torch.tensor([2]),
+                    "response_start": torch.tensor([1]),
+                }
+            ),
+            r"row_lengths sum to 2; input_ids holds 3 tokens",
+        ),
+    }
+
+    async def post_all():
+        async with aiohttp.ClientSession(headers=AUTH) as session:
+            out = {}
+            for name, (body, _) in bad.items():
+                async with session.post(server["url"] + "/score", data=body, headers=FRAME_HEADERS) as resp:
+                    out[name] = (resp.status, resp.content_type, (await resp.json())["error"]["message"])
+            return out
+
+    for name, (status, kind, message) in run(post_all()).items():
+        assert (status, kind) == (400, "application/json"), name
+        assert re.search(bad[name][1], message), (name, message)
+    assert len(run(call(server["url"], "score", ROWS, STARTS)).logprobs) == 3
 
 
 def test_offload_onload_on_cpu_are_noops(server):

@@ -10,6 +10,7 @@ import socket
 
 import pytest
 import torch
+from helpers_auth import TOKEN
 from helpers_models import save_micro_qwen3
 from test_rollout_server import TOL, start_server, stop_server
 
@@ -72,7 +73,7 @@ def test_trainer_weights_arrive_over_gloo(server, models):
     _, trainer_dir, served_model, trainer_model = models
 
     async def scenario():
-        async with RolloutClient(server) as client:
+        async with RolloutClient(server, token=TOKEN) as client:
             before = await client.generate(PROMPTS, GREEDY)
             assert matches(before, served_model) and not matches(before, trainer_model)
 
@@ -119,7 +120,7 @@ def test_update_weights_from_disk(server, models):
     served_dir, trainer_dir, served_model, trainer_model = models
 
     async def scenario():
-        async with RolloutClient(server) as client:
+        async with RolloutClient(server, token=TOKEN) as client:
             await client.update_weights_from_disk(str(trainer_dir), weight_version="disk-1")
             info = await client.model_info()
             assert info["weight_version"] == "disk-1" and info["model_path"] == str(trainer_dir)
@@ -134,7 +135,7 @@ def test_update_weights_from_disk(server, models):
 
 def test_init_group_errors(server):
     async def scenario():
-        async with RolloutClient(server) as client:
+        async with RolloutClient(server, token=TOKEN) as client:
             with pytest.raises(WeightSyncConfigError, match="world_size=3 but 1 servers"):
                 await TorchBroadcastSender("127.0.0.1", free_port(), world_size=3).init_group(client)
             body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
@@ -160,7 +161,7 @@ def test_nccl_sync_and_real_weight_offload_on_gpu(models, tmp_path):
     gpu_trainer.load_state_dict(trainer_model.state_dict())
 
     async def scenario():
-        async with RolloutClient(url) as client:
+        async with RolloutClient(url, token=TOKEN) as client:
             sender = TorchBroadcastSender("127.0.0.1", free_port(), 2, "nccl", timeout_s=60, device="cuda:0")
             await sender.init_group(client)
             assert await sender.send(gpu_trainer.state_dict(), client) == "1"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.cli.base import EXIT_USAGE
+from mopd_hpc.records.run_dir import GUARDS_DIR
 from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME
 
 HELP = "ask a run's guards for their children (guard status RUN_DIR [--json])"
@@ -93,10 +94,10 @@ def collect_guard_status(
     from mopd_hpc.runtime.guard.client import GuardClient, GuardError
 
     root = Path(run_dir)
-    records = sorted((root / "guards").glob("*.json")) if (root / "guards").is_dir() else []
+    records = sorted((root / GUARDS_DIR).glob("*.json")) if (root / GUARDS_DIR).is_dir() else []
     if not records:
         raise GuardStatusError(
-            f"no guard record under {root / 'guards'}: no guard of this run is up (a finished job's guards "
+            f"no guard record under {root / GUARDS_DIR}: no guard of this run is up (a finished job's guards "
             f"remove theirs); see `mopd-logs summarize {shlex.quote(str(root))}`"
         )
     try:

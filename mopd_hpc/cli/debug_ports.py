@@ -11,7 +11,7 @@ from typing import TextIO
 from mopd_hpc.runtime.ports_registry import NodeLease, list_node_leases
 
 HELP = "list the port leases on this node with their owners (job, role, index, pid, name)"
-_COLUMNS = ("port", "name", "job_id", "role", "index", "pid", "child_pid", "uid")
+_COLUMNS = ("port", "name", "job_id", "role", "index", "generation", "pid", "child_pid", "uid")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

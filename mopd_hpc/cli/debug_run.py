@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, TextIO
 
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.cli.base import EXIT_USAGE
+from mopd_hpc.launch.placement import place_children
+from mopd_hpc.records.run_dir import JOB_FILE
 
 if TYPE_CHECKING:
     from mopd_hpc.launch.debug_session import Allocation
@@ -51,9 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def write_job_state(run_dir: Path, alloc: Allocation, spec: JobSpec) -> None:
     """`run_dir/state/job.json` as the batch shell writes it (what `mopd-logs summarize` reads)."""
-    (run_dir / "state").mkdir(parents=True, exist_ok=True)
+    (run_dir / JOB_FILE).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
-        run_dir / "state" / "job.json",
+        run_dir / JOB_FILE,
         {
             "job_id": alloc.job_id,
             "restart_count": 0,
@@ -82,14 +84,14 @@ def execute(
     )
     from mopd_hpc.launch.from_config import jobspec_from_config
     from mopd_hpc.launch.jobspec import JobSpecError
-    from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
     from mopd_hpc.launch.rundir import RunDirError, prepare_run_dir
+    from mopd_hpc.runtime.plan import PLAN_FILE_NAME, PlanError
 
     try:
         cfg = load_run_config(args.config, args.overrides, False)
         path = os.path.abspath(os.path.expanduser(args.run_dir or cfg.run_dir))
         cfg = cfg.model_copy(update={"run_dir": path})
-        plan = JobPlan.from_config(cfg)
+        plan = place_children(cfg)
         if args.probe or unrunnable_roles(plan):
             plan = plan.as_probe()
         cpus = [g.cpus_per_task for g in cfg.cluster.groups().values()]

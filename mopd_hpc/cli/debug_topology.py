@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from mopd_hpc.cli.base import EXIT_USAGE
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.topology import ROLES, RankTopology, TopologyError
 
 HELP = "print this task's rank topology (het group, host, rank, GPUs) as a table or JSON"
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--local",
         action="store_true",
-        help="local backend: ignore SLURM_*, ranks from MOPD_RANK/MOPD_WORLD_SIZE",
+        help=f"local backend: ignore SLURM_*, ranks from {child_env.RANK}/{child_env.WORLD_SIZE}",
     )
 
 

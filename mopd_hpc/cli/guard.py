@@ -3,16 +3,24 @@
     mopd-guard --run-dir DIR --job-id ID [--host H] [--bind 127.0.0.1|auto|ADDR] [--port 0]
                [--token-file FILE] [--kill-wait-s 10] [--checkpoint-wait-s 60]
                [--port-range 20000-65535] [--extra-role NAME=MODULE ...] [--plan PLAN | --autostart]
+               [--keeper | --no-keeper]
 
 With `--plan run_dir/plan.json` (or `--autostart`, the same with the run dir's plan.json) the guard spawns
 its node's children of the job plan and exits when they are done (runtime/guard/autostart.py): 0 when all
 exited 0, the first failing child's code otherwise, 0 after USR2/TERM (a requested stop), 130 after SIGINT.
 `--bind auto` listens on this node's address (its host name resolved; 127.0.0.1 on the local backend), so
-that other nodes reach it.
+that other nodes reach it; the guard's children bind the same address (MOPD_NODE_ADDR). Binding every
+interface takes an explicit `--bind 0.0.0.0`.
 
 The token is read from `--token-file` (mode 0600; default `$MOPD_SECRET_FILE`, else
 `<run-dir>/guard.token`), never from argv or the environment. `--host` defaults to `$SLURMD_NODENAME`.
 The environment is read here, at the edge, and handed to the guard (children inherit it).
+With a plan (every job's guard; `--keeper` for a bare one) the process started forks: the guard runs in
+the child, the parent execs the keeper (runtime/guard/keeper.py: a subreaper that forwards signals, kills
+whatever the guard leaves behind, even after a SIGKILL of the guard, and exits as the guard did);
+`guards/<host>.json` records the guard's own pid.
+The guard takes the run dir's lock (runtime/run_lock.py) before it serves: a guard of another job on the
+same run dir exits 3 naming the job that holds it; a guard of the same job joins.
 Exit codes: 0 clean teardown, 2 bad arguments (or a plan that does not fit this node), 3 the guard could
 not start (token file, port lease), 4 a child of the plan could not be spawned.
 """
@@ -28,12 +36,17 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
+from mopd_hpc.runtime import child_env, run_lock
 from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, GuardAuthError, read_token_file
 from mopd_hpc.runtime.guard.autostart import NodeAssignment, assign_node, run_plan, visible_gpus
+from mopd_hpc.runtime.guard.keeper import fork_guard
+from mopd_hpc.runtime.guard.proctree import set_child_subreaper
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig, GuardConfigError
+from mopd_hpc.runtime.node_address import LOOPBACK, NodeAddressError, node_address
+from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.runtime.ports import DEFAULT_LEASE_RANGE, LeasePolicy, PortLeaseError, read_ephemeral_range
+from mopd_hpc.runtime.run_lock import RunDirLockedError
 from mopd_hpc.runtime.signals import EXIT_GUARD_START_FAILED, EXIT_USAGE
 from mopd_hpc.runtime.topology import TopologyError
 
@@ -78,28 +91,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--extra-role", action="append", default=[], metavar="NAME=MODULE", help="register another role"
     )
+    parser.add_argument(
+        "--keeper",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run under a keeper process that kills what the guard leaves behind (default: with a plan)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     plan = parser.add_mutually_exclusive_group()
     plan.add_argument(
         "--plan", default=None, help="job plan (plan.json): spawn this node's children, exit after"
     )
-    plan.add_argument("--autostart", action="store_true", help="--plan <run-dir>/plan.json")
+    plan.add_argument("--autostart", action="store_true", help=f"--plan <run-dir>/{PLAN_FILE_NAME}")
 
 
 def resolve_bind(bind: str, host: str, backend: str) -> str:
     """The address to listen on: `bind` as given, or for 'auto' the IPv4 address `host` resolves to
-    (127.0.0.1 on the local backend). Raises ValueError naming the host when it does not resolve."""
+    (127.0.0.1 on the local backend; `runtime/node_address.py`). Raises ValueError naming the host when it
+    does not resolve."""
     if bind != BIND_AUTO:
         return bind
     if backend == "local":
-        return "127.0.0.1"
+        return LOOPBACK
     try:
-        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ValueError(
-            f"--bind auto: host name {host!r} does not resolve ({exc}); pass --bind ADDR"
-        ) from None
-    return str(infos[0][4][0])
+        return node_address(host)
+    except NodeAddressError as exc:
+        raise ValueError(f"--bind auto: {exc}") from None
 
 
 def load_assignment(args: argparse.Namespace, env: dict[str, str]) -> NodeAssignment | None:
@@ -120,7 +137,7 @@ def build_config(args: argparse.Namespace, env: dict[str, str], ephemeral: tuple
     if not sep or not lo.isdigit() or not hi.isdigit():
         raise ValueError(f"--port-range {args.port_range!r} is invalid: expected LO-HI, e.g. 20000-65535")
     host = args.host or env.get(NODENAME_ENV) or socket.gethostname()
-    backend = env.get("MOPD_BACKEND") or ("slurm" if env.get("SLURM_JOB_ID") else "local")
+    backend = env.get(child_env.BACKEND) or ("slurm" if env.get("SLURM_JOB_ID") else "local")
     return GuardConfig.create(
         args.run_dir,
         args.job_id,
@@ -153,6 +170,22 @@ def run(args: argparse.Namespace) -> int:
     except GuardAuthError as exc:
         print(f"mopd-guard: {exc}", file=sys.stderr)
         return EXIT_GUARD_START_FAILED
+    try:  # one job per run dir: taken (or joined, by a guard of the same job) before anything starts
+        lock = run_lock.acquire(
+            config.run_dir, config.job_id, config.host
+        ).inheritable()  # the keeper keeps it
+    except (RunDirLockedError, OSError) as exc:
+        print(f"mopd-guard: {exc}", file=sys.stderr)
+        return EXIT_GUARD_START_FAILED
+    if lock.unsupported:
+        print(
+            f"mopd-guard: warning: {config.run_dir} is on a file system without flock: no run-dir lock",
+            file=sys.stderr,
+        )
+    if args.keeper if args.keeper is not None else assignment is not None:
+        fork_guard(config.kill_wait_s)  # from here on this is the guard (a subreaper); its parent the keeper
+    else:
+        set_child_subreaper()  # orphans of the children's trees stay the guard's to find (proctree.py)
     return asyncio.run(_serve(config, token, assignment, visible))
 
 

@@ -10,6 +10,7 @@ from typing import TextIO
 
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.logs.tailing import FOLLOW_POLL_S, find_child_logs, follow, known_roles, print_tail
+from mopd_hpc.records.run_dir import LOGS_DIR
 
 HELP = (
     "print the last lines of every child log, merged by their timestamps, with [host role-index] prefixes; "
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     out = out or sys.stdout
     err = err or sys.stderr
     run_dir = Path(args.run_dir)
-    if not (run_dir / "logs").is_dir():
+    if not (run_dir / LOGS_DIR).is_dir():
         print(f"mopd-logs tail: {run_dir}/logs is not a directory: expected a run directory", file=err)
         return EXIT_USAGE
     if args.role is not None and args.role not in (roles := known_roles(run_dir)):

@@ -7,7 +7,8 @@
 - `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
 - `--dry-run`: print the config warnings (as --check does, one a line), the rank map (component, node, role,
   index, GPUs, named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch
-  broadcast rank for `torch`), then the sbatch command and script; no Slurm needed.
+  broadcast rank for `torch`), the memory plan per GPU (`launch/memory_plan.py`), then the sbatch command
+  and script; no Slurm needed.
 - Every submit prints the config warnings before the rank map. A local run refuses (exit 2, before anything
   starts) a model directory or jsonl file that does not exist here, but for the tiny models `--local` builds
   on first use; a Slurm submit only warns (the path may exist on the cluster alone).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,19 +41,27 @@ from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
-from mopd_hpc.config.paths import local_path_errors, path_warnings
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
-from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan, PlanError
-from mopd_hpc.launch.resume import ResumeError, check_resume
+from mopd_hpc.launch.memory_plan import format_memory_plan, memory_plan, plan_warnings
+from mopd_hpc.launch.paths import local_path_errors, path_warnings
+from mopd_hpc.launch.pipe_out import PipeOut
+from mopd_hpc.launch.placement import place_children
+from mopd_hpc.launch.resume import ResumeError, check_resume, resume_choice
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
+from mopd_hpc.records.run_dir import CONFIG_FILE
+from mopd_hpc.runtime import run_lock
+from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
+from mopd_hpc.runtime.run_lock import RunDirLockedError, RunLock
 
+#: Exit code after Ctrl-C (128 + SIGINT, the shell's convention).
+EXIT_INTERRUPTED = 130
 HELP = "plan a run config's job, then print (--dry-run), render (--render), run here (--local) or submit it"
 #: Exit code when sbatch refused the job or could not be run.
 EXIT_SUBMIT_FAILED = 1
 #: The resolved config, written into the run directory (what `--resume` and mopd-logs read).
-CONFIG_FILE_NAME = "config.yaml"
+CONFIG_FILE_NAME = CONFIG_FILE
 
 __all__ = ["HELP", "add_arguments", "check", "execute", "load_run_config", "main", "print_config", "run"]
 
@@ -106,8 +116,20 @@ def summary(cfg: RunConfig) -> str:
 
 
 def submit_warnings(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
-    """Every warning --check prints: the config's own (`RunConfig.warnings`), then the paths missing here."""
-    return [*cfg.warnings(), *path_warnings(cfg, cwd)]
+    """Every warning --check prints: the config's own (`RunConfig.warnings`), the paths missing here, then
+    the GPUs whose memory plan exceeds `cluster.<group>.gpu_memory_gb` (`launch/memory_plan.py`; none when
+    the job cannot be placed: that error comes with the plan)."""
+    return [*cfg.warnings(), *path_warnings(cfg, cwd), *_memory_warnings(cfg)]
+
+
+def _memory_warnings(cfg: RunConfig) -> list[str]:
+    if not any(g.gpu_memory_gb for g in cfg.cluster.groups().values()):
+        return []
+    try:
+        plan = place_children(cfg)
+    except (PlanError, ParallelError):
+        return []
+    return plan_warnings(cfg, plan)
 
 
 def _bulleted(head: str, problems: Sequence[str], tail: str = "") -> str:
@@ -191,7 +213,7 @@ def execute(
         cfg = load_run_config(args.config, args.overrides, args.local)
         path = resolve_run_dir(cfg, args.run_dir, args.resume)
         cfg = cfg.model_copy(update={"run_dir": str(path)})
-        plan = JobPlan.from_config(cfg)
+        plan = place_children(cfg)
         parallel = ActorParallel.from_config(cfg)
         missing = unrunnable_roles(plan)
         if missing and not args.probe and not args.render and not args.dry_run:
@@ -235,17 +257,28 @@ def execute(
                 file=out,
             )
         print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode, parallel)
+        for line in format_memory_plan(memory_plan(cfg, plan)):
+            print(line, file=out)
         print(request.show(), file=out)
         return 0
+    lock: RunLock | None = None
     try:
         gpus = _local_gpus(cfg, environ) if cfg.cluster.backend == "local" and not args.render else ()
-        resumed_from = check_resume(path, cfg)
+        lock = run_lock.claim(  # a local job locks its run dir; a submission checks nobody holds it
+            path, _local_job_id() if runs_here else None, socket.gethostname()
+        )
+        choice = resume_choice(path)
+        resumed_from = check_resume(path, cfg, choice)
         run_dir = prepare_run_dir(path)
-    except (RunDirError, ResumeError, LocalGpuError) as exc:
+    except (RunDirError, ResumeError, LocalGpuError, RunDirLockedError) as exc:
+        if lock is not None:
+            lock.release()
         print(f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
     for warning in warnings:  # as --check prints them, before the rank map
         print(f"# warning: {warning}", file=out)
+    for line in choice.skipped:  # a damaged newer checkpoint: the actor passes over it too
+        print(f"# warning: checkpoint skipped: {line}", file=out)
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
     plan.write(run_dir.root / PLAN_FILE_NAME)
     if args.render:  # the run dir is prepared as for a submission, so the script runs as written
@@ -272,10 +305,17 @@ def execute(
             python=python,
             console=console,
             gpus=gpus,
+            lock=lock,
         )
     return _submit_slurm(
         cfg, plan, request, run_dir, args.config, out=out, err=err, environ=environ, python=python
     )
+
+
+def _local_job_id() -> str:
+    from mopd_hpc.launch.local import local_job_id  # lazily: launch.local imports the trainer's setup
+
+    return local_job_id()
 
 
 def _local_gpus(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -298,6 +338,7 @@ def _run_local(
     python: str,
     console: object,
     gpus: Sequence[str] = (),
+    lock: RunLock | None = None,
 ) -> int:
     from mopd_hpc.launch.local import local_job_id, run_local
     from mopd_hpc.launch.rankmap import probe_report_table, read_probe_reports
@@ -305,7 +346,9 @@ def _run_local(
     job_id = local_job_id()
     # so that `mopd-logs summarize local-N` finds the run dir, as it does a Slurm job id
     record_in_job_index(job_id, run_dir, plan.name, config_path, environ, err)
-    rc = run_local(plan, run_dir, python=python, environ=environ, out=out, job_id=job_id, gpus=gpus)
+    rc = run_local(
+        plan, run_dir, python=python, environ=environ, out=out, job_id=job_id, gpus=gpus, lock=lock
+    )
     if plan.probe:
         console.print(probe_report_table(read_probe_reports(run_dir.root)))  # type: ignore[attr-defined]
     print(f"[local] done: exit code {rc}; run dir {run_dir.root}", file=out)
@@ -381,7 +424,14 @@ def record_in_job_index(
 
 
 def run(args: argparse.Namespace) -> int:
-    return execute(args, out=sys.stdout, err=sys.stderr, environ=dict(os.environ), python=sys.executable)
+    """`execute` on this process's streams (a closed reader is no error: launch/pipe_out.py); Ctrl-C before
+    or after the job (while it runs, launch/local.py forwards it to the guard) exits 130 without a traceback."""
+    out, err = PipeOut(sys.stdout), PipeOut(sys.stderr)
+    try:
+        return execute(args, out=out, err=err, environ=dict(os.environ), python=sys.executable)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        print("mopd-submit: interrupted", file=err)  # type: ignore[arg-type]
+        return EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:

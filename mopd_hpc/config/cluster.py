@@ -77,6 +77,13 @@ class GroupConfig(Section):
     mem_gb: int | None = Field(
         None, ge=1, description="Memory per node, in GB; null = the partition default."
     )
+    gpu_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Memory of one GPU of the group, in GiB (2^30 bytes, as torch reports it; an H200 has "
+        "about 140); --check warns when the memory plan of a GPU exceeds it; null = not checked.",
+    )
     partition: NonEmptyStr | None = Field(None, description="Slurm partition; null = the cluster default.")
     account: NonEmptyStr | None = Field(None, description="Slurm account; null = the user's default.")
     qos: NonEmptyStr | None = Field(None, description="Slurm QOS; null = the default.")

@@ -55,6 +55,19 @@ class ActorConfig(Section):
         "after this. Rank 0's evaluation and checkpoint saves do not count against it.",
     )
     optimizer: OptimizerConfig = Field(description="AdamW settings.")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of one train micro-batch: rows × padded positions (prompt + response) per "
+        "forward/backward, gradients accumulated over the step's micro-batches (the loss is normalized over "
+        "the whole step); null = on CPU each rank's whole shard in one micro-batch, on a GPU a budget derived "
+        "at each step from the free GPU memory and the model's shape.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward instead of keeping them "
+        "(torch: gradient checkpointing; megatron: full recompute, one layer per unit).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ActorConfig:

@@ -21,6 +21,7 @@ import yaml
 from mopd_hpc.config import schema
 from mopd_hpc.config.problems import ConfigError, Problem, join_path, known
 from mopd_hpc.config.yaml_io import load_yaml_value
+from mopd_hpc.config.yaml_limits import YamlLimitError
 
 _PART = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")
 
@@ -48,7 +49,11 @@ def parse_key(key: str) -> list[str | int]:
 
 
 def parse_value(text: str) -> Any:
-    """A YAML scalar or flow collection (`1e-4` too); text that YAML cannot parse stays a string."""
+    """A YAML scalar or flow collection (`1e-4` too); text that YAML cannot parse stays a string.
+
+    Raises:
+        YamlLimitError: text over a limit of config/yaml_limits.py (an alias bomb in a `--set` value).
+    """
     try:
         return load_yaml_value(text)
     except yaml.YAMLError:
@@ -98,7 +103,12 @@ def overrides_applied(
                 Problem(f"--set {key}", str(exc), expected="a dotted path such as data.sources[0].route")
             )
             continue
-        problem = _set(out, parts, parse_value(text), root)
+        try:
+            value = parse_value(text)
+        except YamlLimitError as exc:
+            problems.append(Problem(f"--set {key}", str(exc), expected="a short scalar or flow collection"))
+            continue
+        problem = _set(out, parts, value, root)
         if problem is not None:
             problems.append(problem)
     return out, problems

@@ -331,7 +331,7 @@ def _megatron_schedule(c: Any) -> Iterator[Problem]:
 def _cpu_budget(cfg: Any) -> Iterator[Problem]:
     """The actor ranks of a CPU node train at the same time, on the node's cpus_per_task CPUs (one task per
     node; its children share them): more ranks than CPUs means more threads than cores, which spin-wait
-    (trainer/role_env.py cpu_threads: each rank takes at least one thread)."""
+    (roles/env.py cpu_threads: each rank takes at least one thread)."""
     group = cfg.cluster.trainer_group
     ranks = group.actor_slots_per_node
     if group.gpus_per_node == 0 and ranks > group.cpus_per_task:

@@ -28,6 +28,7 @@ from mopd_hpc.config.problems import ConfigError, Problem, RuleViolation
 from mopd_hpc.config.rollout import RolloutConfig, WeightSyncConfig
 from mopd_hpc.config.types import Identifier, NonEmptyStr
 from mopd_hpc.config.yaml_io import dump_yaml, load_yaml_text
+from mopd_hpc.config.yaml_limits import MAX_BYTES
 
 #: Teacher weight of a route (w_j ≥ 0, finite; DESIGN.md §3).
 TeacherWeight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -144,9 +145,21 @@ class RunConfig(Section):
 
 
 def read_config_text(path: str | os.PathLike[str]) -> str:
-    """The text of a config file. Raises ConfigError naming the path when it cannot be read."""
+    """The text of a config file. Raises ConfigError naming the path when it cannot be read or is over
+    yaml_limits.MAX_BYTES (read no further than the limit: a config path at /dev/zero ends too)."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            raise ConfigError(
+                [
+                    Problem(
+                        "", f"config file too large: over {MAX_BYTES} bytes (the limit is {MAX_BYTES} bytes)"
+                    )
+                ],
+                str(path),
+            )
+        return raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(

@@ -1,7 +1,8 @@
 """Strict YAML in, plain YAML out.
 
 PyYAML silently keeps the last of two equal keys (`routes: {math: ..., math: ...}`); a config loader
-must not, so loading rejects duplicate keys, naming their YAML path and lines.
+must not, so loading rejects duplicate keys, naming their YAML path and lines. Loading is bounded
+(config/yaml_limits.py: size, depth, alias expansion), so a YAML bomb is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any
 import yaml
 
 from mopd_hpc.config.problems import Problem, join_path
+from mopd_hpc.config.yaml_limits import DepthLimitedComposer, YamlLimitError, check_expansion, check_text_size
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(DepthLimitedComposer, yaml.SafeLoader):
     """SafeLoader that also reads `1e-4` (no dot: a string in YAML 1.1) as a float, as YAML 1.2 does."""
 
 
@@ -52,16 +54,25 @@ def _duplicates(node: yaml.Node, path: tuple[str | int, ...] = ()) -> Iterator[P
 def load_yaml_text(text: str) -> tuple[Any, list[Problem]]:
     """Parse YAML text (safe loader). Returns (document, problems).
 
-    A syntax error is one problem naming line and column (document None); duplicate keys are problems
-    naming their path (the document is still returned, last key winning, so validation can go on).
+    A syntax error is one problem naming line and column (document None); so is a text over a limit of
+    config/yaml_limits.py (MAX_BYTES, MAX_DEPTH, MAX_NODES: checked before anything walks the document);
+    duplicate keys are problems naming their path (the document is still returned, last key winning, so
+    validation can go on).
     """
+    try:
+        check_text_size(text)
+    except YamlLimitError as exc:
+        return None, [Problem("", str(exc))]
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None, []
+        check_expansion(node)
         problems = list(_duplicates(node))
         return loader.construct_document(node), problems
+    except YamlLimitError as exc:
+        return None, [Problem("", str(exc))]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
@@ -76,8 +87,18 @@ def load_yaml_value(text: str) -> Any:
 
     Raises:
         yaml.YAMLError: text YAML cannot parse.
+        YamlLimitError: text over a limit of config/yaml_limits.py.
     """
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (_Loader is a SafeLoader)
+    check_text_size(text)
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        check_expansion(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def dump_yaml(data: Any) -> str:

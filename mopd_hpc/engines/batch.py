@@ -113,6 +113,52 @@ class TokenBatch:
         start_t = torch.tensor(list(response_start), dtype=torch.int64)
         return cls(ids, attn, resp, mask, start_t, pad_id)
 
+    @classmethod
+    def from_packed(
+        cls, input_ids: torch.Tensor, row_lengths: torch.Tensor, response_start: torch.Tensor, pad_id: int
+    ) -> TokenBatch:
+        """`from_rows` of rows packed back to back (what binary transport carries), without Python lists.
+
+        Args:
+            input_ids: [Σ_b |row_b|] int, the rows' tokens, row after row.
+            row_lengths: [B] int, |row_b|.
+            response_start: [B] int, as in `from_rows`.
+        Raises:
+            BatchError: as `from_rows`, or row_lengths that do not add up to input_ids.
+        """
+        lengths = row_lengths.to(torch.int64)
+        starts = response_start.to(torch.int64)
+        if lengths.dim() != 1 or lengths.numel() == 0:
+            raise BatchError("row_lengths is empty; expected at least one row")
+        if starts.shape != lengths.shape:
+            raise BatchError(
+                f"response_start has {starts.numel()} entries; expected one per row ({lengths.numel()})"
+            )
+        if bool((lengths < 0).any()) or int(lengths.sum()) != input_ids.numel():
+            raise BatchError(f"row_lengths sum to {int(lengths.sum())}; input_ids holds {input_ids.numel()}")
+        if pad_id < 0:
+            raise BatchError(f"pad_id is {pad_id}; expected a token id >= 0")
+        wrong = (starts < 1) | (starts > lengths)
+        if bool(wrong.any()):
+            b = int(wrong.nonzero()[0, 0])
+            raise BatchError(f"response_start[{b}] is {int(starts[b])}; expected in [1, {int(lengths[b])}]")
+        if input_ids.numel() and int(input_ids.min()) < 0:
+            raise BatchError(f"input_ids holds a negative token id {int(input_ids.min())}")
+        rows, length = lengths.tolist(), int(lengths.max())
+        resp_len = (lengths - starts).tolist()
+        width = max(resp_len)
+        ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
+        resp = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+        pos = torch.arange(length)
+        attn = (pos[None, :] < lengths[:, None]).to(torch.int64)
+        mask = torch.arange(width)[None, :] < (lengths - starts)[:, None]
+        at = 0
+        for b, (n, s) in enumerate(zip(rows, starts.tolist(), strict=True)):
+            ids[b, :n] = input_ids[at : at + n]
+            resp[b, : n - s] = input_ids[at + s : at + n]
+            at += n
+        return cls(ids, attn, resp, mask, starts.clone(), pad_id)
+
     @property
     def batch_size(self) -> int:
         return int(self.input_ids.shape[0])
@@ -155,6 +201,29 @@ class TokenBatch:
             response_ids=self.response_ids[start:stop],
             response_mask=self.response_mask[start:stop],
             response_start=self.response_start[start:stop],
+        )
+
+    def select(self, index: torch.Tensor, length: int, width: int) -> TokenBatch:
+        """Rows `index` ([b] int64, on this batch's device) cut to their first `length` positions and
+        `width` response positions: a micro-batch without the padding it does not need. Exact for the
+        right-padded layout when length ≥ every chosen row's prompt + response and width ≥ its response
+        (what `engines.micro_batch.split_rows` passes).
+
+        Raises:
+            BatchError: length or width outside [1, L] / [0, T].
+        """
+        if not 1 <= length <= self.input_ids.shape[1] or not 0 <= width <= self.response_width:
+            raise BatchError(
+                f"select(length={length}, width={width}); expected 1 <= length <= {self.input_ids.shape[1]} "
+                f"and 0 <= width <= {self.response_width}"
+            )
+        return replace(
+            self,
+            input_ids=self.input_ids[index, :length],
+            attention_mask=self.attention_mask[index, :length],
+            response_ids=self.response_ids[index, :width],
+            response_mask=self.response_mask[index, :width],
+            response_start=self.response_start[index],
         )
 
     def pad_response_values(self, rows: Sequence[Sequence[float]], fill: float = 0.0) -> torch.Tensor:
@@ -290,6 +359,41 @@ class TrainBatch:
         """Rows [start, stop) of every tensor (same L, T and K): a data-parallel shard. `start == stop` gives
         an empty shard (B = 0), which `TorchTrainEngine.train_step` accepts on a data-parallel rank."""
         return self._map(self.tokens.rows(start, stop), lambda t: t[start:stop])
+
+    def select(self, index: torch.Tensor, length: int, width: int) -> TrainBatch:
+        """Rows `index` of every tensor, positions cut to `length` and response positions to `width`
+        (`TokenBatch.select`): a micro-batch. [B] tensors (weights, A_ORM) keep their one dimension.
+
+        Raises:
+            BatchError: what `TokenBatch.select` raises.
+        """
+        tokens = self.tokens.select(index, length, width)
+
+        def per_token(t: torch.Tensor) -> torch.Tensor:
+            return t[index, :width]
+
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t[index] if t.dim() == 1 else per_token(t)
+
+        targets = self.targets
+        if targets is not None:
+            targets = TeacherTargets(per_token(targets.logp_sum), per_token(targets.weight_sum))
+        return TrainBatch(
+            tokens,
+            per_token(self.behavior_logprobs),
+            targets,
+            MappingProxyType(
+                {
+                    k: TeacherTopK(per_token(v.indices), per_token(v.logprobs))
+                    for k, v in self.teacher_topk.items()
+                }
+            ),
+            MappingProxyType({k: v[index] for k, v in self.teacher_weights.items()}),
+            opt(self.orm_advantages),
+            opt(self.ref_logprobs),
+        )
 
     def stand_in(self) -> TrainBatch:
         """One row shaped like this batch (same T, K, dtypes, device, and the same optional fields) with an

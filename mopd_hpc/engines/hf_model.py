@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
+from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.mopd.logprobs import Backend, token_logprobs
 
@@ -110,3 +111,22 @@ class CausalLMForward:
         mask = batch.response_mask
         index = torch.where(mask, batch.response_ids, 0)
         return torch.where(mask, token_logprobs(logits, index, backend=self.backend), 0.0)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder layer of a transformers model in the backward, non-reentrant (works under DDP
+    and with inputs that do not require grad): `activation_checkpointing_enable` (transformers >= 5.2x),
+    else `gradient_checkpointing_enable`. Active in train mode only."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def memory_shape(model: torch.nn.Module) -> ModelShape | None:
+    """The memory estimate's shape of a transformers model's config; None when it lacks a key it needs."""
+    try:
+        return ModelShape.from_hf_config(model.config.to_dict())
+    except (MemoryModelError, AttributeError):
+        return None

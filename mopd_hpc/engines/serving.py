@@ -1,6 +1,7 @@
 """Start an aiohttp server for a child process (teacher, rollout): bind, learn the port, stop on TERM/INT.
 
 One place for what every server child does the same way; its own readiness record stays with each server.
+It serves only apps that require the job's token (`runtime/http_auth.protect`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import asyncio
 import signal
 
 from aiohttp import web
+
+from mopd_hpc.runtime.http_auth import is_protected
 
 
 async def start_app(
@@ -20,8 +23,14 @@ async def start_app(
         port: the port to bind; 0 lets the kernel choose (the returned port says which).
         stop: set by the caller to stop; a new event when None. SIGTERM and SIGINT set it too.
     Raises:
+        ValueError: `app` has no token check (build it with `runtime.http_auth.protect(app, token)`).
         OSError: the address cannot be bound (e.g. EADDRINUSE); nothing is left listening.
     """
+    if not is_protected(app):
+        raise ValueError(
+            "the app has no token check: every server of the job requires the job's token; "
+            "build it with mopd_hpc.runtime.http_auth.protect(app, token)"
+        )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:

@@ -5,8 +5,9 @@
 NCCL group rendezvoused in memory, torn down when the server stops). When the server listens and
 `args.run_dir` is known, it writes `run_dir/endpoints/teacher-<id>.json` atomically ({teacher_id, host, port,
 url, pid, model_path, fingerprint}) and logs "teacher server ready". Setting `stop` (or SIGTERM/SIGINT) stops it
-cleanly and removes the endpoint file. Routes: `teacher_server`. The programs that run it (a job's teacher
-child, or a standalone server from flags) are `roles/teacher.py`.
+cleanly and removes the endpoint file. Routes: `teacher_server`; every one requires the job's token except
+the bare liveness probe (`teacher_app`, `runtime/http_auth.py`). The programs that run it (a job's teacher
+child, or a standalone server from flags) are `roles/teacher.py`; they read the token and pass it in.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ from typing import TYPE_CHECKING, Any
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.serving import start_app
+from mopd_hpc.records.run_dir import endpoint_file
+from mopd_hpc.runtime.http_auth import protect
 
 if TYPE_CHECKING:
     import torch
+    from aiohttp import web
+
+    from mopd_hpc.engines.teacher_server import TeacherServer
 
 log = logging.getLogger("mopd_hpc.teacher")
 
@@ -39,7 +45,9 @@ class TeacherArgs:
 
     `engine` is "torch" or "megatron"; `tensor_parallel` must be 1 (one process, no follower ranks);
     `source` is where the engine settings came from, for error messages: the teacher's config path
-    (`models.teachers[0]`), or "" for the command line (errors then name `--engine`).
+    (`models.teachers[0]`), or "" for the command line (errors then name `--engine`). `token_file`: the
+    standalone server's `--token-file` (None: the run dir's, else a new one; `http_auth.standalone_token`);
+    a job's teacher reads the run dir's.
     """
 
     teacher_id: str
@@ -55,6 +63,7 @@ class TeacherArgs:
     engine: str = "torch"
     tensor_parallel: int = 1
     source: str = ""
+    token_file: str | None = None
 
     def field(self, name: str) -> str:
         """How the user set `name` (`engine`, `tensor_parallel`): its config path, or `--engine` / the bare
@@ -66,7 +75,7 @@ class TeacherArgs:
 
 def endpoint_path(run_dir: str | Path, teacher_id: str) -> Path:
     """`run_dir/endpoints/teacher-<id>.json`."""
-    return Path(run_dir) / "endpoints" / f"teacher-{teacher_id}.json"
+    return endpoint_file(run_dir, "teacher", teacher_id)
 
 
 def build_engine(args: TeacherArgs) -> Any:
@@ -157,9 +166,16 @@ def shutdown_parallel(args: TeacherArgs) -> None:
     dist.destroy_process_group()
 
 
-async def serve(args: TeacherArgs, stop: asyncio.Event | None = None) -> None:
-    """Load the checkpoint, listen, write the endpoint file, and serve until `stop` (or SIGTERM/SIGINT);
-    then remove the endpoint file and tear down what `build_engine` set up (`shutdown_parallel`).
+def teacher_app(server: TeacherServer, token: str) -> web.Application:
+    """The server's app as it is served: `TeacherServer.app()` behind the job's token
+    (`http_auth.protect`)."""
+    return protect(server.app(), token)
+
+
+async def serve(args: TeacherArgs, token: str, stop: asyncio.Event | None = None) -> None:
+    """Load the checkpoint, listen (every route but the liveness probe requires `token`), write the endpoint
+    file, and serve until `stop` (or SIGTERM/SIGINT); then remove the endpoint file and tear down what
+    `build_engine` set up (`shutdown_parallel`).
 
     Raises:
         EngineError: from `build_engine` (before anything listens).
@@ -170,16 +186,16 @@ async def serve(args: TeacherArgs, stop: asyncio.Event | None = None) -> None:
         torch.set_num_threads(args.num_threads)
     try:
         engine = await asyncio.to_thread(build_engine, args)
-        await _serve_engine(args, engine, stop)
+        await _serve_engine(args, token, engine, stop)
     finally:
         shutdown_parallel_quietly(args)
 
 
-async def _serve_engine(args: TeacherArgs, engine: Any, stop: asyncio.Event | None) -> None:
+async def _serve_engine(args: TeacherArgs, token: str, engine: Any, stop: asyncio.Event | None) -> None:
     from mopd_hpc.engines.teacher_server import TeacherServer
 
     server = TeacherServer(engine, args.teacher_id, args.model_path, pad_id=pad_token_id(engine))
-    runner, port, stop = await start_app(server.app(), args.host, args.port, stop)
+    runner, port, stop = await start_app(teacher_app(server, token), args.host, args.port, stop)
     url = f"http://{args.advertise_host}:{port}"
     if args.run_dir:
         path = endpoint_path(args.run_dir, args.teacher_id)

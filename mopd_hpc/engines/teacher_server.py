@@ -12,7 +12,11 @@ A teacher child loads its checkpoint ONCE and serves forward-only scoring of the
   POST /reload    reload from the checkpoint path only when its fingerprint changed → {reloaded, ...}
 
 `response_start[b]` is the index in row b where the response begins (≥ 1: the first response token is
-predicted from the last prompt position). Errors are JSON {"error": {"message", "type", "code"}}: 400 for a
+predicted from the last prompt position). Binary transport (DESIGN.md §7): a /score request may be a frame
+(Content-Type application/x-mopd-tensors) and a client that sends `Accept: application/x-mopd-tensors` gets
+the answer as a frame, rows packed, top-k ids int32 (layouts in `teacher_wire.py`); JSON stays the default
+and the shape of every other route. Non-finite log-probs travel as `teacher_wire.LOGPROB_FLOOR` in both
+encodings, so they agree bit for bit. Errors are JSON {"error": {"message", "type", "code"}}: 400 for a
 bad request (field, value, expectation), 503 while the weights are offloaded, 500 for a bug.
 
 The checkpoint fingerprint hashes the names, sizes and modification times (ns) of the checkpoint's
@@ -25,7 +29,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +38,19 @@ import aiohttp
 from aiohttp import web
 
 from mopd_hpc.engines.batch import BatchError, TokenBatch
+from mopd_hpc.engines.buffer_pool import BufferPool
 from mopd_hpc.engines.protocol import EngineError
+from mopd_hpc.engines.teacher_wire import (
+    ScoreTensors,
+    decode_score_request,
+    encode_score_request,
+    floor_nonfinite,
+    score_answer,
+)
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
+from mopd_hpc.engines.wire import DEFAULT_MAX_BODY_BYTES, WireError
+from mopd_hpc.engines.wire_http import FRAME_HEADERS, accepts_frame, is_frame, read_frame, send_frame
+from mopd_hpc.runtime.http_auth import auth_headers
 
 log = logging.getLogger("mopd_hpc.teacher")
 
@@ -114,16 +128,23 @@ class ScoreRequest:
         return cls(tuple(tuple(r) for r in rows), tuple(starts), top_k)
 
 
-def _finite(values: list[Any]) -> list[Any]:
-    """JSON has no -inf: a log-prob of an impossible token becomes the most negative float."""
-    return [v if not isinstance(v, float) or math.isfinite(v) else -1.0e30 for v in values]
-
-
 class TeacherServer:
-    """The HTTP surface of one teacher over a `TorchScoringEngine` (routes in the module docstring)."""
+    """The HTTP surface of one teacher over a `TorchScoringEngine` (routes in the module docstring).
 
-    def __init__(self, engine: TorchScoringEngine, teacher_id: str, model_path: str, pad_id: int = 0) -> None:
+    `max_body_bytes` bounds a request body (JSON or frame), in bytes; larger ones are refused (400).
+    """
+
+    def __init__(
+        self,
+        engine: TorchScoringEngine,
+        teacher_id: str,
+        model_path: str,
+        pad_id: int = 0,
+        max_body_bytes: int = 1 << 30,
+    ) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
+        self.pieces = BufferPool(keep=4)  # buffers of streamed answer pieces, reused across answers
         self.teacher_id = teacher_id
         self.model_path = model_path
         self.pad_id = pad_id
@@ -132,7 +153,7 @@ class TeacherServer:
         self.lock = asyncio.Lock()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1024**3, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         app.router.add_get("/health", self.health)
         app.router.add_post("/score", self.score)
         app.router.add_post("/offload", self.offload)
@@ -153,7 +174,7 @@ class TeacherServer:
             return await handler(request)
         except web.HTTPException:
             raise
-        except (TeacherRequestError, BatchError, json.JSONDecodeError) as err:
+        except (TeacherRequestError, BatchError, WireError, json.JSONDecodeError) as err:
             return _error(400, err)
         except EngineError as err:
             return _error(503, err)
@@ -166,17 +187,27 @@ class TeacherServer:
         return web.json_response(body)
 
     async def score(self, request: web.Request) -> web.Response:
-        req = ScoreRequest.from_json(await request.json(), self.engine.vocab_size)
-        batch = TokenBatch.from_rows(req.input_ids, req.response_start, self.pad_id)
+        vocab = self.engine.vocab_size
+        if is_frame(request):  # binary transport: validated tensors, no Python lists
+            ids, lengths, starts, top_k = decode_score_request(
+                await read_frame(request, self.max_body_bytes), vocab
+            )
+            batch = TokenBatch.from_packed(ids, lengths, starts, self.pad_id)
+        else:
+            req = ScoreRequest.from_json(await request.json(), vocab)
+            batch, top_k = TokenBatch.from_rows(req.input_ids, req.response_start, self.pad_id), req.top_k
         async with self.lock:
-            logprobs, top = await asyncio.to_thread(self.engine.score, batch, req.top_k)
-        body: dict[str, Any] = {"logprobs": [_finite(r) for r in batch.unpad_response_values(logprobs)]}
+            logprobs, top = await asyncio.to_thread(self.engine.score, batch, top_k)
+        if accepts_frame(request):
+            ids, vals = (None, None) if top is None else (top.indices, top.logprobs)
+            frame = score_answer(batch.response_lengths, logprobs, ids, vals, self._identity(), vocab)
+            return await send_frame(request, frame, self.pieces)
+        body: dict[str, Any] = {"logprobs": batch.unpad_response_values(floor_nonfinite(logprobs))}
         if top is not None:
             lengths = batch.response_lengths.tolist()
+            values = floor_nonfinite(top.logprobs)
             body["topk_ids"] = [top.indices[b, :n].tolist() for b, n in enumerate(lengths)]
-            body["topk_logprobs"] = [
-                [_finite(pos) for pos in top.logprobs[b, :n].tolist()] for b, n in enumerate(lengths)
-            ]
+            body["topk_logprobs"] = [values[b, :n].tolist() for b, n in enumerate(lengths)]
         return web.json_response(body | self._identity())
 
     async def offload(self, request: web.Request) -> web.Response:
@@ -224,6 +255,16 @@ class ScoreResponse:
     weight_version: str
     fingerprint: str
 
+    @classmethod
+    def from_tensors(cls, answer: ScoreTensors) -> ScoreResponse:
+        """The same lists the JSON answer gives (bit for bit), from a binary answer."""
+        lists = [r.tolist() for r in answer.split(answer.logprobs)]
+        ids = None if answer.topk_ids is None else [r.tolist() for r in answer.split(answer.topk_ids)]
+        vals = None
+        if answer.topk_logprobs is not None:
+            vals = [r.tolist() for r in answer.split(answer.topk_logprobs)]
+        return cls(lists, ids, vals, answer.weight_version, answer.fingerprint)
+
 
 class TeacherClient:
     """asyncio client of one teacher server. Use as `async with TeacherClient(url) as client: ...`.
@@ -232,13 +273,31 @@ class TeacherClient:
         url: "http://host:port".
         timeout_s: total time allowed per request, in seconds.
         connect_timeout_s: time allowed to connect, in seconds.
+        binary: `score` travels as frames (binary transport) when True, as JSON when False; the answer
+            is the same, bit for bit. `score_tensors` is always binary.
+        max_body_bytes: the largest answer frame accepted, in bytes (larger: TeacherClientError).
+        keep_buffers: answer buffers kept for reuse once the tensors of an answer are dropped (0: none);
+            each is as large as the largest answer.
+        token: the job's token, sent with every request (`runtime/http_auth.py`; a job's server answers 401
+            without it); None sends none.
     """
 
     def __init__(
-        self, url: str, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = 10.0
+        self,
+        url: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = 10.0,
+        *,
+        binary: bool = True,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        keep_buffers: int = 1,
+        token: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self._headers = auth_headers(token)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self.binary, self.max_body_bytes = binary, max_body_bytes
+        self.buffers = BufferPool(keep=keep_buffers)
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
@@ -247,7 +306,7 @@ class TeacherClient:
         return cls(f"http://{endpoint['host']}:{int(endpoint['port'])}", **kwargs)
 
     async def __aenter__(self) -> TeacherClient:
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -267,7 +326,11 @@ class TeacherClient:
             except (aiohttp.ContentTypeError, json.JSONDecodeError):
                 raise TeacherClientError(resp.status, (await resp.text())[:400]) from None
             if resp.status != 200:
-                message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+                body = data if isinstance(data, dict) else {}
+                error = body.get(
+                    "error"
+                )  # the server's {"error": {...}}, or the token check's {"error": str}
+                message = error.get("message", data) if isinstance(error, dict) else body.get("message", data)
                 raise TeacherClientError(resp.status, str(message))
             return data
 
@@ -277,7 +340,10 @@ class TeacherClient:
     async def score(
         self, input_ids: Sequence[Sequence[int]], response_start: Sequence[int], top_k: int | None = None
     ) -> ScoreResponse:
-        """Score rows (prompt + response); see the module docstring for shapes."""
+        """Score rows (prompt + response); see the module docstring for shapes. Binary or JSON on the wire
+        (`binary`), the same lists either way."""
+        if self.binary:
+            return ScoreResponse.from_tensors(await self.score_tensors(input_ids, response_start, top_k))
         body = {
             "input_ids": [list(r) for r in input_ids],
             "response_start": list(response_start),
@@ -291,6 +357,36 @@ class TeacherClient:
             data["weight_version"],
             data["fingerprint"],
         )
+
+    async def score_tensors(
+        self, input_ids: Sequence[Sequence[int]], response_start: Sequence[int], top_k: int | None = None
+    ) -> ScoreTensors:
+        """Score rows with binary transport both ways: the answer as packed tensors (`ScoreTensors`:
+        logprobs [N] float32, topk_ids [N, K] int32, topk_logprobs [N, K] float32, lengths [B] int64).
+
+        Raises:
+            TeacherClientError: an error status (the server's message), or an answer that is not a
+                valid frame (status 200, the WireError's message).
+        """
+        if self._session is None:
+            raise RuntimeError("TeacherClient used outside `async with` (no session)")
+        body = encode_score_request(input_ids, response_start, top_k)
+        async with self._session.post(self.url + "/score", data=body, headers=FRAME_HEADERS) as resp:
+            if resp.status == 200 and is_frame(resp):
+                try:
+                    frame = await read_frame(resp, self.max_body_bytes, self.buffers)
+                    return ScoreTensors.from_frame(frame)
+                except WireError as err:
+                    raise TeacherClientError(resp.status, f"unreadable binary answer: {err}") from None
+            text = await resp.text()
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError:
+                raise TeacherClientError(resp.status, text[:400]) from None
+            message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+            if resp.status == 200:
+                message = f"expected a binary answer ({resp.content_type} instead): {str(message)[:200]}"
+            raise TeacherClientError(resp.status, str(message))
 
     async def offload(self) -> dict[str, Any]:
         return await self._call("POST", "/offload")

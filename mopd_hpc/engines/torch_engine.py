@@ -15,6 +15,17 @@ The train step (DESIGN.md §3; the loss section is bound once, at construction):
 
 A step whose gradient norm is not finite is skipped (no parameter changes; `step_skipped` = 1).
 
+Micro-batches (`MicroBatching`, `engines/micro_batch.py`): the shard's rows run in micro-batches of at most
+`micro_batch_tokens` positions each (rows × their padded length), one forward and backward each, the
+gradients accumulated before the one clip and AdamW step; every micro-batch's loss is its per-token sum over
+the denominator of the WHOLE step (computed once, all-reduced at DP > 1), so the accumulated gradient is the
+one-batch gradient; statistics combine as sums and token-weighted means. Under DDP all but the last
+micro-batch run in `no_sync()` (one gradient all-reduce per step). `micro_batch_tokens` null: on CUDA a
+budget derived at each step from the free GPU memory and the model's shape (`micro_batch.step_budget`,
+`memory_model`), on CPU the whole shard. `activation_checkpointing` turns on
+transformers' gradient checkpointing (non-reentrant): each decoder layer's activations are recomputed in the
+backward.
+
 Data parallelism (`DataParallel`, DESIGN.md §7): at size n > 1 every rank trains on its shard of the step's
 rows and the model runs under `torch.nn.parallel.DistributedDataParallel` over the record's group (the
 caller's: gloo on CPU, NCCL on GPU, whose device_ids is the engine's device) for the train step's forward and
@@ -33,7 +44,9 @@ Shape legend: B rows, L prompt + response positions, T response positions, V voc
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import math
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -46,8 +59,17 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
-from mopd_hpc.engines.hf_model import TOKENIZER_FILES, CausalLMForward, load_causal_lm, resolve_device
+from mopd_hpc.engines.hf_model import (
+    TOKENIZER_FILES,
+    CausalLMForward,
+    enable_activation_checkpointing,
+    load_causal_lm,
+    memory_shape,
+    resolve_device,
+)
 from mopd_hpc.engines.lr_schedule import lr_scheduler
+from mopd_hpc.engines.memory_model import dtype_bytes
+from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.engines.residency import Residency
 from mopd_hpc.engines.torch_scoring import TorchScoringEngine
@@ -59,6 +81,8 @@ from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl_loss
 
 __all__ = ["TorchScoringEngine", "TorchTrainEngine"]
+
+log = logging.getLogger(__name__)
 
 
 def _distributed_module(module: torch.nn.Module, dp: DataParallel, device: torch.device) -> torch.nn.Module:
@@ -101,6 +125,7 @@ class TorchTrainEngine:
         backend: Backend = "auto",
         total_steps: int = 1,
         data_parallel: DataParallel = DataParallel.single(),
+        micro_batching: MicroBatching = MicroBatching(),
     ) -> None:
         if loss.estimator == "topk" and loss.orm_alpha > 0:
             raise EngineError(
@@ -112,6 +137,9 @@ class TorchTrainEngine:
         self.optimizer_config = optimizer
         data_parallel.check_initialized()
         self.data_parallel = data_parallel
+        self.micro_batching = micro_batching
+        if micro_batching.activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.forward = CausalLMForward(model, device, backend)
         #: What the train step's forward runs through: the response-logits module, under DDP at size > 1.
         self.train_module = self.forward.module
@@ -122,6 +150,10 @@ class TorchTrainEngine:
         self.scheduler = lr_scheduler(self.optimizer, optimizer, total_steps)
         self.residency = Residency(model, device, self.optimizer)
         self.steps = 0
+        #: The shape and dtype the default CUDA micro-batch budget is estimated from (None: not a shape the
+        #: estimate reads; the whole shard then runs in one micro-batch).
+        self.shape = memory_shape(model)
+        self.dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
 
     @classmethod
     def from_pretrained(
@@ -135,11 +167,13 @@ class TorchTrainEngine:
         logprob_backend: Backend = "auto",
         total_steps: int = 1,
         data_parallel: DataParallel = DataParallel.single(),
+        micro_batching: MicroBatching = MicroBatching(),
     ) -> TorchTrainEngine:
         """Load the student from `path`; dtype is the parameter and compute dtype (`ActorConfig.dtype`);
         total_steps is the run's length, over which the lr schedule runs (`lr_scheduler`); data_parallel is
         this process's rank of the actor's data-parallel group (at size > 1 a collective: every rank of the
-        group calls this at the same time, with torch.distributed initialized, each on its own device).
+        group calls this at the same time, with torch.distributed initialized, each on its own device);
+        micro_batching is the train step's token budget per micro-batch and activation recompute.
 
         Raises:
             EngineError: bad dtype/device, total_steps < 1, a loss section this engine cannot apply, or an
@@ -149,7 +183,17 @@ class TorchTrainEngine:
         """
         dev = resolve_device(device)
         model = load_causal_lm(path, dtype, dev)
-        return cls(model, str(path), dev, optimizer, loss, logprob_backend, total_steps, data_parallel)
+        return cls(
+            model,
+            str(path),
+            dev,
+            optimizer,
+            loss,
+            logprob_backend,
+            total_steps,
+            data_parallel,
+            micro_batching,
+        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -251,7 +295,7 @@ class TorchTrainEngine:
         """One optimizer step on `batch` (this rank's shard of the step; B = 0 allowed) with the bound loss
         (module docstring). Returns floats: `loss`, `grad_norm` (L2, before clipping), `grad_clip_coef`
         (≤ 1), `step_skipped`, `lr` (the one this step used), `tokens`, the terms' statistics (`mopd/*` or
-        `topk/*`, `grpo/*`), and what `observe` returns when given the step's detached [B, T] float32
+        `topk/*`, `grpo/*`), `micro_batches` (this rank's count), and what `observe` returns when given the step's detached [B, T] float32
         log π_θ(y_t) (before the update: monitoring statistics without a second forward pass; [0, T] for an
         empty shard).
 
@@ -269,20 +313,29 @@ class TorchTrainEngine:
         batch = batch.to(self.device)
         mask = batch.tokens.response_mask
         local_tokens = mask.sum(dtype=torch.int64)
-        denominator = None
-        tokens = float(local_tokens)
-        if dp.distributed:
-            counts = torch.stack([loss_denominator(mask, self.loss_config.normalizer), local_tokens])
-            dp.all_reduce_sum(counts)
-            denominator, tokens = counts[0], float(counts[1])
+        # The whole step's denominator, computed once and given to every micro-batch's loss.
+        counts = torch.stack([loss_denominator(mask, self.loss_config.normalizer), local_tokens])
+        dp.all_reduce_sum(counts)
+        denominator, tokens = counts[0], float(counts[1])
         empty = batch.batch_size == 0
-        loss, logprobs, stats = self.compute_loss(batch.stand_in() if empty else batch, denominator)
-        if empty:
-            logprobs = logprobs[:0]
-        observed = dict(observe(logprobs.detach())) if observe is not None else {}
+        parts = [None] if empty else split_rows(batch, self._budget())
+        full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
+        combined = StepStats()
         self.optimizer.zero_grad(set_to_none=True)
-        # DDP averages the ranks' gradients: backward on size·L_r makes the synced gradient Σ_r ∇L_r = ∇L.
-        (loss * dp.size if dp.distributed else loss).backward()
+        for i, part in enumerate(parts):
+            # DDP all-reduces the gradients in the backward of the last micro-batch only.
+            last = i == len(parts) - 1
+            sync = self.train_module.no_sync() if dp.distributed and not last else contextlib.nullcontext()
+            rows = batch.stand_in() if part is None else part.batch
+            with sync:
+                loss, logprobs, stats = self.compute_loss(rows, denominator)
+                # DDP averages the ranks' gradients: backward on size·L_r makes the synced gradient ∇L.
+                (loss * dp.size if dp.distributed else loss).backward()
+            combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
+            if part is not None:
+                width = logprobs.shape[1]
+                full_logprobs[part.index, :width] = logprobs.detach().float()
+        observed = dict(observe(full_logprobs)) if observe is not None else {}
         clip = self.optimizer_config.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=math.inf if clip is None else clip))
@@ -293,13 +346,10 @@ class TorchTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.steps += 1
-        out = {name: float(value) for name, value in stats.items()} | observed
-        out["loss"] = float(loss.detach())
+        out = combined.result() | observed
         if dp.distributed:
-            additive = ("/loss", "/tokens")  # the terms' loss shares and token counts (not `observe`'s means)
-            sums = {
-                k: v for k, v in out.items() if k == "loss" or (k.endswith(additive) and k not in observed)
-            }
+            # The loss shares and token counts are sums (`observe`'s values are means whatever their names).
+            sums = {k: v for k, v in out.items() if is_additive(k) and k not in observed}
             means = {k: v for k, v in out.items() if k not in sums}
             out = dp.all_reduce_stats(means, sums, float(local_tokens), self.device)
         out |= {
@@ -308,8 +358,22 @@ class TorchTrainEngine:
             "step_skipped": 0.0 if finite else 1.0,
             "lr": lr,
             "tokens": tokens,
+            "micro_batches": float(len(parts)),
         }
         return out
+
+    def _budget(self) -> int | None:
+        """This step's micro-batch budget (`step_budget`): gradients are allocated anew each step, the AdamW
+        moments at the first."""
+        if self.micro_batching.tokens is not None or self.device.type != "cuda" or self.shape is None:
+            return self.micro_batching.tokens
+        params = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"])
+        pending = params * dtype_bytes(self.dtype_name) * (1 if self.optimizer.state else 3)
+        budget = step_budget(self.micro_batching, self.device, self.shape, self.dtype_name, "torch", pending)
+        if budget is not None and budget != getattr(self, "_last_budget", None):
+            log.info("micro-batch budget of this step: %d positions (from the free GPU memory)", budget)
+            self._last_budget = budget
+        return budget
 
     def state_dict(self) -> dict[str, Any]:
         """{"model": model state_dict, "optimizer": AdamW state_dict, "scheduler": its lr schedule's state,

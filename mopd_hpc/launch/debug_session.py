@@ -6,7 +6,7 @@
   running `launchers/node.sh` → `mopd-guard --plan`), in the foreground (`run_steps`).
 
 A step that ends with code 0 (the trainer, done) leaves the others `end_grace_s` to end on their own (the
-actor announced the job end in the run dir, runtime/job_end.py): only those still running then are
+actor announced the job end in the run dir, records/job_end.py): only those still running then are
 interrupted, and that interrupt is not a failure of the run.
 
 Ctrl-C (`run_steps`): the sruns run in their own session (the terminal's SIGINT reaches only this process)
@@ -31,16 +31,17 @@ from pathlib import Path
 from typing import TextIO
 
 from mopd_hpc.launch.jobspec import JobSpec
-from mopd_hpc.launch.plan import JobPlan
 from mopd_hpc.logs.tailing import find_child_logs
+from mopd_hpc.records.run_dir import EVENTS_DIR, EVENTS_SUFFIX, LOGS_DIR
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.hostlist import HostlistError, expand_counts, expand_hostlist
+from mopd_hpc.runtime.plan import JobPlan
 from mopd_hpc.runtime.signals import killpg_quiet
 
 #: After the stop (Ctrl-C, or a step that ended), seconds the steps get before srun is told to kill them.
 DEFAULT_STOP_WAIT_S = 30.0
 #: After a step ended with code 0, seconds the other steps get to end on their own (they stop on the job end
-#: the actor announced in the run dir, runtime/job_end.py) before they are interrupted.
+#: the actor announced in the run dir, records/job_end.py) before they are interrupted.
 DEFAULT_END_GRACE_S = 30.0
 #: Step log of `mopd-debug run`, per component, under run_dir/logs (`%t`: Slurm's task id).
 STEP_LOG_PATTERN = "{name}.debug.t%t.log"
@@ -215,10 +216,10 @@ class _Follower:
 
     def _files(self) -> list[tuple[Path, str]]:
         files = [(log.path, log.prefix) for log in find_child_logs(self.run_dir)]
-        logs = self.run_dir / "logs"
+        logs = self.run_dir / LOGS_DIR
         files += [(p, f"[{p.name.split('.')[0]} step]") for p in sorted(logs.glob("*.debug.t*.log"))]
-        events = self.run_dir / "events"
-        files += [(p, "") for p in sorted(events.glob("*.guard.jsonl"))] if events.is_dir() else []
+        events = self.run_dir / EVENTS_DIR
+        files += [(p, "") for p in sorted(events.glob(f"*{EVENTS_SUFFIX}"))] if events.is_dir() else []
         return files
 
     def poll(self) -> None:
@@ -281,7 +282,7 @@ def run_steps(
 
     A step that ends with code 0 (the trainer after its last step) does not stop the others at once: they
     get `end_grace_s` seconds to end on their own (the actor announced the job end in
-    run_dir/state/job_end.json, runtime/job_end.py; their servers stop on it). Only the steps still running
+    run_dir/state/job_end.json, records/job_end.py; their servers stop on it). Only the steps still running
     after that get SIGINT, and their exit codes (130 after that SIGINT) do not count as failures.
 
     Returns:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd_hpc.launch.debug_session import JobLookupError
+from mopd_hpc.records.run_dir import LOGS_DIR
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.hostlist import expand_hostlist
 
 
@@ -93,7 +95,7 @@ def job_run_dir(components: Sequence[JobComponent]) -> str | None:
     for comp in components:
         if comp.stdout:
             log = Path(comp.stdout)
-            if log.parent.name == "logs" and _BATCH_LOG.match(log.name):
+            if log.parent.name == LOGS_DIR and _BATCH_LOG.match(log.name):
                 return str(log.parent.parent)
     return None
 
@@ -121,13 +123,13 @@ def shell_argv(
     leader = job_id.split("+", 1)[0]
     argv = [srun, f"--jobid={leader}"]
     where = f"job {leader}"
-    exports = {"MOPD_RUN_DIR": run_dir} if run_dir else {}
+    exports = {child_env.RUN_DIR: run_dir} if run_dir else {}
     if comp.het_group is not None and len(components) > 1:
         argv.append(f"--het-group={comp.het_group}")
         where += f" het group {comp.het_group} (component job {comp.job_id})"
         # An srun from outside the batch shell gets no SLURM_HET_* variables: give the step the job's.
-        exports |= {"SLURM_HET_SIZE": str(len(components)), "MOPD_HET_GROUP": str(comp.het_group)}
-    where += f", node {host}; run dir {run_dir or 'unknown (MOPD_RUN_DIR unset)'}"
+        exports |= {"SLURM_HET_SIZE": str(len(components)), child_env.HET_GROUP: str(comp.het_group)}
+    where += f", node {host}; run dir {run_dir or f'unknown ({child_env.RUN_DIR} unset)'}"
     banner = shlex.quote(f"mopd-debug shell: {where}; the step's rank topology:")
     topology = " ".join(shlex.quote(a) for a in [*debug_command(python), "topology"])
     export = f"export {' '.join(f'{k}={shlex.quote(v)}' for k, v in exports.items())}; " if exports else ""

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.launch.jobspec import Component, JobSpec
-from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan
+from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rundir import RunDir
+from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan
 
 #: The repository's node launcher (beside the package in a source checkout / editable install).
 LAUNCHER = Path(__file__).resolve().parents[2] / "launchers" / "node.sh"
@@ -42,11 +43,11 @@ def jobspec_from_config(
         cfg: the validated run config.
         run_dir: the run directory every node sees (cfg.run_dir made absolute, or --run-dir).
         python: the interpreter whose venv holds `mopd-guard` (sys.executable at the CLI edge).
-        plan: the job plan, for each component's roles (default: `JobPlan.from_config(cfg)`).
+        plan: the job plan, for each component's roles (default: `launch.placement.place_children(cfg)`).
     Raises:
         JobSpecError: a value cannot be rendered into a working script. PlanError: the layout is invalid.
     """
-    plan = plan or JobPlan.from_config(cfg)
+    plan = plan or place_children(cfg)
     paths = RunDir.at(run_dir)
     cluster = cfg.cluster
     components = []

@@ -5,9 +5,10 @@
 scrubbed: a shell inside an allocation must not make the local job look like a Slurm step), streams a
 short status from the guard's event log, and waits. SIGINT/SIGTERM to this process are forwarded to the
 guard (SIGINT: stop now; SIGTERM: checkpoint, then stop), which kills its children and releases their
-ports; if it has not exited `stop_wait_s` after that, its process group is killed. The exit code is the
+ports; if it has not exited `stop_wait_s` after that, its process group is killed, and once it has exited
+any process still carrying the job's id is killed (`kill_leftovers`). The exit code is the
 guard's (a signal becomes 128 + its number; a guard that stopped cleanly on a forwarded signal gives
-128 + that signal's number).
+128 + that signal's number; a job stopped because the reader of its output went away gives 141, 128 + SIGPIPE).
 
 The guard's own output goes to `run_dir/logs/guard.local.log`.
 """
@@ -27,10 +28,14 @@ from typing import Any, TextIO
 
 from mopd_hpc.launch import local_setup
 from mopd_hpc.launch.env import scrub_slurm_env
-from mopd_hpc.launch.plan import PLAN_FILE_NAME, JobPlan
+from mopd_hpc.launch.pipe_out import is_broken
 from mopd_hpc.launch.rundir import RunDir
+from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.guard import proctree
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.guard.events import events_path
+from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan
+from mopd_hpc.runtime.run_lock import RunLock
 from mopd_hpc.runtime.signals import killpg_quiet
 
 #: Job ids of local runs: `local-<pid of mopd-submit>` (a valid port-lease owner id).
@@ -50,7 +55,7 @@ def local_environment(environ: Mapping[str, str], gpus: Sequence[str] = ()) -> d
     MOPD_BACKEND=local and CUDA_VISIBLE_DEVICES = the job's GPU tokens (`launch.local_gpus`; "" for none)."""
     env = scrub_slurm_env(environ, keep=())
     env.pop("MOPD_SECRET_FILE", None)
-    env["MOPD_BACKEND"] = "local"
+    env[child_env.BACKEND] = "local"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return env
 
@@ -124,6 +129,7 @@ def run_local(
     gpus: Sequence[str] = (),
     poll_s: float = 0.2,
     stop_wait_s: float = DEFAULT_STOP_WAIT_S,
+    lock: RunLock | None = None,
 ) -> int:
     """Run `plan` here through one guard (the run dir must be prepared: `prepare_run_dir`).
 
@@ -132,9 +138,12 @@ def run_local(
         run_dir: the prepared run directory (0700, token file).
         python: the interpreter that runs the guard (sys.executable at the CLI edge).
         environ: this process's environment (read at the edge).
-        out: where status lines go.
+        out: where status lines go; a `launch.pipe_out.PipeOut` whose reader went away (`| head`) stops
+            the job as a SIGTERM would (checkpoint, teardown) and makes the exit code 141.
         host, job_id: defaults: this host's name, `local-<pid>`.
         gpus: the GPU tokens the guard gets (`launch.local_gpus.local_gpu_tokens`); () runs on CPU.
+        lock: the run dir's lock this job holds (runtime/run_lock.py): the guard inherits it, so it lives
+            while either process does; released here when the guard has exited.
     Returns:
         the guard's exit code (128 + N when it died of signal N).
     """
@@ -154,6 +163,7 @@ def run_local(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            pass_fds=(lock.inheritable().fd,) if lock is not None and lock.held else (),
         )
     print(
         f"[local] job {job_id}: guard pid {proc.pid}, log {log_path}; follow it with "
@@ -172,8 +182,12 @@ def run_local(
             stop_deadline.append(time.monotonic() + stop_wait_s)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    pipe_stop = False  # the stop was ours: the reader of `out` went away (`| head`)
     try:
         while proc.poll() is None:
+            if is_broken(out) and not forwarded:  # stop as a lost terminal would: checkpoint, teardown
+                pipe_stop = True
+                forward(signal.SIGTERM, None)
             follower.poll()
             progress.poll()  # training progress from run_dir/metrics.jsonl
             if stop_deadline and time.monotonic() > stop_deadline[0]:
@@ -187,11 +201,26 @@ def run_local(
         if proc.poll() is None:  # interrupted by an exception: leave no guard behind
             killpg_quiet(proc.pid, signal.SIGKILL)
         rc = proc.wait()
+        left = kill_leftovers(job_id)
+        if left:
+            print(f"[local] killed {left} process(es) of job {job_id} the guard left behind", file=out)
+        if lock is not None:
+            lock.release()
     follower.poll()
     local_setup.after_local_run(run_dir.root, out, progress, rc, job_id)  # how the job ended
+    if pipe_stop and forwarded[0] == signal.SIGTERM:
+        return 128 + signal.SIGPIPE  # what a shell reports for a writer whose reader went away
     if rc < 0:
         return 128 - rc
     return 128 + forwarded[0] if rc == 0 and forwarded else rc
+
+
+def kill_leftovers(job_id: str) -> int:
+    """SIGKILL every process of this user that carries `MOPD_JOB_ID=<job_id>` in its environment, with its
+    tree: the last net when the guard and its keeper were both killed (runtime/guard/children.py says what
+    each layer guarantees). A local job id (`local-<pid>`) is unique on the host while this process lives.
+    Returns how many processes were signalled."""
+    return proctree.kill_now(proctree.tagged_trees({child_env.JOB_ID: job_id}, (), anywhere=True))
 
 
 def _size(path: Path) -> int:

@@ -28,9 +28,10 @@ from typing import TextIO
 
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.config import RunConfig
-from mopd_hpc.logs.metrics import METRICS_FILE
-from mopd_hpc.roles.env import CONFIG_FILE_NAME, with_absolute_paths
-from mopd_hpc.runtime.job_end import read_job_end
+from mopd_hpc.records.job_end import read_job_end
+from mopd_hpc.records.run_dir import CONFIG_FILE as CONFIG_FILE_NAME
+from mopd_hpc.records.run_dir import METRICS_FILE
+from mopd_hpc.roles.env import with_absolute_paths
 from mopd_hpc.trainer.evaluate import print_eval_table
 from mopd_hpc.trainer.progress import Progress
 

@@ -33,8 +33,9 @@ from collections import Counter
 from typing import Any
 
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
-from mopd_hpc.launch.plan import ChildSpec, GroupPlan, JobPlan, PlanError
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.layout import ChildPlacement, LayoutError, RolloutLayout, assign_transfer_ranks
+from mopd_hpc.runtime.plan import ChildSpec, GroupPlan, JobPlan, PlanError
 
 #: Named ports per role (DESIGN.md §4: ports are named, never positional).
 ROLLOUT_PORTS = ("http", "nccl", "dist_init")
@@ -54,10 +55,10 @@ def _slots(nodes: int, gpus_per_node: int, cpu_slots_per_node: int = 1) -> list[
 
 def _rank_env(rank: int, world: int, local_rank: int, local_world: int) -> dict[str, str]:
     return {
-        "MOPD_RANK": str(rank),
-        "MOPD_WORLD_SIZE": str(world),
-        "MOPD_LOCAL_RANK": str(local_rank),
-        "MOPD_LOCAL_WORLD_SIZE": str(local_world),
+        child_env.RANK: str(rank),
+        child_env.WORLD_SIZE: str(world),
+        child_env.LOCAL_RANK: str(local_rank),
+        child_env.LOCAL_WORLD_SIZE: str(local_world),
     }
 
 
@@ -160,7 +161,7 @@ def place_children(cfg: Any) -> JobPlan:
                     gpus=gpus,
                     device_index=device,
                     port_names=ports,
-                    env={**_rank_env(rank, world, lr, lw), "MOPD_TEACHER_ID": teacher.id},
+                    env={**_rank_env(rank, world, lr, lw), child_env.TEACHER_ID: teacher.id},
                 )
             )
     engine_local = _local_ranks([engine[0][0] for engine in engines])
@@ -177,7 +178,7 @@ def place_children(cfg: Any) -> JobPlan:
                 gpus=gpus,
                 device_index=device,
                 port_names=ROLLOUT_PORTS,
-                env={**_rank_env(e, count, lr, lw), "MOPD_ROLLOUT_TP": str(tp)},
+                env={**_rank_env(e, count, lr, lw), child_env.ROLLOUT_TP: str(tp)},
             )
         )
     children = _with_transfer_ranks(children, count, tp, cfg.weight_sync.backend == "awex", rollout.mode)
@@ -203,7 +204,7 @@ def _cpu_teachers(teachers: Any, het_group: int) -> list[ChildSpec]:
             het_group=het_group,
             node_index=0,
             port_names=("http",),
-            env={**_rank_env(0, 1, 0, 1), "MOPD_TEACHER_ID": teacher.id},
+            env={**_rank_env(0, 1, 0, 1), child_env.TEACHER_ID: teacher.id},
         )
         for k, teacher in enumerate(teachers)
     ]
@@ -260,7 +261,7 @@ def _check_gpu_sharing(children: list[ChildSpec], mode: str, tp: int) -> None:
             for other in owners.get(key, []):
                 same = other.role == child.role and (
                     child.role != "teacher"
-                    or other.env_dict.get("MOPD_TEACHER_ID") == child.env_dict.get("MOPD_TEACHER_ID")
+                    or other.env_dict.get(child_env.TEACHER_ID) == child.env_dict.get(child_env.TEACHER_ID)
                 )
                 by_design = mode == "colocated" or {other.role, child.role} <= {"actor", "teacher"}
                 if same or not by_design:

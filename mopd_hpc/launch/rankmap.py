@@ -23,7 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from mopd_hpc.config.parallel import ActorParallel
-from mopd_hpc.launch.plan import ChildSpec, JobPlan
+from mopd_hpc.records.run_dir import PROBE_DIR
+from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.plan import ChildSpec, JobPlan
 
 #: What the ports column says about port numbers before the job runs.
 PORTS_NOTE = "assigned at start"
@@ -70,11 +72,11 @@ def _sync_column(role: str, index: int, child: ChildSpec, backend: str) -> tuple
 def model_cell(role: str, env: dict[str, str]) -> str:
     """The model column of one child: a teacher's model id (MOPD_TEACHER_ID, set by the plan), with its rank
     in that teacher's group when the teacher spans several ranks ("chain (rank 1/2)"); "-" for other roles."""
-    teacher = env.get("MOPD_TEACHER_ID")
+    teacher = env.get(child_env.TEACHER_ID)
     if role != "teacher" or not teacher:
         return "-"
-    world = env.get("MOPD_WORLD_SIZE", "1")
-    return f"{teacher} (rank {env.get('MOPD_RANK', '0')}/{world})" if world not in ("", "1") else teacher
+    world = env.get(child_env.WORLD_SIZE, "1")
+    return f"{teacher} (rank {env.get(child_env.RANK, '0')}/{world})" if world not in ("", "1") else teacher
 
 
 def _check_backend(backend: str) -> None:
@@ -115,8 +117,8 @@ def rank_map_rows(
         env = child.env_dict
         role, index = child.role, child.index
         shown_role, shown_index = role, str(index)
-        if "MOPD_PLAN_ROLE" in env:  # a probe standing in for another role: show what it stands for
-            role, index = env["MOPD_PLAN_ROLE"], int(env["MOPD_PLAN_INDEX"])
+        if child_env.PLAN_ROLE in env:  # a probe standing in for another role: show what it stands for
+            role, index = env[child_env.PLAN_ROLE], int(env[child_env.PLAN_INDEX])
             shown_role, shown_index = f"{role} (probe {child.index})", str(index)
         key, cell = _sync_column(role, index, child, sync_backend)
         rows.append(
@@ -152,9 +154,9 @@ def rank_map_table(
         column = "AWEX transfer rank"
     else:
         engines = {
-            int(c.env_dict.get("MOPD_PLAN_INDEX", c.index))
+            int(c.env_dict.get(child_env.PLAN_INDEX, c.index))
             for c in plan.children
-            if c.env_dict.get("MOPD_PLAN_ROLE", c.role) == "rollout"
+            if c.env_dict.get(child_env.PLAN_ROLE, c.role) == "rollout"
         }
         n = len(engines)
         sync = f"torch broadcast world 1 + {n} = {1 + n} (trainer rank 0 to {n} rollout engine(s))"
@@ -195,7 +197,7 @@ def print_rank_map(
 def read_probe_reports(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every probe report under run_dir/probe/ (written by `mopd_hpc.roles.probe`), sorted by index."""
     reports = []
-    for path in sorted(Path(run_dir, "probe").glob("*.json")):
+    for path in sorted(Path(run_dir, PROBE_DIR).glob("*.json")):
         try:
             reports.append(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError):

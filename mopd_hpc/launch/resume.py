@@ -6,6 +6,11 @@ and the lr schedule runs over `steps`, so these settings must equal the checkpoi
 (`resume_fixed`); anything else (the loss, the lr, the cluster shape) may change on resume. Checking here,
 in `mopd-submit`, turns what would be the actor's RoutingError after every process started into one line
 that names the field, both values and the way out.
+
+The checkpoint is verified here too, before any child starts (trainer/checkpoint_verify.py, the shallow
+checks: files present, sizes as the manifest says, state.json and the zip directories readable): a damaged
+newest checkpoint is reported and the previous good one named; when none is good the submission is refused
+naming each damaged file. The actor's `load_latest` repeats the walk with the deep checks (SHA-256).
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.records.run_dir import CHECKPOINTS_DIR, CONFIG_FILE
+from mopd_hpc.trainer import checkpoint_verify
+from mopd_hpc.trainer.checkpoint_verify import Choice
 
-#: The checkpoint pointer of a run directory (trainer/checkpoint.py's layout: checkpoints/latest).
-LATEST_POINTER = Path("checkpoints") / "latest"
-#: The config the run directory was last started with (mopd-submit writes it).
-CONFIG_FILE = "config.yaml"
+#: The checkpoint root of a run directory (trainer/checkpoint.py's layout: checkpoints/latest, step_*/).
+CHECKPOINTS = Path(CHECKPOINTS_DIR)
 
 
 class ResumeError(ValueError):
@@ -39,22 +45,30 @@ def resume_fixed(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def checkpoint_name(run_dir: Path) -> str | None:
-    """The newest checkpoint's directory name (e.g. 'step_000500'), or None when the run has none."""
-    try:
-        return (run_dir / LATEST_POINTER).read_text(encoding="utf-8").strip() or None
-    except OSError:
-        return None
+def resume_choice(run_dir: Path) -> Choice:
+    """The newest checkpoint of `run_dir` that passes the shallow checks, and those skipped on the way."""
+    return checkpoint_verify.choose(run_dir / CHECKPOINTS, deep=False)
 
 
-def check_resume(run_dir: Path, cfg: RunConfig) -> str | None:
+def check_resume(run_dir: Path, cfg: RunConfig, choice: Choice | None = None) -> str | None:
     """The checkpoint `cfg` will resume from in `run_dir` (None: a fresh start).
 
+    Args:
+        choice: `resume_choice(run_dir)` when the caller has it (to print its `skipped` lines).
     Raises:
-        ResumeError: the run has a checkpoint and `cfg` changes a `resume_fixed` setting of the run's
-            config.yaml; the message names the first such field, the run's value and this config's.
+        ResumeError: the run has checkpoints and none is good (the message names each damaged file); or
+            `cfg` changes a `resume_fixed` setting of the run's config.yaml (the message names the first
+            such field, the run's value and this config's).
     """
-    name = checkpoint_name(run_dir)
+    choice = choice if choice is not None else resume_choice(run_dir)
+    if choice.name is None and choice.any_found:
+        raise ResumeError(
+            f"no good checkpoint in {run_dir / CHECKPOINTS} to resume from: "
+            + " | ".join(choice.skipped)
+            + f"; remove the damaged checkpoint directories (and {run_dir / CHECKPOINTS / 'latest'}) to start "
+            "over in this run dir, restore them from a copy, or start a new run with --run-dir"
+        )
+    name = choice.name
     if name is None or not (run_dir / CONFIG_FILE).is_file():
         return name
     before, now = resume_fixed(RunConfig.from_yaml(run_dir / CONFIG_FILE)), resume_fixed(cfg)

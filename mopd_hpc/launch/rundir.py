@@ -13,12 +13,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from mopd_hpc.records.run_dir import LOGS_DIR, STATE_DIR, SUBMIT_DIR
 from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, create_token_file, read_token_file
 
 #: Mode of the run directory and its subdirectories: the owner only (the token lives there).
 RUN_DIR_MODE = 0o700
 #: Subdirectories created with the run directory.
-SUBDIRS = ("logs", "state", "submit")
+SUBDIRS = (LOGS_DIR, STATE_DIR, SUBMIT_DIR)
 
 
 class RunDirError(ValueError):
@@ -41,9 +42,9 @@ class RunDir:
         path = Path(root).expanduser().absolute()
         return cls(
             root=path,
-            logs=path / "logs",
-            state=path / "state",
-            submit=path / "submit",
+            logs=path / LOGS_DIR,
+            state=path / STATE_DIR,
+            submit=path / SUBMIT_DIR,
             secret_file=path / TOKEN_FILE_NAME,
         )
 

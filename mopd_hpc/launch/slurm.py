@@ -7,7 +7,7 @@ keep submitit's submission plumbing (`PicklingExecutor._submit_command` flow: sc
 
 - the script text: `render(spec).script`, not submitit's `_make_sbatch_string`;
 - the command: `sbatch --parsable <file>` run with the scrubbed environment (`launch.env`);
-- the state watcher: sacct, then squeue, parsed by `launch.jobids` with het ids folded to the leader.
+- the state watcher: sacct, then squeue, parsed by `runtime.jobids` with het ids folded to the leader.
 
 Nothing is pickled: `submit(fn)` is refused; guards are started by the script itself.
 """
@@ -28,9 +28,9 @@ from submitit.core import core, utils
 from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
 from mopd_hpc.launch.env import SubmitEnv, submit_environment
-from mopd_hpc.launch.jobids import JobState, JobStatus, fold_job_id, query_status, run_command
 from mopd_hpc.launch.render import SbatchRequest
 from mopd_hpc.launch.rundir import prepare_run_dir
+from mopd_hpc.runtime.jobids import JobState, JobStatus, fold_job_id, query_status, run_command
 
 logger = logging.getLogger(__name__)
 

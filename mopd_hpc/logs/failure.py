@@ -47,6 +47,7 @@ from mopd_hpc.logs.run_events import ChildRun, GuardRun
 from mopd_hpc.logs.sacct import SacctJob
 from mopd_hpc.logs.scan import ScanResult, scan_log
 from mopd_hpc.logs.tailing import CHILD_LOG_RE, read_last_lines
+from mopd_hpc.records.run_dir import LOGS_DIR, STATE_DIR, child_log_paths
 
 #: Lines of the failing log shown as evidence (STYLE.md rule 9).
 EVIDENCE_TAIL_LINES = 40
@@ -140,7 +141,7 @@ class FirstFailure:
 def child_log(run_dir: Path, child: ChildRun, stream: str) -> Path | None:
     """The child's log in *this* copy of the run dir (`logs/<host>/<role>-<index>.g<gen>.<stream>`), else
     the path the guard recorded; None when neither exists."""
-    local = run_dir / "logs" / child.host / f"{child.role}-{child.index}.g{child.generation}.{stream}"
+    local = child_log_paths(run_dir, child.host, child.role, child.index, child.generation)[stream == "err"]
     if local.is_file():
         return local
     recorded = child.stderr if stream == "err" else child.stdout
@@ -254,7 +255,7 @@ def _read_state(
 ) -> dict[str, Any] | None:
     """`state/<name>` when it is of job `job_id`, incarnation `restart` (`jobs.record_belongs`), else None."""
     try:
-        data = json.loads((run_dir / "state" / name).read_text(encoding="utf-8"))
+        data = json.loads((run_dir / STATE_DIR / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not record_belongs(data, job_id, restart):
@@ -365,7 +366,7 @@ def _job_level_failure(
 
 def _logs_only_failure(run_dir: Path) -> FirstFailure | None:
     """No guard events: the child log with a traceback that was modified first."""
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS_DIR
     found = []
     for path in sorted(logs.glob("*/*.err")) if logs.is_dir() else []:
         try:

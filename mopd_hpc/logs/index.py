@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mopd_hpc.launch.jobids import JobIdError, fold_job_id
+from mopd_hpc.runtime.jobids import JobIdError, fold_job_id
 
 #: A local-backend job id (`launch/local.py`: `local-<pid>`); kept as is, never folded.
 LOCAL_JOB_ID = re.compile(r"^local-[0-9]+$")

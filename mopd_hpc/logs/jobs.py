@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mopd_hpc.launch.jobids import JobIdError, fold_job_id
 from mopd_hpc.logs.run_events import ChildRun, GuardRun
+from mopd_hpc.records.run_dir import LOGS_DIR
+from mopd_hpc.runtime.jobids import JobIdError, fold_job_id
 
 Segment = tuple[GuardRun, list[ChildRun]]
 #: The batch shell's log (`--output=.../batch.%j.log`) and a step's (`<component>.r<restart>.t<task>.log`).
@@ -148,7 +149,7 @@ def job_log_paths(run_dir: Path, job_id: str | None, restart: int | None) -> lis
     """The batch and step logs (`logs/*.log`: Slurm's and srun's own lines) of job `job_id`, incarnation
     `restart` (None: any): another job's batch log (`batch.<id>.log`) and another incarnation's step logs
     (`<component>.r<restart>.t<task>.log`) are left out."""
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS_DIR
     out = []
     for path in sorted(logs.glob("*.log")) if logs.is_dir() else []:
         batch, step = _BATCH_LOG_RE.match(path.name), _STEP_LOG_RE.match(path.name)

@@ -6,6 +6,8 @@ import re
 import shlex
 from collections.abc import Mapping
 
+from mopd_hpc.records.run_dir import CONFIG_FILE
+
 #: Commands per cause key; placeholders: {run_dir}, {config}, {job}, {host}, {role}, {rank}.
 _BY_CAUSE: Mapping[str, tuple[str, ...]] = {
     "address_in_use": ("mopd-debug shell {job} --node {host}", "mopd-debug ports", "{resume}"),
@@ -61,7 +63,7 @@ def next_steps(
     q = shlex.quote
     values = {
         "run_dir": q(run_dir),
-        "config": q(f"{run_dir.rstrip('/')}/config.yaml"),
+        "config": q(f"{run_dir.rstrip('/')}/{CONFIG_FILE}"),
         "job": q(job_id) if job_id else None,
         "host": q(host) if host else None,
         "role": q(role) if role else None,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mopd_hpc.logs.metrics_schema import ACCURACY_PREFIX, LOSS_KEYS
 from mopd_hpc.logs.summary import RunSummary
+from mopd_hpc.records.metrics_schema import ACCURACY_PREFIX, LOSS_KEYS
 
 
 class PlotError(ValueError):

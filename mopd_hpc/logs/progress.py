@@ -5,7 +5,8 @@ and the sampling stride doubles (the last step is always kept separately); these
 The sparklines come from `trend`: the run's whole step range [first step, last step] split into
 `TREND_WIDTH` equal buckets, each drawn as the mean of its values (a second streamed pass over the file;
 nulls and NaN skipped). Phase shares are the sums of the `time/*_s` keys over all lines, each divided by
-their total.
+their total. Peak GPU memory (`memory/<child>/<phase>/<kind>`) is the maximum over all lines, per child, phase
+and kind.
 """
 
 from __future__ import annotations
@@ -14,22 +15,22 @@ import json
 import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mopd_hpc.logs.metrics_schema import (
-    EVAL_FILE,
+from mopd_hpc.records.metrics_schema import (
     LOSS_KEYS,
-    METRICS_FILE,
     MOPD_KEYS,
     PHASE_KEYS,
     SERIES_KEYS,
     TOKENS_PER_S_KEY,
     MetricsLine,
     MetricsLineError,
+    memory_of,
     route_of,
 )
+from mopd_hpc.records.run_dir import EVAL_FILE, METRICS_FILE
 
 #: Points kept per series (sparklines and --plot).
 MAX_POINTS = 512
@@ -72,6 +73,8 @@ class Progress:
         trend_steps: (first step, last step) the trend buckets cover, or None without lines.
         eval: the parsed eval.json `routes` table, or None.
         bad_lines: lines that broke the contract (skipped).
+        memory: child → phase → kind (`allocated_gib`, `reserved_gib`) → the largest value over all lines, GiB;
+            {} when no child reported GPU memory (CPU runs).
     """
 
     n_lines: int
@@ -87,9 +90,12 @@ class Progress:
     trend_steps: tuple[int, int] | None
     eval: dict[str, Any] | None
     bad_lines: int
+    memory: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The `progress` object of `mopd-logs summarize --json`; `memory` only when a child reported GPU
+        memory (a CPU run's document is unchanged)."""
+        out = {
             "n_lines": self.n_lines,
             "first_step": self.first_step,
             "last_step": self.last_step,
@@ -112,6 +118,9 @@ class Progress:
             "eval": self.eval,
             "bad_lines": self.bad_lines,
         }
+        if self.memory:
+            out["memory"] = self.memory
+        return out
 
 
 def _lines(path: Path, limit: int | None = None) -> Iterator[MetricsLine | None]:
@@ -166,6 +175,7 @@ def read_progress(run_dir: str | os.PathLike[str], trend_width: int = TREND_WIDT
     series: dict[str, _Series] = {}
     phase_s = dict.fromkeys(PHASE_KEYS.values(), 0.0)
     routes: dict[str, None] = {}
+    memory: dict[str, dict[str, dict[str, float]]] = {}
     last: MetricsLine | None = None
     first_step = max_step = None
     n = bad = 0
@@ -186,6 +196,10 @@ def read_progress(run_dir: str | os.PathLike[str], trend_width: int = TREND_WIDT
                 routes.setdefault(fam[1])
             if key in SERIES_KEYS or fam is not None:
                 series.setdefault(key, _Series()).add(line.step, value)
+            mem = memory_of(key)
+            if mem is not None and math.isfinite(value):
+                kinds = memory.setdefault(mem[0], {}).setdefault(mem[1], {})
+                kinds[mem[2]] = max(kinds.get(mem[2], value), value)
     trend: dict[str, list[float | None]] = {}
     trend_steps = None
     if first_step is not None and max_step is not None:
@@ -207,6 +221,7 @@ def read_progress(run_dir: str | os.PathLike[str], trend_width: int = TREND_WIDT
         trend_steps=trend_steps,
         eval=_read_eval(Path(run_dir) / EVAL_FILE),
         bad_lines=bad,
+        memory=memory,
     )
 
 

@@ -11,9 +11,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from mopd_hpc.logs.metrics_schema import LOSS_KEYS, MOPD_KEYS, TOKENS_PER_S_KEY
 from mopd_hpc.logs.progress import Progress, sparkline
 from mopd_hpc.logs.summary import CHECKPOINTED, RunSummary
+from mopd_hpc.records.metrics_schema import LOSS_KEYS, MOPD_KEYS, PHASE_KEYS, TOKENS_PER_S_KEY
 
 #: Traceback lines shown on screen (the --json output has the whole bounded window).
 SCREEN_TRACEBACK_LINES = 14
@@ -210,6 +210,35 @@ def _trend_label(p: Progress) -> str:
     return f"trend, steps {first}–{last} ({each})"
 
 
+#: The heading of the progress panel's memory table.
+MEMORY_HEADING = "peak GPU memory per phase, GiB allocated / reserved (max over steps)"
+
+
+def _memory_table(memory: dict[str, dict[str, dict[str, float]]]) -> Table:
+    """Peak GPU memory per child (rows) and phase (columns, the step's order): allocated / reserved GiB, the
+    maximum over the run's steps (shown under `MEMORY_HEADING`)."""
+    order = {ph: i for i, ph in enumerate(PHASE_KEYS.values())}
+    phases = sorted(
+        {ph for per in memory.values() for ph in per}, key=lambda ph: (order.get(ph, len(order)), ph)
+    )
+    table = Table(box=None, header_style="dim")
+    table.add_column("child")
+    for ph in phases:
+        table.add_column(ph, justify="right")
+    for child, per in memory.items():
+        cells = []
+        for ph in phases:
+            kinds = per.get(ph, {})
+            alloc, res = kinds.get("allocated_gib"), kinds.get("reserved_gib")
+            cells.append("-" if alloc is None and res is None else f"{_gib(alloc)} / {_gib(res)}")
+        table.add_row(Text(child), *cells)
+    return table
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _progress_panel(s: RunSummary) -> Panel:
     p = s.progress
     if p.n_lines == 0:
@@ -231,6 +260,8 @@ def _progress_panel(s: RunSummary) -> Panel:
     share = "  ".join(f"{name} {frac:.0%}" for name, frac in p.phase_share.items() if frac > 0)
     head = Text(f"step {p.last_step} at {_ts(p.last_ts)}   time per phase: {share or '-'}")
     parts: list[Text | Table] = [head, table]
+    if p.memory:
+        parts += [Text(MEMORY_HEADING), _memory_table(p.memory)]
     if p.eval:
         ev = Table(title="eval", title_justify="left", box=None, header_style="dim")
         for col in ("route", "teacher", "student start", "student end", "n"):

@@ -15,15 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mopd_hpc.records.run_dir import EVENTS_DIR, EVENTS_SUFFIX
+
 #: A child ended by the same signal up to this many seconds *before* its guard logged Slurm's signal is
 #: teardown too: Slurm signals every process of the step at once, so the child's exit may be logged first.
 #: A child ended by another signal just before (SIGKILL by the OOM killer or a user, then the batch shell's
 #: `scancel --signal=TERM` reaching the guard) is the failure that caused the stop, not teardown.
 TEARDOWN_SLACK_S = 2.0
 TEARDOWN_SIGNALS = frozenset({"SIGTERM", "SIGUSR2", "SIGINT", "SIGKILL"})
-#: Where the guards write, and the file suffix.
-EVENTS_DIR = "events"
-EVENTS_SUFFIX = ".guard.jsonl"
 
 
 @dataclass(frozen=True, slots=True)

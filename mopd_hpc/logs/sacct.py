@@ -3,7 +3,7 @@
 One call, `sacct --parsable2 --duplicates` with `SACCT_FIELDS` (a recipe from launchers.md §4.4 trimmed to
 fields Slurm 22.05 has: it has no `Restarts` column). `--duplicates` prints one job row per incarnation of a
 requeued job, oldest first, each followed by its steps; the number of incarnations minus one is the requeue
-count. Ids and states go through `mopd_hpc.launch.jobids` (one table for the project: `SlurmJobId.parse`,
+count. Ids and states go through `mopd_hpc.runtime.jobids` (one table for the project: `SlurmJobId.parse`,
 `state_from_slurm`). Tested on text recorded from the local Slurm 22.05 cluster (tests/data/logs/sacct/).
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mopd_hpc.launch.jobids import JobIdError, SlurmJobId, fold_job_id, state_from_slurm
+from mopd_hpc.runtime.jobids import JobIdError, SlurmJobId, fold_job_id, state_from_slurm
 
 #: The columns asked for (all exist in Slurm 22.05; order does not matter to the parser).
 SACCT_FIELDS = (

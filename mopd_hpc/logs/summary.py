@@ -23,14 +23,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mopd_hpc.launch.jobids import JobIdError, fold_job_id
 from mopd_hpc.logs.failure import FirstFailure, find_first_failure
 from mopd_hpc.logs.jobs import Segment, latest_job_id, leader_of, record_belongs, select_job
 from mopd_hpc.logs.next_steps import next_steps
 from mopd_hpc.logs.progress import Progress, read_progress
 from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_segments
 from mopd_hpc.logs.sacct import SacctJob, SacctRunner, query_sacct, run_sacct
-from mopd_hpc.runtime.job_end import JOB_END_FILE
+from mopd_hpc.records.run_dir import EVENTS_DIR, JOB_END_FILE, JOB_FILE, LOGS_DIR, METRICS_FILE, STATE_DIR
+from mopd_hpc.runtime.jobids import JobIdError, fold_job_id
 
 #: The state of a run that stopped cleanly on a checkpoint signal (resumable); see `JobInfo`.
 CHECKPOINTED = "CHECKPOINTED"
@@ -53,11 +53,11 @@ class NothingRanError(RunDirMissingError):
 def _nothing_ran(root: Path) -> bool:
     """True when `root` holds none of the files a started run writes (guard events, `logs/**` files,
     `state/*.json`, `metrics.jsonl`); a config or an empty skeleton from `mopd-submit` does not count."""
-    if (root / "metrics.jsonl").is_file() or any((root / "state").glob("*.json")):
+    if (root / METRICS_FILE).is_file() or any((root / STATE_DIR).glob("*.json")):
         return False
-    if any((root / "events").glob("*.jsonl")):
+    if any((root / EVENTS_DIR).glob("*.jsonl")):
         return False
-    logs = root / "logs"
+    logs = root / LOGS_DIR
     return not (logs.is_dir() and any(p.is_file() for p in logs.rglob("*")))
 
 
@@ -284,7 +284,7 @@ def _target_job(root: Path, job_json: dict[str, Any], segments: Sequence[Segment
     if from_events is None or from_events == from_json:
         return from_json
     try:
-        written = (root / "state" / "job.json").stat().st_mtime
+        written = (root / JOB_FILE).stat().st_mtime
     except OSError:
         return from_json
     started = max((g.start_ts or 0.0) for g, _ in segments if leader_of(g.job_id) == from_events)
@@ -319,7 +319,7 @@ def summarize_run(
     if not root.is_dir():
         raise RunDirMissingError(f"run dir {root} does not exist or is not a directory")
     segments = read_run_segments(root)
-    job_json = _read_json(root / "state" / "job.json") or {}
+    job_json = _read_json(root / JOB_FILE) or {}
     target = leader_of(job_id) if job_id is not None else _target_job(root, job_json, segments)
     events = select_job(segments, target)
     guards, children = list(events.guards), list(events.children)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from mopd_hpc.records.run_dir import LOGS_DIR
+
 #: `<role>-<index>.g<generation>.<stream>`
 CHILD_LOG_RE = re.compile(
     r"^(?P<role>[a-z][a-z0-9_-]*)-(?P<index>[0-9]+)\.g(?P<gen>[0-9]+)\.(?P<stream>out|err)$"
@@ -55,7 +57,7 @@ def find_child_logs(
     run_dir: str | os.PathLike[str], role: str | None = None, rank: int | None = None
 ) -> list[ChildLog]:
     """The child logs of `run_dir`, filtered by `role` and `rank` (the child's index), in name order."""
-    logs = Path(run_dir) / "logs"
+    logs = Path(run_dir) / LOGS_DIR
     found = []
     if not logs.is_dir():
         return found

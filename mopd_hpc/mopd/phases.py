@@ -12,22 +12,10 @@ An illegal transition raises `PhaseTransitionError` naming both states.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from mopd_hpc.mopd.plan import ExecutionPlan
-
-
-class Phase(enum.Enum):
-    ROLLOUT = "rollout"
-    TEACHER = "teacher"
-    DRAIN = "drain"
-    TRAIN = "train"
-    SYNC = "sync"
-    ABORT = "abort"
+from mopd_hpc.mopd.plan import ExecutionPlan, Phase
 
 
 class PhaseError(ValueError):

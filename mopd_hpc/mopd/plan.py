@@ -11,11 +11,22 @@ Both coefficients zero is rejected by `LossConfig` already.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mopd_hpc.config.loss import LossConfig
-from mopd_hpc.mopd.phases import Phase
+
+
+class Phase(enum.Enum):
+    """The phases of a step (`step_phases`); the phase machine (`mopd/phases.py`) orders them."""
+
+    ROLLOUT = "rollout"
+    TEACHER = "teacher"
+    DRAIN = "drain"
+    TRAIN = "train"
+    SYNC = "sync"
+    ABORT = "abort"
 
 
 class PlanError(ValueError):

@@ -17,12 +17,12 @@ ranks follow it (trainer/follower.py). In order, on every rank:
    SIGUSR2 checkpoint handler, then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
    checkpoint and sends the stop record), then `Follower.run()`.
 
-Engines: torch (transformers; CUDA when the guard gives this child a GPU, else CPU; DDP over the actor
-group's gloo world on CPU at world > 1) or megatron (megatron-core on the child's GPU: tensor_parallel 1,
-world size 1 — a one-rank NCCL group, no port). The torch engine on more than one GPU rank is refused until
-it has run on GPUs. With weight_sync.backend awex, `main` puts the variables awex reads itself into
-os.environ before anything imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master address,
-DEVICE = 0).
+Engines: torch (transformers on the child's device `RoleEnv.device`: the GPU the plan gives it, else CPU;
+DDP over the actor group's gloo world on CPU at world > 1) or megatron (megatron-core on the child's GPU:
+tensor_parallel 1, world size 1 — a one-rank NCCL group, no port). The torch engine on more than one GPU rank
+is refused until it has run on GPUs. With weight_sync.backend awex, `main` puts the variables awex reads
+itself into os.environ before anything imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master
+address, DEVICE = the child's device index).
 
 Exit codes: 0 finished or checkpointed on SIGUSR2; 2 a config or environment error; 3 a model
 compatibility error; 1 anything else (the traceback is in the child's .err log; a rank that lost its peers
@@ -44,12 +44,14 @@ from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
 from mopd_hpc.engines.data_parallel import DataParallel
+from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address
+from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address, read_job_token
+from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, CheckpointRequest
 from mopd_hpc.trainer.actor_group import Group
 from mopd_hpc.trainer.controller import Controller, RunOutcome
@@ -64,8 +66,6 @@ EXIT_INCOMPATIBLE = 3
 #: Variables read at the edge besides the guard's (`roles.env.ENV`).
 ENDPOINT_TIMEOUT_ENV = "MOPD_ENDPOINT_TIMEOUT_S"
 THREADS_ENV = "MOPD_ACTOR_THREADS"
-#: The actor ranks of this node (launch/placement.py), which split its CPUs.
-LOCAL_WORLD_ENV = "MOPD_LOCAL_WORLD_SIZE"
 #: Total time allowed per rollout request, seconds.
 ROLLOUT_TIMEOUT_S = 600.0
 
@@ -102,7 +102,7 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
         return "torch"
     if actor.engine != "megatron":
         raise RoleEnvError(f"models.actor.engine={actor.engine!r}: expected 'torch' or 'megatron'")
-    if not environ.get("CUDA_VISIBLE_DEVICES"):
+    if not role.device.is_cuda:
         raise RoleEnvError(
             f"models.actor.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
             f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives the actor child none); expected a GPU "
@@ -122,13 +122,12 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
 
 
 def build_train_engine(
-    cfg: RunConfig, kind: str, environ: Mapping[str, str], data_parallel: DataParallel | None = None
+    cfg: RunConfig, kind: str, device: ChildDevice, data_parallel: DataParallel | None = None
 ) -> Any:
-    """The actor's train engine of `kind` (`check_actor_engine`), with the checkpoint loaded:
-    `TorchTrainEngine` (cuda when CUDA_VISIBLE_DEVICES is set, else cpu; `data_parallel` its rank of the
-    actor group, default one rank) or `MegatronTrainEngine` (after
-    `initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)`, on cuda:0 — the child's
-    one visible GPU).
+    """The actor's train engine of `kind` (`check_actor_engine`), with the checkpoint loaded, on the child's
+    `device` (`RoleEnv.device`): `TorchTrainEngine` (on `device.torch_name`: cuda:<index>, or cpu;
+    `data_parallel` its rank of the actor group, default one rank) or `MegatronTrainEngine` (after
+    `initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=device.index)`).
 
     Raises:
         RoleEnvError: megatron-core does not import (naming models.actor.engine).
@@ -138,14 +137,14 @@ def build_train_engine(
     if kind == "torch":
         from mopd_hpc.engines.torch_engine import TorchTrainEngine
 
-        gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
         return TorchTrainEngine.from_pretrained(
             actor.path,
             dtype=actor.dtype,
-            device="cuda" if gpu else "cpu",
+            device=device.torch_name,
             optimizer=actor.optimizer,
             loss=cfg.loss,
             total_steps=cfg.steps,
+            micro_batching=MicroBatching.from_actor(actor),
             data_parallel=data_parallel or DataParallel.single(),
         )
     try:
@@ -155,15 +154,18 @@ def build_train_engine(
             f"models.actor.engine='megatron' needs megatron-core, which does not import here ({err}); "
             "expected the megatron extra installed, or engine: torch"
         ) from None
-    device = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)
+    cuda = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=device.index or 0)
     hf_config = json.loads((Path(actor.path) / "config.json").read_text(encoding="utf-8"))
-    model, shape = build_from_hf(actor.path, hf_config, actor.dtype, device)
-    return MegatronTrainEngine(model, shape, hf_config, cfg.loss, actor.optimizer, device, actor.dtype)
+    model, shape = build_from_hf(actor.path, hf_config, actor.dtype, cuda)
+    return MegatronTrainEngine(
+        model, shape, hf_config, cfg.loss, actor.optimizer, cuda, actor.dtype, MicroBatching.from_actor(actor)
+    )
 
 
 def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
-    """The variables awex reads itself in the actor (trainer rank 0 on device 0): `AwexJobConfig.
-    trainer_env(0, master_address(role), 0)`; {} unless weight_sync.backend is awex.
+    """The variables awex reads itself in the actor (its trainer rank, on its device): `AwexJobConfig.
+    trainer_env(role.rank, master_address(role), role.device.index)` (device 0 for a CPU child, which awex
+    refuses later); {} unless weight_sync.backend is awex.
 
     Raises:
         AwexConfigError: the AWEX settings of the job (`trainer.weight_sync.awex_job_config`).
@@ -176,7 +178,7 @@ def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
 
     require_awex()
 
-    return awex_job_config(cfg).trainer_env(0, master_address(role), 0)
+    return awex_job_config(cfg).trainer_env(role.rank, master_address(role), role.device.index or 0)
 
 
 async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], out: TextIO) -> int:
@@ -187,6 +189,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
     plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
     check_compatibility(cfg, plan)
     kind = check_actor_engine(cfg, role, environ)
+    token = read_job_token(role)  # the servers' token, read once here (before waiting for them)
     timeout_s = float(environ.get(ENDPOINT_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     group = join_group(role, cfg, environ, timeout_s)
     try:
@@ -197,16 +200,14 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
             f"servers ready: rollout {list(endpoints.rollout)}, teachers {dict(endpoints.teachers)}", file=out
         )
         dp = DataParallel(group.dp_rank, group.dp_size) if group.dp_size > 1 else DataParallel.single()
-        engine = build_train_engine(cfg, kind, environ, dp)
+        engine = build_train_engine(cfg, kind, role.device, dp)
         async with contextlib.AsyncExitStack() as stack:
             teachers = {
-                t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t]))
+                t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t], token=token))
                 for t in plan.teachers
             }
             if role.rank == 0:
-                outcome = await _lead(
-                    role, cfg, plan, engine, endpoints.rollout, teachers, group, environ, out
-                )
+                outcome = await _lead(role, cfg, plan, engine, endpoints.rollout, teachers, group, token, out)
             else:
                 signal.signal(CHECKPOINT_SIGNAL, signal.SIG_IGN)  # rank 0 decides when to checkpoint
                 shard_step = ShardStep(engine, teachers, plan, cfg.loss, route_weights(cfg), group)
@@ -230,7 +231,7 @@ async def _lead(
     rollout_urls: Sequence[str],
     teachers: Mapping[str, TeacherClient],
     group: Group,
-    environ: Mapping[str, str],
+    token: str | None,
     out: TextIO,
 ) -> RunOutcome:
     """Rank 0: the controller with its collaborators (step 6 of the module docstring)."""
@@ -241,7 +242,7 @@ async def _lead(
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.models.tokenizer.path)
     data = build_run_data(cfg)
-    gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
+    gpu = role.device.is_cuda
     sync = build_sync(
         cfg,
         engine,
@@ -252,7 +253,7 @@ async def _lead(
     request.install()
     async with contextlib.AsyncExitStack() as stack:
         rollout = [
-            await stack.enter_async_context(RolloutClient(url, timeout_s=ROLLOUT_TIMEOUT_S))
+            await stack.enter_async_context(RolloutClient(url, token=token, timeout_s=ROLLOUT_TIMEOUT_S))
             for url in rollout_urls
         ]
         controller = Controller(
@@ -273,21 +274,6 @@ async def _lead(
         return await controller.run()
 
 
-def local_actor_ranks(environ: Mapping[str, str]) -> int:
-    """The actor ranks on this node (MOPD_LOCAL_WORLD_SIZE, default 1): they train at the same time, so they
-    split the node's CPU budget (`cpu_threads`; more torch threads than cores makes OpenMP spin-wait).
-
-    Raises:
-        RoleEnvError: MOPD_LOCAL_WORLD_SIZE is not a positive integer.
-    """
-    raw = environ.get(LOCAL_WORLD_ENV) or "1"
-    if not raw.isdigit() or int(raw) < 1:
-        raise RoleEnvError(
-            f"{LOCAL_WORLD_ENV}={raw!r}: expected a positive integer (actor ranks on this node)"
-        )
-    return int(raw)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: reads os.environ once, here."""
     del argv
@@ -298,8 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         role = RoleEnv.from_env(environ)
         cfg = load_run(role.run_dir, environ)
-        local_ranks = local_actor_ranks(environ)
-        threads = int(environ[THREADS_ENV]) if environ.get(THREADS_ENV) else cpu_threads(environ, local_ranks)
+        threads = (
+            int(environ[THREADS_ENV])
+            if environ.get(THREADS_ENV)
+            else cpu_threads(environ, share=role.local_world_size)  # the node's actor ranks train together
+        )
     except (RoleEnvError, ConfigError) as exc:
         print(f"actor: {exc}", file=sys.stderr)
         return EXIT_CONFIG

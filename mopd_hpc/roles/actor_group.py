@@ -5,8 +5,8 @@ all, as before the group existed) and otherwise `ActorGroup.join` (trainer/actor
 
 - rank, world: MOPD_RANK / MOPD_WORLD_SIZE; dp rank and size from `ActorParallel` (config/parallel.py:
   rank = tp_rank + tp·(dp_rank + dp·pp_rank));
-- backend and device: gloo on "cpu" when the child has no GPU, else nccl on `cuda:<MOPD_BASE_GPU_ID or 0>`
-  (the device the placement gave it among those it sees);
+- backend and device: gloo on "cpu" when the child has no GPU, else nccl on its `RoleEnv.device` (the
+  device the placement gave it among those it sees);
 - rank 0's advertised address (`master_address`: loopback locally, its node's address on a cluster) and its
   leased `master` port; the collective timeout `models.actor.collective_timeout_s`; a rank > 0 waits for
   rank 0's rendezvous record as long as for the servers (MOPD_ENDPOINT_TIMEOUT_S).
@@ -22,20 +22,8 @@ from collections.abc import Mapping
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, master_address
+from mopd_hpc.runtime import child_env
 from mopd_hpc.trainer.actor_group import ActorGroup, Group, GroupSpec, SoloGroup
-
-#: The child's first device among those it sees (launch/plan.py::child_environment).
-BASE_GPU_ENV = "MOPD_BASE_GPU_ID"
-
-
-def actor_device(environ: Mapping[str, str]) -> str:
-    """ "cpu" without CUDA_VISIBLE_DEVICES, else "cuda:<MOPD_BASE_GPU_ID or 0>"."""
-    if not environ.get("CUDA_VISIBLE_DEVICES"):
-        return "cpu"
-    raw = environ.get(BASE_GPU_ENV) or "0"
-    if not raw.isdigit():
-        raise RoleEnvError(f"{BASE_GPU_ENV}={raw!r}: expected a device ordinal >= 0")
-    return f"cuda:{int(raw)}"
 
 
 def group_spec(
@@ -49,10 +37,10 @@ def group_spec(
     shape = ActorParallel.from_config(cfg)
     if shape.world != role.world_size:
         raise RoleEnvError(
-            f"MOPD_WORLD_SIZE={role.world_size} but the run's config gives the actor {shape.world} rank(s) "
+            f"{child_env.WORLD_SIZE}={role.world_size} but the run's config gives the actor {shape.world} rank(s) "
             f"({shape.source}); expected the plan of this run's config"
         )
-    device = actor_device(environ)
+    device = role.device.torch_name
     return GroupSpec(
         rank=role.rank,
         world_size=role.world_size,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
-from mopd_hpc.roles.env import endpoint_file
+from mopd_hpc.records.run_dir import LOGS_DIR, endpoint_file
 
 #: Default deadline for every server to be up, in seconds (model loading included).
 DEFAULT_TIMEOUT_S = 600.0
@@ -95,7 +95,7 @@ async def wait_for_endpoints(
                 f"{role} {key}: {why[(role, key)]}" for role, key in wanted if (role, key) not in found
             )
             raise EndpointTimeoutError(
-                f"servers not ready after {timeout_s:.0f} s: {missing}. Their logs: {run_dir / 'logs'}/<host>/"
+                f"servers not ready after {timeout_s:.0f} s: {missing}. Their logs: {run_dir / LOGS_DIR}/<host>/"
                 "<role>-<index>.g<generation>.err"
             )
         await asyncio.sleep(POLL_S)

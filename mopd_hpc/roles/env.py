@@ -1,49 +1,57 @@
 """The environment of a guard child, read once at the edge, and the run it belongs to.
 
 A guard child (actor, teacher, rollout) learns who it is from the environment the guard gives it
-(`runtime/guard/children.py` identity keys, `launch/plan.py::child_environment`, named ports):
+(the table `runtime/child_env.py`: identity keys, `runtime/plan.py::child_environment`, named ports):
 
-    MOPD_RUN_DIR, MOPD_ROLE, MOPD_INDEX, MOPD_JOB_ID, MOPD_HOST, MOPD_BACKEND,
-    MOPD_RANK, MOPD_WORLD_SIZE, MOPD_PORT_<NAME>
+    MOPD_RUN_DIR, MOPD_ROLE, MOPD_INDEX, MOPD_JOB_ID, MOPD_HOST, MOPD_NODE_ADDR, MOPD_BACKEND,
+    MOPD_RANK, MOPD_WORLD_SIZE, MOPD_PORT_<NAME>, and the device: CUDA_VISIBLE_DEVICES, MOPD_BASE_GPU_ID
 
-`RoleEnv.from_env(environ)` validates them into a frozen record; `load_run(run_dir, environ)` reads the
+`RoleEnv.from_env(environ)` validates them into a frozen record (integers through the topology's reader,
+`runtime/topology_env.read_int`; the device through `ChildDevice.from_env`); `load_run(run_dir, environ)` reads the
 resolved run config `run_dir/config.yaml` (written by `mopd-submit`) and makes its model paths absolute.
 
 Relative model paths in a config are relative to the directory `mopd-submit` ran in, while a child's
 working directory is the run directory: `resolve_path` tries, in order, MOPD_SUBMIT_DIR, SLURM_SUBMIT_DIR,
 PWD (the submitter's shell), then the run directory's parent, and keeps the first base under which the
 path exists (`prepare_local_run` writes absolute paths into config.yaml, so local runs never need this).
+
+Addresses (`runtime/node_address.py`): a child's servers and its rendezvous bind `bind_host`, the guard's own
+address (MOPD_NODE_ADDR; without it loopback locally, this node's name resolved on a cluster), never every
+interface unless the guard was told to bind them; endpoint records advertise `advertise_host`. The job's token
+(`read_job_token`) is the run directory's token file, read once by each role.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.runtime.ports import PORT_ENV_PREFIX
+from mopd_hpc.records.run_dir import CONFIG_FILE, TOKEN_FILE
+from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.child_device import ChildDevice
+from mopd_hpc.runtime.guard.auth import GuardAuthError, read_token_file
+from mopd_hpc.runtime.node_address import LOOPBACK, NodeAddressError, is_wildcard, node_address
+from mopd_hpc.runtime.topology_env import TopologyError, read_int
 
 #: Logical key → environment variable (read only here).
 ENV = {
-    "run_dir": "MOPD_RUN_DIR",
-    "role": "MOPD_ROLE",
-    "index": "MOPD_INDEX",
-    "job_id": "MOPD_JOB_ID",
-    "host": "MOPD_HOST",
-    "backend": "MOPD_BACKEND",
-    "rank": "MOPD_RANK",
-    "world_size": "MOPD_WORLD_SIZE",
+    "run_dir": child_env.RUN_DIR,
+    "role": child_env.ROLE,
+    "index": child_env.INDEX,
+    "job_id": child_env.JOB_ID,
+    "host": child_env.HOST,
+    "node_addr": child_env.NODE_ADDR,
+    "backend": child_env.BACKEND,
+    "rank": child_env.RANK,
+    "world_size": child_env.WORLD_SIZE,
+    "local_world_size": child_env.LOCAL_WORLD_SIZE,
 }
 #: Environment variables naming the directory relative model paths are relative to, in order.
 SUBMIT_DIR_KEYS = ("MOPD_SUBMIT_DIR", "SLURM_SUBMIT_DIR", "PWD")
-#: The resolved config in the run directory (cli/submit.py CONFIG_FILE_NAME).
-CONFIG_FILE_NAME = "config.yaml"
-#: Where children publish their endpoints.
-ENDPOINTS_DIR = "endpoints"
 
 
 class RoleEnvError(ValueError):
@@ -59,9 +67,13 @@ class RoleEnv:
         role, index: the child's role and index within the role.
         job_id: the job (Slurm job id, or `local-<pid>`).
         host: this node's name as the guard knows it.
+        node_addr: the address this node's guard binds (MOPD_NODE_ADDR), None when not given.
         backend: "local" or "slurm".
         rank, world_size: rank within the role's group (MOPD_RANK / MOPD_WORLD_SIZE; 0 / 1 if absent).
+        local_world_size: ranks of the role's group on this node (MOPD_LOCAL_WORLD_SIZE; 1 if absent): the
+            actor ranks that compute at the same time on this node's CPUs.
         ports: named ports leased for this child (`master`, `http`, ...), name → TCP port.
+        device: the device it computes on (`ChildDevice`: CUDA index, token, physical id; CPU without GPUs).
     """
 
     run_dir: Path
@@ -73,6 +85,9 @@ class RoleEnv:
     rank: int = 0
     world_size: int = 1
     ports: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    device: ChildDevice = field(default_factory=ChildDevice)
+    node_addr: str | None = None
+    local_world_size: int = 1
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> RoleEnv:
@@ -88,24 +103,26 @@ class RoleEnv:
             return value
 
         def integer(key: str, default: int | None) -> int:
-            raw = environ.get(ENV[key])
-            if raw is None and default is not None:
-                return default
             try:
-                value = int(raw or "")
-            except ValueError:
-                raise RoleEnvError(f"{ENV[key]}={raw!r}: expected an integer >= 0") from None
-            if value < 0:
-                raise RoleEnvError(f"{ENV[key]}={raw!r}: expected an integer >= 0")
+                value = read_int(environ, ENV[key], default=default)
+            except TopologyError as exc:
+                raise RoleEnvError(str(exc)) from None
+            if value is None:
+                raise RoleEnvError(f"{ENV[key]}={environ.get(ENV[key])!r}: expected an integer >= 0")
             return value
 
         ports = {}
         for key, raw in environ.items():
-            if key.startswith(PORT_ENV_PREFIX):
+            name = child_env.port_name(key)
+            if name is not None:
                 try:
-                    ports[key[len(PORT_ENV_PREFIX) :].lower()] = int(raw)
+                    ports[name] = int(raw)
                 except ValueError:
                     raise RoleEnvError(f"{key}={raw!r}: expected a TCP port number") from None
+        try:
+            device = ChildDevice.from_env(environ)
+        except TopologyError as exc:
+            raise RoleEnvError(str(exc)) from None
         world = integer("world_size", 1)
         if world < 1:
             raise RoleEnvError(f"{ENV['world_size']}={world}: expected >= 1")
@@ -119,6 +136,9 @@ class RoleEnv:
             rank=integer("rank", 0),
             world_size=world,
             ports=MappingProxyType(ports),
+            device=device,
+            node_addr=environ.get(ENV["node_addr"]) or None,
+            local_world_size=max(1, integer("local_world_size", 1)),
         )
 
     def port(self, name: str) -> int:
@@ -132,20 +152,61 @@ class RoleEnv:
 
     @property
     def bind_host(self) -> str:
-        """Where a server of this child listens: loopback locally, every interface on a cluster node."""
-        return "127.0.0.1" if self.backend == "local" else "0.0.0.0"
+        """Where a server of this child listens: the guard's address (MOPD_NODE_ADDR); without it loopback
+        locally and this node's address on a cluster.
+
+        Raises:
+            RoleEnvError: on a cluster without MOPD_NODE_ADDR, MOPD_HOST does not resolve.
+        """
+        if self.node_addr:
+            return self.node_addr
+        if self.backend == "local":
+            return LOOPBACK
+        try:
+            return node_address(self.host)
+        except NodeAddressError as exc:
+            raise RoleEnvError(f"{ENV['host']}={self.host!r}: {exc}") from None
 
     @property
     def advertise_host(self) -> str:
-        """The address others reach this child's servers at (endpoint files carry it)."""
-        return "127.0.0.1" if self.backend == "local" else self.host
+        """The address others reach this child's servers at (endpoint files carry it): `bind_host`, or the
+        node's name when the guard binds every interface."""
+        bind = self.bind_host
+        return self.host if is_wildcard(bind) else bind
+
+    @property
+    def token_file(self) -> Path:
+        """The job's token file: `run_dir/guard.token` (mode 0600)."""
+        return self.run_dir / TOKEN_FILE
 
 
 def master_address(role: RoleEnv) -> str:
-    """The weight-sync rendezvous address: loopback locally, this node's address on a cluster."""
-    if role.backend == "local":
-        return "127.0.0.1"
-    return socket.gethostbyname(role.host)
+    """The address of this child's torch rendezvous (the store binds it and the other ranks connect to it):
+    `role.bind_host`, or this node's resolved address when the guard binds every interface.
+
+    Raises:
+        RoleEnvError: the address is needed from MOPD_HOST, which does not resolve.
+    """
+    bind = role.bind_host
+    if not is_wildcard(bind):
+        return bind
+    try:
+        return node_address(role.host)
+    except NodeAddressError as exc:
+        raise RoleEnvError(f"{ENV['host']}={role.host!r}: {exc}") from None
+
+
+def read_job_token(role: RoleEnv) -> str:
+    """The job's token, from `role.token_file` (read by each role once, at its start).
+
+    Raises:
+        RoleEnvError: the file is missing, empty, or readable by others (the message names the path and mode,
+            never the token).
+    """
+    try:
+        return read_token_file(role.token_file)
+    except GuardAuthError as exc:
+        raise RoleEnvError(f"the job's token: {exc}") from None
 
 
 def cpu_threads(environ: Mapping[str, str], share: int = 1) -> int:
@@ -175,7 +236,7 @@ def cpu_threads(environ: Mapping[str, str], share: int = 1) -> int:
 
 
 def port_env_name(name: str) -> str:
-    return PORT_ENV_PREFIX + name.upper()
+    return child_env.port_env_name(name)
 
 
 def resolve_path(path: str, environ: Mapping[str, str], run_dir: Path | None = None) -> str:
@@ -232,10 +293,5 @@ def load_run(run_dir: Path, environ: Mapping[str, str]) -> RunConfig:
     Raises:
         ConfigError: the file is missing, unreadable or invalid (named).
     """
-    cfg = RunConfig.from_yaml(run_dir / CONFIG_FILE_NAME)
+    cfg = RunConfig.from_yaml(run_dir / CONFIG_FILE)
     return with_absolute_paths(cfg, environ, run_dir)
-
-
-def endpoint_file(run_dir: Path, role: str, key: str) -> Path:
-    """`run_dir/endpoints/<role>-<key>.json` (teacher: key = teacher id; rollout: key = engine index)."""
-    return run_dir / ENDPOINTS_DIR / f"{role}-{key}.json"

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.records.run_dir import CONFIG_FILE, LATEST_CHECKPOINT, probe_report_file
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.ports import PORT_ENV_PREFIX
 from mopd_hpc.runtime.signals import EXIT_OK, EXIT_USAGE
 
@@ -40,10 +42,6 @@ PROBE_ENV_KEYS = "MOPD_PROBE_ENV_KEYS"
 PROBE_HOLD_S = "MOPD_PROBE_HOLD_S"
 PROBE_EXIT_CODE = "MOPD_PROBE_EXIT_CODE"
 PROBE_EXIT_HET_GROUP = "MOPD_PROBE_EXIT_HET_GROUP"
-#: Where a trainer keeps its latest-checkpoint pointer, under the run directory.
-LATEST_CHECKPOINT = Path("checkpoints") / "latest"
-#: The run config as `mopd-submit` / `mopd-debug run` write it, under the run directory.
-RUN_CONFIG = "config.yaml"
 
 
 def resume_checkpoint(run_dir: Path) -> str | None:
@@ -64,7 +62,7 @@ def weight_sync_backend(run_dir: Path) -> str | None:
     import yaml
 
     try:
-        data = yaml.safe_load((run_dir / RUN_CONFIG).read_text(encoding="utf-8"))
+        data = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
         return None
     sync = data.get("weight_sync") if isinstance(data, dict) else None
@@ -81,9 +79,9 @@ def probe_report(env: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
     """
     from mopd_hpc.runtime.topology import RankTopology
 
-    role, index = env["MOPD_ROLE"], int(env["MOPD_INDEX"])
+    role, index = env[child_env.ROLE], int(env[child_env.INDEX])
     topology = RankTopology.from_env(env, role=role)
-    host = env.get("MOPD_HOST") or topology.hostname
+    host = env.get(child_env.HOST) or topology.hostname
     ports = {
         k[len(PORT_ENV_PREFIX) :].lower(): int(v) for k, v in env.items() if k.startswith(PORT_ENV_PREFIX)
     }
@@ -91,25 +89,25 @@ def probe_report(env: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
     shown = {
         k: v for k, v in env.items() if k.startswith("MOPD_") or k == "CUDA_VISIBLE_DEVICES" or k in extra
     }
-    transfer = [int(r) for r in env.get("MOPD_TRANSFER_RANKS", "").split(",") if r.strip()]
+    transfer = [int(r) for r in env.get(child_env.TRANSFER_RANKS, "").split(",") if r.strip()]
     restart = env.get("SLURM_RESTART_COUNT", "0").strip()
     report = {
         "role": role,
         "index": index,
-        "plan_role": env.get("MOPD_PLAN_ROLE"),
-        "plan_index": int(env["MOPD_PLAN_INDEX"]) if env.get("MOPD_PLAN_INDEX") else None,
+        "plan_role": env.get(child_env.PLAN_ROLE),
+        "plan_index": int(env[child_env.PLAN_INDEX]) if env.get(child_env.PLAN_INDEX) else None,
         "transfer_ranks": transfer,
-        "weight_sync_backend": weight_sync_backend(Path(env["MOPD_RUN_DIR"])),
+        "weight_sync_backend": weight_sync_backend(Path(env[child_env.RUN_DIR])),
         "restart_count": int(restart) if restart.isdigit() else 0,
-        "resume_checkpoint": resume_checkpoint(Path(env["MOPD_RUN_DIR"])),
-        "generation": int(env.get("MOPD_GENERATION", "0")),
+        "resume_checkpoint": resume_checkpoint(Path(env[child_env.RUN_DIR])),
+        "generation": int(env.get(child_env.GENERATION, "0")),
         "pid": os.getpid(),
         "host": host,
         "topology": topology.to_dict(),
         "ports": ports,
         "env": shown,
     }
-    return Path(env["MOPD_RUN_DIR"]) / "probe" / f"{host}-{role}-{index}.json", report
+    return probe_report_file(env[child_env.RUN_DIR], host, role, index), report
 
 
 def main(env: Mapping[str, str] | None = None) -> int:

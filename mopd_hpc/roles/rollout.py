@@ -5,8 +5,10 @@ from the guard-given environment (read once, in `main`; `roles/env.py`) and the 
 config `run_dir/config.yaml`:
 
     model        models.actor.path (the student: the rollout samples from the behavior policy μ = π_θ)
-    port         the named port `http` (MOPD_PORT_HTTP); bind 127.0.0.1 locally, every interface on Slurm
-    dtype        models.actor.dtype;  device: cuda when the child sees a GPU, else cpu
+    port         the named port `http` (MOPD_PORT_HTTP), bound on the guard's address (`RoleEnv.bind_host`:
+                 127.0.0.1 locally, the node's address on Slurm); every route but /health requires the job's
+                 token (read once, in `run`)
+    dtype        models.actor.dtype;  device: the child's (`RoleEnv.device`: the plan's GPU, else cpu)
     rows/batch   data.batch_size · data.samples_per_prompt (one step's rollouts decode together)
     seed         run seed + engine index (rows without a sampling_seed)
     AWEX         weight_sync.backend awex: AWEX_MASTER_ADDR is set in this process's environment (awex reads
@@ -14,7 +16,7 @@ config `run_dir/config.yaml`:
 
 Once the server listens it writes `run_dir/endpoints/rollout-<index>.json` atomically
 ({url, host, port, pid, index, job_id, model_path}) and serves until SIGTERM/SIGINT or until the actor
-announces the end of the job (`runtime/job_end.py`); then it removes the endpoint file and exits 0.
+announces the end of the job (`records/job_end.py`); then it removes the endpoint file and exits 0.
 SIGUSR2 (Slurm's checkpoint signal, sent to every process of the step) is ignored: a rollout server has
 no state to save, and the actor and the guard decide when it stops.
 """
@@ -33,8 +35,9 @@ from pathlib import Path
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
-from mopd_hpc.roles.env import RoleEnv, cpu_threads, endpoint_file, master_address, start_server_role
-from mopd_hpc.runtime.job_end import stop_on_job_end
+from mopd_hpc.records.job_end import stop_on_job_end
+from mopd_hpc.records.run_dir import endpoint_file, rollout_ready_file
+from mopd_hpc.roles.env import RoleEnv, cpu_threads, master_address, read_job_token, start_server_role
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -50,18 +53,16 @@ def engines_per_node(cfg: RunConfig) -> int:
 
 def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> ServerArgs:
     """The hf server's arguments for this engine (module docstring)."""
-    gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
-    base = environ.get("MOPD_BASE_GPU_ID")
-    device = (f"cuda:{base}" if base else "cuda") if gpu else "cpu"
+    gpu = role.device.is_cuda
     return ServerArgs(
         model_path=cfg.models.actor.path,
         host=role.bind_host,
         port=role.port("http"),
-        device=device,
+        device=role.device.torch_name,
         dtype=cfg.models.actor.dtype,
         max_batch_rows=cfg.data.batch_size * cfg.data.samples_per_prompt,
         random_seed=cfg.seed + role.index,
-        ready_file=str(role.run_dir / "endpoints" / f".rollout-{role.index}.ready.json"),
+        ready_file=str(rollout_ready_file(role.run_dir, role.index)),
         # the engines of a node sample at the same time; the other phases time-slice the node's cores
         num_threads=None if gpu else cpu_threads(environ, share=engines_per_node(cfg)),
     )
@@ -102,6 +103,7 @@ async def run(role: RoleEnv, args: ServerArgs) -> None:
     """Serve until SIGTERM/SIGINT or the end of the job; the endpoint file is removed on the way out."""
     from mopd_hpc.engines.rollout.hf_server import serve
 
+    token = read_job_token(role)
     stop = asyncio.Event()
     endpoint = endpoint_file(role.run_dir, "rollout", str(role.index))
     endpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +113,7 @@ async def run(role: RoleEnv, args: ServerArgs) -> None:
         asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop)),
     ]
     try:
-        await serve(args, stop)
+        await serve(args, token, stop)
     finally:
         stop.set()
         for task in tasks:

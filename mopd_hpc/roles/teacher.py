@@ -3,9 +3,10 @@
 Without arguments it is a job's teacher child: the scoring server (`engines/teacher_serve.py`) takes its
 settings from the run. MOPD_TEACHER_ID (the job plan sets it) names the entry of `models.teachers` in
 `run_dir/config.yaml`, which gives the checkpoint path, the scoring engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel (1: the role starts one process
-per teacher); the port is the named port `http`. This module resolves them (env read once, in `main`) and runs
-`teacher_serve.serve` until SIGTERM/SIGINT or until the actor announces the end of the job
-(`runtime/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has nothing to checkpoint).
+per teacher); the port is the named port `http`, bound on the guard's address (`RoleEnv.bind_host`). This
+module resolves them (env read once, in `main`; the job's token once, in `run`) and runs `teacher_serve.serve`
+until SIGTERM/SIGINT or until the actor announces the end of the job (`records/job_end.py`), then exits 0.
+SIGUSR2 is ignored (a teacher has nothing to checkpoint).
 
 Rows scored per forward (`scoring_rows`): a forward materializes [rows, tokens, vocab] logits (and their
 float32 log-softmax), which for a production vocabulary (Qwen3: 151,936) and a long response is gigabytes per
@@ -16,9 +17,11 @@ With arguments it is a standalone teacher server (tests, debugging), outside any
 
     python -m mopd_hpc.roles.teacher --teacher-id ID --model PATH [--port N] [--host 127.0.0.1]
         [--engine torch|megatron] [--device auto|cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16]
-        [--run-dir DIR] [--max-batch-rows 64] [--num-threads N]
+        [--run-dir DIR] [--max-batch-rows 64] [--num-threads N] [--token-file FILE]
 
-Each flag not given falls back to its variable of `ENV` (read once, in `main`). SIGTERM or SIGINT stops
+Each flag not given falls back to its variable of `ENV` (read once, in `main`). Every route but the liveness
+probe requires the token of `--token-file` (default: the run dir's token file, else a new one in a private
+temporary directory; a missing file is created, mode 0600, and its path logged). SIGTERM or SIGINT stops
 either cleanly (exit 0) and removes the endpoint file.
 """
 
@@ -36,21 +39,23 @@ from pathlib import Path
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs
-from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, start_server_role
-from mopd_hpc.runtime.job_end import stop_on_job_end
+from mopd_hpc.records.job_end import stop_on_job_end
+from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, read_job_token, start_server_role
+from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.http_auth import standalone_token
 
 #: The plan's variable naming the teacher of this child.
-TEACHER_ID_ENV = "MOPD_TEACHER_ID"
+TEACHER_ID_ENV = child_env.TEACHER_ID
 #: Bytes of float32 logits one scoring forward may materialize (module docstring).
 SCORING_BUDGET_BYTES = 4 << 30
 #: Logical key → environment variable of the standalone server (read at the edge, in `main`).
 ENV = {
-    "teacher_id": "MOPD_TEACHER_ID",
+    "teacher_id": child_env.TEACHER_ID,
     "model_path": "MOPD_MODEL_PATH",
-    "port": "MOPD_PORT_HTTP",
-    "run_dir": "MOPD_RUN_DIR",
+    "port": child_env.port_env_name("http"),
+    "run_dir": child_env.RUN_DIR,
     "host": "MOPD_BIND_HOST",
-    "advertise_host": "MOPD_HOST",
+    "advertise_host": child_env.HOST,
     "device": "MOPD_DEVICE",
     "dtype": "MOPD_DTYPE",
     "engine": "MOPD_TEACHER_ENGINE",
@@ -94,21 +99,20 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
             f"{here}.tensor_parallel={teacher.tensor_parallel}: the teacher role serves each teacher from one "
             "process and starts no follower ranks; expected 1"
         )
-    gpu = bool(environ.get("CUDA_VISIBLE_DEVICES"))
+    gpu = role.device.is_cuda
     if teacher.engine == "megatron" and not gpu:
         raise RoleEnvError(
             f"{here}.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
             f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives this teacher child none); expected a "
             "GPU group, or engine: torch"
         )
-    base = environ.get("MOPD_BASE_GPU_ID")
     return TeacherArgs(
         teacher_id=teacher.id,
         model_path=teacher.path,
         host=role.bind_host,
         port=role.port("http"),
         advertise_host=role.advertise_host,
-        device=(f"cuda:{base}" if base else "cuda") if gpu else "cpu",
+        device=role.device.torch_name,
         dtype=teacher.dtype,
         run_dir=str(role.run_dir),
         max_batch_rows=scoring_rows(cfg, teacher.path),
@@ -123,10 +127,11 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
 async def run(role: RoleEnv, args: TeacherArgs) -> None:
     from mopd_hpc.engines.teacher_serve import serve
 
+    token = read_job_token(role)
     stop = asyncio.Event()
     watcher = asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop))
     try:
-        await serve(args, stop)
+        await serve(args, token, stop)
     finally:
         watcher.cancel()
 
@@ -148,6 +153,12 @@ def args_from_argv(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Te
     )
     p.add_argument("--max-batch-rows", type=int, default=64, help="rows per forward pass at most")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="0600 file of the token every route but /health requires (default: RUN_DIR/guard.token, else a "
+        "new one; created when missing)",
+    )
     ns = p.parse_args(argv)
     teacher_id = ns.teacher_id or environ.get(ENV["teacher_id"])
     model_path = ns.model_path or environ.get(ENV["model_path"])
@@ -188,6 +199,7 @@ def args_from_argv(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Te
         max_batch_rows=ns.max_batch_rows,
         num_threads=ns.num_threads,
         engine=engine,
+        token_file=ns.token_file,
     )
 
 
@@ -202,7 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         from mopd_hpc.engines.teacher_serve import serve
 
-        asyncio.run(serve(args_from_argv(argv, environ)))
+        args = args_from_argv(argv, environ)
+        token, token_file = standalone_token(args.token_file, args.run_dir)
+        logging.getLogger("mopd_hpc.teacher").info("teacher server token file: %s", token_file)
+        asyncio.run(serve(args, token))
         return 0
     role, cfg = start_server_role(environ)
     asyncio.run(run(role, teacher_args(role, cfg, environ)))

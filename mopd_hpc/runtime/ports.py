@@ -12,7 +12,10 @@ Taking a lease:
 
 Never "bind :0, close, hand out later": the lease is held from step 2 until `release`. Ports are NAMED
 (`http`, `nccl`, `dist_init`, `master`, ...), never positional; `reserve` and `release` are idempotent per
-owner. A lease is handed to a child by passing `lease.fd` (`subprocess.Popen(pass_fds=...)`): the child
+owner. Leases are held per (owner, generation): a lease reserved without a generation (`/ports/reserve`
+ahead of a spawn) is adopted by the generation whose spawn names it; a new generation never shares a lease
+an older one holds (it gets its own port), and `release(owner, up_to_generation=g)` (a kill of generation
+g) drops g's leases and older ones only, never those a newer generation of the slot took meanwhile. A lease is handed to a child by passing `lease.fd` (`subprocess.Popen(pass_fds=...)`): the child
 then holds the lease while it lives, even if this process releases it or dies.
 """
 
@@ -23,10 +26,11 @@ import random
 import re
 import socket
 import threading
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
+from mopd_hpc.runtime.child_env import PORT_PREFIX
 from mopd_hpc.runtime.ports_registry import OwnerRecordServer, bind_lease_socket
 
 #: Where Linux keeps the ephemeral port range ("lo<TAB>hi"); read at the edge, passed in.
@@ -34,7 +38,7 @@ EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
 #: Default search range for leases (the ephemeral range is cut out of it).
 DEFAULT_LEASE_RANGE = (20000, 65535)
 #: Environment variable that carries named port `<name>` to a child: `MOPD_PORT_<NAME>`.
-PORT_ENV_PREFIX = "MOPD_PORT_"
+PORT_ENV_PREFIX = PORT_PREFIX
 
 _PORT_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _ROLE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -99,13 +103,15 @@ class PortOwner:
 
 @dataclass(frozen=True, slots=True)
 class PortLease:
-    """A held lease: TCP `port` under `name` for `owner`, held by socket `fd` of process `pid`."""
+    """A held lease: TCP `port` under `name` for `owner`, held by socket `fd` of process `pid`, for the
+    child generation `generation` of the owner's slot (None: reserved ahead of any spawn)."""
 
     port: int
     name: str
     owner: PortOwner
     pid: int
     fd: int
+    generation: int | None = None
 
     @property
     def env_key(self) -> str:
@@ -186,16 +192,21 @@ class PortLeaser:
     def __init__(self, policy: LeasePolicy, *, seed: int | None = None) -> None:
         self.policy = policy
         self._lock = threading.Lock()
-        self._held: dict[PortOwner, dict[str, tuple[PortLease, socket.socket]]] = {}
-        self._child_pid: dict[PortOwner, int] = {}
+        #: (owner, generation) → name → (lease, its socket); generation None: reserved ahead of a spawn.
+        self._held: dict[tuple[PortOwner, int | None], dict[str, tuple[PortLease, socket.socket]]] = {}
+        self._child_pid: dict[tuple[PortOwner, int | None], int] = {}
         self._records = OwnerRecordServer()
         rng = random.Random(
             seed if seed is not None else os.getpid() ^ int.from_bytes(os.urandom(4), "little")
         )
         self._cursor = rng.randint(policy.lo, policy.hi)
 
-    def reserve(self, owner: PortOwner, names: Iterable[str]) -> dict[str, PortLease]:
-        """Lease one port per name for `owner`; names already held by `owner` keep their port.
+    def reserve(
+        self, owner: PortOwner, names: Iterable[str], generation: int | None = None
+    ) -> dict[str, PortLease]:
+        """Lease one port per name for `owner` (for its child `generation`, when given); names already
+        held for the same generation keep their port, and a name reserved without a generation is adopted
+        by `generation` (same port).
 
         Returns:
             name → PortLease for every name asked for, in the order asked.
@@ -208,10 +219,20 @@ class PortLeaser:
         if len(set(names)) != len(names):
             raise PortLeaseError(f"port names {names} repeat a name: each named port is leased once")
         with self._lock:
-            held = self._held.setdefault(owner, {})
+            held = self._held.setdefault((owner, generation), {})
+            pending = self._held.get((owner, None), {}) if generation is not None else {}
             for name in names:
-                if name not in held:
-                    held[name] = self._take(owner, name, None)
+                if name in held:
+                    continue
+                if name in pending:  # reserved ahead of this spawn: this generation's now, same port
+                    lease, sock = pending.pop(name)
+                    held[name] = (replace(lease, generation=generation), sock)
+                    self._records.remove(sock)
+                    self._records.add(sock, self._recorder(held[name][0]))
+                else:
+                    held[name] = self._take(owner, name, None, generation)
+            if generation is not None and not pending:
+                self._held.pop((owner, None), None)
             return {name: held[name][0] for name in names}
 
     def reserve_port(self, owner: PortOwner, name: str, port: int) -> PortLease:
@@ -228,36 +249,55 @@ class PortLeaser:
                 f"or inside the ephemeral range {list(self.policy.ephemeral)}"
             )
         with self._lock:
-            held = self._held.setdefault(owner, {})
+            held = self._held.setdefault((owner, None), {})
             if name in held:
                 if held[name][0].port != port:
                     raise PortInUseError(f"owner {owner} already holds {name!r} on port {held[name][0].port}")
                 return held[name][0]
-            held[name] = self._take(owner, name, port)
+            held[name] = self._take(owner, name, port, None)
             return held[name][0]
 
-    def release(self, owner: PortOwner) -> list[PortLease]:
-        """Drop every lease of `owner` (a child that inherited one keeps it while it lives). Idempotent."""
-        with self._lock:
-            held = self._held.pop(owner, {})
-            self._child_pid.pop(owner, None)
-            for _, sock in held.values():
-                self._records.remove(sock)
-                sock.close()
-        return [lease for lease, _ in held.values()]
+    def release(self, owner: PortOwner, up_to_generation: int | None = None) -> list[PortLease]:
+        """Drop `owner`'s leases (a child that inherited one keeps it while it lives). Idempotent.
 
-    def note_child(self, owner: PortOwner, pid: int) -> None:
-        """Record that `owner`'s leases were handed to child `pid` (shown in owner records)."""
+        Args:
+            up_to_generation: drop only those of this generation, older ones and those reserved without
+                a generation (a kill of that generation); None: every lease of `owner`.
+        Returns:
+            the leases dropped.
+        """
         with self._lock:
-            self._child_pid[owner] = pid
+            keys = [
+                key
+                for key in self._held
+                if key[0] == owner
+                and (up_to_generation is None or key[1] is None or key[1] <= up_to_generation)
+            ]
+            dropped = []
+            for key in keys:
+                self._child_pid.pop(key, None)
+                for lease, sock in self._held.pop(key).values():
+                    self._records.remove(sock)
+                    sock.close()
+                    dropped.append(lease)
+        return dropped
+
+    def note_child(self, owner: PortOwner, pid: int, generation: int | None = None) -> None:
+        """Record that `owner`'s leases of `generation` were handed to child `pid` (in owner records)."""
+        with self._lock:
+            self._child_pid[(owner, generation)] = pid
 
     def leases(self, owner: PortOwner | None = None) -> list[PortLease]:
         with self._lock:
-            owners = [owner] if owner is not None else list(self._held)
-            return [lease for o in owners for lease, _ in self._held.get(o, {}).values()]
+            return [
+                lease
+                for key, held in self._held.items()
+                if owner is None or key[0] == owner
+                for lease, _ in held.values()
+            ]
 
     def close(self) -> None:
-        for owner in list(self._held):
+        for owner in {key[0] for key in list(self._held)}:
             self.release(owner)
         self._records.close()
 
@@ -267,14 +307,16 @@ class PortLeaser:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _take(self, owner: PortOwner, name: str, port: int | None) -> tuple[PortLease, socket.socket]:
+    def _take(
+        self, owner: PortOwner, name: str, port: int | None, generation: int | None
+    ) -> tuple[PortLease, socket.socket]:
         if port is not None:
-            got = self._try(owner, name, port)
+            got = self._try(owner, name, port, generation)
             if got is None:
                 raise PortInUseError(f"port {port} for {owner}/{name} is leased by another process or bound")
             return got
         for candidate in self.policy.candidates(self._cursor):
-            got = self._try(owner, name, candidate)
+            got = self._try(owner, name, candidate, generation)
             if got is not None:
                 self._cursor = candidate + 1 if candidate < self.policy.hi else self.policy.lo
                 return got
@@ -283,16 +325,21 @@ class PortLeaser:
             f"range {list(self.policy.ephemeral)}: widen the range or release leases (`mopd-debug ports`)"
         )
 
-    def _try(self, owner: PortOwner, name: str, port: int) -> tuple[PortLease, socket.socket] | None:
+    def _try(
+        self, owner: PortOwner, name: str, port: int, generation: int | None
+    ) -> tuple[PortLease, socket.socket] | None:
         sock = bind_lease_socket(port)
         if sock is None:
             return None
         if not tcp_port_free(port, self.policy.bind_host):
             sock.close()
             return None
-        lease = PortLease(port=port, name=name, owner=owner, pid=os.getpid(), fd=sock.fileno())
-        self._records.add(sock, lambda: self._record(lease))
+        lease = PortLease(port, name, owner, os.getpid(), sock.fileno(), generation)
+        self._records.add(sock, self._recorder(lease))
         return lease, sock
+
+    def _recorder(self, lease: PortLease) -> Callable[[], dict[str, Any]]:
+        return lambda: self._record(lease)
 
     def _record(self, lease: PortLease) -> dict[str, Any]:
         return {
@@ -302,6 +349,7 @@ class PortLeaser:
             "role": lease.owner.role,
             "index": lease.owner.index,
             "pid": lease.pid,
-            "child_pid": self._child_pid.get(lease.owner),
+            "generation": lease.generation,
+            "child_pid": self._child_pid.get((lease.owner, lease.generation)),
             "uid": os.getuid(),
         }

@@ -7,7 +7,8 @@ needed, and the kernel frees the name the moment the last process holding the so
 included). Only one socket can hold a name, so binding it *is* taking the lease.
 
 Owner records are discoverable through the socket itself: a process that takes leases answers every
-connection on them with one JSON line (port, name, job_id, role, index, pid, child_pid, uid) and closes it.
+connection on them with one JSON line (port, name, job_id, role, index, generation, pid, child_pid, uid) and
+closes it.
 `list_node_leases()` finds the names in `/proc/net/unix` and connects to each. A lease held only by a
 process that does not answer (a child that inherited it after its guard died) is listed with
 `answered=False`. Records are ephemeral metadata: nothing is written to disk.
@@ -137,6 +138,7 @@ class NodeLease:
     pid: int | None = None
     child_pid: int | None = None
     uid: int | None = None
+    generation: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -169,7 +171,8 @@ def read_owner_record(port: int, timeout_s: float = 0.5) -> NodeLease | None:
         record = json.loads(b"".join(chunks))
     except ValueError:
         return NodeLease(port=port, answered=False)
-    fields = {k: record.get(k) for k in ("name", "job_id", "role", "index", "pid", "child_pid", "uid")}
+    keys = ("name", "job_id", "role", "index", "pid", "child_pid", "uid", "generation")
+    fields = {k: record.get(k) for k in keys}
     return NodeLease(port=port, answered=True, **fields)
 
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.gpus import GpuTokenError, physical_gpus, token_kind
 from mopd_hpc.runtime.topology_env import (
     ENV,
@@ -231,7 +232,7 @@ def _local_device_index(
         )
     if local_rank >= len(tokens):
         raise TopologyError(
-            f"local rank {local_rank} (SLURM_LOCALID or MOPD_LOCAL_RANK) has no GPU among the {len(tokens)} of "
+            f"local rank {local_rank} (SLURM_LOCALID or {child_env.LOCAL_RANK}) has no GPU among the {len(tokens)} of "
             f"CUDA_VISIBLE_DEVICES={visible!r}; run at most one task per GPU"
         )
     return local_rank

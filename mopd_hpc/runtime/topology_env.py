@@ -11,21 +11,22 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.gpus import GpuTokenError, parse_visible_devices
 from mopd_hpc.runtime.hostlist import HostlistError, expand_counts, expand_hostlist
 
 #: Every variable read here: logical key → name (submitit `SlurmJobEnvironment._env` style).
 ENV: dict[str, str] = {
-    "mopd_backend": "MOPD_BACKEND",  # "slurm" | "local"
-    "mopd_het_group": "MOPD_HET_GROUP",  # exported by the node launcher: this task's het group
+    "mopd_backend": child_env.BACKEND,  # "slurm" | "local"
+    "mopd_het_group": child_env.HET_GROUP,  # exported by the node launcher: this task's het group
     # Local backend; on Slurm the guard sets them for its children (they override the step's task ranks,
     # which count guards, not children):
-    "mopd_rank": "MOPD_RANK",  # rank within the group (local default 0)
-    "mopd_world_size": "MOPD_WORLD_SIZE",  # world size (local default 1)
-    "mopd_local_rank": "MOPD_LOCAL_RANK",  # rank on this host (local default: MOPD_RANK; Slurm: 0)
-    "mopd_local_world_size": "MOPD_LOCAL_WORLD_SIZE",  # tasks on this host (local default: world)
-    "mopd_het_size": "MOPD_HET_SIZE",  # local backend: number of groups (default 1)
-    "mopd_job_id": "MOPD_JOB_ID",  # local backend: job id (default "local")
+    "mopd_rank": child_env.RANK,  # rank within the group (local default 0)
+    "mopd_world_size": child_env.WORLD_SIZE,  # world size (local default 1)
+    "mopd_local_rank": child_env.LOCAL_RANK,  # rank on this host (local default: MOPD_RANK; Slurm: 0)
+    "mopd_local_world_size": child_env.LOCAL_WORLD_SIZE,  # tasks on this host (local default: world)
+    "mopd_het_size": child_env.HET_SIZE,  # local backend: number of groups (default 1)
+    "mopd_job_id": child_env.JOB_ID,  # local backend: job id (default "local")
     "mopd_hostname": "MOPD_HOSTNAME",  # local backend: host name (default socket.gethostname())
     "job_id": "SLURM_JOB_ID",  # the het leader's id in every component
     "job_id_legacy": "SLURM_JOBID",
@@ -125,12 +126,12 @@ def read_local(env: Mapping[str, str]) -> dict[str, Any]:
     world = read_int(env, ENV["mopd_world_size"], default=1, minimum=1)
     assert rank is not None and world is not None
     if rank >= world:
-        raise TopologyError(f"MOPD_RANK={rank} is not below MOPD_WORLD_SIZE={world}")
+        raise TopologyError(f"{child_env.RANK}={rank} is not below {child_env.WORLD_SIZE}={world}")
     het_size = read_int(env, ENV["mopd_het_size"], default=1, minimum=1)
     het_group = read_int(env, ENV["mopd_het_group"], default=0)
     assert het_size is not None and het_group is not None
     if het_group >= het_size:
-        raise TopologyError(f"MOPD_HET_GROUP={het_group} is not below MOPD_HET_SIZE={het_size}")
+        raise TopologyError(f"{child_env.HET_GROUP}={het_group} is not below {child_env.HET_SIZE}={het_size}")
     hostname = env.get(ENV["mopd_hostname"]) or socket.gethostname()
     local_rank = read_int(env, ENV["mopd_local_rank"], default=rank)
     return {
@@ -156,7 +157,7 @@ def _het_group(
     if hint is not None:
         if hint >= het_size:
             raise TopologyError(
-                f"MOPD_HET_GROUP={hint} is not below SLURM_HET_SIZE={het_size}: the launcher names a het "
+                f"{child_env.HET_GROUP}={hint} is not below SLURM_HET_SIZE={het_size}: the launcher names a het "
                 "group this job does not have"
             )
         return hint
@@ -167,7 +168,7 @@ def _het_group(
         return by_host[0]
     raise TopologyError(
         f"cannot tell the het group of this task: SLURM_HET_SIZE={het_size}, SLURMD_NODENAME={hostname!r} "
-        f"is in the node lists of groups {by_host}; export MOPD_HET_GROUP=<group> in the step's launcher"
+        f"is in the node lists of groups {by_host}; export {child_env.HET_GROUP}=<group> in the step's launcher"
     )
 
 
@@ -175,7 +176,7 @@ def _check_host(hostname: str | None, group_hosts: list[str], group: int, source
     if hostname is not None and hostname not in group_hosts:
         raise TopologyError(
             f"SLURMD_NODENAME={hostname!r} is not among the hosts of het group {group} in this step: "
-            f"{group_hosts} (from {source}); check MOPD_HET_GROUP"
+            f"{group_hosts} (from {source}); check {child_env.HET_GROUP}"
         )
 
 
@@ -185,13 +186,13 @@ def read_slurm(env: Mapping[str, str]) -> dict[str, Any]:
     if found_job is None:
         raise TopologyError(
             "SLURM_JOB_ID is not set: not inside a Slurm job; use the local backend "
-            "(MOPD_BACKEND=local, or mopd-debug topology --local)"
+            f"({child_env.BACKEND}=local, or mopd-debug topology --local)"
         )
     procid = read_int(env, ENV["procid"])
     if procid is None:
         raise TopologyError(
             "SLURM_PROCID is not set: this is not a task of a Slurm step (a shell in an allocation?); run it "
-            "under srun, or use the local backend (MOPD_BACKEND=local, or mopd-debug topology --local)"
+            f"under srun, or use the local backend ({child_env.BACKEND}=local, or mopd-debug topology --local)"
         )
     nodeid = read_int(env, ENV["nodeid"])
     local_rank = read_int(env, ENV["localid"], default=0)
@@ -235,7 +236,7 @@ def read_slurm(env: Mapping[str, str]) -> dict[str, Any]:
         if not group_hosts:
             raise TopologyError(
                 f"het group {group} has no host in this step: {group_var} lists {group_list}, "
-                f"{step_var} lists {step_hosts}; check MOPD_HET_GROUP"
+                f"{step_var} lists {step_hosts}; check {child_env.HET_GROUP}"
             )
         _check_host(hostname, group_hosts, group, group_var)
         in_step = [n for n, (_, hosts) in groups.items() if set(hosts) & set(step_hosts)]
@@ -263,7 +264,7 @@ def read_slurm(env: Mapping[str, str]) -> dict[str, Any]:
             raise TopologyError(
                 f"SLURM_PROCID={procid} minus the {task_offset} tasks of earlier het groups {earlier} gives rank "
                 f"{rank}, not in [0, {world}) for het group {group} ({HET_ENV['ntasks'].format(n=group)}={world}); "
-                "check MOPD_HET_GROUP"
+                f"check {child_env.HET_GROUP}"
             )
     if hostname is not None:
         node_index = group_hosts.index(hostname)
@@ -319,11 +320,11 @@ def _guard_child_ranks(env: Mapping[str, str]) -> tuple[int, int, int, int | Non
     world = read_int(env, ENV["mopd_world_size"], minimum=1)
     if world is None:
         raise TopologyError(
-            f"MOPD_RANK={rank} is set but MOPD_WORLD_SIZE is not: a guard names both for its children"
+            f"{child_env.RANK}={rank} is set but {child_env.WORLD_SIZE} is not: a guard names both for its children"
         )
     assert rank is not None
     if rank >= world:
-        raise TopologyError(f"MOPD_RANK={rank} is not below MOPD_WORLD_SIZE={world}")
+        raise TopologyError(f"{child_env.RANK}={rank} is not below {child_env.WORLD_SIZE}={world}")
     local_rank = read_int(env, ENV["mopd_local_rank"], default=0)
     assert local_rank is not None
     return rank, world, local_rank, read_int(env, ENV["mopd_local_world_size"], minimum=1)

@@ -5,6 +5,7 @@ Layout under a checkpoint root:
     root/step_000050/model.pt        engine state (`TrainEngine.state_dict()`: model, optimizer, ...)
     root/step_000050/rng.pt          RNG states (python, numpy if present, torch CPU, every CUDA device)
     root/step_000050/state.json      {"step", "data_state", "extra", "format"} (JSON-serializable)
+    root/step_000050/manifest.json   sizes and SHA-256 of the three files: written last (checkpoint_verify.py)
     root/latest                      "step_000050\\n": the newest complete checkpoint
 
 A save writes every file (each through `mopd_hpc.atomic`: temp file, fsync, rename) into a hidden
@@ -12,32 +13,41 @@ A save writes every file (each through `mopd_hpc.atomic`: temp file, fsync, rena
 rewrites `latest` atomically. A crash at any point leaves `latest` naming the previous complete checkpoint;
 a half-written temp directory is ignored by `load_latest` and removed by the next save. Loading uses
 `torch.load(weights_only=True)`: a checkpoint never executes pickled code.
+
+Loading verifies (trainer/checkpoint_verify.py: sizes and SHA-256 against the manifest): a damaged newest
+checkpoint (a truncated model.pt, an empty state.json, an empty or garbage `latest`) is logged, naming the
+file and what is wrong, and the previous good one is used; when none is good, `load_latest` raises naming
+each. A checkpoint without a manifest (written before manifests existed) is accepted, with a warning, when
+its zip CRCs check and it loads.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import random
-import re
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mopd_hpc.atomic import atomic_open, atomic_write_json, atomic_write_text
+from mopd_hpc.records.run_dir import LATEST
+from mopd_hpc.trainer import checkpoint_verify as verify
 
-#: Name of the pointer file.
-LATEST = "latest"
+log = logging.getLogger(__name__)
+
 #: Version of the on-disk layout, written to state.json.
-FORMAT_VERSION = 1
+FORMAT_VERSION = verify.FORMAT_VERSION
 #: Checkpoints kept by default (the newest N; `latest` is never removed).
 DEFAULT_KEEP_LAST = 3
 
-_STEP_RE = re.compile(r"^step_(\d{6,})$")
+_STEP_RE = verify.STEP_RE
 
 
 class CheckpointError(ValueError):
@@ -48,7 +58,8 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """A loaded checkpoint: `step`, its directory, the engine state, the data-stream state, RNG states and
-    `extra` (JSON), as given to `save_checkpoint`. Tensors are on the CPU."""
+    `extra` (JSON), as given to `save_checkpoint`. Tensors are on the CPU. `skipped`: one line per newer
+    checkpoint `load_latest` passed over as damaged (the file and what is wrong), newest first."""
 
     step: int
     path: Path
@@ -56,6 +67,7 @@ class Checkpoint:
     data_state: dict[str, Any]
     rng_state: dict[str, Any]
     extra: dict[str, Any]
+    skipped: tuple[str, ...] = ()
 
 
 def step_dir_name(step: int) -> str:
@@ -161,6 +173,7 @@ def save_checkpoint(
         _torch_save(dict(engine_state), tmp / "model.pt")
         _torch_save(dict(rng_state if rng_state is not None else capture_rng_state()), tmp / "rng.pt")
         atomic_write_json(tmp / "state.json", state)
+        atomic_write_json(tmp / verify.MANIFEST, verify.manifest_for(tmp))  # last: the completeness marker
         if final.exists():  # re-saving a step (after a resume): retire the old copy first
             retired = base / f".{final.name}.tmp-old-{os.getpid()}"
             final.rename(retired)
@@ -176,40 +189,65 @@ def save_checkpoint(
     return final
 
 
+#: What torch.load and the state parsing raise on a damaged file that the verification let through.
+_LOAD_ERRORS = (RuntimeError, OSError, ValueError, EOFError, KeyError, pickle.UnpicklingError)
+
+
 def load_latest(root: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint | None:
-    """The checkpoint `root/latest` names, or None when there is no `latest` (a fresh run).
+    """The newest good checkpoint: the one `root/latest` names, else (damaged) the newest good older one.
+
+    Every checkpoint passed over is logged (a warning naming the file and what is wrong) and listed in the
+    result's `skipped`. None when there is no `latest` (a fresh run; a directory without a pointer was
+    never committed).
 
     Raises:
-        CheckpointError: `latest` names a directory that is missing or incomplete.
+        CheckpointError: `latest` exists but no checkpoint it leads to is good; the message names each
+            damaged file and the way out.
     """
     base = Path(root)
-    try:
-        name = (base / LATEST).read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+    names, skipped = verify.candidates(base)
+    if not names and not skipped:
         return None
-    if not _STEP_RE.match(name):
-        raise CheckpointError(f"{base / LATEST} holds {name!r}; expected a name like 'step_000050'")
-    return load_checkpoint(base / name, map_location)
+    for name in names:
+        directory = base / name
+        try:
+            ckpt = load_checkpoint(directory, map_location)
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+            log.warning("checkpoint skipped: %s", exc)
+            continue
+        return replace(ckpt, skipped=tuple(skipped))
+    raise CheckpointError(
+        f"no good checkpoint under {base}: " + " | ".join(skipped) + "; remove the damaged checkpoint "
+        f"directories (and {base / LATEST}) to start over, or restore them from a copy"
+    )
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Load one checkpoint directory. Raises CheckpointError naming the missing file."""
+    """Load one checkpoint directory, verified first (checkpoint_verify.problems, deep).
+
+    Raises:
+        CheckpointError: the directory is missing, a file is missing, truncated, damaged or does not load;
+            the message names each file and what is wrong.
+    """
     directory = Path(path)
-    for name in ("model.pt", "rng.pt", "state.json"):
-        if not (directory / name).is_file():
-            raise CheckpointError(
-                f"checkpoint {directory} has no {name}; expected a directory save_checkpoint wrote"
-            )
-    state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
-    if state.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{directory / 'state.json'}: format {state.get('format')!r}; expected {FORMAT_VERSION}"
+    if not directory.is_dir():
+        raise CheckpointError(verify.missing_dir(directory))
+    found = verify.problems(directory, deep=True)
+    if found:
+        raise CheckpointError("; ".join(found))
+    try:
+        state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
+        ckpt = Checkpoint(
+            step=int(state["step"]),
+            path=directory,
+            engine_state=torch.load(directory / "model.pt", map_location=map_location, weights_only=True),
+            data_state=state["data_state"],
+            rng_state=torch.load(directory / "rng.pt", map_location="cpu", weights_only=True),
+            extra=state["extra"],
         )
-    return Checkpoint(
-        step=int(state["step"]),
-        path=directory,
-        engine_state=torch.load(directory / "model.pt", map_location=map_location, weights_only=True),
-        data_state=state["data_state"],
-        rng_state=torch.load(directory / "rng.pt", map_location="cpu", weights_only=True),
-        extra=state["extra"],
-    )
+    except _LOAD_ERRORS as exc:
+        raise CheckpointError(f"{directory}: does not load ({type(exc).__name__}: {exc})") from None
+    if verify.legacy(directory):
+        log.warning("checkpoint %s %s", directory, verify.LEGACY_NOTE)
+    return ckpt

@@ -14,7 +14,7 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
     SYNC     weights → rollout engines from this rank only: one copy per engine (`trainer/weight_sync.py`,
              weight_sync.backend: torch broadcast, gloo on CPU; or AWEX); weight_version = str(step)
 
-then one metrics line (`logs/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
+then one metrics line (`records/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
 checkpoint under run_dir/checkpoints, written by this rank only: the DDP state is replicated (every rank
 holds the same weights and optimizer state after each step), so one copy is every rank's; it records the
 actor world size (model, optimizer, data-stream position, RNG, step, world size).
@@ -25,7 +25,7 @@ it is ("resharded" trivially: nothing is sharded), and the stream position is th
 Metrics lines after its step are rolled back; the rollout engines get the restored weights before the first
 rollout. SIGUSR2 (`CheckpointRequest`, this rank's only: the others ignore it) is honoured between steps:
 checkpoint now, send the stop record, announce the end, return. At the end: the stop record, evaluation,
-the student as an HF checkpoint in run_dir/student_final, and the end of the job announced to the servers (`runtime/job_end.py`).
+the student as an HF checkpoint in run_dir/student_final, and the end of the job announced to the servers (`records/job_end.py`).
 
 Collaborators are given, not built here (`roles/actor.py` builds them): the engine (`engines.protocol.
 TrainEngine`), the rollout and teacher clients (opened by the caller), the weight sync, the actor group.
@@ -50,15 +50,17 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.protocol import TrainEngine
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.teacher_server import TeacherClient
-from mopd_hpc.logs.metrics import METRICS_FILE, MetricsWriter
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine, Transition
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.runtime.job_end import write_job_end
+from mopd_hpc.records.job_end import write_job_end
+from mopd_hpc.records.metrics import MetricsWriter
+from mopd_hpc.records.run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE
 from mopd_hpc.runtime.signals import CheckpointRequest
 from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from mopd_hpc.trainer.data_setup import RunData
+from mopd_hpc.trainer.phase_memory import PhaseMemory
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rank_step import Group, Receipts, ShardStep, make_resident
 from mopd_hpc.trainer.rollout_phase import collect_rollouts
@@ -69,9 +71,8 @@ from mopd_hpc.trainer.weight_sync import WeightSync
 log = logging.getLogger("mopd_hpc.trainer")
 
 #: Checkpoints live here, under the run directory.
-CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_DIR = CHECKPOINTS_DIR
 #: The student as an HF checkpoint at the end of the run.
-FINAL_DIR = "student_final"
 #: The consumer name of actor rank r's drain receipts.
 ACTOR_CONSUMER = "actor-{rank}"
 #: The checkpoint's `extra` key of the actor world size that saved it.
@@ -119,6 +120,7 @@ class Controller:
         out: TextIO,
         group: Group | None = None,
         checkpoint_request: CheckpointRequest | None = None,
+        token: str | None = None,
     ) -> None:
         self.cfg, self.plan, self.engine, self.tokenizer, self.data = cfg, plan, engine, tokenizer, data
         self.rollout, self.teachers, self.sync = list(rollout), dict(teachers), sync
@@ -127,6 +129,7 @@ class Controller:
         if self.group.rank != 0:
             raise ActorGroupError(f"the controller runs on actor rank 0, not rank {self.group.rank}")
         self.checkpoint_request = checkpoint_request
+        self._token = token
         self.routes = tuple(cfg.data.routes_used)
         self.route_weights = {r: dict(cfg.routes[r]) for r in self.routes}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -135,8 +138,10 @@ class Controller:
         #: Every phase change of the run, in order (for the event log and tests).
         self.transitions: list[Transition] = []
         consumers = tuple(ACTOR_CONSUMER.format(rank=r) for r in range(self.group.world_size))
+        #: Peak GPU memory of this child per phase (inactive on CPU), fed by the phase machine's transitions.
+        self.phase_memory = PhaseMemory.of_engine(engine)
         self.machine = PhaseMachine.from_plan(
-            plan, consumers=consumers, on_transition=self.transitions.append
+            plan, consumers=consumers, on_transition=self.phase_memory.observer(self.transitions.append)
         )
         self.step = 0
         self._saved_step = -1
@@ -196,6 +201,7 @@ class Controller:
 
     async def _one_step(self, step: int) -> dict[str, Any]:
         timings: dict[str, float] = {}
+        self.phase_memory.start_step()
         try:
             t0 = time.perf_counter()
             draws = self.data.dataset.take(self.cfg.data.batch_size)
@@ -249,6 +255,7 @@ class Controller:
             outcome.stats, rollouts, timings | dict(outcome.timings), self.cfg.loss, self.routes
         )
         values["rollout/weight_version"] = _as_number(rollouts.weight_versions[0])
+        values |= self.phase_memory.take()
         return values
 
     async def _drained(self, receipts: Receipts) -> None:
@@ -271,6 +278,8 @@ class Controller:
         if ckpt is None:
             log.info("no checkpoint under %s: starting at step 0", self.run_dir / CHECKPOINT_DIR)
             return 0
+        for line in ckpt.skipped:  # a damaged newer checkpoint: said where the user reads, then passed over
+            print(f"checkpoint skipped: {line}", file=self.out, flush=True)
         self.engine.load_state_dict(ckpt.engine_state)
         self.data.dataset.load_state_dict(ckpt.data_state)
         restore_rng_state(ckpt.rng_state)

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.data import Prompt
 from mopd_hpc.data.evaluation import evaluate_prompts
-from mopd_hpc.logs.metrics_schema import EVAL_FILE
+from mopd_hpc.records.run_dir import EVAL_FILE
 
 
 def student_accuracy(

@@ -5,7 +5,7 @@ tokens, μ (as the rollout gave it), S and W, the teachers' top-k and per-row we
 A_ORM = GRPO group-normalized rewards of the whole step when a loss term needs them
 (`ExecutionPlan.requires_reward`; `orm_advantages`, on rank 0, before the split).
 
-`step_metrics` maps the engine's statistics onto the metrics contract (`logs/metrics_schema.py`):
+`step_metrics` maps the engine's statistics onto the metrics contract (`records/metrics_schema.py`):
 loss terms, `mopd/*` diagnostics, reward and accuracy per route, tokens/s and seconds per phase. With the
 `sampled` estimator the `mopd/*` values are the loss's own statistics; with `topk` the reverse KL is the
 top-k loss's, and the importance-ratio and gap statistics are measured on the sampled tokens with the

@@ -16,7 +16,15 @@ The teacher's forward-only engine, `MegatronScoringEngine` (top-k at tensor_para
 `scoring.py` and is re-exported here (`engine.MegatronScoringEngine` resolves lazily: no import cycle).
 
 The train step (sampled estimator; loss bound at construction, `mopd.loss.mopd_loss`):
-    zero DDP grad buffers → loss → backward → finalize_model_grads → MegatronOptimizer.step()
+    zero DDP grad buffers → per micro-batch: loss → backward → finalize_model_grads → MegatronOptimizer.step()
+Micro-batches (`engines/micro_batch.py`, `models.actor.micro_batch_tokens`): the rows split by the token
+budget, each micro-batch's loss its per-token sum over the WHOLE step's denominator (`loss_denominator`,
+computed once), its backward accumulating into DDP's fp32 main-grad buffers; all but the last run under the
+DDP's `no_sync()` (the bucket groups' `is_last_microbatch` = False: no grad reduce is started, which matters
+with `overlap_grad_reduce`), and `finalize_model_grads` reduces once. Statistics combine as sums and
+token-weighted means (`StepStats`); `micro_batch_tokens` null derives a budget from the free GPU memory
+(`micro_batch.step_budget`). `activation_checkpointing`: full recompute of each layer
+(`model.enable_full_recompute`).
 (`finalize_model_grads` = DDP's finish_grad_sync plus the tensor-parallel all-reduce of replicated
 weights whose gradients differ per TP rank: q/k layernorm, each rank seeing its own heads; with only
 finish_grad_sync, TP ranks drifted apart after one step — seen on 2 H200s, issue 8.)
@@ -25,6 +33,7 @@ finish_grad_sync, TP ranks drifted apart after one step — seen on 2 H200s, iss
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -37,10 +46,13 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
-from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, load_mcore_state
+from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
+from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
+from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, split_rows, step_budget
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.mopd.loss import mopd_loss
+from mopd_hpc.mopd.normalize import loss_denominator
 
 #: Re-exported from `scoring.py` on first access (module `__getattr__`, PEP 562): importing it here eagerly
 #: would cycle, since scoring.py reads this module's shared pieces.
@@ -174,6 +186,7 @@ class MegatronTrainEngine:
     def __init__(
         self, model: torch.nn.Module, shape: Qwen3Shape, hf_config: Mapping[str, Any], loss: LossConfig,
         optimizer: OptimizerConfig, device: torch.device, dtype: str = "bfloat16",
+        micro_batching: MicroBatching = MicroBatching(),
     ) -> None:  # fmt: skip
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -184,6 +197,9 @@ class MegatronTrainEngine:
                 f"the megatron engine supports loss.estimator 'sampled' without an RL term; got "
                 f"estimator={loss.estimator!r}, rl_coefficient={loss.rl_coefficient}"
             )
+        self.micro_batching = micro_batching
+        if micro_batching.activation_checkpointing:
+            enable_full_recompute(model)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         self.ddp = DistributedDataParallel(model.config, ddp_cfg, model)
         opt_cfg = MegatronOptimizerConfig(
@@ -197,6 +213,10 @@ class MegatronTrainEngine:
         self.forward = MegatronForward(self.ddp, device)
         self.residency = DDPResidency(self.ddp, self.optimizer, device)
         self.steps = 0
+        try:  # what the default micro-batch budget is estimated from (None: the whole batch in one)
+            self.memory_shape: ModelShape | None = ModelShape.from_hf_config(hf_config)
+        except MemoryModelError:
+            self.memory_shape = None
 
     def _require_resident(self, what: str) -> None:
         if not self.residency.on_device:
@@ -218,11 +238,13 @@ class MegatronTrainEngine:
         batch: TrainBatch,
         observe: Callable[[torch.Tensor], Mapping[str, float]] | None = None,
     ) -> dict[str, float]:
-        """One step: zero grad buffers, MOPD loss, backward, grad sync, Megatron optimizer step.
+        """One step: zero grad buffers, per micro-batch MOPD loss and backward, grad sync, Megatron optimizer
+        step (module docstring).
 
         Returns floats: `loss`, `grad_norm` (the optimizer's, before clipping), `step_skipped`, `lr`,
-        `tokens`, the loss's `mopd/*` statistics, and what `observe` returns when given the step's detached
-        [B, T] float32 log π_θ(y_t) (before the update; as `TorchTrainEngine.train_step`).
+        `tokens`, `micro_batches`, the loss's `mopd/*` statistics (combined over micro-batches), and what
+        `observe` returns when given the step's detached [B, T] float32 log π_θ(y_t) (before the update; as
+        `TorchTrainEngine.train_step`).
 
         Raises:
             EngineError: the actor is offloaded, or the batch has no targets (S, W).
@@ -236,25 +258,52 @@ class MegatronTrainEngine:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         batch = batch.to(self.device)
-        tokens = batch.tokens
-        logprobs = self.forward.token_logprobs(tokens)
-        loss, stats = mopd_loss(
-            logprobs, batch.behavior_logprobs, batch.targets.logp_sum, batch.targets.weight_sum,
-            tokens.response_mask, self.loss_config, orm_advantages=batch.orm_advantages,
-        )  # fmt: skip
-        observed = dict(observe(logprobs.detach())) if observe is not None else {}
-        loss.backward()
+        mask = batch.tokens.response_mask
+        denominator = loss_denominator(mask, self.loss_config.normalizer)  # the whole step's, once
+        parts = [None] if batch.batch_size == 0 else split_rows(batch, self._budget())
+        full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
+        combined = StepStats()
+        for i, part in enumerate(parts):
+            rows = batch.stand_in() if part is None else part.batch
+            sync = contextlib.nullcontext() if i == len(parts) - 1 else self.ddp.no_sync()
+            with sync:
+                logprobs = self.forward.token_logprobs(rows.tokens)
+                targets = rows.targets
+                assert targets is not None  # checked on the whole batch above
+                loss, stats = mopd_loss(
+                    logprobs, rows.behavior_logprobs, targets.logp_sum, targets.weight_sum,
+                    rows.tokens.response_mask, self.loss_config, orm_advantages=rows.orm_advantages,
+                    denominator=denominator,
+                )  # fmt: skip
+                loss.backward()
+            combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
+            if part is not None:
+                full_logprobs[part.index, : logprobs.shape[1]] = logprobs.detach().float()
+        observed = dict(observe(full_logprobs)) if observe is not None else {}
         finalize_model_grads([self.ddp])
         ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
-        out = {name: float(value) for name, value in stats.items()} | observed
-        return out | {
-            "loss": float(loss.detach()),
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "step_skipped": 0.0 if ok else 1.0,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "tokens": float(tokens.response_mask.sum()),
-        }
+        return (
+            combined.result()
+            | observed
+            | {
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "step_skipped": 0.0 if ok else 1.0,
+                "lr": float(self.optimizer.param_groups[0]["lr"]),
+                "tokens": float(mask.sum()),
+                "micro_batches": float(len(parts)),
+            }
+        )
+
+    def _budget(self) -> int | None:
+        """This step's micro-batch budget (`micro_batch.step_budget`; the grad buffers exist already, Adam's
+        moments are allocated at the first step)."""
+        if self.micro_batching.tokens is not None or self.device.type != "cuda" or self.memory_shape is None:
+            return self.micro_batching.tokens
+        pending = 0 if self.steps else train_state(self.memory_shape, self.dtype, "megatron").optimizer
+        return step_budget(
+            self.micro_batching, self.device, self.memory_shape, self.dtype, "megatron", pending
+        )
 
     def full_mcore_state(self) -> dict[str, torch.Tensor]:
         """The whole model's megatron state dict (TP shards all-gathered over the TP group), on device."""

@@ -156,6 +156,19 @@ def build_gpt_model(
     return model
 
 
+def enable_full_recompute(model: torch.nn.Module) -> None:
+    """Activation recompute of every transformer layer of a GPTModel in its train-mode backward: megatron's
+    `recompute_granularity='full'`, `recompute_method='uniform'`, `recompute_num_layers=1` (each layer keeps
+    only its input, [s, b, h] in the model dtype, and recomputes its forward in the backward). Set on the
+    model's `TransformerConfig`, the object every submodule shares; `TransformerBlock.forward` reads it at
+    each call, so setting it after construction is the same as building with it (the 'selective' flavour
+    is decided at construction and is not offered: with fused SDPA attention it saves little)."""
+    config = model.config
+    config.recompute_granularity = "full"
+    config.recompute_method = "uniform"
+    config.recompute_num_layers = 1
+
+
 def load_mcore_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy a (this rank's) megatron state dict into `model`; only `_extra_state` entries may be missing.
 

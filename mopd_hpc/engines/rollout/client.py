@@ -4,7 +4,12 @@ Timeouts and retries: every call has a total timeout (`timeout_s`, seconds) and 
 that could not reach the server (connection refused; for GET also reset or timed out) is retried up to
 `retries` times with exponential backoff from `retry_backoff_s`; a 503 answer is retried for the
 idempotent GET endpoints only. A non-2xx answer raises `RolloutServerError` carrying the status and the
-server's message; exhausted retries raise `RolloutUnavailableError`.
+server's message; exhausted retries raise `RolloutUnavailableError`. Every request carries the job's token
+(`token`, as `Authorization: Bearer`; `runtime/http_auth.py`): without it a job's server answers 401.
+
+Binary transport (DESIGN.md §7): with `binary=True` (the default) `generate` and `generate_batch` ask for
+the answer as one frame (`generate_wire.py`), and accept SGLang's JSON from a server that answers JSON
+(a real SGLang server): the samples are the same, bit for bit. `generate_raw` always speaks SGLang JSON.
 
     async with RolloutClient("http://127.0.0.1:30000") as client:
         samples = await client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16, n=4))
@@ -20,7 +25,11 @@ from typing import Any
 import aiohttp
 
 from mopd_hpc.engines.rollout.control import DEFAULT_GROUP_NAME, DistributedUpdateRequest, InitGroupRequest
+from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
+from mopd_hpc.engines.wire import DEFAULT_MAX_BODY_BYTES, Frame, WireError
+from mopd_hpc.engines.wire_http import ACCEPT_HEADERS, is_frame, read_frame
+from mopd_hpc.runtime.http_auth import auth_headers
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +50,23 @@ class RolloutUnavailableError(RuntimeError):
 
 
 class RolloutClient:
-    """Async client of one rollout server. Use as `async with`, or call `close()` when done."""
+    """Async client of one rollout server. Use as `async with`, or call `close()` when done.
+
+    `binary`: ask /generate for a frame (module docstring); `max_body_bytes`: the largest frame accepted,
+    in bytes (larger: RolloutServerError).
+    """
 
     def __init__(
         self,
         base_url: str,
         *,
+        token: str | None = None,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
         retries: int = 3,
         retry_backoff_s: float = 0.5,
+        binary: bool = True,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         if retries < 0 or timeout_s <= 0 or connect_timeout_s <= 0 or retry_backoff_s < 0:
             raise ValueError(
@@ -58,8 +74,10 @@ class RolloutClient:
                 f"retry_backoff_s={retry_backoff_s}: expected positive timeouts and non-negative retries"
             )
         self.base_url = base_url.rstrip("/")
+        self._headers = auth_headers(token)  # the job's token (None: a server outside the job)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self.retries, self.retry_backoff_s = retries, retry_backoff_s
+        self.binary, self.max_body_bytes = binary, max_body_bytes
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> RolloutClient:
@@ -81,11 +99,13 @@ class RolloutClient:
         *,
         retry_503: bool = False,
         timeout: aiohttp.ClientTimeout | None = None,
+        accept_frame: bool = False,
     ) -> Any:
-        """Send one request; returns the decoded JSON body (None for an empty body). `timeout` replaces the
-        client's for this request."""
+        """Send one request; returns the decoded JSON body (None for an empty body), or the `wire.Frame`
+        when `accept_frame` asked for one and the server answered one. `timeout` replaces the client's for
+        this request."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers)
         url = f"{self.base_url}{path}"
         last: BaseException | None = None
         for attempt in range(self.retries + 1):
@@ -93,8 +113,19 @@ class RolloutClient:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             try:
                 async with self._session.request(
-                    method, url, json=body, timeout=self.timeout if timeout is None else timeout
+                    method,
+                    url,
+                    json=body,
+                    timeout=self.timeout if timeout is None else timeout,
+                    headers=ACCEPT_HEADERS if accept_frame else None,
                 ) as resp:
+                    if accept_frame and resp.status < 400 and is_frame(resp):
+                        try:
+                            return await read_frame(resp, self.max_body_bytes)
+                        except WireError as exc:
+                            raise RolloutServerError(
+                                method, url, resp.status, f"unreadable frame: {exc}"
+                            ) from None
                     text = await resp.text()
                     if resp.status == 503 and retry_503 and attempt < self.retries:
                         last = RolloutServerError(method, url, resp.status, text)
@@ -122,7 +153,11 @@ class RolloutClient:
         return_logprob: bool = True,
         rids: Sequence[str] | None = None,
     ) -> list[GeneratedSample]:
-        """Generate for a batch of prompts; returns prompt-major samples (copy j of prompt i at i·n + j)."""
+        """Generate for a batch of prompts; returns prompt-major samples (copy j of prompt i at i·n + j).
+
+        Raises:
+            RolloutRequestError: the answer does not hold len(input_ids) × n items, or is malformed.
+        """
         body: dict[str, Any] = {
             "input_ids": [list(p) for p in input_ids],
             "sampling_params": sampling.to_json(),
@@ -130,11 +165,25 @@ class RolloutClient:
         }
         if rids is not None:
             body["rid"] = list(rids)
-        items = await self.generate_raw(body)
-        items = items if isinstance(items, list) else [items]
-        return [
-            GeneratedSample.from_response(item, input_ids[k // sampling.n]) for k, item in enumerate(items)
-        ]
+        return (await self.generate_batch(body)).samples(input_ids, sampling.n)
+
+    async def generate_batch(self, body: dict[str, Any]) -> GeneratedBatch:
+        """POST /generate with an SGLang-shaped body; the answer as a `GeneratedBatch` (ids and log-probs
+        as tensors), over binary transport when `binary` and the server offers it, else from its JSON.
+        `.samples(prompts, n)` gives the trainer's samples, `.to_sglang()` the JSON answer.
+
+        Raises:
+            RolloutServerError: an error status, or a frame that does not decode (the WireError's message).
+        """
+        out = await self.request("POST", "/generate", body, accept_frame=self.binary)
+        if isinstance(out, Frame):
+            try:
+                return GeneratedBatch.from_frame(out)
+            except WireError as exc:
+                raise RolloutServerError(
+                    "POST", f"{self.base_url}/generate", 200, f"bad frame: {exc}"
+                ) from None
+        return GeneratedBatch.from_sglang(out)
 
     async def generate_raw(self, body: dict[str, Any]) -> Any:
         """POST /generate with an SGLang-shaped body; returns the SGLang-shaped response (dict or list)."""

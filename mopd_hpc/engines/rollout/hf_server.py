@@ -1,11 +1,14 @@
 """The HF rollout server: SGLang 0.5.23's HTTP surface for RL over a transformers model (DESIGN.md §5).
 
 Run:  python -m mopd_hpc.engines.rollout.hf_server --model PATH --host 127.0.0.1 --port N
-      [--device cpu|cuda] [--dtype auto|float32|bfloat16|float16] [--ready-file PATH]
+      [--device cpu|cuda] [--dtype auto|float32|bfloat16|float16] [--ready-file PATH] [--token-file PATH]
 
 The port comes from `--port` or, under the guard, from the named port in env `MOPD_PORT_HTTP`. When the
 server listens it writes the ready file (atomically; JSON {url, host, port, pid, model_path}) and logs
-"rollout server ready". Endpoints (shapes: ../shared/reference/algo_awex.md §3.2):
+"rollout server ready". Every endpoint but the bare liveness probe `GET /health` requires the token
+(`Authorization: Bearer`, `runtime/http_auth.py`): a job's rollout child passes the job's; `main` reads
+`--token-file` (created with a new token when missing; none given: a new file in a private temporary
+directory) and logs its path. Endpoints (shapes: ../shared/reference/algo_awex.md §3.2):
 
   GET  /health /health_generate      200 once the model is loaded (empty body)
   GET  /model_info /get_model_info   model_path, weight_version, architectures, ...
@@ -24,13 +27,11 @@ a bug (the server keeps serving); see `http_app.py`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -39,86 +40,14 @@ from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.engines.rollout.awex_routes import AwexFactory, add_awex_routes
 from mopd_hpc.engines.rollout.control import MEMORY_TAGS
 from mopd_hpc.engines.rollout.http_app import RolloutServer
+from mopd_hpc.engines.rollout.server_args import ServerArgs
 from mopd_hpc.engines.serving import start_app
+from mopd_hpc.runtime.http_auth import protect, standalone_token
 
 log = logging.getLogger("mopd_hpc.rollout")
 
-#: Environment variables read (once, in `main`) at the edge.
-ENV = {
-    "port": "MOPD_PORT_HTTP",
-    "ready_file": "MOPD_ROLLOUT_READY_FILE",
-    "model_path": "MOPD_ROLLOUT_MODEL",
-    "device": "MOPD_ROLLOUT_DEVICE",
-}
 #: Files of which at least one must exist for the checkpoint to carry a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-@dataclass(frozen=True, slots=True)
-class ServerArgs:
-    """Command line of the server, resolved. Build with `ServerArgs.from_argv(argv, environ)`."""
-
-    model_path: str
-    host: str
-    port: int
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_batch_rows: int = 64
-    random_seed: int = 0
-    ready_file: str | None = None
-    num_threads: int | None = None
-    weight_sync_timeout_s: float = 600.0
-
-    @classmethod
-    def from_argv(cls, argv: Sequence[str] | None, environ: Mapping[str, str]) -> ServerArgs:
-        """Parse `argv`; a flag not given falls back to its variable of `ENV` in `environ`.
-
-        Exits with status 2 (argparse) naming the flag or variable when the model path or port is missing
-        or malformed.
-        """
-        p = argparse.ArgumentParser(
-            prog="python -m mopd_hpc.engines.rollout.hf_server", description=__doc__.split("\n")[0]
-        )
-        p.add_argument(
-            "--model", "--model-path", dest="model_path", help=f"HF checkpoint dir (env {ENV['model_path']})"
-        )
-        p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-        p.add_argument("--port", type=int, default=None, help=f"TCP port, 0 = any (env {ENV['port']})")
-        p.add_argument(
-            "--device", default=None, help=f"cpu | cuda | cuda:N (env {ENV['device']}; default cpu)"
-        )
-        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-        p.add_argument("--max-batch-rows", type=int, default=64, help="rows decoded together at most")
-        p.add_argument("--random-seed", type=int, default=0, help="seeds rows that carry no sampling_seed")
-        p.add_argument(
-            "--ready-file", default=None, help=f"JSON written when listening (env {ENV['ready_file']})"
-        )
-        p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-        p.add_argument("--weight-sync-timeout-s", type=float, default=600.0, help="collective timeout, s")
-        ns = p.parse_args(argv)
-        model_path = ns.model_path or environ.get(ENV["model_path"])
-        if not model_path:
-            p.error(f"no model: pass --model or set {ENV['model_path']}")
-        port = ns.port
-        if port is None:
-            raw = environ.get(ENV["port"])
-            if raw is None:
-                p.error(f"no port: pass --port or set {ENV['port']}")
-            try:
-                port = int(raw)
-            except ValueError:
-                p.error(f"{ENV['port']}={raw!r}: expected a TCP port number")
-        if not 0 <= port <= 65535:
-            p.error(f"port={port}: expected a TCP port in [0, 65535]")
-        return cls(
-            **vars(ns)
-            | {
-                "model_path": model_path,
-                "port": port,
-                "device": ns.device or environ.get(ENV["device"]) or "cpu",
-                "ready_file": ns.ready_file or environ.get(ENV["ready_file"]),
-            }
-        )
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -131,16 +60,20 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def rollout_app(server: RolloutServer, *, awex_factory: AwexFactory | None = None) -> web.Application:
-    """The server's aiohttp app: SGLang's surface (`RolloutServer.app`) plus the AWEX reader's routes
-    (`awex_routes.add_awex_routes`; `awex_factory` None = awex_hf's engine, tests pass a fake)."""
+def rollout_app(
+    server: RolloutServer, token: str, *, awex_factory: AwexFactory | None = None
+) -> web.Application:
+    """The server's aiohttp app as it is served: SGLang's surface (`RolloutServer.app`) plus the AWEX reader's
+    routes (`awex_routes.add_awex_routes`; `awex_factory` None = awex_hf's engine, tests pass a fake), behind
+    `token` (`http_auth.protect`)."""
     app = server.app()
     add_awex_routes(app, server.engine, factory=awex_factory)
-    return app
+    return protect(app, token)
 
 
-async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
-    """Load the model, listen, write the ready file, and serve until `stop` is set (or SIGTERM/SIGINT)."""
+async def serve(args: ServerArgs, token: str, stop: asyncio.Event | None = None) -> None:
+    """Load the model, listen (every route but the liveness probe requires `token`), write the ready file,
+    and serve until `stop` is set (or SIGTERM/SIGINT)."""
     import torch
 
     from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
@@ -150,7 +83,7 @@ async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
     engine = await asyncio.to_thread(HFRolloutEngine.load, args.model_path, args.device, args.dtype)
     server = RolloutServer(args, engine, await asyncio.to_thread(_load_tokenizer, args.model_path))
     server.scheduler.start()
-    runner, port, stop = await start_app(rollout_app(server), args.host, args.port, stop)
+    runner, port, stop = await start_app(rollout_app(server, token), args.host, args.port, stop)
     url = f"http://{args.host}:{port}"
     if args.ready_file:
         ready = {
@@ -186,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     args = ServerArgs.from_argv(argv, environ)
-    asyncio.run(serve(args))
+    token, token_file = standalone_token(args.token_file, None)
+    log.info("rollout server token file: %s", token_file)
+    asyncio.run(serve(args, token))
     return 0
 
 

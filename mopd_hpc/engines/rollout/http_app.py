@@ -3,6 +3,9 @@
 Errors are JSON {"success": false, "message", "error": {"message", "type", "code"}}: 400 for a bad
 request (field, value, expectation), 409 when the engine is busy, 503 while weights are released, 500 for
 a bug (the server keeps serving). Control endpoints answer {"success": true, "message", ...}.
+
+/generate answers SGLang's JSON, or one binary frame (`generate_wire.py`: output ids and log-probs as
+tensors) when the request's Accept header names application/x-mopd-tensors (DESIGN.md §7).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -28,10 +31,10 @@ from mopd_hpc.engines.rollout.control import (
     MemoryTagsRequest,
     add_memory_routes,
 )
+from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
 from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestError
-
-if TYPE_CHECKING:
-    from mopd_hpc.engines.rollout.hf_server import ServerArgs
+from mopd_hpc.engines.rollout.server_args import ServerArgs
+from mopd_hpc.engines.wire_http import accepts_frame, send_frame
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -161,8 +164,14 @@ class RolloutServer:
         start = time.perf_counter()
         results = await self.scheduler.submit(rows)
         latency = time.perf_counter() - start
-        items = [self._item(req, rows[k], res, owners[k], latency) for k, res in enumerate(results)]
-        return web.json_response(items if req.is_batch or len(items) > 1 else items[0])
+        binary = accepts_frame(request)
+        items = [self._item(req, rows[k], res, owners[k], latency, binary) for k, res in enumerate(results)]
+        is_batch = req.is_batch or len(items) > 1
+        if binary:
+            lps = [res.output_logprobs for res in results] if req.return_logprob else None
+            answer = GeneratedBatch.from_results(items, [res.output_ids for res in results], lps, is_batch)
+            return await send_frame(request, answer.layout())
+        return web.json_response(items if is_batch else items[0])
 
     def _tokenize(self, texts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         if self.tokenizer is None:
@@ -171,7 +180,11 @@ class RolloutServer:
             )
         return tuple(tuple(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts)
 
-    def _item(self, req: GenerateRequest, row: Any, res: Any, owner: tuple[int, int], latency: float) -> dict:
+    def _item(
+        self, req: GenerateRequest, row: Any, res: Any, owner: tuple[int, int], latency: float, binary: bool
+    ) -> dict:
+        """One SGLang response item; `binary`: without output_ids and output_token_logprobs (they travel
+        as tensors)."""
         i, j = owner
         rid = req.rids[i] if req.rids else uuid.uuid4().hex
         meta: dict[str, Any] = {
@@ -183,10 +196,11 @@ class RolloutServer:
             "weight_version": res.weight_version,
             "e2e_latency": latency,
         }
-        if req.return_logprob:
+        if req.return_logprob and not binary:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(res.output_logprobs, res.output_ids, strict=True)
             ]
+        if req.return_logprob:
             meta["input_token_logprobs"] = [
                 [lp, row.prompt_ids[len(row.prompt_ids) - len(res.input_logprobs) + k], None]
                 for k, lp in enumerate(res.input_logprobs)
@@ -197,6 +211,8 @@ class RolloutServer:
                     None if top is None else [[lp, t, None] for lp, t in top] for top in res.input_top
                 ]
         text = self.tokenizer.decode(res.output_ids) if self.tokenizer is not None else ""
+        if binary:
+            return {"text": text, "meta_info": meta}
         return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
 
     async def pause(self, request: web.Request) -> web.Response:

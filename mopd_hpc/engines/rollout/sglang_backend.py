@@ -20,6 +20,8 @@ Mapping rules (pure functions, tested without sglang in tests/test_sglang_backen
 - readiness: an ordinary instance keeps SGLang's generating `/health` probe (a 1-token generation);
   an AWEX-launched instance starts with its weights released (AWEX colocate `initialize()`), so a
   generating probe would fail: it is ready when `/model_info` answers (`readiness_path`).
+- the job's token: every route requires it (`sglang_app`, `runtime/http_auth.py`); without it, `GET /health`
+  is the bare liveness probe (200 `{"status": "ok"}`, no generation): the readiness probe sends the token.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from aiohttp import web
 from mopd_hpc.engines.rollout.control import MemoryTagsRequest, add_memory_routes
 from mopd_hpc.engines.rollout.fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, GenerateRequest
+from mopd_hpc.runtime.guard.auth import GuardAuthError
+from mopd_hpc.runtime.http_auth import protect, standalone_token
 from mopd_hpc.runtime.ports import port_env_key
 
 log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
@@ -350,13 +354,20 @@ class SGLangRolloutServer:
         return web.json_response({"success": True})
 
 
+def sglang_app(server: SGLangRolloutServer, token: str) -> web.Application:
+    """The backend's app as it is served: `SGLangRolloutServer.app()` behind `token` (`http_auth.protect`)."""
+    return protect(server.app(), token)
+
+
 async def _json(request: web.Request) -> Any:
     raw = await request.read()
     return {} if not raw.strip() else await request.json()
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    """`python -m mopd_hpc.engines.rollout.sglang_backend --model DIR [--tp N] [--awex]`; ports from env."""
+    """`python -m mopd_hpc.engines.rollout.sglang_backend --model DIR [--tp N] [--awex] [--token-file F]`;
+    ports from env. Every route but the liveness probe requires the token of `--token-file` (created when
+    missing; default: a new one in a private temporary directory; its path is logged)."""
     import os
 
     env = dict(os.environ if environ is None else environ)
@@ -366,6 +377,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     p.add_argument("--base-gpu-id", type=int, default=0)
     p.add_argument("--mem-fraction-static", type=float, default=0.5)
     p.add_argument("--awex", action="store_true", help="install AWEX's worker hooks before the Engine")
+    p.add_argument("--token-file", default=None, help="0600 token file (created when missing)")
     ns = p.parse_args(argv)
     try:
         check_environment(env)
@@ -373,7 +385,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             ns.model, ports_from_env(env), tp_size=ns.tp, base_gpu_id=ns.base_gpu_id,
             mem_fraction_static=ns.mem_fraction_static, awex=ns.awex,
         )  # fmt: skip
-    except SGLangBackendError as exc:
+        token, token_file = standalone_token(ns.token_file, None)
+    except (SGLangBackendError, GuardAuthError) as exc:
         print(f"sglang backend: {exc}", file=sys.stderr)
         return 2
     import sglang
@@ -383,8 +396,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
         install_sglang_worker_hooks()
     engine = sglang.Engine(**launch.engine_kwargs())
-    log.info("sglang engine up: %s", " ".join(launch.to_argv()))
-    web.run_app(SGLangRolloutServer(launch, engine).app(), host=launch.host, port=launch.port)
+    log.info("sglang engine up: %s (token file %s)", " ".join(launch.to_argv()), token_file)
+    app = sglang_app(SGLangRolloutServer(launch, engine), token)
+    web.run_app(app, host=launch.host, port=launch.port)
     engine.shutdown()
     return 0
 

@@ -48,9 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.records.run_dir import AWEX_META_SERVER_FILE
+from mopd_hpc.runtime import child_env
 
 #: File in the run directory holding the MetaServer address ({"host": ..., "port": ...}).
-META_SERVER_FILE = "awex_meta_server.json"
+META_SERVER_FILE = AWEX_META_SERVER_FILE
 #: HF architectures awex 0.9.0 registers (awex/models/registry.py); others fall back to generic converters.
 REGISTERED_ARCHITECTURES = frozenset(
     {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}
@@ -192,7 +194,7 @@ class AwexJobConfig:
         ipc_backend: str = "cuda",
         model_arch: str = "Qwen3ForCausalLM",
     ) -> AwexJobConfig:
-        """From a `launch.plan.JobPlan` (its children's transfer ranks, rollout tp and mode).
+        """From a `runtime.plan.JobPlan` (its children's transfer ranks, rollout tp and mode).
 
         Raises:
             AwexConfigError: a backend name not known; an architecture awex does not register; transfer
@@ -214,7 +216,7 @@ class AwexJobConfig:
             raise AwexConfigError(
                 f"plan {plan.name!r} has {len(actors)} actor and {len(rollouts)} rollout children"
             )
-        tp = int(rollouts[0].env_dict.get("MOPD_ROLLOUT_TP", "1"))
+        tp = int(rollouts[0].env_dict.get(child_env.ROLLOUT_TP, "1"))
         infer_world = len(rollouts) * tp
         for child in rollouts:
             want = tuple(range(child.index * tp, (child.index + 1) * tp))

@@ -7,8 +7,9 @@ the tensors from rank 0 in that order; each server receives them into fresh tens
 model and answers the HTTP call. Backends: gloo (CPU tensors) and NCCL (CUDA tensors).
 
 Group choice. The group is a dedicated `TCPStore` (hosted by rank 0 on `master_port`, one of the guard's named
-ports) wrapped in a `PrefixStore(group_name)`, and a `ProcessGroupGloo` / `ProcessGroupNCCL` built directly on
-it; collectives are called on that object (`pg.broadcast(...).wait()`), never through torch.distributed's
+ports, listening on `master_address` only: `engines/tcp_store.py`) wrapped in a `PrefixStore(group_name)`,
+and a `ProcessGroupGloo` / `ProcessGroupNCCL` built directly on it; collectives are called on that object
+(`pg.broadcast(...).wait()`), never through torch.distributed's
 global functions. Why not `torch.distributed.new_group`: it can only group ranks of the default (WORLD)
 group, and the trainer's WORLD is its own training job (data/tensor-parallel ranks) while the rollout
 servers are other processes, often in another het group, with no WORLD at all; `init_process_group` can be
@@ -41,6 +42,7 @@ from mopd_hpc.engines.rollout.control import (
     DistributedUpdateRequest,
     InitGroupRequest,
 )
+from mopd_hpc.engines.tcp_store import tcp_store
 
 if TYPE_CHECKING:
     from mopd_hpc.engines.rollout.client import RolloutClient
@@ -137,14 +139,8 @@ class BroadcastGroup:
                 raise WeightSyncConfigError(f"device={dev}: the nccl backend broadcasts CUDA tensors")
             if dev.index is None:  # "cuda": the current device (NCCL needs an index to bind the communicator)
                 dev = torch.device("cuda", torch.cuda.current_device())
-        store = dist.TCPStore(
-            master_address,
-            master_port,
-            world_size,
-            is_master=rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
+        # rank 0's store listens on master_address only (engines/tcp_store.py), not on every interface
+        store = tcp_store(master_address, master_port, world_size, is_master=rank == 0, timeout_s=timeout_s)
         prefixed = dist.PrefixStore(f"mopd_weight_sync/{group_name}", store)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()

@@ -11,14 +11,18 @@
 | POST   | /shutdown        | `ShutdownRequest`                      | 202 `{"status": "shutting_down"}`    |
 
 Every other request carries `Authorization: Bearer <token>`. Errors answer `{"error": <kind>, "message"}`
-with 400 (malformed), 401 (token), 403 (unregistered role), 404, 405, 409 (conflict) or 500.
+with 400 (malformed), 401 (token), 403 (unregistered role, or an env key env_policy.py refuses), 404, 405, 409 (conflict) or 500.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, TypeVar
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mopd_hpc.runtime import child_env
 
 
 class _Request(BaseModel):
@@ -42,7 +46,7 @@ class SpawnRequest(SlotRequest):
         default=None, description="GPU tokens as given (ints, GPU-/MIG- ids) → CUDA_VISIBLE_DEVICES"
     )
     ports: list[str] = Field(
-        default_factory=list, description="port names leased for this slot → MOPD_PORT_*"
+        default_factory=list, description=f"port names leased for this slot → {child_env.PORT_PREFIX}*"
     )
 
 
@@ -67,3 +71,18 @@ def describe_validation_error(exc: ValidationError) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+async def parse_request(request: web.Request, model: type[_M]) -> _M:
+    """Parse the JSON body of `request` into `model`; an HTTP 400 naming the problem otherwise."""
+    try:
+        data = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise web.HTTPBadRequest(text=f"{model.__name__}: {describe_validation_error(exc)}") from None

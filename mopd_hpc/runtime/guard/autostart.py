@@ -3,7 +3,7 @@
 The guard finds its place from its own environment (`RankTopology.from_env`: het group and node index on
 Slurm; the local backend runs every child of the plan on this machine), leases each child's named ports,
 maps the plan's GPU ordinals onto the GPUs it sees, and spawns the children with the plan's environment
-(`launch.plan.child_environment`). Then it waits:
+(`runtime.plan.child_environment`). Then it waits:
 
 - every child exited 0 → teardown, exit 0;
 - one child failed (non-zero exit or a signal) → kill the rest at once (no checkpoint wait), exit with
@@ -25,11 +25,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mopd_hpc.atomic import atomic_write_json
-from mopd_hpc.launch.plan import ChildSpec, JobPlan, PlanError, child_environment
+from mopd_hpc.records.run_dir import ports_record_file
 from mopd_hpc.runtime.gpus import GpuTokenError, parse_visible_devices
-from mopd_hpc.runtime.guard.children import Child, ChildEnvError
+from mopd_hpc.runtime.guard.children import Child
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, UnregisteredRoleError
 from mopd_hpc.runtime.guard.server import Guard
+from mopd_hpc.runtime.guard.spawn_env import ChildEnvError
+from mopd_hpc.runtime.plan import ChildSpec, JobPlan, PlanError, child_environment
 from mopd_hpc.runtime.ports import PortLeaseError, PortOwner
 from mopd_hpc.runtime.topology import RankTopology
 
@@ -123,7 +125,8 @@ async def run_plan(guard: Guard, assignment: NodeAssignment, visible: Sequence[s
             module = guard.config.roles.module_for(spec.role)
             gpus = map_gpus(spec, visible)
             owner = PortOwner.create(guard.config.job_id, spec.role, spec.index)
-            leases = guard.leaser.reserve(owner, spec.port_names) if spec.port_names else {}
+            generation = guard.children.next_generation(spec.role, spec.index)
+            leases = guard.leaser.reserve(owner, spec.port_names, generation) if spec.port_names else {}
             env = child_environment(spec, assignment.backend, assignment.het_size)
             child = guard.children.spawn(spec.role, spec.index, module, env, gpus, leases)
         except (
@@ -141,7 +144,7 @@ async def run_plan(guard: Guard, assignment: NodeAssignment, visible: Sequence[s
             guard.start_teardown(checkpoint=False)
             await guard.wait_teardown()
             return EXIT_PLAN_SPAWN_FAILED
-        guard.leaser.note_child(owner, child.pid)
+        guard.leaser.note_child(owner, child.pid, child.generation)
         spawned.append(child)
     _write_ports(guard, assignment, spawned)
     rc = await _watch(guard, spawned)
@@ -188,9 +191,9 @@ def _signum(name: str | None) -> int:
 
 def _write_ports(guard: Guard, assignment: NodeAssignment, children: list[Child]) -> None:
     cfg = guard.config
-    (cfg.run_dir / "ports").mkdir(parents=True, exist_ok=True)
+    ports_record_file(cfg.run_dir, cfg.host).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
-        cfg.run_dir / "ports" / f"{cfg.host}.json",
+        ports_record_file(cfg.run_dir, cfg.host),
         {
             "host": cfg.host,
             "het_group": assignment.het_group,

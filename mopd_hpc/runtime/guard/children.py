@@ -8,8 +8,22 @@ signal, then exec in place: the reported pid is the worker's), in a new session 
     run_dir/logs/<host>/<role>-<index>.g<generation>.err   (stderr)
 
 `generation` counts the spawns of one (role, index) on this guard, from 1. Exit is noticed through a pidfd
-in the event loop (no polling thread). Kill (STYLE.md rule 10): SIGTERM to the group, wait up to
-`wait_s`, SIGKILL to the group, wait until no process of the group is left. Safe to call many times.
+in the event loop (no polling thread). Kill (STYLE.md rule 10): SIGTERM to the group and to every process
+of the child's tree, wait up to `wait_s`, SIGKILL to them, wait until none is left. Safe to call many times.
+
+The tree (runtime/guard/proctree.py) is the group, the descendants by parent links, and the orphans the
+guard adopted as subreaper that carry the child's identity in their environment: a process that started
+its own session (`setsid`) is in it. What is guaranteed that no process of a child outlives it:
+- kill of a child, guard teardown: every process of its tree as above (one that left its session *and*
+  was exec'ed with a cleared environment *and* whose parent died is found at teardown only, through the
+  keeper below, when the guard exits);
+- the guard SIGKILLed: its children get SIGKILL (parent-death signal); every orphan below them is
+  re-parented to the keeper (runtime/guard/keeper.py, the guard's parent, a subreaper), which kills every
+  descendant it has (SIGTERM, the guard's kill wait, SIGKILL) and exits with the guard's signal;
+- the keeper SIGKILLed: the guard gets SIGHUP (its parent-death signal) and kills every child's tree at
+  once; both SIGKILLed at once: the children die (parent-death signal), an orphan of another session is
+  left to pid 1 — the local backend then kills every process carrying the job's id (launch/local.py), and
+  a Slurm step's cgroup is killed by Slurm when the step ends.
 """
 
 from __future__ import annotations
@@ -17,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,9 +40,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from mopd_hpc.records.run_dir import child_log_paths
+from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.guard import env_policy, proctree
 from mopd_hpc.runtime.guard.events import EventLog
-from mopd_hpc.runtime.ports import PORT_ENV_PREFIX, PortLease
-from mopd_hpc.runtime.signals import PARENT_DEATH_SIGNAL, group_alive, killpg_quiet, signal_name
+from mopd_hpc.runtime.guard.spawn_env import build_child_env
+from mopd_hpc.runtime.ports import PortLease
+from mopd_hpc.runtime.signals import (
+    PARENT_DEATH_SIGNAL,
+    group_alive,
+    group_members,
+    killpg_quiet,
+    signal_name,
+)
 
 #: The wrapper that sets the parent-death signal and execs the child.
 PDEATH_EXEC = Path(__file__).with_name("pdeath_exec.py")
@@ -37,59 +62,8 @@ PDEATH_EXEC = Path(__file__).with_name("pdeath_exec.py")
 SIGKILL_REAP_S = 5.0
 #: Period of the group-emptiness poll while killing.
 _POLL_S = 0.02
-#: Environment keys the guard sets for every child; overrides may not set them.
-IDENTITY_KEYS = ("MOPD_ROLE", "MOPD_INDEX", "MOPD_GENERATION", "MOPD_JOB_ID", "MOPD_RUN_DIR", "MOPD_HOST")
-_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class ChildEnvError(ValueError):
-    """An env override is malformed or collides with a key the guard sets (HTTP 400)."""
-
-
-def child_log_paths(run_dir: Path, host: str, role: str, index: int, generation: int) -> tuple[Path, Path]:
-    """`(stdout, stderr)` paths of one child generation."""
-    base = Path(run_dir) / "logs" / host
-    stem = f"{role}-{index}.g{generation}"
-    return base / f"{stem}.out", base / f"{stem}.err"
-
-
-def build_child_env(
-    base: Mapping[str, str],
-    overrides: Mapping[str, str],
-    identity: Mapping[str, str],
-    gpus: list[str] | None,
-    ports: Mapping[str, PortLease],
-) -> dict[str, str]:
-    """The child's environment: `base` (the guard's), minus inherited `MOPD_PORT_*`, plus `overrides`,
-    identity keys, `CUDA_VISIBLE_DEVICES` (GPU tokens as given, comma-joined; only when `gpus` is not
-    None) and `MOPD_PORT_<NAME>` per named port. Values pass through unchanged (commas, quotes, `=`,
-    newlines): no `k=v,k=v` serialization anywhere.
-
-    Raises:
-        ChildEnvError: a key is not an identifier, a value holds NUL, or an override sets a guard-set key.
-    """
-    reserved = set(identity) | {lease.env_key for lease in ports.values()}
-    if gpus is not None:
-        reserved.add("CUDA_VISIBLE_DEVICES")
-    for key, value in overrides.items():
-        if not _ENV_KEY_RE.match(key):
-            raise ChildEnvError(f"env key {key!r} is invalid: expected [A-Za-z_][A-Za-z0-9_]*")
-        if "\0" in value:
-            raise ChildEnvError(f"env value of {key} contains a NUL byte, which no environment can carry")
-        if key in reserved or key.startswith(PORT_ENV_PREFIX):
-            raise ChildEnvError(
-                f"env key {key} is set by the guard (identity, GPU tokens or named ports); "
-                "pass GPUs in 'gpus' and ports in 'ports' instead"
-            )
-    env = {k: v for k, v in base.items() if not k.startswith(PORT_ENV_PREFIX)}
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.update(overrides)
-    env.update(identity)
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    for lease in ports.values():
-        env[lease.env_key] = str(lease.port)
-    return env
+#: Period of the reaping of adopted orphans (the guard is their subreaper).
+_REAP_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -110,6 +84,10 @@ class Child:
     signal: str | None = None
     ended_ts: float | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Identity keys of its environment (inherited by its descendants): how an adopted orphan is matched.
+    tag: dict[str, str] = field(default_factory=dict)
+    #: Every process seen in its tree (pid → psutil handle, which knows a reused pid).
+    seen: dict[int, psutil.Process] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -148,14 +126,28 @@ class ChildSupervisor:
     (the parent-death signal is tied to the forking thread, which must live as long as the guard)."""
 
     def __init__(
-        self, run_dir: Path, host: str, job_id: str, events: EventLog, base_env: Mapping[str, str]
+        self,
+        run_dir: Path,
+        host: str,
+        job_id: str,
+        events: EventLog,
+        base_env: Mapping[str, str],
+        node_addr: str = "127.0.0.1",
     ) -> None:
+        """`node_addr`: the address the guard listens on; each child gets it as MOPD_NODE_ADDR (and binds
+        it)."""
         self.run_dir = Path(run_dir)
         self.host = host
+        self.node_addr = node_addr
         self.job_id = job_id
         self.events = events
         self.base_env = dict(base_env)
         self._generations: dict[tuple[str, int], list[Child]] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    def next_generation(self, role: str, index: int) -> int:
+        """The generation the next spawn of (role, index) gets (1 for the first)."""
+        return len(self._generations.get((role, index), [])) + 1
 
     def latest(self, role: str, index: int) -> Child | None:
         gens = self._generations.get((role, index))
@@ -181,14 +173,15 @@ class ChildSupervisor:
         Raises:
             ChildEnvError: bad env overrides (nothing is started). OSError: fork/exec failed.
         """
-        generation = len(self._generations.get((role, index), [])) + 1
+        generation = self.next_generation(role, index)
         identity = {
-            "MOPD_ROLE": role,
-            "MOPD_INDEX": str(index),
-            "MOPD_GENERATION": str(generation),
-            "MOPD_JOB_ID": self.job_id,
-            "MOPD_RUN_DIR": str(self.run_dir),
-            "MOPD_HOST": self.host,
+            child_env.ROLE: role,
+            child_env.INDEX: str(index),
+            child_env.GENERATION: str(generation),
+            child_env.JOB_ID: self.job_id,
+            child_env.RUN_DIR: str(self.run_dir),
+            child_env.HOST: self.host,
+            child_env.NODE_ADDR: self.node_addr,
         }
         env = build_child_env(self.base_env, env_overrides, identity, gpus, ports)
         out_path, err_path = child_log_paths(self.run_dir, self.host, role, index, generation)
@@ -217,6 +210,16 @@ class ChildSupervisor:
             ports={name: lease.port for name, lease in ports.items()},
             gpus=gpus,
             started_ts=time.time(),
+            tag={
+                k: identity[k]
+                for k in (
+                    child_env.JOB_ID,
+                    child_env.HOST,
+                    child_env.ROLE,
+                    child_env.INDEX,
+                    child_env.GENERATION,
+                )
+            },
         )
         self._generations.setdefault((role, index), []).append(child)
         self.events.emit(
@@ -230,9 +233,74 @@ class ChildSupervisor:
             stderr=str(err_path),
             ports=child.ports,
             gpus=gpus,
+            env=env_policy.recorded(env_overrides),  # every override, secret-looking values redacted
         )
         self._watch(child)
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_adopted_forever())
         return child
+
+    async def _reap_adopted_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_REAP_S)
+            proctree.reap_adopted(self._popen_pids())
+
+    def _popen_pids(self) -> set[int]:
+        return {c.pid for c in self.all()}
+
+    def job_tag(self) -> dict[str, str]:
+        """What every child of this guard, and every descendant of one, carries in its environment."""
+        return {
+            child_env.JOB_ID: self.job_id,
+            child_env.HOST: self.host,
+            child_env.RUN_DIR: str(self.run_dir),
+        }
+
+    def members(self, child: Child) -> list[psutil.Process]:
+        """The live processes of `child`'s tree (itself included while it runs): see the module docstring."""
+        found = []
+        if not child.exited.is_set():  # once reaped, its pid may be another process's
+            found += proctree.tree(child.pid)
+        for pid in group_members(child.pgid):
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(pid))
+        found += proctree.tagged_trees(child.tag, self._popen_pids())
+        for proc in found:
+            known = child.seen.get(proc.pid)
+            if known is None or not known.is_running():
+                child.seen[proc.pid] = proc
+        return proctree.live(child.seen.values())
+
+    def kill_all_now(self) -> None:
+        """SIGKILL every child's whole tree and every process carrying this guard's job tag, no waiting
+        (the keeper is gone: runtime/guard/keeper.py)."""
+        for child in self.all():
+            sent = killpg_quiet(child.pgid, signal.SIGKILL)
+            if proctree.kill_now(self.members(child)) or sent:
+                self.events.emit(
+                    "kill",
+                    role=child.role,
+                    index=child.index,
+                    generation=child.generation,
+                    pid=child.pid,
+                    signal="SIGKILL",
+                )
+        proctree.kill_now(proctree.tagged_trees(self.job_tag(), self._popen_pids(), anywhere=True))
+
+    async def sweep(self, wait_s: float) -> int:
+        """After every child is killed: SIGTERM, then after `wait_s` SIGKILL, every process left that carries
+        this guard's job tag, wherever it was re-parented. Returns how many there were."""
+        left = proctree.tagged_trees(self.job_tag(), self._popen_pids(), anywhere=True)
+        if not left:
+            return 0
+        self.events.emit("sweep", pids=sorted(p.pid for p in left))
+        for signum, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, SIGKILL_REAP_S)):
+            proctree.signal_all(left, signum)
+            deadline = time.monotonic() + wait
+            while proctree.live(left) and time.monotonic() < deadline:
+                proctree.reap_adopted(self._popen_pids())
+                await asyncio.sleep(_POLL_S)
+        return len(left)
 
     def _watch(self, child: Child) -> None:
         loop = asyncio.get_running_loop()
@@ -272,9 +340,12 @@ class ChildSupervisor:
             signal=child.signal,
         )
 
-    async def signal_group(self, child: Child, signum: int) -> bool:
-        """Send `signum` to the child's group; False when the group is already gone."""
+    async def signal_group(self, child: Child, signum: int, whole_tree: bool = False) -> bool:
+        """Send `signum` to the child's group (and with `whole_tree`, to every process of its tree, those
+        in other sessions included); False when none was left to signal."""
         sent = killpg_quiet(child.pgid, signum)
+        if whole_tree:
+            sent = proctree.signal_all(self.members(child), signum) > 0 or sent
         if sent:
             self.events.emit(
                 "kill",
@@ -286,28 +357,33 @@ class ChildSupervisor:
             )
         return sent
 
+    def gone(self, child: Child) -> bool:
+        """True when the child is reaped and no process of its group or tree is left."""
+        return child.exited.is_set() and not group_alive(child.pgid) and not self.members(child)
+
     async def wait_gone(self, child: Child, timeout_s: float) -> bool:
-        """Wait until the child is reaped and no process of its group is left; True if so in time."""
+        """Wait until the child is reaped and no process of its group or tree is left; True if so in time."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if child.exited.is_set() and not group_alive(child.pgid):
+            proctree.reap_adopted(self._popen_pids())
+            if self.gone(child):
                 return True
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(_POLL_S)
 
     async def kill(self, child: Child, wait_s: float) -> bool:
-        """SIGTERM the group, wait `wait_s`, SIGKILL the group, wait until it is gone. Idempotent.
+        """SIGTERM the group and tree, wait `wait_s`, SIGKILL them, wait until none is left. Idempotent.
 
         Returns:
-            True when no process of the group is left.
+            True when no process of the group or tree is left.
         """
-        if child.exited.is_set() and not group_alive(child.pgid):
+        if self.gone(child):
             return True
-        await self.signal_group(child, signal.SIGTERM)
+        await self.signal_group(child, signal.SIGTERM, whole_tree=True)
         if await self.wait_gone(child, wait_s):
             return True
-        await self.signal_group(child, signal.SIGKILL)
+        await self.signal_group(child, signal.SIGKILL, whole_tree=True)
         return await self.wait_gone(child, SIGKILL_REAP_S)
 
     def tail(self, path: Path, lines: int = 40) -> str:

@@ -15,9 +15,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
+from mopd_hpc.records.run_dir import guard_record_file
 from mopd_hpc.runtime.guard.auth import AUTH_HEADER, authorization_value, read_token_file
 
 
@@ -48,7 +48,7 @@ class GuardUnauthorizedError(GuardHTTPError):
 
 
 class GuardForbiddenError(GuardHTTPError):
-    """403: the role is not a registered entry point."""
+    """403: the role is not a registered entry point, or an env key is refused (env_policy.py)."""
 
 
 class GuardBadRequestError(GuardHTTPError, ValueError):
@@ -69,7 +69,7 @@ _BY_STATUS: dict[int, type[GuardHTTPError]] = {
 
 def read_guard_file(run_dir: str | os.PathLike[str], host: str) -> dict[str, Any]:
     """The guard's address record `run_dir/guards/<host>.json` (`url`, `host`, `port`, `pid`, `job_id`)."""
-    path = Path(run_dir) / "guards" / f"{host}.json"
+    path = guard_record_file(run_dir, host)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

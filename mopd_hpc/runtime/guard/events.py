@@ -4,7 +4,8 @@ Every line has `ts` (Unix seconds, float), `host`, `event`, and for child events
 `generation`, `pid`. Events:
 
 - `guard_start` / `guard_ready` (`url`, `port`, `pid`) / `guard_signal` (`signal`) / `guard_stop`;
-- `spawn` (`module`, `stdout`, `stderr`, `ports`: name → port, `gpus`);
+- `spawn` (`module`, `stdout`, `stderr`, `ports`: name → port, `gpus`, `env`: the overrides, secret-looking
+  values redacted) / `spawn_refused` (`role`, `index`, `reason`, `keys`: an env override refused);
 - `exit` (`exit_code`: int or null, `signal`: name or null; one of the two is set) / `kill` (`signal`).
 
 Lines are appended with one `write` on an O_APPEND file (atomic for lines under PIPE_BUF on Linux);
@@ -19,9 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mopd_hpc.records.run_dir import guard_events_file
+
 
 def events_path(run_dir: str | os.PathLike[str], host: str) -> Path:
-    return Path(run_dir) / "events" / f"{host}.guard.jsonl"
+    return guard_events_file(run_dir, host)
 
 
 class EventLog:

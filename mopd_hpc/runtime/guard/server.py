@@ -2,10 +2,14 @@
 
 It leases its own HTTP port (owner `<job>/guard/0`, name `http`), binds it on `--bind`, and writes
 `run_dir/guards/<host>.json` (`host`, `bind`, `port`, `url`, `pid`, `job_id`) atomically once it serves.
-Every endpoint except `GET /health` needs the job's token. It spawns only registered roles, leases named
-ports per (role, index), reports status per (role, index, generation), kills process groups, and on
-SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to `checkpoint_wait_s`, kills what is
-left, releases every lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked).
+Every endpoint except the bare liveness probe `GET /health` needs the job's token (`runtime/http_auth.py`);
+its children get the bind address as MOPD_NODE_ADDR, so their servers listen where the guard does. It spawns
+only registered roles (with env overrides that pass runtime/guard/env_policy.py: loader and interpreter
+variables are a 403), leases named ports per (role, index), reports status per (role, index, generation),
+kills process groups, and on SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to
+`checkpoint_wait_s`, kills what is left (each child's whole tree: runtime/guard/children.py), releases every
+lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked; SIGHUP, its
+parent-death signal from the keeper, SIGKILLs every tree at once).
 Request logs name method, path and status only: never headers, bodies or env values.
 """
 
@@ -13,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -25,21 +28,24 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.records.run_dir import guard_record_file
 from mopd_hpc.runtime.guard.api import (
     KillRequest,
     ReserveRequest,
     ShutdownRequest,
     SlotRequest,
     SpawnRequest,
-    describe_validation_error,
+    parse_request,
 )
-from mopd_hpc.runtime.guard.auth import AUTH_HEADER, token_matches
-from mopd_hpc.runtime.guard.children import ChildEnvError, ChildSupervisor
+from mopd_hpc.runtime.guard.children import ChildSupervisor
 from mopd_hpc.runtime.guard.events import EventLog, events_path
+from mopd_hpc.runtime.guard.keeper import FORWARDED, KEEPER_DEATH_SIGNAL
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
+from mopd_hpc.runtime.guard.spawn_env import ChildEnvError, spawn_refusal
+from mopd_hpc.runtime.http_auth import token_middleware
 from mopd_hpc.runtime.ports import (
     LeasePolicy,
     PortInUseError,
@@ -104,7 +110,7 @@ class GuardConfig:
 
     @property
     def guard_file(self) -> Path:
-        return self.run_dir / "guards" / f"{self.host}.json"
+        return guard_record_file(self.run_dir, self.host)
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:
@@ -116,19 +122,20 @@ class Guard:
 
     def __init__(self, config: GuardConfig, token: str) -> None:
         self.config = config
-        self._token = token
         self.leaser = PortLeaser(config.lease_policy)
         self.events = EventLog(events_path(config.run_dir, config.host), config.host)
         self.children = ChildSupervisor(
-            config.run_dir, config.host, config.job_id, self.events, config.base_env
+            config.run_dir, config.host, config.job_id, self.events, config.base_env, node_addr=config.bind
         )
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._stopped = asyncio.Event()
         self._teardown_task: asyncio.Task[None] | None = None
+        self._signals_seen: set[int] = set()
         #: The signal that started the teardown, if one did (autostart turns it into 128 + signum).
         self.stop_signal: int | None = None
-        self.app = web.Application(middlewares=[self._errors, self._auth])
+        # the token check (runtime/http_auth.py) inside the error middleware, which logs every answer
+        self.app = web.Application(middlewares=[self._errors, token_middleware(token)])
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -161,6 +168,8 @@ class Guard:
         loop = asyncio.get_running_loop()
         for signum, checkpoint in ((signal.SIGTERM, True), (CHECKPOINT_SIGNAL, True), (signal.SIGINT, False)):
             loop.add_signal_handler(signum, self._on_signal, signum, checkpoint)
+        loop.add_signal_handler(KEEPER_DEATH_SIGNAL, self._on_keeper_death)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked since keeper.fork_guard: now handled
         url_host = cfg.host if cfg.bind in ("0.0.0.0", "::") else cfg.bind
         url = f"http://{'[' + url_host + ']' if ':' in url_host else url_host}:{self.port}"
         record = {"host": cfg.host, "bind": cfg.bind, "port": self.port, "url": url, "pid": _pid()}
@@ -177,11 +186,29 @@ class Guard:
         return EXIT_OK
 
     def _on_signal(self, signum: int, checkpoint: bool) -> None:
+        if signum in self._signals_seen:  # the keeper forwards what Slurm also sent us: act once
+            return
+        self._signals_seen.add(signum)
         if self._teardown_task is None and self.stop_signal is None:
             self.stop_signal = signum
         self.events.emit("guard_signal", signal=signal_name(signum), pid=_pid())
         log.info("guard got %s: tearing down (checkpoint=%s)", signal_name(signum), checkpoint)
         self.start_teardown(checkpoint)
+
+    def _on_keeper_death(self) -> None:
+        """The keeper (our parent, runtime/guard/keeper.py) is gone, or the terminal hung up: nobody would
+        clean up after us, so every child's tree is SIGKILLed now, our lease copies closed first (a child
+        holds its own until it dies), then the teardown reaps and stops."""
+        if self._teardown_task is None and self.stop_signal is None:
+            self.stop_signal = KEEPER_DEATH_SIGNAL
+        self.events.emit("guard_signal", signal=signal_name(KEEPER_DEATH_SIGNAL), pid=_pid())
+        log.warning(
+            "guard got %s (its keeper is gone): killing every child's tree now",
+            signal_name(KEEPER_DEATH_SIGNAL),
+        )
+        self.leaser.close()
+        self.children.kill_all_now()
+        self.start_teardown(checkpoint=False)
 
     @property
     def stopping(self) -> bool:
@@ -206,6 +233,7 @@ class Guard:
                     await sup.signal_group(child, CHECKPOINT_SIGNAL)
                 await asyncio.gather(*(sup.wait_gone(c, cfg.checkpoint_wait_s) for c in running))
             await asyncio.gather(*(sup.kill(c, cfg.kill_wait_s) for c in sup.all()))
+            await sup.sweep(cfg.kill_wait_s)  # what left its children's trees, wherever it went
         finally:
             self.leaser.close()
             with contextlib.suppress(FileNotFoundError):
@@ -234,21 +262,6 @@ class Guard:
         log.info("%s %s -> %d", request.method, request.path, response.status)
         return response
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path == "/health" and request.method == "GET":
-            return await handler(request)
-        if not token_matches(request.headers.get(AUTH_HEADER), self._token):
-            return web.json_response(
-                {
-                    "error": "unauthorized",
-                    "message": "missing or wrong token (Authorization: Bearer <token>)",
-                },
-                status=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return await handler(request)
-
     # ---- handlers ----------------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -268,13 +281,19 @@ class Guard:
             and (generation is None or c.generation == generation)
         ]
         ports = [
-            {"role": x.owner.role, "index": x.owner.index, "name": x.name, "port": x.port}
+            {
+                "role": x.owner.role,
+                "index": x.owner.index,
+                "name": x.name,
+                "port": x.port,
+                "generation": x.generation,
+            }
             for x in self.leaser.leases()
         ]
         return web.json_response({"host": self.config.host, "children": children, "ports": ports})
 
     async def _reserve(self, request: web.Request) -> web.Response:
-        req = await _parse(request, ReserveRequest)
+        req = await parse_request(request, ReserveRequest)
         owner = self._owner(req)
         leases = self.leaser.reserve(owner, req.names)
         return web.json_response(
@@ -282,12 +301,12 @@ class Guard:
         )
 
     async def _release(self, request: web.Request) -> web.Response:
-        req = await _parse(request, SlotRequest)
+        req = await parse_request(request, SlotRequest)
         released = self.leaser.release(self._owner(req))
         return web.json_response({"role": req.role, "index": req.index, "released": _ports(released)})
 
     async def _spawn(self, request: web.Request) -> web.Response:
-        req = await _parse(request, SpawnRequest)
+        req = await parse_request(request, SpawnRequest)
         if self._teardown_task is not None:
             return _error(409, "shutting_down", "the guard is shutting down: nothing new is spawned")
         try:
@@ -305,16 +324,24 @@ class Guard:
                 "kill it first",
             )
         owner = self._owner(req)
-        leases = self.leaser.reserve(owner, req.ports) if req.ports else {}
+        refusal = spawn_refusal(req.env, req.gpus)  # before any lease or process: nothing is left behind
+        if refusal is not None:
+            keys = sorted(req.env)
+            self.events.emit("spawn_refused", role=req.role, index=req.index, reason=refusal[2], keys=keys)
+            log.warning("guard: spawn of %s/%d refused: %s", req.role, req.index, refusal[2])
+            return _error(*refusal)
+        generation = self.children.next_generation(req.role, req.index)
+        leases = self.leaser.reserve(owner, req.ports, generation) if req.ports else {}
         try:
             child = self.children.spawn(req.role, req.index, module, req.env, req.gpus, leases)
         except ChildEnvError as exc:
+            self.leaser.release(owner, generation)
             return _error(400, "bad_env", str(exc))
-        self.leaser.note_child(owner, child.pid)
+        self.leaser.note_child(owner, child.pid, generation)
         return web.json_response(child.to_dict(), status=201)
 
     async def _kill(self, request: web.Request) -> web.Response:
-        req = await _parse(request, KillRequest)
+        req = await parse_request(request, KillRequest)
         owner = self._owner(req)
         child = self.children.latest(req.role, req.index)
         gone = True
@@ -322,7 +349,9 @@ class Guard:
             gone = await self.children.kill(
                 child, self.config.kill_wait_s if req.wait_s is None else req.wait_s
             )
-        released = _ports(self.leaser.release(owner))
+        # Only this generation's leases (and older ones): a spawn of the next generation may have come in
+        # while this kill waited for the group, and its leases are its own.
+        released = _ports(self.leaser.release(owner, child.generation if child is not None else None))
         if not gone:
             assert child is not None
             tail = self.children.tail(child.stderr)
@@ -341,7 +370,7 @@ class Guard:
 
     async def _shutdown(self, request: web.Request) -> web.Response:
         body = await request.read()
-        req = await _parse(request, ShutdownRequest) if body.strip() else ShutdownRequest()
+        req = await parse_request(request, ShutdownRequest) if body.strip() else ShutdownRequest()
         self.start_teardown(req.checkpoint)
         return web.json_response({"status": "shutting_down"}, status=202)
 
@@ -359,15 +388,3 @@ def _pid() -> int:
 
 def _ports(leases: list[Any]) -> dict[str, int]:
     return {x.name: x.port for x in leases}
-
-
-async def _parse(request: web.Request, model: type[_M]) -> _M:
-    """Parse the JSON body into `model`; a 400 naming the problem otherwise."""
-    try:
-        data = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise web.HTTPBadRequest(text=f"{model.__name__}: {describe_validation_error(exc)}") from None

@@ -15,6 +15,7 @@ readers that do not know them):
 | `reward/<route>`, `accuracy/<route>` | mean reward / accuracy of the step's rollouts of one route |
 | `perf/tokens_per_s` | trained tokens per second of wall time |
 | `time/rollout_s`, `time/teacher_s`, `time/drain_s`, `time/train_s`, `time/sync_s` | seconds per phase |
+| `memory/<child>/<phase>/allocated_gib`, `memory/<child>/<phase>/reserved_gib` | peak GPU memory of one child during one phase of the step, GiB (2^30 bytes): torch's `max_memory_allocated` / `max_memory_reserved` since the phase began (the peak is reset at each phase start); only for children on CUDA (absent on CPU). `<child>` is `actor` (the controller's rank), `<phase>` a phase of the step (`rollout`, `teacher`, `drain`, `train`, `sync`) |
 
 Evaluation (`run_dir/eval.json`): `{"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc,
 "n": prompts}}}`.
@@ -27,9 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: File names inside a run directory.
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.json"
 #: Required keys of every metrics line.
 STEP_KEY = "step"
 TS_KEY = "ts"
@@ -54,6 +52,9 @@ PHASE_KEYS: Mapping[str, str] = {
     "time/train_s": "train",
     "time/sync_s": "sync",
 }
+#: Peak GPU memory per child and phase: `memory/<child>/<phase>/<kind>` with kind one of MEMORY_KINDS (GiB).
+MEMORY_PREFIX = "memory/"
+MEMORY_KINDS = ("allocated_gib", "reserved_gib")
 #: Keys whose series the summary keeps (sparklines, --plot); per-route keys are added as they appear.
 SERIES_KEYS = (*LOSS_KEYS, "mopd/reverse_kl", TOKENS_PER_S_KEY)
 
@@ -105,3 +106,19 @@ def route_of(key: str) -> tuple[str, str] | None:
         if key.startswith(prefix) and len(key) > len(prefix):
             return prefix[:-1], key[len(prefix) :]
     return None
+
+
+def memory_key(child: str, phase: str, kind: str) -> str:
+    """`memory/<child>/<phase>/<kind>`; kind one of MEMORY_KINDS."""
+    return f"{MEMORY_PREFIX}{child}/{phase}/{kind}"
+
+
+def memory_of(key: str) -> tuple[str, str, str] | None:
+    """`"memory/actor/train/reserved_gib"` → `("actor", "train", "reserved_gib")` (a child may hold `/`, e.g.
+    `teacher/math`: the phase and kind are the last two parts); None for any other key."""
+    if not key.startswith(MEMORY_PREFIX):
+        return None
+    parts = key[len(MEMORY_PREFIX) :].split("/")
+    if len(parts) < 3 or parts[-1] not in MEMORY_KINDS or not all(parts):
+        return None
+    return "/".join(parts[:-2]), parts[-2], parts[-1]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.records.run_dir import JOB_END_FILE
 
 log = logging.getLogger("mopd_hpc.trainer")
 
@@ -35,8 +36,6 @@ POLL_S = 0.25
 CLOCK_SKEW_S = 5.0
 #: Reasons the actor gives.
 REASONS = ("finished", "checkpoint_signal", "failed")
-#: Where the actor says the job is over, under the run directory.
-JOB_END_FILE = "state/job_end.json"
 
 
 def read_job_end(run_dir: Path) -> dict[str, Any] | None:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from mopd_hpc.atomic import atomic_write_text
-from mopd_hpc.logs.metrics_schema import METRICS_FILE, STEP_KEY, TS_KEY
+from mopd_hpc.records.metrics_schema import STEP_KEY, TS_KEY
+from mopd_hpc.records.run_dir import METRICS_FILE
 
 __all__ = ["METRICS_FILE", "MetricsWriter", "read_metrics", "rollback_metrics"]
 

@@ -1,6 +1,6 @@
 """The job plan: every child of the job, where it runs and what it gets, decided before anything starts.
 
-`JobPlan.from_config(cfg)` (layout in `launch/placement.py`) lists one `ChildSpec` per process a guard
+`launch.placement.place_children(cfg)` lays a RunConfig out into a `JobPlan`: one `ChildSpec` per process a guard
 will spawn: its role and index, its het group and node index *within the group* (hosts are not known
 before the allocation), its GPUs (ordinals into the node's GPUs, as strings; the guard maps them to the
 tokens it sees), its named ports (leased at start), its rank environment (MOPD_RANK, MOPD_WORLD_SIZE,
@@ -23,18 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.atomic import atomic_write_text
+from mopd_hpc.records.run_dir import PLAN_FILE
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.topology import ROLES
 
 #: Version of plan.json; bumped when a key changes meaning.
 PLAN_VERSION = 1
 #: File name of the plan in the run directory.
-PLAN_FILE_NAME = "plan.json"
+PLAN_FILE_NAME = PLAN_FILE
 #: Role that stands in for every role of a probe-only plan.
 PROBE_ROLE = "probe"
-#: Keys the guard sets itself for every child (guard/children.py IDENTITY_KEYS); a plan may not set them.
-GUARD_SET_KEYS = frozenset(
-    {"MOPD_ROLE", "MOPD_INDEX", "MOPD_GENERATION", "MOPD_JOB_ID", "MOPD_RUN_DIR", "MOPD_HOST"}
-)
+#: Keys the guard sets itself for every child (`child_env.GUARD_KEYS`); a plan may not set them.
+GUARD_SET_KEYS = frozenset(child_env.GUARD_KEYS)
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PORT_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
@@ -107,7 +107,7 @@ class ChildSpec:
                 raise PlanError(
                     f"{name}: env {key}={value!r}: expected an identifier and a string without NUL"
                 )
-            if key in GUARD_SET_KEYS or key.startswith("MOPD_PORT_"):
+            if key in GUARD_SET_KEYS or key.startswith(child_env.PORT_PREFIX):
                 raise PlanError(f"{name}: env {key} is set by the guard; the plan may not set it")
         return cls(
             role=role,
@@ -130,7 +130,9 @@ class ChildSpec:
         """`actor[3]`, or `probe[5] (actor[3])` for a probe standing in for another role."""
         env = self.env_dict
         stands_for = (
-            f" ({env['MOPD_PLAN_ROLE']}[{env['MOPD_PLAN_INDEX']}])" if "MOPD_PLAN_ROLE" in env else ""
+            f" ({env[child_env.PLAN_ROLE]}[{env[child_env.PLAN_INDEX]}])"
+            if child_env.PLAN_ROLE in env
+            else ""
         )
         return f"{self.role}[{self.index}]{stands_for}"
 
@@ -183,7 +185,7 @@ class GroupPlan:
 
 @dataclass(frozen=True, slots=True)
 class JobPlan:
-    """Every child of one job. Build with `JobPlan.from_config(cfg)` or `JobPlan.from_dict(...)`.
+    """Every child of one job. Build with `launch.placement.place_children(cfg)` or `JobPlan.from_dict(...)`.
 
     Attributes:
         name: the run's name.
@@ -203,13 +205,6 @@ class JobPlan:
     infer_world: int
     train_world: int
     probe: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> JobPlan:
-        """The plan of a validated RunConfig. Raises PlanError (a LayoutError is one) before any process starts."""
-        from mopd_hpc.launch.placement import place_children
-
-        return place_children(cfg)
 
     @property
     def het_size(self) -> int:
@@ -237,7 +232,7 @@ class JobPlan:
             return self
         probes = []
         for position, child in enumerate(self.children):
-            env = {**child.env_dict, "MOPD_PLAN_ROLE": child.role, "MOPD_PLAN_INDEX": str(child.index)}
+            env = {**child.env_dict, child_env.PLAN_ROLE: child.role, child_env.PLAN_INDEX: str(child.index)}
             probes.append(replace(child, role=PROBE_ROLE, index=position, env=tuple(sorted(env.items()))))
         return replace(self, children=tuple(probes), probe=True)
 
@@ -315,10 +310,10 @@ def child_environment(child: ChildSpec, backend: str, het_size: int) -> dict[str
     MOPD_HET_SIZE (the local backend's topology reads them), MOPD_TRANSFER_RANKS (comma-separated, empty
     when none) and, for a child that starts at a device other than its first, MOPD_BASE_GPU_ID."""
     env = child.env_dict
-    env["MOPD_BACKEND"] = backend
-    env["MOPD_HET_GROUP"] = str(child.het_group)
-    env["MOPD_HET_SIZE"] = str(het_size)
-    env["MOPD_TRANSFER_RANKS"] = ",".join(str(r) for r in child.transfer_ranks)
+    env[child_env.BACKEND] = backend
+    env[child_env.HET_GROUP] = str(child.het_group)
+    env[child_env.HET_SIZE] = str(het_size)
+    env[child_env.TRANSFER_RANKS] = ",".join(str(r) for r in child.transfer_ranks)
     if child.device_index is not None:
-        env["MOPD_BASE_GPU_ID"] = str(child.device_index)
+        env[child_env.BASE_GPU_ID] = str(child.device_index)
     return env

@@ -1,0 +1,264 @@
+"""The memory plan before anything starts (issue 21 item 2): per GPU of the job plan, what each child on it
+will hold, estimated from the config and each model's config.json (`engines/memory_model.py`'s arithmetic).
+
+Each child's holdings are either resident through the step, or held in one phase only:
+- actor (train engine, per rank): weights, optimizer state and (megatron) the fp32 grad buffer, resident;
+  torch's gradients and the activations of one micro-batch (`micro_batch_tokens`, else the rank's whole
+  shard: batch_size·samples_per_prompt/dp rows of max_prompt_tokens + max_new_tokens positions) in `train`;
+- teacher (scoring): its weights and scoring buffers in `teacher` (on a GPU the controller onloads teachers
+  when scoring starts and offloads them at the drain); buffers: `TEACHER_ROWS` rows at a time, the logits
+  the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
+  top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
+- rollout engine (the actor's model): weights, resident; hf: the KV cache of its rows (the step's rollouts
+  over the engines) and float32 sampling logits, in `rollout`; sglang: weights and KV pool are the static
+  `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`).
+A GPU's plan is its largest phase: Σ resident + Σ held in that phase (phases rollout, teacher, train). A child
+over several GPUs (a rollout engine's tensor parallelism) puts 1/its GPUs on each. A model whose config.json
+cannot be read here (a Slurm path that exists on the cluster only) is left out, with a note.
+
+`--dry-run` prints the plan (`format_memory_plan`); `--check`, `--dry-run` and every submit warn where a plan
+exceeds `cluster.<group>.gpu_memory_gb` (`memory_warnings`). Residency by need (offloading only what must
+leave for the next phase to fit) is not decided from the plan yet.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mopd_hpc.config.parallel import ActorParallel
+from mopd_hpc.engines.memory_model import (
+    MemoryModelError,
+    ModelShape,
+    dtype_bytes,
+    micro_batch_bytes,
+    train_state,
+)
+from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.plan import ChildSpec, JobPlan
+
+GIB = float(2**30)
+#: Rows a teacher scores at a time (`engines/teacher_serve.py` ServeArgs.max_batch_rows' default).
+TEACHER_ROWS = 64
+#: SGLang's static memory fraction for weights + KV pool (`engines/rollout/sglang_backend.py`'s default).
+SGLANG_MEM_FRACTION = 0.5
+PHASES = ("rollout", "teacher", "train")
+
+ConfigReader = Callable[[str], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """`what` a child holds, `bytes` of it, in `phase` only (None: resident through the step)."""
+
+    what: str
+    bytes: int
+    phase: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChildMemory:
+    """One child's share of one GPU: its label (as the rank map's role and index), holdings and a note."""
+
+    label: str
+    holdings: tuple[Holding, ...]
+    note: str = ""
+
+    def in_phase(self, phase: str) -> int:
+        """Bytes held during `phase`: the resident holdings plus that phase's."""
+        return sum(h.bytes for h in self.holdings if h.phase in (None, phase))
+
+
+@dataclass(frozen=True, slots=True)
+class GpuMemory:
+    """One GPU: its group, node and ordinal, the children on it, the group's `gpu_memory_gb` (or None)."""
+
+    group: str
+    node: int
+    gpu: str
+    children: tuple[ChildMemory, ...]
+    capacity_gib: float | None
+
+    def peak(self) -> tuple[int, str]:
+        """(bytes, phase) of the largest phase (module docstring)."""
+        best = max(PHASES, key=lambda ph: sum(c.in_phase(ph) for c in self.children))
+        return sum(c.in_phase(best) for c in self.children), best
+
+
+def read_model_config(path: str) -> Mapping[str, Any] | None:
+    """`path/config.json` as a dict, or None when it cannot be read here."""
+    try:
+        data = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _shape(path: str, read: ConfigReader) -> tuple[ModelShape | None, str]:
+    config = read(path)
+    if config is None:
+        return None, f"{path}/config.json not readable here: not planned"
+    try:
+        return ModelShape.from_hf_config(config), ""
+    except MemoryModelError as err:
+        return None, f"{path}: {err}: not planned"
+
+
+def _actor(cfg: Any, shape: ModelShape, parallel: ActorParallel) -> tuple[Holding, ...]:
+    actor = cfg.models.actor
+    state = train_state(shape, actor.dtype, actor.engine, parallel.tp, parallel.dp)
+    rows = -(-cfg.data.batch_size * cfg.data.samples_per_prompt // parallel.dp)
+    length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    shard = rows * length
+    positions = min(shard, max(length, actor.micro_batch_tokens or shard))
+    response = positions * cfg.rollout.sampling.max_new_tokens // length
+    act = micro_batch_bytes(
+        shape, actor.dtype, actor.engine, positions, response, actor.activation_checkpointing, parallel.tp
+    )
+    grads_phase = "train" if actor.engine == "torch" else None
+    return (
+        Holding("weights", state.weights),
+        Holding("gradients", state.gradients, grads_phase),
+        Holding("optimizer", state.optimizer),
+        Holding(f"activations ({positions:,} positions a micro-batch)", act, "train"),
+    )
+
+
+def _teacher(cfg: Any, teacher: Any, shape: ModelShape) -> tuple[Holding, ...]:
+    b = dtype_bytes(teacher.dtype)
+    tp = teacher.tensor_parallel
+    prompt, new = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens
+    rows = min(TEACHER_ROWS, cfg.data.batch_size * cfg.data.samples_per_prompt)
+    topk = cfg.loss.estimator == "topk"
+    if teacher.engine == "megatron":
+        buffers = rows * shape.vocab * ((prompt + new) * b + new * 4) // tp
+    else:
+        buffers = rows * new * shape.vocab * (b + (4 if topk else 0))
+    return (
+        Holding("weights", shape.params * b // tp, "teacher"),
+        Holding(f"scoring buffers ({rows} rows)", buffers, "teacher"),
+    )
+
+
+def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int) -> tuple[Holding, ...]:
+    b = dtype_bytes(cfg.models.actor.dtype)
+    weights = Holding("weights", shape.params * b // share)
+    if cfg.rollout.backend == "sglang":
+        if capacity_gib is None:
+            return (weights,)
+        pool = int(SGLANG_MEM_FRACTION * capacity_gib * GIB) - weights.bytes
+        return weights, Holding(f"KV pool (mem_fraction_static {SGLANG_MEM_FRACTION})", max(0, pool))
+    rows = -(-cfg.data.batch_size * cfg.data.samples_per_prompt // cfg.rollout.engines.count)
+    length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    kv = rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b // share
+    return (
+        weights,
+        Holding(f"KV cache ({rows} rows)", kv, "rollout"),
+        Holding("sampling logits", rows * shape.vocab * 4 // share, "rollout"),
+    )
+
+
+def _child(
+    cfg: Any, child: ChildSpec, parallel: ActorParallel, capacity: float | None, read: ConfigReader
+) -> ChildMemory:
+    label = f"{child.role} {child.index}"
+    if child.role == "actor":
+        shape, note = _shape(cfg.models.actor.path, read)
+        if shape and cfg.models.actor.micro_batch_tokens is None:
+            note = "micro_batch_tokens null: the whole shard; on a GPU the run caps it by the free memory"
+        return ChildMemory(label, _actor(cfg, shape, parallel) if shape else (), note)
+    if child.role == "teacher":
+        teacher = cfg.models.teacher(dict(child.env)[child_env.TEACHER_ID])
+        shape, note = _shape(teacher.path, read)
+        return ChildMemory(f"teacher {teacher.id}", _teacher(cfg, teacher, shape) if shape else (), note)
+    if child.role == "rollout":
+        shape, note = _shape(cfg.models.actor.path, read)
+        holdings = _rollout(cfg, shape, capacity, len(child.gpus)) if shape else ()
+        return ChildMemory(label, holdings, note)
+    return ChildMemory(label, (), f"role {child.role!r}: not planned")
+
+
+def memory_plan(cfg: Any, plan: JobPlan, read: ConfigReader = read_model_config) -> tuple[GpuMemory, ...]:
+    """Every GPU of `plan` (a `launch.placement.place_children(cfg)`) with its children's holdings
+    (module docstring); () for a job without GPUs. `read` gives a model directory's config.json (None when
+    absent)."""
+    groups = list(cfg.cluster.groups().items())
+    parallel = ActorParallel.from_config(cfg)
+    per_gpu: dict[tuple[int, int, str], list[ChildMemory]] = {}
+    for child in plan.children:
+        if not child.gpus:
+            continue
+        capacity = groups[child.het_group][1].gpu_memory_gb
+        memory = _child(cfg, child, parallel, capacity, read)
+        for gpu in child.gpus:
+            per_gpu.setdefault((child.het_group, child.node_index, gpu), []).append(memory)
+    return tuple(
+        GpuMemory(groups[g][0], node, gpu, tuple(children), groups[g][1].gpu_memory_gb)
+        for (g, node, gpu), children in sorted(
+            per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2]))
+        )
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def format_memory_plan(gpus: tuple[GpuMemory, ...]) -> list[str]:
+    """The plan as `# ` lines for --dry-run: per GPU its largest phase (and the group's memory), then per
+    child each holding in GiB (a phase-only holding marks its phase)."""
+    if not gpus:
+        return ["# memory plan: no GPU in this job"]
+    out = ["# memory plan per GPU (estimates, GiB; engines/memory_model.py):"]
+    for gpu in gpus:
+        peak, phase = gpu.peak()
+        cap = f" of {gpu.capacity_gib:g}" if gpu.capacity_gib is not None else ""
+        total = (
+            f"{_gib(peak)}{cap} at most (in {phase})"
+            if any(c.holdings for c in gpu.children)
+            else "not planned"
+        )
+        out.append(f"#   cluster.{gpu.group} node {gpu.node} GPU {gpu.gpu}: {total}")
+        for child in gpu.children:
+            items = "; ".join(
+                f"{h.what} {_gib(h.bytes)}" + (f" ({h.phase})" if h.phase else "") for h in child.holdings
+            )
+            out.append(
+                f"#     {child.label}: {items or child.note}"
+                + (f" [{child.note}]" if items and child.note else "")
+            )
+    return out
+
+
+def memory_warnings(gpus: tuple[GpuMemory, ...]) -> list[str]:
+    """One line per GPU whose plan exceeds its group's `gpu_memory_gb`, naming the field, both sizes, the
+    phase and its largest holding, and the ways out."""
+    out = []
+    for gpu in gpus:
+        peak, phase = gpu.peak()
+        if gpu.capacity_gib is None or peak <= gpu.capacity_gib * GIB:
+            continue
+        held = [
+            (h.bytes, f"{c.label} {h.what}")
+            for c in gpu.children
+            for h in c.holdings
+            if h.phase in (None, phase)
+        ]
+        biggest = max(held)[1] if held else "-"
+        out.append(
+            f"cluster.{gpu.group}.gpu_memory_gb: the memory plan of node {gpu.node} GPU {gpu.gpu} is "
+            f"{_gib(peak)} GiB in the {phase} phase, more than the GPU's {gpu.capacity_gib:g} GiB (largest: "
+            f"{biggest}); expected it to fit: lower models.actor.micro_batch_tokens, set "
+            "models.actor.activation_checkpointing, or spread the children over more GPUs"
+        )
+    return out
+
+
+def plan_warnings(cfg: Any, plan: JobPlan, read: ConfigReader = read_model_config) -> list[str]:
+    """`memory_warnings` of `memory_plan(cfg, plan)`; [] when no group sets gpu_memory_gb (nothing read)."""
+    if not any(g.gpu_memory_gb for g in cfg.cluster.groups().values()):
+        return []
+    return memory_warnings(memory_plan(cfg, plan, read))
