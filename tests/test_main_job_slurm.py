@@ -144,10 +144,11 @@ def test_three_steps_of_the_het_job_on_micro_models(
         assert spawns["teacher", 0] == spawns["teacher", 1] == trainer_host
         rollout_hosts = [spawns["rollout", 0], spawns["rollout", 1]]
         assert len(set(rollout_hosts)) == 2 and trainer_host not in rollout_hosts
-        # the actor reached every server at its node's advertised name, not at loopback
+        # the actor reached every server at its node's own address (the guard's bind, issue 23), not at loopback
         actor_out = (run_dir / "logs" / trainer_host / "actor-0.g1.out").read_text()
         urls = re.findall(r"http://([\w.-]+):\d+", actor_out.split("\n", 1)[0])
-        assert urls == [*rollout_hosts, trainer_host, trainer_host], actor_out[:300]
+        addrs = slurm_cluster.node_addrs
+        assert urls == [addrs[h] for h in (*rollout_hosts, trainer_host, trainer_host)], actor_out[:300]
         assert "evaluation at the end" in actor_out and "end/teacher" in actor_out
         # both engines joined the actor's weight-sync group from their nodes and hold the final weights
         for index, host in enumerate(rollout_hosts):
