@@ -421,7 +421,7 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         "unknown-key",
         set_("models.actor.tp", 2),
         [
-            "models.actor.tp: unknown key (got 2; known: id, path, dtype, engine, tensor_parallel, pipeline_parallel, optimizer, "
+            "models.actor.tp: unknown key (got 2; known: id, path, dtype, engine, tensor_parallel, pipeline_parallel, collective_timeout_s, optimizer, "
             "micro_batch_tokens, activation_checkpointing)"
         ],
     ),
