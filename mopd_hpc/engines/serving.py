@@ -6,8 +6,10 @@ It serves only apps that require the job's token (`runtime/http_auth.protect`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -44,3 +46,23 @@ async def start_app(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return runner, bound_port, stop
+
+
+def cli_port(
+    parser: argparse.ArgumentParser, flag: int | None, environ: Mapping[str, str], env_name: str
+) -> int:
+    """A standalone server's TCP port: `--port` (`flag`), else the variable `env_name` of `environ`; exits
+    through `parser.error` (status 2) naming the flag or variable when it is missing, not a number, or not
+    in [0, 65535] (0 = the kernel chooses)."""
+    port = flag
+    if port is None:
+        raw = environ.get(env_name)
+        if raw is None:
+            parser.error(f"no port: pass --port or set {env_name}")
+        try:
+            port = int(raw)
+        except ValueError:
+            parser.error(f"{env_name}={raw!r}: expected a TCP port number")
+    if not 0 <= port <= 65535:
+        parser.error(f"port={port}: expected a TCP port in [0, 65535]")
+    return port

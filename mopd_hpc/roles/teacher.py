@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.engines.serving import cli_port
 from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs
 from mopd_hpc.records.job_end import stop_on_job_end
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, read_job_token, start_server_role
@@ -166,17 +167,7 @@ def args_from_argv(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Te
         p.error(f"no teacher id: pass --teacher-id or set {ENV['teacher_id']}")
     if not model_path:
         p.error(f"no model: pass --model or set {ENV['model_path']}")
-    port = ns.port
-    if port is None:
-        raw = environ.get(ENV["port"])
-        if raw is None:
-            p.error(f"no port: pass --port or set {ENV['port']}")
-        try:
-            port = int(raw)
-        except ValueError:
-            p.error(f"{ENV['port']}={raw!r}: expected a TCP port number")
-    if not 0 <= port <= 65535:
-        p.error(f"port={port}: expected a TCP port in [0, 65535]")
+    port = cli_port(p, ns.port, environ, ENV["port"])
     dtype = ns.dtype or environ.get(ENV["dtype"]) or "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         p.error(f"{ENV['dtype']}={dtype!r}: expected float32, bfloat16 or float16")

@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from mopd_hpc.engines.serving import cli_port
 from mopd_hpc.runtime import child_env
 
 #: The server's one-line description (`--help`).
@@ -80,17 +81,7 @@ class ServerArgs:
         model_path = ns.model_path or environ.get(ENV["model_path"])
         if not model_path:
             p.error(f"no model: pass --model or set {ENV['model_path']}")
-        port = ns.port
-        if port is None:
-            raw = environ.get(ENV["port"])
-            if raw is None:
-                p.error(f"no port: pass --port or set {ENV['port']}")
-            try:
-                port = int(raw)
-            except ValueError:
-                p.error(f"{ENV['port']}={raw!r}: expected a TCP port number")
-        if not 0 <= port <= 65535:
-            p.error(f"port={port}: expected a TCP port in [0, 65535]")
+        port = cli_port(p, ns.port, environ, ENV["port"])
         return cls(
             **vars(ns)
             | {
