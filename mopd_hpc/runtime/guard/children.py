@@ -277,12 +277,9 @@ class ChildSupervisor:
         for child in self.all():
             sent = killpg_quiet(child.pgid, signal.SIGKILL)
             if proctree.kill_now(self.members(child)) or sent:
-                self.events.emit(
+                self._emit(
                     "kill",
-                    role=child.role,
-                    index=child.index,
-                    generation=child.generation,
-                    pid=child.pid,
+                    child,
                     signal="SIGKILL",
                 )
         proctree.kill_now(proctree.tagged_trees(self.job_tag(), self._popen_pids(), anywhere=True))
@@ -301,6 +298,12 @@ class ChildSupervisor:
                 proctree.reap_adopted(self._popen_pids())
                 await asyncio.sleep(_POLL_S)
         return len(left)
+
+    def _emit(self, event: str, child: Child, **fields: object) -> None:
+        """An event about one child generation: its role, index, generation and pid, then `fields`."""
+        self.events.emit(
+            event, role=child.role, index=child.index, generation=child.generation, pid=child.pid, **fields
+        )
 
     def _watch(self, child: Child) -> None:
         loop = asyncio.get_running_loop()
@@ -330,12 +333,9 @@ class ChildSupervisor:
         else:
             child.exit_code = rc
         child.exited.set()
-        self.events.emit(
+        self._emit(
             "exit",
-            role=child.role,
-            index=child.index,
-            generation=child.generation,
-            pid=child.pid,
+            child,
             exit_code=child.exit_code,
             signal=child.signal,
         )
@@ -347,12 +347,9 @@ class ChildSupervisor:
         if whole_tree:
             sent = proctree.signal_all(self.members(child), signum) > 0 or sent
         if sent:
-            self.events.emit(
+            self._emit(
                 "kill",
-                role=child.role,
-                index=child.index,
-                generation=child.generation,
-                pid=child.pid,
+                child,
                 signal=signal_name(signum),
             )
         return sent
