@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from mopd_hpc.engines.daemon_thread import in_daemon_thread
+from mopd_hpc.engines.tcp_store import tcp_store
 from mopd_hpc.runtime.netif import bind_gloo_to, local_address_towards
 from mopd_hpc.trainer.rendezvous import (
     NONCE_KEY,
@@ -178,11 +178,10 @@ class SoloGroup:
 class ActorGroup:
     """One rank's membership of the actor world. Build with `ActorGroup.join`."""
 
-    def __init__(self, spec: GroupSpec, store: Any, control: Any, run_dir: Path, listener: Any) -> None:
+    def __init__(self, spec: GroupSpec, store: Any, control: Any, run_dir: Path) -> None:
         self.spec, self.store, self.control, self.run_dir = spec, store, control, run_dir
         self.rank, self.world_size = spec.rank, spec.world_size
         self.dp_rank, self.dp_size = spec.dp_rank, spec.dp_size
-        self._listener = listener  # rank 0: the socket its store listens on (kept open)
         self._seq = 0
         self._acknowledged = 0  # keys below this sequence number every rank has been through
         self._stop = threading.Event()
@@ -203,15 +202,13 @@ class ActorGroup:
             torch's DistError: the world did not form within the collective timeout.
         """
         timeout = timedelta(seconds=spec.collective_timeout_s)
-        listener = None
         if spec.rank == 0:
             if host is None or port is None:
                 raise ActorGroupError("actor rank 0 joins with its advertised host and its `master` port")
-            listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
-            store = dist.TCPStore(
-                host, port, spec.world_size, True, timeout, wait_for_workers=False,
-                master_listen_fd=listener.fileno(),
-            )  # fmt: skip
+            # the server listens on `host` only (engines/tcp_store.py), not on every interface
+            store = tcp_store(
+                host, port, spec.world_size, is_master=True, timeout_s=spec.collective_timeout_s
+            )
             record = Rendezvous.create(job_id, host, port, spec.world_size)
             store.set(NONCE_KEY, record.nonce)
             store.set(HEARTBEAT_KEY, "0")
@@ -234,7 +231,7 @@ class ActorGroup:
         control = (
             dist.new_group(backend="gloo", timeout=timeout) if spec.backend == "nccl" else dist.group.WORLD
         )
-        group = cls(spec, store, control, run_dir, listener)
+        group = cls(spec, store, control, run_dir)
         if spec.rank == 0:
             group._start_heartbeat(record)
         log.info(
@@ -245,8 +242,13 @@ class ActorGroup:
         return group
 
     def _start_heartbeat(self, record: Rendezvous) -> None:
-        timeout = timedelta(seconds=self.spec.collective_timeout_s)
-        client = dist.TCPStore(record.host, record.port, self.world_size, False, timeout)
+        client = tcp_store(
+            record.host,
+            record.port,
+            self.world_size,
+            is_master=False,
+            timeout_s=self.spec.collective_timeout_s,
+        )
 
         def beat() -> None:
             count = 0
@@ -387,6 +389,4 @@ class ActorGroup:
         if self.rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 rendezvous_path(self.run_dir).unlink()
-            if self._listener is not None:
-                self._listener.close()
         self.store = None

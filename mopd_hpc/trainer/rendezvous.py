@@ -21,11 +21,11 @@ import logging
 import secrets
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.engines.tcp_store import tcp_store
 
 log = logging.getLogger("mopd_hpc.trainer")
 
@@ -139,16 +139,14 @@ def connect_store(run_dir: Path, job_id: str, world_size: int, timeout_s: float)
         RendezvousTimeoutError: no record of this job, or none whose store answers with its nonce, within
             `timeout_s`.
     """
-    import torch.distributed as dist
-
     deadline = time.monotonic() + timeout_s
     stale: str | None = None
     while True:
         left = max(1.0, deadline - time.monotonic())
         record = wait_for_rendezvous(run_dir, job_id, world_size, left, not_nonce=stale)
-        attempt = timedelta(seconds=min(CONNECT_ATTEMPT_S, left))
+        attempt = min(CONNECT_ATTEMPT_S, left)
         try:
-            store = dist.TCPStore(record.host, record.port, world_size, False, attempt)
+            store = tcp_store(record.host, record.port, world_size, is_master=False, timeout_s=attempt)
             nonce = store.get(NONCE_KEY).decode()
         except RuntimeError as exc:
             log.info(
