@@ -134,13 +134,14 @@ async def generate(
 async def _generate_block(
     client: RolloutClient, body: dict[str, Any], prompts: Sequence[Sequence[int]], n: int
 ) -> list[GeneratedSample]:
-    items = await client.generate_raw(body)
-    items = items if isinstance(items, list) else [items]
-    if len(items) != len(prompts) * n:
+    """One engine's block: ids and μ come back as one binary frame (engines/wire.py) where the server
+    offers it, else as SGLang's JSON."""
+    answer = await client.generate_batch(body)
+    if len(answer.items) != len(prompts) * n:
         raise RolloutPhaseError(
-            f"{client.base_url} returned {len(items)} responses for {len(prompts)} prompts × n={n}"
+            f"{client.base_url} returned {len(answer.items)} responses for {len(prompts)} prompts × n={n}"
         )
-    return [GeneratedSample.from_response(item, prompts[k // n]) for k, item in enumerate(items)]
+    return answer.samples(prompts, n)
 
 
 async def collect_rollouts(
