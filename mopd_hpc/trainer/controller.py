@@ -156,7 +156,7 @@ class Controller:
         metrics = MetricsWriter.open(self.run_dir / METRICS_FILE, resume_step=start)
         with contextlib.closing(metrics):
             if start == 0 or evaluate.read_eval(self.run_dir) is None:
-                self._evaluate_start()
+                await self._evaluate_start()
             await self.sync.start(self.rollout)
             await self.sync.push(start, self.rollout)
             log.info("rollout engines hold the weights of step %d", start)
@@ -327,13 +327,13 @@ class Controller:
     def _max_new_tokens(self) -> int:
         return self.cfg.rollout.sampling.max_new_tokens
 
-    def _evaluate_start(self) -> None:
+    async def _evaluate_start(self) -> None:
         prompts = self.data.eval_prompts
         if not prompts:
             return
-        paths = {t.id: t.path for t in self.cfg.models.teachers}
-        teachers = evaluate.teacher_accuracy(
-            paths, self.route_weights, self.tokenizer, prompts, self._max_new_tokens()
+        generators = {tid: client.generate_greedy for tid, client in self.teachers.items()}
+        teachers = await evaluate.teacher_accuracy(
+            generators, self.route_weights, self.tokenizer, prompts, self._max_new_tokens()
         )
         start = self._student_accuracy(prompts)
         counts = {r: len(p) for r, p in prompts.items()}
