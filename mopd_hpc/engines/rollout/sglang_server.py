@@ -35,6 +35,7 @@ from mopd_hpc.engines.rollout.control import (
     InitGroupRequest,
     MemoryTagsRequest,
     add_memory_routes,
+    add_weight_routes,
 )
 from mopd_hpc.engines.rollout.fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GenerateRequest
@@ -72,10 +73,9 @@ class SGLangRolloutServer:
         r.add_get("/server_info", self.server_info)
         r.add_post("/generate", self.generate)
         add_memory_routes(r, self.release, self.resume_memory, self.flush_cache)
-        r.add_post("/init_weights_update_group", self.init_group)
-        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
-        r.add_post("/destroy_weights_update_group", self.destroy_group)
-        r.add_post("/update_weights_from_disk", self.update_from_disk)
+        add_weight_routes(
+            r, self.init_group, self.update_from_distributed, self.destroy_group, self.update_from_disk
+        )
         return app
 
     async def health(self, request: web.Request) -> web.Response:
