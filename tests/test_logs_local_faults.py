@@ -24,13 +24,14 @@ from pathlib import Path
 
 from rich.console import Console
 from test_local_backend import processes_of, reports, start, wait_for
+from test_logs_summary import RunBuilder
 
 from mopd_hpc.cli import logs_summarize
 from mopd_hpc.logs.render import render_summary
 from mopd_hpc.logs.summary import RunSummary, no_sacct, summarize_run
 from mopd_hpc.records.run_dir import guard_record_file
 from mopd_hpc.runtime.guard.events import events_path, read_events
-from mopd_hpc.runtime.run_lock import holder_of
+from mopd_hpc.runtime.run_lock import LOCK_FILE_NAME, acquire, holder_of
 
 HOST = socket.gethostname()
 HOLD = {"MOPD_PROBE_HOLD_S": "60"}  # the probes stay up until the fault ends them
@@ -201,3 +202,32 @@ def test_a_second_job_is_refused_and_the_summary_is_the_first_jobs_true_outcome(
     assert doc["job"]["refused"] == [
         {"job_id": f"local-{second.pid}", "host": HOST, "pid": second.pid, "ts": ts}
     ]
+
+
+def test_a_local_guard_without_an_end_is_running_only_while_its_job_holds_the_lock(tmp_path: Path) -> None:
+    """The lock inference alone (events written here, the lock taken in this process): a guard with neither
+    `guard_stop` nor `guard_exit` is RUNNING while its job holds run.lock, and FAILED (guard_died) once the
+    lock is free or another job holds it; without a lock record (an older run dir, a file system without
+    flock) nothing is inferred: RUNNING, as before."""
+    b = RunBuilder(tmp_path / "run", job_id="local-7")
+    (b.root / "state" / "job.json").unlink()  # the local backend writes no job.json
+    b.guard("n1")
+    b.child("n1", "actor", 0, 1.0)
+    root = b.write()
+
+    def verdict() -> tuple[str, str | None]:
+        s = summarize_run(root, sacct_runner=no_sacct)
+        return s.job.state, s.first_failure.cause.key if s.first_failure else None
+
+    assert verdict() == ("RUNNING", None)  # no run.lock at all
+    lock = acquire(root, "local-7", "n1")
+    assert verdict() == ("RUNNING", None)  # held by its job
+    lock.release()
+    assert verdict() == ("FAILED", "guard_died")  # its record, nobody holds it
+    other = acquire(root, "local-8", "n1")
+    try:
+        assert verdict() == ("FAILED", "guard_died")  # another job holds it: local-7 is gone
+    finally:
+        other.release()
+    (root / LOCK_FILE_NAME).write_text("")  # a lock file without a record: no inference
+    assert verdict() == ("RUNNING", None)

@@ -33,7 +33,7 @@ from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_segments
 from mopd_hpc.logs.sacct import SacctJob, SacctRunner, query_sacct, run_sacct
 from mopd_hpc.records.run_dir import EVENTS_DIR, JOB_END_FILE, JOB_FILE, LOGS_DIR, METRICS_FILE, STATE_DIR
 from mopd_hpc.runtime.jobids import JobIdError, fold_job_id
-from mopd_hpc.runtime.run_lock import LOCK_FILE_NAME, holder_of, read_refusals
+from mopd_hpc.runtime.run_lock import holder_of, read_holder, read_refusals
 
 #: The state of a run that stopped cleanly on a checkpoint signal (resumable); see `JobInfo`.
 CHECKPOINTED = "CHECKPOINTED"
@@ -270,9 +270,11 @@ def _job_state(
 def _lock_released(root: Path, job_id: str | None) -> bool:
     """A local job (`local-N`) that no longer holds the run-dir lock: every process of it is gone (its
     mopd-submit and its guard hold the lock for the job's life, runtime/run_lock.py). False for a Slurm job
-    (other nodes' guards outlive the first one's lock) and for a run dir without a lock file (older runs)."""
-    if job_id is None or not LOCAL_JOB_ID.match(job_id) or not (root / LOCK_FILE_NAME).is_file():
-        return False
+    (other nodes' guards outlive the first one's lock) and for a run dir whose lock file holds no record (an
+    older run, or a file system without flock: `run_lock.acquire` writes the record only once it holds the
+    lock)."""
+    if job_id is None or not LOCAL_JOB_ID.match(job_id) or not read_holder(root):
+        return False  # no record: no lock was ever taken here (an older run, a file system without flock)
     holder = holder_of(root)
     return holder is None or holder.get("job_id") != job_id
 
