@@ -14,6 +14,7 @@ from pathlib import Path
 
 from test_local_backend import CONFIGS, REPO, env_for, leases_of, processes_of, wait_for
 
+from mopd_hpc.logs.summary import no_sacct, summarize_run
 from mopd_hpc.runtime.guard.events import read_events
 from mopd_hpc.runtime.run_lock import read_holder
 
@@ -131,3 +132,10 @@ def test_ctrl_c_through_tee_ends_with_130_and_a_full_teardown(tmp_path: Path) ->
     assert [e["signal"] for e in events if e["event"] == "guard_signal"] == ["SIGINT"]
     assert [e["event"] for e in events[-2:]] == ["guard_stop", "guard_exit"]
     assert (events[-1]["exit_code"], events[-1]["signal"]) == (130, None)  # 128 + SIGINT: exited, not killed
+    summary = summarize_run(run_dir, sacct_runner=no_sacct)  # and the summary says a person stopped it
+    assert (summary.job.job_id, summary.job.state) == (job_id, "CANCELLED")
+    assert (summary.first_failure.cause.key, summary.first_failure.cause.title) == (
+        "interrupted",
+        "interrupted (Ctrl-C)",
+    )
+    assert {slot.state for slot in summary.children} == {"killed"}
