@@ -30,10 +30,10 @@ from mopd_hpc.logs.jobs import Segment, latest_job_id, leader_of, record_belongs
 from mopd_hpc.logs.next_steps import next_steps
 from mopd_hpc.logs.progress import Progress, read_progress
 from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_segments
+from mopd_hpc.logs.run_lock_facts import Refusal, lock_released, refusals_of
 from mopd_hpc.logs.sacct import SacctJob, SacctRunner, query_sacct, run_sacct
 from mopd_hpc.records.run_dir import EVENTS_DIR, JOB_END_FILE, JOB_FILE, LOGS_DIR, METRICS_FILE, STATE_DIR
 from mopd_hpc.runtime.jobids import JobIdError, fold_job_id
-from mopd_hpc.runtime.run_lock import holder_of, read_holder, read_refusals
 
 #: The state of a run that stopped cleanly on a checkpoint signal (resumable); see `JobInfo`.
 CHECKPOINTED = "CHECKPOINTED"
@@ -143,7 +143,7 @@ class JobInfo:
     end_step: int | None = None
     earlier_jobs: tuple[tuple[str, str], ...] = ()
     later_jobs: tuple[tuple[str, str], ...] = ()
-    refused: tuple[tuple[str | None, str | None, int | None, float | None], ...] = ()
+    refused: tuple[Refusal, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -267,41 +267,6 @@ def _job_state(
     return ("FAILED" if failed else "SUCCEEDED"), "run_dir"
 
 
-def _lock_released(root: Path, job_id: str | None) -> bool:
-    """A local job (`local-N`) that no longer holds the run-dir lock: every process of it is gone (its
-    mopd-submit and its guard hold the lock for the job's life, runtime/run_lock.py). False for a Slurm job
-    (other nodes' guards outlive the first one's lock) and for a run dir whose lock file holds no record (an
-    older run, or a file system without flock: `run_lock.acquire` writes the record only once it holds the
-    lock)."""
-    if job_id is None or not LOCAL_JOB_ID.match(job_id) or not read_holder(root):
-        return False  # no record: no lock was ever taken here (an older run, a file system without flock)
-    holder = holder_of(root)
-    return holder is None or holder.get("job_id") != job_id
-
-
-def _refused(
-    root: Path, job_id: str | None
-) -> tuple[tuple[str | None, str | None, int | None, float | None], ...]:
-    """The refusals recorded while job `job_id` held the run-dir lock (`JobInfo.refused`)."""
-    if job_id is None:
-        return ()
-    out = []
-    for r in read_refusals(root):
-        holder = r["holder"].get("job_id")
-        if holder is None or leader_of(str(holder)) != leader_of(job_id):
-            continue
-        pid, ts = r.get("pid"), r.get("ts")
-        out.append(
-            (
-                None if r.get("job_id") is None else str(r["job_id"]),
-                None if r.get("host") is None else str(r["host"]),
-                pid if _is_int(pid) else None,
-                float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None,
-            )
-        )
-    return tuple(out)
-
-
 def _job_end(root: Path, job_id: str | None) -> tuple[str | None, int | None]:
     """(reason, step) of the actor's end-of-job marker; (None, None) when absent, malformed, or written by
     another job than `job_id` (when both ids are known)."""
@@ -392,7 +357,7 @@ def summarize_run(
     restarts += [sacct.requeues] if sacct is not None and sacct.components else []
     restart = max(restarts) if restarts else None
     slots = _slots(children)
-    released = _lock_released(root, job_id)
+    released = lock_released(root, job_id)
     failure = find_first_failure(
         root,
         guards,
@@ -427,7 +392,7 @@ def summarize_run(
         end_step=end_step,
         earlier_jobs=_other_jobs(events.earlier, runner, OTHER_JOBS_ASKED),
         later_jobs=_other_jobs(events.later, runner, OTHER_JOBS_ASKED),
-        refused=_refused(root, job_id),
+        refused=refusals_of(root, job_id),
     )
     progress = read_progress(root)
     running = state == "RUNNING"
