@@ -165,3 +165,22 @@ def test_a_kl_penalty_without_teachers_has_a_teacher_phase_and_needs_its_referen
         ShardStep(actor, {}, off, loss_config(0.0), {}, SoloGroup(), reference)
     with pytest.raises(ValueError, match="expected 'torch' or 'megatron'"):
         ReferenceModel.load("jax", student, dtype="float32", device="cpu")
+
+
+def test_the_memory_plan_holds_the_reference_on_the_actor_gpu_in_the_teacher_phase() -> None:
+    from test_memory_plan import QWEN3_0_6B, holdings, plan_of
+
+    from mopd_hpc.engines.memory_model import ModelShape
+
+    kl = ["loss.rl_coefficient=1.0", "loss.kl_coefficient=0.1", "data.samples_per_prompt=2"]
+    _, (gpu,) = plan_of(kl)
+    h = holdings(gpu)
+    p = ModelShape.from_hf_config(QWEN3_0_6B).params
+    weights = h["actor 0", "reference model weights"]
+    assert (weights.bytes, weights.phase) == (2 * p, "teacher")  # bf16, the actor's dtype
+    assert h["actor 0", "reference model scoring buffers"].phase == "teacher"
+    actor = next(c for c in gpu.children if c.label == "actor 0")
+    _, (plain,) = plan_of(kl[:1] + kl[2:])  # the same run without the KL penalty
+    before = next(c for c in plain.children if c.label == "actor 0")
+    assert actor.in_phase("train") == before.in_phase("train")  # offloaded before TRAIN
+    assert actor.in_phase("teacher") > before.in_phase("teacher")
