@@ -12,12 +12,15 @@ the torch train engine, the reference's own scoring engine.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers_dp import OUTPUTS, PROMPTS
 from helpers_models import save_micro_qwen3
 from transformers import AutoModelForCausalLM
 
+from mopd_hpc.config import load_run_config
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
@@ -26,10 +29,12 @@ from mopd_hpc.engines.torch_engine import TorchTrainEngine
 from mopd_hpc.mopd.grpo import grpo_advantages, grpo_policy_loss
 from mopd_hpc.mopd.phases import PhaseMachine
 from mopd_hpc.mopd.plan import ExecutionPlan, Phase
+from mopd_hpc.roles.actor import build_reference
 from mopd_hpc.trainer.actor_group import SoloGroup
 from mopd_hpc.trainer.rank_step import ShardStep
 
 BETA = 0.5
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +102,12 @@ def test_the_reference_is_not_the_actor_weights_after_training_or_a_checkpoint(s
     resumed.load_state_dict(actor.state_dict())  # what the controller's resume does
     assert torch.equal(resumed.logprobs(tokens).cpu(), moved)
     assert torch.equal(reference.logprobs(tokens), start)  # still the starting weights
+    # the actor role's builder after that resume: models.actor.path, not the resumed engine's weights
+    sets = [f"models.actor.path={student}", "loss.rl_coefficient=1.0", "loss.kl_coefficient=0.5"]
+    cfg = load_run_config(
+        str(REPO / "configs" / "local_cpu.yaml"), [*sets, "data.samples_per_prompt=2"], False
+    )
+    assert torch.equal(build_reference(cfg, "torch", resumed).logprobs(tokens), start)
     assert (
         float((reference.logprobs(tokens) - direct_logprobs(student, tokens, torch.float32)).abs().max())
         <= 1e-6
@@ -184,3 +195,18 @@ def test_the_memory_plan_holds_the_reference_on_the_actor_gpu_in_the_teacher_pha
     before = next(c for c in plain.children if c.label == "actor 0")
     assert actor.in_phase("train") == before.in_phase("train")  # offloaded before TRAIN
     assert actor.in_phase("teacher") > before.in_phase("teacher")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_torch_reference_holds_device_memory_only_while_it_scores(student, tokens) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.cuda.synchronize()
+    m0 = torch.cuda.memory_allocated()
+    reference = ReferenceModel.load("torch", student, dtype="float32", device="cuda:0")
+    torch.cuda.synchronize()
+    assert not reference.on_device and torch.cuda.memory_allocated() == m0
+    got = reference.logprobs(tokens)
+    torch.cuda.synchronize()
+    assert not reference.on_device and torch.cuda.memory_allocated() == m0 and got.device.type == "cpu"
+    assert float((got - direct_logprobs(student, tokens, torch.float32)).abs().max()) <= 1e-5
