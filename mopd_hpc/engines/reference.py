@@ -42,7 +42,7 @@ from mopd_hpc.engines.protocol import EngineError
 
 log = logging.getLogger("mopd_hpc.engines.reference")
 
-#: Rows per forward of the reference (the scoring engines' `max_batch_rows`).
+#: Rows per forward of the reference by default (the scoring engines' `max_batch_rows`).
 REFERENCE_BATCH_ROWS = 64
 
 
@@ -66,10 +66,18 @@ class ReferenceModel:
         log.info("reference model from %s (the starting actor): %s", self.path, report.message)
 
     @classmethod
-    def load(cls, kind: str, path: str | Path, *, dtype: str, device: torch.device | str) -> ReferenceModel:
+    def load(
+        cls,
+        kind: str,
+        path: str | Path,
+        *,
+        dtype: str,
+        device: torch.device | str,
+        max_batch_rows: int = REFERENCE_BATCH_ROWS,
+    ) -> ReferenceModel:
         """The reference of an actor engine of `kind` ("torch" or "megatron"), from the checkpoint at `path`
-        (models.actor.path) in the actor's `dtype`, computing on `device` (the actor's). Megatron: after
-        `initialize_parallel` (the actor engine's own set-up), CUDA only.
+        (models.actor.path) in the actor's `dtype`, computing on `device` (the actor's), `max_batch_rows` rows
+        per forward. Megatron: after `initialize_parallel` (the actor engine's own set-up), CUDA only.
 
         Raises:
             EngineError: another kind, or what the scoring engine's loader raises (dtype, device, files).
@@ -79,13 +87,13 @@ class ReferenceModel:
             from mopd_hpc.engines.torch_scoring import TorchScoringEngine
 
             engine: Any = TorchScoringEngine.from_pretrained(
-                path, dtype=dtype, device=str(device), max_batch_rows=REFERENCE_BATCH_ROWS
+                path, dtype=dtype, device=str(device), max_batch_rows=max_batch_rows
             )
         elif kind == "megatron":
             from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
 
             engine = MegatronScoringEngine.from_pretrained(
-                path, dtype=dtype, device=device, max_batch_rows=REFERENCE_BATCH_ROWS
+                path, dtype=dtype, device=device, max_batch_rows=max_batch_rows
             )
         else:
             raise EngineError(f"reference model for engine {kind!r}: expected 'torch' or 'megatron'")
@@ -98,7 +106,7 @@ class ReferenceModel:
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[B, T] float32 log π_ref(y_t) of the response tokens on the CPU (0 at padded positions; B = 0 gives
-        [0, T]): onload, one no-grad forward per `REFERENCE_BATCH_ROWS` rows, offload (also on error)."""
+        [0, T]): onload, one no-grad forward per `max_batch_rows` rows, offload (also on error)."""
         t0 = time.perf_counter()
         if batch.batch_size == 0:
             self.last_seconds = 0.0

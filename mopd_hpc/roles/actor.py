@@ -168,13 +168,17 @@ def build_train_engine(
 def build_reference(cfg: RunConfig, kind: str, engine: Any) -> ReferenceModel:
     """This rank's reference model for the KL penalty: a scoring engine of the actor's `kind` loaded from
     models.actor.path (never a run checkpoint: the starting weights, also after a resume), in the actor's
-    dtype, on the actor engine's device (`engine.device`; megatron: after the engine's `initialize_parallel`).
+    dtype, on the actor engine's device (`engine.device`; megatron: after the engine's `initialize_parallel`),
+    as many rows per forward as a teacher of the run would score (`roles.teacher.scoring_rows`).
 
     Raises:
         EngineError: what `ReferenceModel.load` raises.
     """
+    from mopd_hpc.roles.teacher import scoring_rows
+
     actor = cfg.models.actor
-    return ReferenceModel.load(kind, actor.path, dtype=actor.dtype, device=engine.device)
+    rows = scoring_rows(cfg, actor.path)
+    return ReferenceModel.load(kind, actor.path, dtype=actor.dtype, device=engine.device, max_batch_rows=rows)
 
 
 def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
