@@ -6,10 +6,10 @@ Given the step record rank 0 sent (`trainer/step_record.py`) and this rank's sha
              shard): no rank receives, or re-sends, another rank's top-k targets; with a KL penalty the
              rank's own reference model (`engines/reference.py`) scores the same rows, then gives its
              device memory back
-    DRAIN    the answers now live in this rank's tensors only (the reference offloaded); its receipt (step, rows scored) is gathered
-             at rank 0, which may then release the teachers (the controller's `on_drained`); a barrier
-             keeps every rank from training before that release (on GPU the teachers' memory is the
-             actor's to use)
+    DRAIN    the answers now live in this rank's tensors only (its reference offloaded); its receipt (step,
+             rows scored) is gathered at rank 0, which may then release the teachers (the controller's
+             `on_drained`); a barrier keeps every rank from training before that release (on GPU the
+             teachers' memory is the actor's to use)
     TRAIN    `engine.train_step` on the shard; the engine divides the loss sum by the token count of the
              whole step (engines/data_parallel.py), so the update is the DP = 1 update; the topk
              estimator's ratio statistics are summed over the ranks (`step.ratio_sums`)
