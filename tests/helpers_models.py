@@ -69,3 +69,38 @@ def save_micro_qwen3(
     )
     Qwen3ForCausalLM(cfg).save_pretrained(str(path))
     return path
+
+
+def save_micro_model_dir(path: Path, seed: int = 0) -> Path:
+    """A micro Qwen3 checkpoint with the tiny models' character tokenizer: config.json, model.safetensors and
+    the tokenizer files, as a child reads them (vocabulary of 45 tokens)."""
+    from mopd_hpc.data.tokenizer import VOCAB_SIZE, build_char_tokenizer, save_char_tokenizer
+
+    save_micro_qwen3(path, seed, vocab_size=VOCAB_SIZE)
+    save_char_tokenizer(build_char_tokenizer(), path)
+    return path
+
+
+def write_hub_snapshot(cache: Path, repo_id: str, source: Path, revision: str = "0" * 39 + "1") -> Path:
+    """Put the files of directory `source` into the Hugging Face hub cache `cache` as the hub writes them:
+    `models--org--name/blobs/<sha256>` files, `snapshots/<revision>/<name>` symlinks to them, `refs/main`
+    naming the revision. Returns the snapshot directory."""
+    import hashlib
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in sorted(source.iterdir()):
+        if not file.is_file():
+            continue
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / file.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
