@@ -222,3 +222,41 @@ def test_a_route_whose_rows_are_all_empty_calls_no_teacher_and_masks_its_rows() 
             lp[keep], lp[keep].clone(), s[keep], scores.targets.weight_sum[keep], mask[keep], cfg
         )
         assert torch.isfinite(full) and float(full) == pytest.approx(float(alone), rel=1e-6)
+
+
+class NanEngine:
+    """A scoring engine whose forward gives a NaN at row 1, response position 0 (and −inf at row 0's)."""
+
+    vocab_size = 16
+
+    def score(self, batch: TokenBatch, top_k: int | None):
+        lp = torch.full((batch.batch_size, batch.response_width), -0.5)
+        lp[0, 0] = float("-inf")
+        if batch.batch_size > 1:
+            lp[1, 0] = float("nan")
+        return lp, None
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_the_teacher_server_refuses_a_nan_forward_naming_row_and_position(tmp_path, binary: bool) -> None:
+    from aiohttp.test_utils import TestServer
+
+    from mopd_hpc.engines.teacher_server import TeacherClient, TeacherClientError, TeacherServer
+
+    (tmp_path / "config.json").write_text("{}")
+    server = TeacherServer(NanEngine(), "legs", str(tmp_path))
+
+    async def go(rows):
+        async with TestServer(server.app()) as http:
+            async with TeacherClient(str(http.make_url("")), binary=binary) as client:
+                return await client.score(rows, [2] * len(rows))
+
+    with pytest.raises(TeacherClientError) as err:
+        asyncio.run(go([[1, 2, 3], [1, 2, 4, 5]]))
+    assert err.value.status == 500
+    assert "teacher 'legs': its log-prob of row 1's response token 0 is NaN (1 NaN in the batch)" in str(
+        err.value
+    )
+    # the −inf alone is a refusal: sent as the floor, taken as REFUSED_LOGPROB by the actor
+    answer = asyncio.run(go([[1, 2, 3]]))
+    assert answer.logprobs == [[LOGPROB_FLOOR]]
