@@ -122,3 +122,23 @@ def write_stub_checkpoint(path: Path, config: dict) -> Path:
     save_char_tokenizer(build_char_tokenizer(), path)
     save_file({"stub": np.zeros(4, dtype=np.float32)}, str(path / "model.safetensors"))
     return path
+
+
+def hub_cache_for(configs: list[Path], root: Path) -> Path:
+    """A hub cache under `root` holding every hub id the run configs `configs` name as a model path
+    (Qwen/Qwen3-0.6B, ...), each one micro model with the tiny tokenizer: `mopd-submit` resolves the ids and
+    checks the files there, as on a host that has downloaded them. Returns the cache (for HF_HUB_CACHE)."""
+    from mopd_hpc.config import RunConfig
+    from mopd_hpc.launch.hub_cache import is_hub_id
+    from mopd_hpc.launch.model_check import model_paths
+
+    ids = [
+        m.value
+        for path in configs
+        for m in model_paths(RunConfig.from_yaml(path))
+        if is_hub_id(m.value) and not (REPO_ROOT / m.value).is_dir()
+    ]
+    model = save_micro_model_dir(root / "micro")
+    for repo_id in dict.fromkeys(ids):
+        write_hub_snapshot(root / "cache", repo_id, model)
+    return root / "cache"

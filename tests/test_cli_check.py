@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers_models import save_micro_model_dir, write_hub_snapshot
+from helpers_models import hub_cache_for
 
 from mopd_hpc.cli import submit
 from mopd_hpc.cli.base import EXIT_USAGE
@@ -47,14 +47,8 @@ def hub_ids(cfg: RunConfig) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A hub cache holding every hub id the shipped configs name (Qwen/Qwen3-0.6B, ...), each a micro model
-    with the tiny tokenizer: `--check` resolves the ids and checks the files there, as on a host that has
-    downloaded them."""
-    root = tmp_path_factory.mktemp("hub")
-    model = save_micro_model_dir(root / "micro")
-    for repo_id in dict.fromkeys(i for path in CONFIGS for i in hub_ids(RunConfig.from_yaml(path))):
-        write_hub_snapshot(root / "cache", repo_id, model)
-    return root / "cache"
+    """A hub cache holding every hub id the shipped configs name (helpers_models.hub_cache_for)."""
+    return hub_cache_for(CONFIGS, tmp_path_factory.mktemp("hub"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
