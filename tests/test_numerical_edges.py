@@ -260,3 +260,38 @@ def test_the_teacher_server_refuses_a_nan_forward_naming_row_and_position(tmp_pa
     # the −inf alone is a refusal: sent as the floor, taken as REFUSED_LOGPROB by the actor
     answer = asyncio.run(go([[1, 2, 3]]))
     assert answer.logprobs == [[LOGPROB_FLOOR]]
+
+
+class TopKTeacher:
+    """Answers top-2 at each position, the second a refusal (the wire's floor)."""
+
+    async def score(self, rows, starts, top_k):
+        n = [len(r) - s for r, s in zip(rows, starts, strict=True)]
+        return ScoreResponse(
+            [[-0.1] * k for k in n],
+            [[[3, 4]] * k for k in n],
+            [[[-0.1, LOGPROB_FLOOR]] * k for k in n],
+            "0",
+            "f",
+        )
+
+
+def test_a_refused_top_k_entry_is_floored_too() -> None:
+    from mopd_hpc.mopd.topk import topk_reverse_kl_loss
+
+    rows, starts = [(1, 5, 7, 8)], [2]
+    tokens = TokenBatch.from_rows(rows, starts, 0)
+    scores = asyncio.run(
+        score_teachers({"a": TopKTeacher()}, rows, starts, tokens, ["chain"], {"chain": {"a": 1.0}}, top_k=2)
+    )
+    assert scores.topk["a"].logprobs[0, :, 1].tolist() == [pytest.approx(REFUSED_LOGPROB)] * 2
+    logits = torch.zeros(1, 2, 16, requires_grad=True)
+    loss, _ = topk_reverse_kl_loss(
+        logits, scores.topk, scores.weights, tokens.response_mask, loss_config(estimator="topk")
+    )
+    loss.backward()
+    # reference: p uniform over 16 tokens; D = Σ_{v∈K} p(log p − log q) − p + q per position
+    p, lq = 1 / 16, torch.tensor([-0.1, REFUSED_LOGPROB], dtype=torch.float64)
+    d = (p * (math.log(p) - lq) - p + lq.exp()).sum()
+    assert float(loss.detach()) == pytest.approx(float(d), rel=1e-5) and float(loss.detach()) < 10
+    assert torch.isfinite(logits.grad).all()

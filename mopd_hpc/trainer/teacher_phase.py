@@ -22,7 +22,7 @@ import torch
 
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.teacher_server import ScoreResponse, TeacherClient
-from mopd_hpc.mopd.targets import TeacherTargets, aggregate_teacher_targets
+from mopd_hpc.mopd.targets import REFUSED_LOGPROB, TeacherTargets, aggregate_teacher_targets
 from mopd_hpc.mopd.topk import TeacherTopK
 
 
@@ -145,4 +145,6 @@ def _topk_tensor(
         if n:
             ids[b, :n] = torch.tensor(answer.topk_ids[j], dtype=torch.int64)
             vals[b, :n] = torch.tensor(answer.topk_logprobs[j], dtype=torch.float32)
-    return TeacherTopK(indices=ids, logprobs=vals)
+    # a −inf among the top-k (k beyond the tokens the teacher allows; sent as −1e30) is a refusal too: the
+    # same floor as the sampled log-probs' (mopd/targets.py), so q = exp(floor) and p·(log p − log q) is bounded
+    return TeacherTopK(indices=ids, logprobs=vals.clamp(min=REFUSED_LOGPROB))
