@@ -56,7 +56,7 @@ def fetch_hint(repo_id: str) -> str:
     return (
         f"fetch it on this host with `hf download {repo_id}` (huggingface-cli download {repo_id} before "
         "huggingface_hub 0.34), point HF_HOME or HF_HUB_CACHE at the cache that holds it, or give a local "
-        "checkpoint directory"
+        f"checkpoint directory (one that exists on the job's nodes only: write it ./{repo_id} or absolute)"
     )
 
 
