@@ -46,6 +46,7 @@ from mopd_hpc.engines.teacher_wire import (
     ScoreTensors,
     decode_score_request,
     encode_score_request,
+    first_nan,
     floor_nonfinite,
     score_answer,
 )
@@ -70,6 +71,10 @@ DEFAULT_TIMEOUT_S = 600.0
 
 class TeacherRequestError(ValueError):
     """A /score request is malformed (HTTP 400); the message names the field, value and expectation."""
+
+
+class NonFiniteScoreError(ValueError):
+    """The scoring forward gave a NaN log-prob at a response position (answered 500, naming row and position)."""
 
 
 class TeacherClientError(RuntimeError):
@@ -201,6 +206,13 @@ class TeacherServer:
             batch, top_k = TokenBatch.from_rows(req.input_ids, req.response_start, self.pad_id), req.top_k
         async with self.lock:
             logprobs, top = await asyncio.to_thread(self.engine.score, batch, top_k)
+        if (nan := first_nan(logprobs, batch.response_lengths)) is not None:
+            b, t, count = nan
+            raise NonFiniteScoreError(
+                f"teacher {self.teacher_id!r}: its log-prob of row {b}'s response token {t} is NaN ({count} NaN "
+                "in the batch): a broken forward (an overflow in its dtype, damaged weights), not a refusal; "
+                "nothing of this batch is answered"
+            )
         if accepts_frame(request):
             ids, vals = (None, None) if top is None else (top.indices, top.logprobs)
             frame = score_answer(batch.response_lengths, logprobs, ids, vals, self._identity(), vocab)

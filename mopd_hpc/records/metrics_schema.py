@@ -12,6 +12,7 @@ readers that do not know them):
 | `mopd/rho_mean` | mean importance ratio ρ_t after truncation/masking |
 | `mopd/ratio_capped_frac`, `mopd/ratio_masked_frac` | fraction of tokens whose ratio was capped / masked, in [0, 1] |
 | `mopd/teacher_student_gap` | mean of S − W·log π_θ(y_t) over response tokens (nats) |
+| `mopd/teacher_refused_tokens` (optional) | (row, position, teacher) entries of the step whose teacher log-prob was −inf (a refusal), taken as log(float32 tiny) ≈ −87.34 in S (mopd/targets.py); present when teachers score |
 | `reward/<route>`, `accuracy/<route>` | mean reward / accuracy of the step's rollouts of one route |
 | `perf/tokens_per_s` | trained tokens per second of wall time |
 | `time/rollout_s`, `time/teacher_s`, `time/drain_s`, `time/train_s`, `time/sync_s` | seconds per phase |

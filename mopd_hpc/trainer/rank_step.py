@@ -34,6 +34,7 @@ from mopd_hpc.engines.protocol import TrainEngine
 from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.mopd.targets import REFUSED_LOGPROB
 from mopd_hpc.trainer.actor_group import Group, Receipts
 from mopd_hpc.trainer.shards import Shard, shard_rows
 from mopd_hpc.trainer.step import RATIO_KEYS, ratio_means, ratio_sums, shard_batch
@@ -41,6 +42,8 @@ from mopd_hpc.trainer.step_record import ControlRecord
 from mopd_hpc.trainer.teacher_phase import TeacherScores, score_teachers
 
 log = logging.getLogger("mopd_hpc.trainer")
+#: Metric: (row, position, teacher) entries of the step a teacher refused (−inf log-prob; mopd/targets.py).
+REFUSED_KEY = "mopd/teacher_refused_tokens"
 
 
 def make_resident(engine: TrainEngine, what: str) -> None:
@@ -140,7 +143,7 @@ class ShardStep:
     async def score(self, record: ControlRecord, shard: Shard) -> TeacherScores:
         """TEACHER: this rank's rows scored by the teachers of their routes."""
         lo, hi = shard.start, shard.stop
-        return await score_teachers(
+        scores = await score_teachers(
             self.teachers,
             record.rows[lo:hi],
             record.starts[lo:hi],
@@ -149,6 +152,17 @@ class ShardStep:
             self.route_weights,
             top_k=self.loss.topk if self.plan.estimator == "topk" else None,
         )
+        if scores.targets.refused_tokens:
+            log.warning(
+                "step %d, rows %d..%d: %d teacher log-prob(s) were -inf (the teacher refuses the sampled "
+                "token): taken as %.2f (mopd/targets.py REFUSED_LOGPROB)",
+                record.step,
+                lo,
+                hi - 1,
+                scores.targets.refused_tokens,
+                REFUSED_LOGPROB,
+            )
+        return scores
 
     def train(
         self,
@@ -171,6 +185,8 @@ class ShardStep:
 
         stats = dict(self.engine.train_step(batch, observe=observe))
         self.group.forget_read_records()  # the gradient all-reduce: every rank has read this record
+        if scores is not None:  # teachers' refusals (−inf log-probs, mopd/targets.py) of the whole step
+            (stats[REFUSED_KEY],) = self.group.all_reduce_sum([scores.targets.refused_tokens])
         if "sums" in seen:
             sums = seen["sums"]
             keys = [k for k in RATIO_KEYS if k in sums]
