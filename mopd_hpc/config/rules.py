@@ -194,6 +194,17 @@ def _teacher_layout(c: Any) -> Iterator[Problem]:
         yield from _parallel_problems(
             path, teacher.tensor_parallel, 1, group.gpus_per_node, group.gpus, where
         )
+        # a replica takes tensor_parallel of the actor's GPUs (launch/placement.py): they must fit
+        slots = actor_world(c.cluster, c.rollout).size
+        wanted = (teacher.replicas or 0) * teacher.tensor_parallel
+        if group.gpus_per_node and wanted > slots > 0:
+            yield Problem(
+                f"{path}.replicas",
+                f"replicas·tensor_parallel = {teacher.replicas}·{teacher.tensor_parallel} exceeds the actor's "
+                f"{slots} GPUs, which the teacher's replicas share",
+                teacher.replicas,
+                f"at most {slots // teacher.tensor_parallel}, or null (derived)",
+            )
 
 
 @rule("rollout", "cluster")
