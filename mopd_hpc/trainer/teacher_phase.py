@@ -1,7 +1,8 @@
 """TEACHER: each teacher scores only the rollouts of the routes that give it weight; S and W per token.
 
-For teacher j, the rows b with w_j(route(b)) > 0 are sent to its scoring server in one /score call (the
-teachers are called concurrently). Every call returns log π_j(y_t) of the sampled tokens; with the `topk`
+For teacher j, the rows b with w_j(route(b)) > 0 are sent to its scoring servers (a `TeacherPool` splits
+them across the teacher's replicas, balanced by tokens, and answers in row order; the teachers are called
+concurrently), binary transport both ways (`TeacherClient.score_tensors`). Every call returns log π_j(y_t) of the sampled tokens; with the `topk`
 estimator it also returns the teacher's top-k (k = loss.topk) at each response position. Rows a teacher did
 not score hold NaN log-probs / zero top-k, and weight 0 (`aggregate_teacher_targets` and the top-k loss never
 read them). Then (DESIGN.md §3; AReaL feature/mopd `aggregate_mopd_targets`):
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_server import ScoreResponse, TeacherClient
+from mopd_hpc.engines.teacher_pool import TeacherPool
+from mopd_hpc.engines.teacher_server import TeacherClient
+from mopd_hpc.engines.teacher_wire import ScoreTensors
 from mopd_hpc.mopd.targets import TeacherTargets, aggregate_teacher_targets
 from mopd_hpc.mopd.topk import TeacherTopK
 
@@ -59,7 +62,7 @@ def rows_per_teacher(
 
 
 async def score_teachers(
-    clients: Mapping[str, TeacherClient],
+    clients: Mapping[str, TeacherClient | TeacherPool],
     rows: Sequence[Sequence[int]],
     starts: Sequence[int],
     tokens: TokenBatch,
@@ -81,7 +84,7 @@ async def score_teachers(
             f"routes {sorted(set(routes))} need teachers {sorted(missing)}: not connected"
         )
     calls = [
-        clients[t].score([rows[b] for b in idx], [starts[b] for b in idx], top_k)
+        clients[t].score_tensors([rows[b] for b in idx], [starts[b] for b in idx], top_k)
         for t, idx in assignment.items()
     ]
     answers = dict(zip(assignment, await asyncio.gather(*calls), strict=True))
@@ -93,17 +96,16 @@ async def score_teachers(
     for teacher, idx in assignment.items():
         answer = answers[teacher]
         _check(teacher, answer, idx, lengths)
+        at = torch.tensor(idx, dtype=torch.int64)
         lp = torch.full((batch, width), float("nan"), dtype=torch.float32)
-        for k, b in enumerate(idx):
-            if lengths[b]:
-                lp[b, : lengths[b]] = torch.tensor(answer.logprobs[k], dtype=torch.float32)
+        lp[at] = answer.padded_logprobs(width)
         logprobs[teacher] = lp
         w = torch.zeros(batch, dtype=torch.float32)
         for b in idx:
             w[b] = float(route_weights[routes[b]][teacher])
         weights[teacher] = w
         if top_k is not None:
-            topk[teacher] = _topk_tensor(teacher, answer, idx, lengths, batch, width)
+            topk[teacher] = _topk_tensor(teacher, answer, at, batch, width)
     sample_weights = [{t: float(w) for t, w in route_weights[r].items() if w > 0} for r in routes]
     targets = aggregate_teacher_targets(logprobs, sample_weights)
     return TeacherScores(
@@ -114,27 +116,24 @@ async def score_teachers(
     )
 
 
-def _check(teacher: str, answer: ScoreResponse, idx: Sequence[int], lengths: Sequence[int]) -> None:
-    if len(answer.logprobs) != len(idx):
-        raise TeacherPhaseError(f"teacher {teacher!r} answered {len(answer.logprobs)} rows; sent {len(idx)}")
+def _check(teacher: str, answer: ScoreTensors, idx: Sequence[int], lengths: Sequence[int]) -> None:
+    got = answer.lengths.tolist()
+    if len(got) != len(idx):
+        raise TeacherPhaseError(f"teacher {teacher!r} answered {len(got)} rows; sent {len(idx)}")
     for k, b in enumerate(idx):
-        if len(answer.logprobs[k]) != lengths[b]:
+        if got[k] != lengths[b]:
             raise TeacherPhaseError(
-                f"teacher {teacher!r}: row {b} has {len(answer.logprobs[k])} log-probs; expected {lengths[b]}"
+                f"teacher {teacher!r}: row {b} has {got[k]} log-probs; expected {lengths[b]}"
             )
 
 
-def _topk_tensor(
-    teacher: str, answer: ScoreResponse, idx: Sequence[int], lengths: Sequence[int], batch: int, width: int
-) -> TeacherTopK:
+def _topk_tensor(teacher: str, answer: ScoreTensors, at: torch.Tensor, batch: int, width: int) -> TeacherTopK:
+    """[batch, width, K] top-k of the rows `at` (zeros elsewhere and after each row's end)."""
     if answer.topk_ids is None or answer.topk_logprobs is None:
         raise TeacherPhaseError(f"teacher {teacher!r} returned no top-k; the topk estimator asked for it")
-    k = max((len(pos) for row in answer.topk_ids for pos in row), default=1)
+    part_ids, part_vals = answer.padded_topk(width)
+    k = part_ids.shape[-1]
     ids = torch.zeros((batch, width, k), dtype=torch.int64)
     vals = torch.zeros((batch, width, k), dtype=torch.float32)
-    for j, b in enumerate(idx):
-        n = lengths[b]
-        if n:
-            ids[b, :n] = torch.tensor(answer.topk_ids[j], dtype=torch.int64)
-            vals[b, :n] = torch.tensor(answer.topk_logprobs[j], dtype=torch.float32)
+    ids[at], vals[at] = part_ids, part_vals
     return TeacherTopK(indices=ids, logprobs=vals)
