@@ -73,7 +73,8 @@ ROLLOUT_TIMEOUT_S = 600.0
 
 
 def check_compatibility(cfg: RunConfig, plan: ExecutionPlan) -> None:
-    """Every scored teacher shares the actor's tokenizer (and the teachers one architecture).
+    """Every scored teacher shares the actor's tokenizer; each model's config.json is readable (teachers may
+    differ in architecture and size: each runs its own servers).
 
     Raises:
         CompatibilityError: naming both models and the first difference.
