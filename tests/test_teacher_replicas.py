@@ -232,3 +232,24 @@ def test_gpu_replicas_in_the_dry_run_rank_map() -> None:
             CONFIGS / "qwen3_8gpu_colocated.yaml",
             ["models.teachers.0.tensor_parallel=4", "models.teachers.0.replicas=3"],
         )
+
+
+def test_teacher_child_serves_its_replica_and_names_its_job(tmp_path: Path) -> None:
+    """A teacher child's server takes its replica from MOPD_TEACHER_REPLICA and its job id from the guard:
+    both go into its endpoint record (`TeacherArgs.replica`, `.job_id`); a replica outside the config's is
+    refused naming the variable and the range."""
+    from test_teacher_engine_choice import gpu_config, role
+
+    from mopd_hpc.roles.env import RoleEnvError
+    from mopd_hpc.roles.teacher import teacher_args
+
+    cfg = gpu_config(1)  # TP 1 on the actor's 8 GPUs: 8 replicas (derived)
+    environ = {"MOPD_TEACHER_ID": "teacher", "MOPD_TEACHER_REPLICA": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    args = teacher_args(role(tmp_path, environ), cfg, environ)
+    assert (args.replica, args.job_id) == (3, "local-1")
+    environ["MOPD_TEACHER_REPLICA"] = "8"
+    with pytest.raises(
+        RoleEnvError,
+        match=r"MOPD_TEACHER_REPLICA='8': models\.teachers\[0\] has 8 replica\(s\); expected 0\.\.7",
+    ):
+        teacher_args(role(tmp_path, environ), cfg, environ)

@@ -120,14 +120,19 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         dtype=teacher.dtype,
         run_dir=str(role.run_dir),
         max_batch_rows=scoring_rows(cfg, teacher.path),
-        # on CPU the teachers of a step score concurrently: each takes its share of the cores
-        num_threads=None if gpu else cpu_threads(environ, share=len(cfg.models.teachers)),
+        # on CPU the teachers' replicas of a step score concurrently: each takes its share of the cores
+        num_threads=None if gpu else cpu_threads(environ, share=_replica_count(cfg)),
         engine=teacher.engine,
         tensor_parallel=teacher.tensor_parallel,
         source=here,
         replica=replica,
         job_id=role.job_id,
     )
+
+
+def _replica_count(cfg: RunConfig) -> int:
+    """Every replica of every teacher: the teacher children that score a step at the same time."""
+    return sum(teacher_replicas(cfg, t) for t in cfg.models.teachers)
 
 
 def _replica(environ: Mapping[str, str], here: str, replicas: int) -> int:
