@@ -5,10 +5,9 @@ per teacher on a CPU trainer group; the rank map's DP/TP columns and shape line;
 
 from __future__ import annotations
 
-import re
-
 import argparse
 import io
+import re
 import sys
 from pathlib import Path
 
