@@ -197,7 +197,7 @@ def test_cpu_replicas_are_children_of_their_own() -> None:
         (2, "legs", "1", ("http",), 0),
     ]
     assert [r["model"] for r in rank_map_rows(place_children(cfg), "torch") if r["role"] == "teacher"] == [
-        "chain replica 0", "legs replica 0", "legs replica 1",
+        "chain r0", "legs r0", "legs r1",
     ]  # fmt: skip
 
 
@@ -212,7 +212,7 @@ def test_gpu_replicas_in_the_dry_run_rank_map() -> None:
     console = Console(width=250, record=True, color_system=None)
     print_rank_map(plan, console, cfg.weight_sync.backend, cfg.weight_sync.awex_mode)
     text = console.export_text()
-    assert "teacher replica 0, tp rank 3/8" in text and text.rstrip().endswith("GPUs 0,1,2,3,4,5,6,7")
+    assert "teacher r0, tp 3/8" in text and text.rstrip().endswith("GPUs 0,1,2,3,4,5,6,7")
     tp2 = place_children(
         load_run_config(CONFIGS / "qwen3_8gpu_colocated.yaml", ["models.teachers.0.tensor_parallel=2"])
     )

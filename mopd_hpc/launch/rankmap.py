@@ -72,15 +72,15 @@ def _sync_column(role: str, index: int, child: ChildSpec, backend: str) -> tuple
 
 def model_cell(role: str, env: dict[str, str]) -> str:
     """The model column of one child: a teacher's model id (MOPD_TEACHER_ID, set by the plan) and its replica
-    (MOPD_TEACHER_REPLICA: "chain replica 1"), with its rank in the replica's tensor-parallel group when the
-    replica spans several GPUs ("chain replica 0, tp rank 1/2"); "-" for other roles."""
+    (MOPD_TEACHER_REPLICA: "chain r1" is replica 1), with its rank in the replica's tensor-parallel group when
+    the replica spans several GPUs ("chain r0, tp 1/2"); "-" for other roles."""
     teacher = env.get(child_env.TEACHER_ID)
     if role != "teacher" or not teacher:
         return "-"
     replica = env.get(child_env.TEACHER_REPLICA)
-    cell = teacher if replica is None else f"{teacher} replica {replica}"
+    cell = teacher if replica is None else f"{teacher} r{replica}"
     world = env.get(child_env.WORLD_SIZE, "1")
-    return f"{cell}, tp rank {env.get(child_env.RANK, '0')}/{world}" if world not in ("", "1") else cell
+    return f"{cell}, tp {env.get(child_env.RANK, '0')}/{world}" if world not in ("", "1") else cell
 
 
 def _check_backend(backend: str) -> None:
