@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.residency import Residency
-from mopd_hpc.engines.teacher_server import ScoreResponse
+from mopd_hpc.engines.teacher_wire import ScoreTensors
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.trainer.actor_group import ActorGroup, GroupSpec, SoloGroup
 from mopd_hpc.trainer.follower import Follower
@@ -65,13 +65,19 @@ class FakeTeacher:
     def __init__(self) -> None:
         self.asked: list[list[int]] = []
 
-    async def score(self, input_ids, response_start, top_k=None) -> ScoreResponse:
+    async def score_tensors(self, input_ids, response_start, top_k=None) -> ScoreTensors:
         self.asked += [list(r) for r in input_ids]
-        responses = [row[s:] for row, s in zip(input_ids, response_start, strict=True)]
-        return ScoreResponse(
-            [[-0.05 * (t % 7) for t in r] for r in responses],
-            [[[t % 4, (t + 1) % 4] for t in r] for r in responses],
-            [[[-0.05 * (t % 7), -3.0] for t in r] for r in responses],
+        flat = [int(t) for row, s in zip(input_ids, response_start, strict=True) for t in row[s:]]
+        lengths = [len(row) - s for row, s in zip(input_ids, response_start, strict=True)]
+        y = torch.tensor(flat, dtype=torch.int64)
+        return ScoreTensors(
+            torch.tensor(lengths, dtype=torch.int64),
+            (-0.05 * (y % 7).double()).float(),
+            torch.stack([y % 4, (y + 1) % 4], dim=-1).to(torch.int32),
+            torch.stack(
+                [(-0.05 * (y % 7).double()).float(), torch.full_like(y, -3, dtype=torch.float32)], dim=-1
+            ),
+            "t",
             "0",
             "fake",
         )

@@ -112,8 +112,9 @@ async def drive_controller(cfg, run_dir: Path, job_id: str, out: io.StringIO):
     one-rank actor: the endpoints waited for, the torch engine, clients of the servers, the torch sync."""
     from transformers import AutoTokenizer
 
+    from mopd_hpc.config.parallel import teacher_replicas
     from mopd_hpc.engines.rollout.client import RolloutClient
-    from mopd_hpc.engines.teacher_server import TeacherClient
+    from mopd_hpc.engines.teacher_pool import TeacherPool
     from mopd_hpc.engines.torch_engine import TorchTrainEngine
     from mopd_hpc.mopd.plan import ExecutionPlan
     from mopd_hpc.roles.endpoints import wait_for_endpoints
@@ -122,7 +123,8 @@ async def drive_controller(cfg, run_dir: Path, job_id: str, out: io.StringIO):
     from mopd_hpc.trainer.weight_sync import SyncSettings, TorchSync
 
     plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
-    endpoints = await wait_for_endpoints(run_dir, plan.teachers, cfg.rollout.engines.count, job_id, 120.0)
+    replicas = {t: teacher_replicas(cfg, cfg.models.teacher(t)) for t in plan.teachers}
+    endpoints = await wait_for_endpoints(run_dir, replicas, cfg.rollout.engines.count, job_id, 120.0)
     actor = cfg.models.actor
     engine = TorchTrainEngine.from_pretrained(
         actor.path, dtype=actor.dtype, device="cpu", optimizer=actor.optimizer, loss=cfg.loss,
@@ -133,7 +135,7 @@ async def drive_controller(cfg, run_dir: Path, job_id: str, out: io.StringIO):
             await stack.enter_async_context(RolloutClient(url, token=TOKEN)) for url in endpoints.rollout
         ]
         teachers = {
-            t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t], token=TOKEN))
+            t: await stack.enter_async_context(TeacherPool(endpoints.teachers[t], token=TOKEN))
             for t in plan.teachers
         }
         controller = Controller(
@@ -155,6 +157,7 @@ async def drive_controller(cfg, run_dir: Path, job_id: str, out: io.StringIO):
 
 def run_controller(config: Path, run_dir: Path, job_id: str):
     """Servers as subprocesses, the controller in-process; returns (controller, outcome, exit codes, stdout)."""
+    from mopd_hpc.config.parallel import teacher_replicas
     from mopd_hpc.roles.env import load_run
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,10 +166,12 @@ def run_controller(config: Path, run_dir: Path, job_id: str):
     cfg = load_run(run_dir, {})
     procs = [start_role("mopd_hpc.roles.rollout", run_dir, "rollout", 0, job_id)]
     if cfg.loss.distillation_coefficient > 0:
-        for i, teacher in enumerate(cfg.models.teacher_ids):
-            procs.append(
-                start_role("mopd_hpc.roles.teacher", run_dir, "teacher", i, job_id, MOPD_TEACHER_ID=teacher)
-            )
+        for teacher in cfg.models.teachers:
+            for r in range(teacher_replicas(cfg, teacher)):
+                env = {"MOPD_TEACHER_ID": teacher.id, "MOPD_TEACHER_REPLICA": str(r)}
+                procs.append(
+                    start_role("mopd_hpc.roles.teacher", run_dir, "teacher", len(procs), job_id, **env)
+                )
     out = io.StringIO()
     try:
         controller, outcome = asyncio.run(drive_controller(cfg, run_dir, job_id, out))

@@ -145,7 +145,7 @@ def test_megatron_teacher_server_matches_torch_engine(tmp_path: Path) -> None:
         "MOPD_TEACHER_ENGINE": "megatron",
     }
     log_path = tmp_path / "teacher.log"
-    endpoint = run_dir / "endpoints" / "teacher-mt.json"
+    endpoint = run_dir / "endpoints" / "teacher-mt.r0.json"  # replica 0 of a standalone server
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mopd_hpc.roles.teacher", "--max-batch-rows", "2"],

@@ -10,12 +10,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mopd_hpc.mopd.compatibility import (
-    ArchitectureMismatchError,
     ModelFiles,
     ModelFilesError,
     TokenizerMismatchError,
     architecture_fingerprint,
     check_models,
+    first_architecture_difference,
     tokenizer_fingerprint,
 )
 
@@ -95,15 +95,31 @@ def test_architecture_ignores_non_model_keys_and_names_first_differing_key(tmp_p
     assert architecture_fingerprint(base).digest == architecture_fingerprint(relabelled).digest
     deeper = make_model(tmp_path, "deeper", config={**QWEN_LIKE, "num_hidden_layers": 4, "vocab_size": 32})
     small_actor = make_model(tmp_path, "actor", config={**QWEN_LIKE, "hidden_size": 32})
-    # The actor may differ from the teachers; teachers must agree among themselves.
-    check_models(ModelFiles("actor", str(small_actor)), [ModelFiles("t1", str(base))])
-    with pytest.raises(ArchitectureMismatchError) as info:
-        check_models(
-            ModelFiles("actor", str(small_actor)),
-            [ModelFiles("t1", str(base)), ModelFiles("t2", str(deeper))],
+    assert (
+        first_architecture_difference(
+            architecture_fingerprint(base, name="t1"), architecture_fingerprint(deeper, name="t2")
         )
-    assert "teachers 't1' and 't2'" in str(info.value)
-    assert "config key 'num_hidden_layers': 't1' has 2, 't2' has 4" in str(info.value)
+        == "config key 'num_hidden_layers': 't1' has 2, 't2' has 4"
+    )
+    # teachers of different shapes train together (each runs its own servers): only the tokenizer must match
+    report = check_models(
+        ModelFiles("actor", str(small_actor)), [ModelFiles("t1", str(base)), ModelFiles("t2", str(deeper))]
+    )
+    digests = dict(report.architecture_digests)
+    assert len({digests["actor"], digests["t1"], digests["t2"]}) == 3
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
+    actor = make_model(tmp_path, "actor")
+    narrow = make_model(tmp_path, "narrow", config={**QWEN_LIKE, "vocab_size": 4})
+    with pytest.raises(
+        TokenizerMismatchError, match=r"'narrow' .*vocab_size=4 is smaller than the shared tokenizer's 8 ids"
+    ):
+        check_models(ModelFiles("actor", str(actor)), [ModelFiles("narrow", str(narrow))])
+    broken = make_model(tmp_path, "broken")
+    (broken / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelFilesError, match="'broken'.*not a JSON object"):
+        check_models(ModelFiles("actor", str(actor)), [ModelFiles("broken", str(broken))])
 
 
 def test_missing_files_raise_model_files_error(tmp_path: Path) -> None:

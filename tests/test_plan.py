@@ -61,9 +61,10 @@ def test_qwen3_coder_4node_rank_map() -> None:
     # named ports per child
     assert all(r.port_names == ("http", "nccl", "dist_init") for r in rollouts)
     assert actors[0].port_names == ("master",) and all(a.port_names == () for a in actors[1:])
-    assert [t.port_names for t in teachers[:9]] == [("http", "master")] + [()] * 7 + [
-        ("http",)
-    ]  # TP 8 replicas
+    # 4 replicas of TP 8: each leader serves http and leases its TP group's rendezvous port
+    assert [t.port_names for t in teachers[:9]] == [("http", "master")] + [()] * 7 + [("http", "master")]
+    t9 = teachers[9].env_dict
+    assert (t9["MOPD_TEACHER_REPLICA"], t9["MOPD_RANK"], t9["MOPD_WORLD_SIZE"]) == ("1", "1", "8")
     env = actors[9].env_dict
     assert (env["MOPD_RANK"], env["MOPD_WORLD_SIZE"], env["MOPD_LOCAL_RANK"], env["MOPD_LOCAL_WORLD_SIZE"]) == (
         "9", "32", "1", "8")  # fmt: skip

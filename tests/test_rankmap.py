@@ -28,17 +28,18 @@ def test_teacher_rows_name_their_model() -> None:
     plan = place_children(load_run_config(CONFIGS / "local_cpu.yaml"))
     rows = rank_map_rows(plan, "torch")
     assert [(r["role"], r["index"], r["model"]) for r in rows] == [
-        ("actor", "0", "-"), ("teacher", "0", "chain"), ("teacher", "1", "legs"), ("rollout", "0", "-"),
+        ("actor", "0", "-"), ("teacher", "0", "chain r0"), ("teacher", "1", "legs r0"),
+        ("rollout", "0", "-"),
     ]  # fmt: skip
     # a probe plan keeps the model of the teacher each probe stands in for
     probe_rows = rank_map_rows(plan.as_probe(), "torch")
-    assert [r["model"] for r in probe_rows] == ["-", "chain", "legs", "-"]
+    assert [r["model"] for r in probe_rows] == ["-", "chain r0", "legs r0", "-"]
     assert probe_rows[1]["role"] == "teacher (probe 1)"
-    # a teacher over several ranks and nodes: each row names the model and the rank within it
+    # a teacher over several ranks and nodes: each row names the model, its replica and its TP rank in it
     rows = rank_map_rows(place_children(load_run_config(CONFIGS / "qwen3_coder_4node.yaml")))
     teachers = [(r["node"], r["index"], r["model"]) for r in rows if r["role"] == "teacher"]
-    assert teachers[0] == ("0", "0", "coder_teacher (rank 0/32)")
-    assert teachers[9] == ("1", "9", "coder_teacher (rank 9/32)")
+    assert teachers[0] == ("0", "0", "coder_teacher r0, tp 0/8")
+    assert teachers[9] == ("1", "9", "coder_teacher r1, tp 1/8")
     assert model_cell("rollout", {"MOPD_TEACHER_ID": "x"}) == "-" and model_cell("teacher", {}) == "-"
 
 

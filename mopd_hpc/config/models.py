@@ -93,6 +93,14 @@ class TeacherConfig(Section):
     engine: Engine = Field("torch", description="Scoring engine: 'torch' or 'megatron' (GPU only).")
     dtype: Dtype = Field("bfloat16", description="Dtype of the scoring forward pass.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size, in GPUs (within one node).")
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Scoring servers of this teacher, each with its own endpoint; the rows of a step are split "
+        "across them, balanced by tokens. null = derived: on GPUs the actor's GPUs ÷ tensor_parallel (one "
+        "replica per tensor-parallel group of the actor's GPUs), on CPU 1. On GPUs a replica takes "
+        "tensor_parallel of the actor's GPUs (replicas·tensor_parallel at most the actor's GPUs).",
+    )
 
 
 class TokenizerConfig(Section):

@@ -64,6 +64,17 @@ def actor_world(cluster: Any, rollout: Any) -> ActorWorld:
     return ActorWorld(size, how, where)
 
 
+def teacher_replicas(cfg: Any, teacher: Any) -> int:
+    """The scoring servers of `teacher` (a `TeacherConfig` of the validated `cfg`): its `replicas`, or when
+    null, on a trainer group with GPUs the actor's world ÷ its tensor_parallel (one replica per
+    tensor-parallel group of the actor's GPUs, `launch/placement.py`), on CPU 1."""
+    if teacher.replicas is not None:
+        return int(teacher.replicas)
+    if cfg.cluster.trainer_group.gpus_per_node == 0:
+        return 1
+    return max(1, actor_world(cfg.cluster, cfg.rollout).size // teacher.tensor_parallel)
+
+
 def divisors(n: int) -> str:
     """'1, 2, 4 or 8' for 8."""
     ds = [str(d) for d in range(1, n + 1) if n % d == 0]

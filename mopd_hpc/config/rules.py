@@ -196,6 +196,23 @@ def _teacher_layout(c: Any) -> Iterator[Problem]:
         )
 
 
+@rule("models", "cluster", "rollout")
+def _teacher_replicas(c: Any) -> Iterator[Problem]:
+    """A replica takes tensor_parallel of the actor's GPUs (launch/placement.py): they must fit."""
+    slots = actor_world(c.cluster, c.rollout).size
+    for i, teacher in enumerate(c.models.teachers):
+        path = join_path("models", "teachers", i)
+        wanted = (teacher.replicas or 0) * teacher.tensor_parallel
+        if c.cluster.trainer_group.gpus_per_node and wanted > slots > 0:
+            yield Problem(
+                f"{path}.replicas",
+                f"replicas·tensor_parallel = {teacher.replicas}·{teacher.tensor_parallel} exceeds the actor's "
+                f"{slots} GPUs, which the teacher's replicas share",
+                teacher.replicas,
+                f"at most {slots // teacher.tensor_parallel}, or null (derived)",
+            )
+
+
 @rule("rollout", "cluster")
 def _rollout_layout(c: Any) -> Iterator[Problem]:
     rollout, cluster = c.rollout, c.cluster

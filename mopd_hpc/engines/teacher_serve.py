@@ -3,8 +3,9 @@
 `serve(args)` loads the checkpoint once with the scoring engine `args.engine` names (`build_engine`): `torch`
 (transformers, CPU or GPU) or `megatron` (megatron-core GPTModel, CUDA only, tensor parallel 1: a one-rank
 NCCL group rendezvoused in memory, torn down when the server stops). When the server listens and
-`args.run_dir` is known, it writes `run_dir/endpoints/teacher-<id>.json` atomically ({teacher_id, host, port,
-url, pid, model_path, fingerprint}) and logs "teacher server ready". Setting `stop` (or SIGTERM/SIGINT) stops it
+`args.run_dir` is known, it writes `run_dir/endpoints/teacher-<id>.r<replica>.json` atomically ({teacher_id,
+replica, job_id, host, port, url, pid, model_path, fingerprint}; job_id null for a standalone server, whose
+record no job accepts) and logs "teacher server ready". Setting `stop` (or SIGTERM/SIGINT) stops it
 cleanly and removes the endpoint file. Routes: `teacher_server`; every one requires the job's token except
 the bare liveness probe (`teacher_app`, `runtime/http_auth.py`). The programs that run it (a job's teacher
 child, or a standalone server from flags) are `roles/teacher.py`; they read the token and pass it in.
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.serving import start_app
-from mopd_hpc.records.run_dir import endpoint_file
+from mopd_hpc.records.run_dir import teacher_endpoint_file
 from mopd_hpc.runtime.http_auth import protect
 
 if TYPE_CHECKING:
@@ -47,7 +48,9 @@ class TeacherArgs:
     `source` is where the engine settings came from, for error messages: the teacher's config path
     (`models.teachers[0]`), or "" for the command line (errors then name `--engine`). `token_file`: the
     standalone server's `--token-file` (None: the run dir's, else a new one; `http_auth.standalone_token`);
-    a job's teacher reads the run dir's.
+    a job's teacher reads the run dir's. `replica`: which of the teacher's scoring servers this is
+    (`models.teachers[i].replicas`); `job_id`: the job this server belongs to, written into its endpoint
+    record (None for a standalone server: no job accepts its record).
     """
 
     teacher_id: str
@@ -64,6 +67,8 @@ class TeacherArgs:
     tensor_parallel: int = 1
     source: str = ""
     token_file: str | None = None
+    replica: int = 0
+    job_id: str | None = None
 
     def field(self, name: str) -> str:
         """How the user set `name` (`engine`, `tensor_parallel`): its config path, or `--engine` / the bare
@@ -73,9 +78,9 @@ class TeacherArgs:
         return "--engine" if name == "engine" else name
 
 
-def endpoint_path(run_dir: str | Path, teacher_id: str) -> Path:
-    """`run_dir/endpoints/teacher-<id>.json`."""
-    return endpoint_file(run_dir, "teacher", teacher_id)
+def endpoint_path(run_dir: str | Path, teacher_id: str, replica: int = 0) -> Path:
+    """`run_dir/endpoints/teacher-<id>.r<replica>.json` (`records/run_dir.py teacher_endpoint_file`)."""
+    return teacher_endpoint_file(run_dir, teacher_id, replica)
 
 
 def build_engine(args: TeacherArgs) -> Any:
@@ -198,10 +203,12 @@ async def _serve_engine(args: TeacherArgs, token: str, engine: Any, stop: asynci
     runner, port, stop = await start_app(teacher_app(server, token), args.host, args.port, stop)
     url = f"http://{args.advertise_host}:{port}"
     if args.run_dir:
-        path = endpoint_path(args.run_dir, args.teacher_id)
+        path = endpoint_path(args.run_dir, args.teacher_id, args.replica)
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "teacher_id": args.teacher_id,
+            "replica": args.replica,
+            "job_id": args.job_id,
             "host": args.advertise_host,
             "port": port,
             "url": url,
@@ -211,8 +218,9 @@ async def _serve_engine(args: TeacherArgs, token: str, engine: Any, stop: asynci
         }
         atomic_write_json(path, record)
     log.info(
-        "teacher server ready: %s on %s (model %s, engine %s, device %s)",
+        "teacher server ready: %s replica %d on %s (model %s, engine %s, device %s)",
         args.teacher_id,
+        args.replica,
         url,
         args.model_path,
         args.engine,
@@ -224,7 +232,7 @@ async def _serve_engine(args: TeacherArgs, token: str, engine: Any, stop: asynci
         log.info("teacher server %s stopping", args.teacher_id)
         if args.run_dir:  # a stale endpoint would send the controller to a closed port
             with contextlib.suppress(FileNotFoundError):
-                endpoint_path(args.run_dir, args.teacher_id).unlink()
+                endpoint_path(args.run_dir, args.teacher_id, args.replica).unlink()
         await runner.cleanup()
 
 

@@ -320,7 +320,7 @@ class TeacherClient:
 
     @classmethod
     def from_endpoint(cls, endpoint: Mapping[str, Any], **kwargs: Any) -> TeacherClient:
-        """From the `run_dir/endpoints/teacher-<id>.json` record ({host, port, ...})."""
+        """From a replica's `run_dir/endpoints/teacher-<id>.r<replica>.json` record ({host, port, ...})."""
         return cls(f"http://{endpoint['host']}:{int(endpoint['port'])}", **kwargs)
 
     async def __aenter__(self) -> TeacherClient:

@@ -134,10 +134,9 @@ def file_problems(cfg: RunConfig, paths: list[ModelPath], base: Path | None = No
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions on bad files
         return [Problem("models", f"a tokenizer could not be read: {type(exc).__name__}: {exc}")]
     for index, error in errors:
+        field = actor_field if index is None else teachers[index][0]
         problems.append(
-            Problem(
-                teachers[index][0], str(error), expected="every scored teacher must use the actor's tokenizer"
-            )
+            Problem(field, str(error), expected="every scored teacher must use the actor's tokenizer")
         )
     return problems
 

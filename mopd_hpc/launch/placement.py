@@ -10,11 +10,14 @@ Rules (DESIGN.md §1, §4; config rules in `config/rules.py` already hold when t
   `rollout.mode: separated`, the last `count·tp` GPUs go to the rollout engines and the actor gets the rest.
   Rank 0 gets the `master` port (the actor group's torch.distributed rendezvous) and, with
   `weight_sync.backend: torch`, the `nccl` port (the weight-sync group's store, trainer → rollout engines).
-- **teacher**: for each teacher (none when loss.distillation_coefficient is 0: ExecutionPlan), on a GPU
-  group one child per actor slot, on the actor's GPUs (the phase machine time-slices them, DESIGN.md §3);
-  index = teacher ordinal · world + rank; the first rank of each tensor-parallel replica serves `http`. On
-  a CPU group one child per teacher (one replica, on node 0: one per actor rank would share the same
-  cores for nothing), index = teacher ordinal; it serves `http`.
+- **teacher**: for each teacher (none when loss.distillation_coefficient is 0: ExecutionPlan), R replicas
+  (`config/parallel.py teacher_replicas`: `models.teachers[i].replicas`, null = the actor's GPUs ÷ its
+  tensor_parallel on GPUs, 1 on CPU), each a scoring server of its own. On a GPU group replica r takes the
+  actor slots [r·tp, (r+1)·tp) (the actor's GPUs: the phase machine time-slices them, DESIGN.md §3): one
+  child per GPU, MOPD_RANK / MOPD_WORLD_SIZE its rank in the replica's tensor-parallel group; rank 0 (the
+  leader) serves `http`, and with tp > 1 leases `master` (the group's rendezvous). On a CPU group one
+  child per replica (tp is 1 there), replica r on node r mod nodes, serving `http`. Every teacher child
+  carries MOPD_TEACHER_ID and MOPD_TEACHER_REPLICA; indices count on over the teachers in config order.
 - **rollout**: engine e takes GPUs [e·tp, (e+1)·tp) of the rollout group (an engine never spans nodes:
   tp divides gpus_per_node); without GPUs engines go round-robin over the nodes. Ports http, nccl,
   dist_init (SGLang's --port, --nccl-port, --dist-init-addr).
@@ -32,7 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from mopd_hpc.config.parallel import ActorParallel, ParallelError
+from mopd_hpc.config.parallel import ActorParallel, ParallelError, teacher_replicas
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.layout import ChildPlacement, LayoutError, RolloutLayout, assign_transfer_ranks
 from mopd_hpc.runtime.plan import ChildSpec, GroupPlan, JobPlan, PlanError
@@ -138,32 +141,38 @@ def place_children(cfg: Any) -> JobPlan:
         )
     teachers = cfg.models.teachers if cfg.loss.distillation_coefficient > 0 else []
     if not tg.gpus_per_node:
-        children += _cpu_teachers(teachers, trainer_hg)
+        children += _cpu_teachers(cfg, teachers, trainer_hg, tg.nodes)
         teachers = []
+    index = 0
     for k, teacher in enumerate(teachers):
-        ttp = teacher.tensor_parallel
-        if world % ttp:
+        ttp, replicas = teacher.tensor_parallel, teacher_replicas(cfg, teacher)
+        if teacher.replicas is None and world % ttp:
             raise PlanError(
                 f"models.teachers[{k}] ({teacher.id!r}): tensor_parallel={ttp} does not divide the actor's "
-                f"{world} ranks, whose GPUs the teacher shares; choose a divisor of {world}"
+                f"{world} ranks, whose GPUs the teacher shares; choose a divisor of {world}, or set replicas"
             )
-        for rank, ((node, gpu), (lr, lw)) in enumerate(zip(actor_slots, actor_local, strict=True)):
-            gpus, device = _visibility([gpu], tg.gpus_per_node, colocated)
-            ports = ("http",) if rank % ttp == 0 else ()
-            if rank == 0 and world > 1:
-                ports += ("master",)
-            children.append(
-                ChildSpec.create(
-                    role="teacher",
-                    index=k * world + rank,
-                    het_group=trainer_hg,
-                    node_index=node,
-                    gpus=gpus,
-                    device_index=device,
-                    port_names=ports,
-                    env={**_rank_env(rank, world, lr, lw), child_env.TEACHER_ID: teacher.id},
+        if replicas * ttp > world:
+            raise PlanError(
+                f"models.teachers[{k}] ({teacher.id!r}): replicas·tensor_parallel = {replicas}·{ttp} exceeds the "
+                f"actor's {world} GPUs, which the teacher's replicas share; at most {world // ttp} replica(s)"
+            )
+        for r in range(replicas):
+            for q, (node, gpu) in enumerate(actor_slots[r * ttp : (r + 1) * ttp]):
+                gpus, device = _visibility([gpu], tg.gpus_per_node, colocated)
+                ports = (("http", "master") if ttp > 1 else ("http",)) if q == 0 else ()
+                children.append(
+                    ChildSpec.create(
+                        role="teacher",
+                        index=index,
+                        het_group=trainer_hg,
+                        node_index=node,
+                        gpus=gpus,
+                        device_index=device,
+                        port_names=ports,
+                        env={**_rank_env(q, ttp, q, ttp), **_teacher_env(teacher.id, r)},
+                    )
                 )
-            )
+                index += 1
     engine_local = _local_ranks([engine[0][0] for engine in engines])
     for e, (engine, (lr, lw)) in enumerate(zip(engines, engine_local, strict=True)):
         if len({n for n, _ in engine}) != 1:
@@ -195,19 +204,27 @@ def place_children(cfg: Any) -> JobPlan:
     )
 
 
-def _cpu_teachers(teachers: Any, het_group: int) -> list[ChildSpec]:
-    """One child per teacher on node 0 of a CPU trainer group: index = teacher ordinal, rank 0 of 1, `http`."""
-    return [
-        ChildSpec.create(
-            role="teacher",
-            index=k,
-            het_group=het_group,
-            node_index=0,
-            port_names=("http",),
-            env={**_rank_env(0, 1, 0, 1), child_env.TEACHER_ID: teacher.id},
-        )
-        for k, teacher in enumerate(teachers)
-    ]
+def _teacher_env(teacher_id: str, replica: int) -> dict[str, str]:
+    return {child_env.TEACHER_ID: teacher_id, child_env.TEACHER_REPLICA: str(replica)}
+
+
+def _cpu_teachers(cfg: Any, teachers: Any, het_group: int, nodes: int) -> list[ChildSpec]:
+    """One child per replica of each teacher on a CPU trainer group (rank 0 of 1, `http`), replica r on node
+    r mod nodes; indices count on over the teachers."""
+    out: list[ChildSpec] = []
+    for teacher in teachers:
+        for r in range(teacher_replicas(cfg, teacher)):
+            out.append(
+                ChildSpec.create(
+                    role="teacher",
+                    index=len(out),
+                    het_group=het_group,
+                    node_index=r % nodes,
+                    port_names=("http",),
+                    env={**_rank_env(0, 1, 0, 1), **_teacher_env(teacher.id, r)},
+                )
+            )
+    return out
 
 
 def _placement(child: ChildSpec, with_gpus: bool) -> ChildPlacement:

@@ -1,4 +1,5 @@
-"""The dry-run rank map: one row per planned child (component, node, role, index, model (a teacher's id),
+"""The dry-run rank map: one row per planned child (component, node, role, index, model (a teacher's id and
+replica),
 GPUs, named ports and the child's place in the weight sync), as `mopd-submit --dry-run` prints it. Ports are leased when the guard
 starts the child: the map names them, 'assigned at start'.
 
@@ -70,13 +71,16 @@ def _sync_column(role: str, index: int, child: ChildSpec, backend: str) -> tuple
 
 
 def model_cell(role: str, env: dict[str, str]) -> str:
-    """The model column of one child: a teacher's model id (MOPD_TEACHER_ID, set by the plan), with its rank
-    in that teacher's group when the teacher spans several ranks ("chain (rank 1/2)"); "-" for other roles."""
+    """The model column of one child: a teacher's model id (MOPD_TEACHER_ID, set by the plan) and its replica
+    (MOPD_TEACHER_REPLICA: "chain r1" is replica 1), with its rank in the replica's tensor-parallel group when
+    the replica spans several GPUs ("chain r0, tp 1/2"); "-" for other roles."""
     teacher = env.get(child_env.TEACHER_ID)
     if role != "teacher" or not teacher:
         return "-"
+    replica = env.get(child_env.TEACHER_REPLICA)
+    cell = teacher if replica is None else f"{teacher} r{replica}"
     world = env.get(child_env.WORLD_SIZE, "1")
-    return f"{teacher} (rank {env.get(child_env.RANK, '0')}/{world})" if world not in ("", "1") else teacher
+    return f"{cell}, tp {env.get(child_env.RANK, '0')}/{world}" if world not in ("", "1") else cell
 
 
 def _check_backend(backend: str) -> None:
@@ -180,6 +184,33 @@ def shape_line(parallel: ActorParallel) -> str:
     return f"actor: {parallel.describe()}" + (f" ({parallel.source})" if parallel.source else "")
 
 
+def teacher_lines(plan: JobPlan) -> list[str]:
+    """One line per teacher of `plan`: its replicas and the GPUs each computes on, e.g. "teacher chain: 2
+    replica(s) × tp 1 — replica 0 on node 0 GPU 0, replica 1 on node 0 GPU 1" (CPU: "on node 0 cpu")."""
+    found: dict[str, dict[int, list[str]]] = {}
+    for child in plan.children:
+        env = child.env_dict
+        if child.role != "teacher" or child_env.TEACHER_ID not in env:
+            continue
+        replica = int(env.get(child_env.TEACHER_REPLICA, "0"))
+        gpu = child.gpus[child.device_index or 0] if child.gpus else None
+        where = f"GPU {gpu}" if gpu is not None else "cpu"
+        found.setdefault(env[child_env.TEACHER_ID], {}).setdefault(replica, []).append(
+            f"{child.het_group}:{child.node_index}:{where}"
+        )
+    lines = []
+    for teacher, replicas in found.items():
+        tp = max(len(v) for v in replicas.values())
+        parts = []
+        for r, places in sorted(replicas.items()):
+            nodes = sorted({p.split(":")[1] for p in places})
+            gpus = [p.split(":", 2)[2] for p in places]
+            shown = gpus[0] if len(gpus) == 1 else "GPUs " + ",".join(g.removeprefix("GPU ") for g in gpus)
+            parts.append(f"replica {r} on node {','.join(nodes)} {shown}")
+        lines.append(f"teacher {teacher}: {len(replicas)} replica(s) × tp {tp} — " + "; ".join(parts))
+    return lines
+
+
 def print_rank_map(
     plan: JobPlan,
     console: Console,
@@ -187,11 +218,13 @@ def print_rank_map(
     awex_mode: str | None = None,
     parallel: ActorParallel | None = None,
 ) -> None:
-    """Print `rank_map_table`, then `shape_line(parallel)` (when given); callers with a config pass
+    """Print `rank_map_table`, then `shape_line(parallel)` (when given) and `teacher_lines(plan)`; callers with a config pass
     `cfg.weight_sync.backend`, `.awex_mode` and `ActorParallel.from_config(cfg)`."""
     console.print(rank_map_table(plan, sync_backend, awex_mode, parallel))
     if parallel is not None:
         console.print(shape_line(parallel), markup=False, highlight=False)
+    for line in teacher_lines(plan):
+        console.print(line, markup=False, highlight=False)
 
 
 def read_probe_reports(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

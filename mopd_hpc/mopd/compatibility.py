@@ -1,4 +1,4 @@
-"""Model compatibility before training: shared tokenizer, consistent teacher architectures.
+"""Model compatibility before training: one shared tokenizer; each model's own config readable.
 
 - Tokenizer fingerprint: the id → token map (vocabulary and added tokens), the added tokens' `special`
   flags, and the special-token ids (bos/eos/pad/unk) — read from an HF tokenizer directory
@@ -6,10 +6,13 @@
   transformers' AutoTokenizer). Every teacher must equal the actor: teacher log-probs of the student's
   token ids are meaningless otherwise.
 - Architecture fingerprint: `config.json` minus keys that do not describe the model (AReaL
-  feature/mopd compatibility.py). All teachers must share one architecture (one persistent scoring
-  engine reloads checkpoints in place); the actor's may differ.
+  feature/mopd compatibility.py), read for every model (a missing or unreadable config.json is an error)
+  and reported. Teachers of any architecture and size train together: each teacher runs its own scoring
+  servers (`models.teachers[i].replicas`), so nothing requires them to share one; the actor's may differ
+  too. A model's `vocab_size` (its embedding rows), when config.json gives one, must hold every id of the
+  shared tokenizer: a teacher cannot score a token id beyond its vocabulary.
 
-A mismatch raises an error naming both models and the first differing token or key.
+A mismatch raises an error naming both models and the first differing token (or the vocabulary sizes).
 """
 
 from __future__ import annotations
@@ -55,10 +58,6 @@ class ModelFilesError(CompatibilityError):
 
 class TokenizerMismatchError(CompatibilityError):
     """Two models' tokenizers differ."""
-
-
-class ArchitectureMismatchError(CompatibilityError):
-    """Two teachers' architectures differ."""
 
 
 def _digest(payload: Any) -> str:
@@ -209,10 +208,10 @@ class CompatibilityReport:
 
 def compatibility_errors(
     actor: ModelFiles, teachers: Sequence[ModelFiles]
-) -> list[tuple[int, CompatibilityError]]:
-    """Every incompatibility, as (index in `teachers` of the teacher it concerns, the error): a teacher whose
-    tokenizer differs from the actor's (`TokenizerMismatchError`), a teacher whose architecture differs from
-    the first teacher's (`ArchitectureMismatchError`). `check_models` raises the first; `mopd-submit --check`
+) -> list[tuple[int | None, CompatibilityError]]:
+    """Every incompatibility, as (index in `teachers` of the model it concerns, None for the actor; the error):
+    a teacher whose tokenizer differs from the actor's, a model whose config.json vocab_size cannot hold the
+    tokenizer's ids (both `TokenizerMismatchError`). `check_models` raises the first; `mopd-submit --check`
     names each one's config field (launch/model_check.py).
 
     Raises:
@@ -223,9 +222,9 @@ def compatibility_errors(
 
 def _compare(
     actor: ModelFiles, teachers: Sequence[ModelFiles]
-) -> tuple[TokenizerFingerprint, list[ArchitectureFingerprint], list[tuple[int, CompatibilityError]]]:
+) -> tuple[TokenizerFingerprint, list[ArchitectureFingerprint], list[tuple[int | None, CompatibilityError]]]:
     """(the actor's tokenizer fingerprint, the architectures of the actor then each teacher, the errors)."""
-    errors: list[tuple[int, CompatibilityError]] = []
+    errors: list[tuple[int | None, CompatibilityError]] = []
     actor_tok = tokenizer_fingerprint(actor.tokenizer_path or actor.path, name=actor.name)
     archs = [architecture_fingerprint(actor.path, name=actor.name)]
     for i, teacher in enumerate(teachers):
@@ -238,30 +237,32 @@ def _compare(
             )
             errors.append((i, TokenizerMismatchError(message)))
         archs.append(architecture_fingerprint(teacher.path, name=teacher.name))
-    for i, other in enumerate(archs[2:], start=1):
-        diff = first_architecture_difference(archs[1], other)
-        if diff is not None:
+    ids = [i for i, _ in actor_tok.id_to_token] + [i for i, _, _ in actor_tok.added]
+    needed = max(ids, default=-1) + 1
+    for index, (model, arch) in enumerate(zip([actor, *teachers], archs, strict=True)):
+        raw = dict(arch.config).get("vocab_size")
+        vocab = json.loads(raw) if raw is not None else None
+        if isinstance(vocab, int) and vocab < needed:
             message = (
-                f"teachers {archs[1].name!r} and {other.name!r} have different architectures: {diff}; "
-                "all teachers must share one architecture"
+                f"model {model.name!r} ({model.path}): config.json vocab_size={vocab} is smaller than the "
+                f"shared tokenizer's {needed} ids; expected vocab_size >= {needed}"
             )
-            errors.append((i, ArchitectureMismatchError(message)))
+            errors.append((None if index == 0 else index - 1, TokenizerMismatchError(message)))
     return actor_tok, archs, errors
 
 
 def check_models(actor: ModelFiles, teachers: Sequence[ModelFiles]) -> CompatibilityReport:
-    """Check that every teacher shares the actor's tokenizer and the teachers one architecture.
+    """Check that every teacher shares the actor's tokenizer and that each model's config.json is readable
+    and its vocabulary holds the tokenizer's ids (architectures and sizes may differ: module docstring).
 
     Raises:
-        TokenizerMismatchError: a teacher's tokenizer differs from the actor's (both named, first token;
-            raised before any architecture mismatch).
-        ArchitectureMismatchError: two teachers' architectures differ (both named, first key).
+        TokenizerMismatchError: a teacher's tokenizer differs from the actor's (both named, first token), or
+            a model's config.json vocab_size is smaller than the tokenizer's largest id + 1.
         ModelFilesError: a model's files are missing (callers may defer the check to job start).
     """
     actor_tok, archs, errors = _compare(actor, teachers)
-    tokenizer = [e for _, e in errors if isinstance(e, TokenizerMismatchError)]
     if errors:
-        raise (tokenizer or [errors[0][1]])[0]
+        raise errors[0][1]
     return CompatibilityReport(
         tokenizer_digest=actor_tok.digest,
         architecture_digests=tuple((a.name, a.digest) for a in archs),

@@ -10,6 +10,7 @@
       student_final/                                FINAL_DIR       the trained student, HF format (the actor)
       checkpoints/step_<n>/, checkpoints/latest     CHECKPOINTS_DIR, LATEST_CHECKPOINT (the actor)
       endpoints/<role>-<key>.json                   `endpoint_file`       a server's endpoint record
+      endpoints/teacher-<id>.r<replica>.json        `teacher_endpoint_file`  a teacher replica's record
       endpoints/.rollout-<index>.ready.json         `rollout_ready_file`  the hf rollout server's ready file
       logs/                                         LOGS_DIR        batch and step logs (the sbatch script)
       logs/<host>/<role>-<index>.g<gen>.out|.err    `child_log_paths`     a guard child's output
@@ -61,6 +62,12 @@ PathLike = str | os.PathLike[str]
 def endpoint_file(run_dir: PathLike, role: str, key: str) -> Path:
     """`run_dir/endpoints/<role>-<key>.json` (teacher: key = teacher id; rollout: key = engine index)."""
     return Path(run_dir) / ENDPOINTS_DIR / f"{role}-{key}.json"
+
+
+def teacher_endpoint_file(run_dir: PathLike, teacher_id: str, replica: int) -> Path:
+    """`run_dir/endpoints/teacher-<id>.r<replica>.json`: the record of replica `replica` of teacher `teacher_id`
+    (each replica is a scoring server of its own)."""
+    return endpoint_file(run_dir, "teacher", f"{teacher_id}.r{int(replica)}")
 
 
 def rollout_ready_file(run_dir: PathLike, index: int) -> Path:

@@ -9,12 +9,13 @@ ranks follow it (trainer/follower.py). In order, on every rank:
 2. derive the `ExecutionPlan` (which teachers are scored) and check model compatibility before anything
    trains: every scored teacher shares the actor's tokenizer (`mopd.compatibility.check_models`);
 3. join the actor group (`roles/actor_group.py`: a one-rank `SoloGroup` at world size 1);
-4. wait for the teacher and rollout endpoints (`MOPD_ENDPOINT_TIMEOUT_S`, default 600 s; the error names
-   what is missing; every rank waits for the same servers, so they build their engines together);
+4. wait for the teacher replicas' and rollout endpoints, this job's records only
+   (`MOPD_ENDPOINT_TIMEOUT_S`, default 600 s; the error names what is missing; every rank waits for the same
+   servers, so they build their engines together);
 5. build the train engine `models.actor.engine` names (the loss section bound once, the data-parallel rank
    of the group; `build_train_engine`), with a KL penalty its reference model (`build_reference`: the
-   starting actor from models.actor.path, offloaded between uses), open a client per teacher (every rank
-   scores its own rows);
+   starting actor from models.actor.path, offloaded between uses), open a client per teacher over its
+   replicas (`TeacherPool`; every rank scores its own rows);
 6. rank 0: the tokenizer, the routed data, the rollout clients and the weight sync (the `nccl` port), the
    SIGUSR2 checkpoint handler, then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
    checkpoint and sends the stop record), then `Follower.run()`.
@@ -45,11 +46,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
+from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.rollout.client import RolloutClient
-from mopd_hpc.engines.teacher_server import TeacherClient
+from mopd_hpc.engines.teacher_pool import TeacherPool
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
@@ -74,7 +76,8 @@ ROLLOUT_TIMEOUT_S = 600.0
 
 
 def check_compatibility(cfg: RunConfig, plan: ExecutionPlan) -> None:
-    """Every scored teacher shares the actor's tokenizer (and the teachers one architecture).
+    """Every scored teacher shares the actor's tokenizer; each model's config.json is readable (teachers may
+    differ in architecture and size: each runs its own servers).
 
     Raises:
         CompatibilityError: naming both models and the first difference.
@@ -212,8 +215,9 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
     timeout_s = float(environ.get(ENDPOINT_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     group = join_group(role, cfg, environ, timeout_s)
     try:
+        replicas = {t: teacher_replicas(cfg, cfg.models.teacher(t)) for t in plan.teachers}
         endpoints = await wait_for_endpoints(
-            role.run_dir, plan.teachers, cfg.rollout.engines.count, role.job_id, timeout_s
+            role.run_dir, replicas, cfg.rollout.engines.count, role.job_id, timeout_s
         )
         print(
             f"servers ready: rollout {list(endpoints.rollout)}, teachers {dict(endpoints.teachers)}", file=out
@@ -223,7 +227,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
         reference = build_reference(cfg, kind, engine) if plan.requires_reference else None
         async with contextlib.AsyncExitStack() as stack:
             teachers = {
-                t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t], token=token))
+                t: await stack.enter_async_context(TeacherPool(endpoints.teachers[t], token=token))
                 for t in plan.teachers
             }
             if role.rank == 0:
@@ -251,7 +255,7 @@ async def _lead(
     plan: ExecutionPlan,
     engine: Any,
     rollout_urls: Sequence[str],
-    teachers: Mapping[str, TeacherClient],
+    teachers: Mapping[str, TeacherPool],
     group: Group,
     token: str | None,
     out: TextIO,

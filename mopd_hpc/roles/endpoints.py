@@ -1,10 +1,11 @@
 """Wait for the servers of the job: teacher and rollout endpoint files, each answering its health probe.
 
-A teacher child writes `run_dir/endpoints/teacher-<id>.json` and a rollout engine
+Each replica of a teacher writes `run_dir/endpoints/teacher-<id>.r<replica>.json` and a rollout engine
 `run_dir/endpoints/rollout-<index>.json` once they listen. An endpoint counts as ready when its file exists,
-names this job (rollout records carry `job_id`; a file left by an earlier job of the same run directory is
-not), and its server answers GET /health. Past the deadline, `EndpointTimeoutError` names every endpoint
-still missing and why (no file, wrong job, no answer), with the child log paths to look at.
+names this job (`job_id` equal to this job's: a record of another job — a file left by an earlier job of the
+same run directory — or one without a job id, such as a standalone server's, is never accepted), and its
+server answers GET /health. Past the deadline, `EndpointTimeoutError` names every endpoint still missing and
+why (no file, another job — naming both ids —, no job id, no answer), with the child log paths to look at.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
-from mopd_hpc.records.run_dir import LOGS_DIR, endpoint_file
+from mopd_hpc.records.run_dir import LOGS_DIR, endpoint_file, teacher_endpoint_file
 
 #: Default deadline for every server to be up, in seconds (model loading included).
 DEFAULT_TIMEOUT_S = 600.0
@@ -28,10 +29,11 @@ POLL_S = 0.2
 
 @dataclass(frozen=True, slots=True)
 class Endpoints:
-    """Where the servers of the job listen: rollout engine URLs (by index) and teacher URLs (by id)."""
+    """Where the servers of the job listen: rollout engine URLs (by index) and, per teacher id, the URLs of
+    its replicas (by replica index)."""
 
     rollout: tuple[str, ...]
-    teachers: Mapping[str, str]
+    teachers: Mapping[str, tuple[str, ...]]
 
 
 class EndpointTimeoutError(RuntimeError):
@@ -47,7 +49,17 @@ async def _probe(url: str) -> bool:
         return False
 
 
-async def _ready(path: Path, job_id: str | None) -> tuple[str | None, str]:
+def record_job_problem(path: Path, record: Mapping[str, object], job_id: str) -> str | None:
+    """Why the endpoint record at `path` is not this job's (naming both ids), or None when it is."""
+    found = record.get("job_id")
+    if found is None:
+        return f"{path} has no job_id (a standalone server's or an older record), not this job's {job_id!r}"
+    if found != job_id:
+        return f"{path} belongs to job {found!r}, not to this job {job_id!r} (a record left by another job)"
+    return None
+
+
+async def _ready(path: Path, job_id: str) -> tuple[str | None, str]:
     """(url, "") when ready, else (None, why not)."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -55,8 +67,11 @@ async def _ready(path: Path, job_id: str | None) -> tuple[str | None, str]:
         return None, f"no file {path}"
     except (OSError, ValueError) as exc:
         return None, f"unreadable {path}: {exc}"
-    if job_id is not None and record.get("job_id") not in (None, job_id):
-        return None, f"{path} belongs to job {record.get('job_id')!r}, not {job_id!r}"
+    if not isinstance(record, dict):
+        return None, f"{path} is not a JSON object"
+    problem = record_job_problem(path, record, job_id)
+    if problem is not None:
+        return None, problem
     url = record.get("url") or f"http://{record['host']}:{int(record['port'])}"
     if not await _probe(url):
         return None, f"{url}/health does not answer (file {path})"
@@ -65,17 +80,22 @@ async def _ready(path: Path, job_id: str | None) -> tuple[str | None, str]:
 
 async def wait_for_endpoints(
     run_dir: Path,
-    teacher_ids: Sequence[str],
+    teachers: Mapping[str, int],
     rollout_count: int,
     job_id: str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Endpoints:
-    """Wait until every teacher of `teacher_ids` and rollout engines 0..rollout_count-1 are ready.
+    """Wait until every replica 0..n-1 of each teacher of `teachers` (teacher id → n replicas,
+    `config.parallel.teacher_replicas`) and rollout engines 0..rollout_count-1 are ready for job `job_id`.
 
     Raises:
         EndpointTimeoutError: past `timeout_s`, naming what is missing and where the child logs are.
     """
-    wanted = {("teacher", t): endpoint_file(run_dir, "teacher", t) for t in teacher_ids}
+    wanted = {
+        ("teacher", f"{t}.r{r}"): teacher_endpoint_file(run_dir, t, r)
+        for t, n in teachers.items()
+        for r in range(n)
+    }
     wanted |= {("rollout", str(i)): endpoint_file(run_dir, "rollout", str(i)) for i in range(rollout_count)}
     found: dict[tuple[str, str], str] = {}
     why: dict[tuple[str, str], str] = {}
@@ -83,7 +103,7 @@ async def wait_for_endpoints(
     while True:
         for key, path in wanted.items():
             if key not in found:
-                url, reason = await _ready(path, job_id if key[0] == "rollout" else None)
+                url, reason = await _ready(path, job_id)
                 if url is not None:
                     found[key] = url
                 else:
@@ -101,5 +121,5 @@ async def wait_for_endpoints(
         await asyncio.sleep(POLL_S)
     return Endpoints(
         rollout=tuple(found[("rollout", str(i))] for i in range(rollout_count)),
-        teachers={t: found[("teacher", t)] for t in teacher_ids},
+        teachers={t: tuple(found[("teacher", f"{t}.r{r}")] for r in range(n)) for t, n in teachers.items()},
     )

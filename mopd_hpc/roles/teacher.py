@@ -2,7 +2,8 @@
 
 Without arguments it is a job's teacher child: the scoring server (`engines/teacher_serve.py`) takes its
 settings from the run. MOPD_TEACHER_ID (the job plan sets it) names the entry of `models.teachers` in
-`run_dir/config.yaml`, which gives the checkpoint path, the scoring engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel (1: the role starts one process
+`run_dir/config.yaml`, and MOPD_TEACHER_REPLICA which of its replicas this child serves (each a scoring
+server with its own endpoint record, `teacher-<id>.r<replica>.json`, carrying the job id); the config gives the checkpoint path, the scoring engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel (1: the role starts one process
 per teacher); the port is the named port `http`, bound on the guard's address (`RoleEnv.bind_host`). This
 module resolves them (env read once, in `main`; the job's token once, in `run`) and runs `teacher_serve.serve`
 until SIGTERM/SIGINT or until the actor announces the end of the job (`records/job_end.py`), then exits 0.
@@ -38,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.serving import cli_port
 from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs
 from mopd_hpc.records.job_end import stop_on_job_end
@@ -95,6 +97,7 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
     except KeyError as exc:
         raise RoleEnvError(f"{TEACHER_ID_ENV}={teacher_id!r}: {exc.args[0]}") from None
     here = f"models.teachers[{cfg.models.teacher_ids.index(teacher.id)}]"
+    replica = _replica(environ, here, teacher_replicas(cfg, teacher))
     if teacher.tensor_parallel != 1:
         raise RoleEnvError(
             f"{here}.tensor_parallel={teacher.tensor_parallel}: the teacher role serves each teacher from one "
@@ -117,12 +120,34 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         dtype=teacher.dtype,
         run_dir=str(role.run_dir),
         max_batch_rows=scoring_rows(cfg, teacher.path),
-        # on CPU the teachers of a step score concurrently: each takes its share of the cores
-        num_threads=None if gpu else cpu_threads(environ, share=len(cfg.models.teachers)),
+        # on CPU the teachers' replicas of a step score concurrently: each takes its share of the cores
+        num_threads=None if gpu else cpu_threads(environ, share=_replica_count(cfg)),
         engine=teacher.engine,
         tensor_parallel=teacher.tensor_parallel,
         source=here,
+        replica=replica,
+        job_id=role.job_id,
     )
+
+
+def _replica_count(cfg: RunConfig) -> int:
+    """Every replica of every teacher: the teacher children that score a step at the same time."""
+    return sum(teacher_replicas(cfg, t) for t in cfg.models.teachers)
+
+
+def _replica(environ: Mapping[str, str], here: str, replicas: int) -> int:
+    """This child's replica (MOPD_TEACHER_REPLICA; unset = 0). Raises RoleEnvError outside 0..replicas − 1."""
+    raw = environ.get(child_env.TEACHER_REPLICA) or "0"
+    try:
+        replica = int(raw)
+    except ValueError:
+        replica = -1
+    if not 0 <= replica < replicas:
+        raise RoleEnvError(
+            f"{child_env.TEACHER_REPLICA}={raw!r}: {here} has {replicas} replica(s); expected 0..{replicas - 1} "
+            "(the plan of this run's config)"
+        )
+    return replica
 
 
 async def run(role: RoleEnv, args: TeacherArgs) -> None:

@@ -12,7 +12,7 @@ child_environment`: backend, het group and size, transfer ranks, base GPU). Read
     address (guard)    MOPD_NODE_ADDR     the address the guard binds (the child's servers and rendezvous too)
     ports (guard)      MOPD_PORT_<NAME>   one per named port lease (`port_env_name`)
     ranks (plan)       MOPD_RANK MOPD_WORLD_SIZE MOPD_LOCAL_RANK MOPD_LOCAL_WORLD_SIZE
-    role (plan)        MOPD_TEACHER_ID (teacher), MOPD_ROLLOUT_TP (rollout), MOPD_PLAN_ROLE MOPD_PLAN_INDEX (a
+    role (plan)        MOPD_TEACHER_ID MOPD_TEACHER_REPLICA (teacher), MOPD_ROLLOUT_TP (rollout), MOPD_PLAN_ROLE MOPD_PLAN_INDEX (a
                        probe standing in for another role)
     node (plan)        MOPD_BACKEND ("slurm" | "local") MOPD_HET_GROUP MOPD_HET_SIZE MOPD_TRANSFER_RANKS
                        (comma-separated) MOPD_BASE_GPU_ID (the device ordinal a child starts at, when not its first)
@@ -44,6 +44,8 @@ LOCAL_WORLD_SIZE = "MOPD_LOCAL_WORLD_SIZE"
 
 #: Role specifics the plan sets.
 TEACHER_ID = "MOPD_TEACHER_ID"
+#: The replica (scoring server) of that teacher a teacher child belongs to: 0 .. replicas − 1.
+TEACHER_REPLICA = "MOPD_TEACHER_REPLICA"
 ROLLOUT_TP = "MOPD_ROLLOUT_TP"
 PLAN_ROLE = "MOPD_PLAN_ROLE"
 PLAN_INDEX = "MOPD_PLAN_INDEX"
@@ -65,6 +67,7 @@ CHILD_ENV_NAMES: tuple[str, ...] = (
     LOCAL_RANK,
     LOCAL_WORLD_SIZE,
     TEACHER_ID,
+    TEACHER_REPLICA,
     ROLLOUT_TP,
     PLAN_ROLE,
     PLAN_INDEX,

@@ -51,7 +51,7 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.protocol import TrainEngine
 from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.rollout.client import RolloutClient
-from mopd_hpc.engines.teacher_server import TeacherClient
+from mopd_hpc.engines.teacher_pool import TeacherPool
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine, Transition
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.records.job_end import write_job_end
@@ -117,7 +117,7 @@ class Controller:
         data: RunData,
         *,
         rollout: Sequence[RolloutClient],
-        teachers: Mapping[str, TeacherClient],
+        teachers: Mapping[str, TeacherPool],
         sync: WeightSync,
         run_dir: Path,
         job_id: str,

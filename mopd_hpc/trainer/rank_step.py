@@ -32,7 +32,7 @@ import torch
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.protocol import TrainEngine
 from mopd_hpc.engines.reference import ReferenceModel
-from mopd_hpc.engines.teacher_server import TeacherClient
+from mopd_hpc.engines.teacher_pool import TeacherPool
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB
 from mopd_hpc.trainer.actor_group import Group, Receipts
@@ -81,7 +81,7 @@ class ShardStep:
     def __init__(
         self,
         engine: TrainEngine,
-        teachers: Mapping[str, TeacherClient],
+        teachers: Mapping[str, TeacherPool],
         plan: ExecutionPlan,
         loss: LossConfig,
         route_weights: Mapping[str, Mapping[str, float]],

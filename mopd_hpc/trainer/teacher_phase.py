@@ -1,8 +1,10 @@
 """TEACHER: each teacher scores only the rollouts of the routes that give it weight; S and W per token.
 
-For teacher j, the rows b with w_j(route(b)) > 0 and a non-empty response are sent to its scoring server in
-one /score call (the teachers are called concurrently; a teacher with no such row is not called: an empty
-response is masked out of the loss, and so are all the rows of a route whose responses are all empty). Every call returns log π_j(y_t) of the sampled tokens; with the `topk`
+For teacher j, the rows b with w_j(route(b)) > 0 and a non-empty response are sent to its scoring servers (a
+`TeacherPool` splits them across the teacher's replicas, balanced by tokens, and answers in row order; the
+teachers are called concurrently; a teacher with no such row is not called: an empty response is masked out of
+the loss, and so are all the rows of a route whose responses are all empty), binary transport both ways
+(`TeacherClient.score_tensors`). Every call returns log π_j(y_t) of the sampled tokens; with the `topk`
 estimator it also returns the teacher's top-k (k = loss.topk) at each response position. Rows a teacher did
 not score hold NaN log-probs / zero top-k, and weight 0 (`aggregate_teacher_targets` and the top-k loss never
 read them). Then (DESIGN.md §3; AReaL feature/mopd `aggregate_mopd_targets`):
@@ -21,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_server import ScoreResponse, TeacherClient
+from mopd_hpc.engines.teacher_pool import TeacherPool
+from mopd_hpc.engines.teacher_server import TeacherClient
+from mopd_hpc.engines.teacher_wire import ScoreTensors
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB, TeacherTargets, aggregate_teacher_targets
 from mopd_hpc.mopd.topk import TeacherTopK
 
@@ -62,7 +66,7 @@ def rows_per_teacher(
 
 
 async def score_teachers(
-    clients: Mapping[str, TeacherClient],
+    clients: Mapping[str, TeacherClient | TeacherPool],
     rows: Sequence[Sequence[int]],
     starts: Sequence[int],
     tokens: TokenBatch,
@@ -88,7 +92,8 @@ async def score_teachers(
             f"routes {sorted(set(routes))} need teachers {sorted(missing)}: not connected"
         )
     calls = [
-        clients[t].score([rows[b] for b in idx], [starts[b] for b in idx], top_k) for t, idx in sent.items()
+        clients[t].score_tensors([rows[b] for b in idx], [starts[b] for b in idx], top_k)
+        for t, idx in sent.items()
     ]
     answers = dict(zip(sent, await asyncio.gather(*calls), strict=True))
     batch, width = tokens.batch_size, tokens.response_width
@@ -98,17 +103,17 @@ async def score_teachers(
     for teacher, idx in routed.items():
         answer = answers.get(teacher)
         lp = torch.full((batch, width), float("nan"), dtype=torch.float32)
+        at = torch.tensor(sent.get(teacher, []), dtype=torch.int64)
         if answer is not None:
             _check(teacher, answer, sent[teacher], lengths)
-            for k, b in enumerate(sent[teacher]):
-                lp[b, : lengths[b]] = torch.tensor(answer.logprobs[k], dtype=torch.float32)
+            lp[at] = answer.padded_logprobs(width)
         logprobs[teacher] = lp
         w = torch.zeros(batch, dtype=torch.float32)
         for b in idx:
             w[b] = float(route_weights[routes[b]][teacher])
         weights[teacher] = w
         if top_k is not None and answer is not None:
-            topk[teacher] = _topk_tensor(teacher, answer, sent[teacher], lengths, batch, width)
+            topk[teacher] = _topk_tensor(teacher, answer, at, batch, width)
         elif top_k is not None:
             zeros = torch.zeros((batch, width, top_k), dtype=torch.int64)
             topk[teacher] = TeacherTopK(indices=zeros, logprobs=zeros.float())
@@ -122,29 +127,26 @@ async def score_teachers(
     )
 
 
-def _check(teacher: str, answer: ScoreResponse, idx: Sequence[int], lengths: Sequence[int]) -> None:
-    if len(answer.logprobs) != len(idx):
-        raise TeacherPhaseError(f"teacher {teacher!r} answered {len(answer.logprobs)} rows; sent {len(idx)}")
+def _check(teacher: str, answer: ScoreTensors, idx: Sequence[int], lengths: Sequence[int]) -> None:
+    got = answer.lengths.tolist()
+    if len(got) != len(idx):
+        raise TeacherPhaseError(f"teacher {teacher!r} answered {len(got)} rows; sent {len(idx)}")
     for k, b in enumerate(idx):
-        if len(answer.logprobs[k]) != lengths[b]:
+        if got[k] != lengths[b]:
             raise TeacherPhaseError(
-                f"teacher {teacher!r}: row {b} has {len(answer.logprobs[k])} log-probs; expected {lengths[b]}"
+                f"teacher {teacher!r}: row {b} has {got[k]} log-probs; expected {lengths[b]}"
             )
 
 
-def _topk_tensor(
-    teacher: str, answer: ScoreResponse, idx: Sequence[int], lengths: Sequence[int], batch: int, width: int
-) -> TeacherTopK:
+def _topk_tensor(teacher: str, answer: ScoreTensors, at: torch.Tensor, batch: int, width: int) -> TeacherTopK:
+    """[batch, width, K] top-k of the rows `at` (zeros elsewhere and after each row's end)."""
     if answer.topk_ids is None or answer.topk_logprobs is None:
         raise TeacherPhaseError(f"teacher {teacher!r} returned no top-k; the topk estimator asked for it")
-    k = max((len(pos) for row in answer.topk_ids for pos in row), default=1)
+    part_ids, part_vals = answer.padded_topk(width)
+    k = part_ids.shape[-1]
     ids = torch.zeros((batch, width, k), dtype=torch.int64)
     vals = torch.zeros((batch, width, k), dtype=torch.float32)
-    for j, b in enumerate(idx):
-        n = lengths[b]
-        if n:
-            ids[b, :n] = torch.tensor(answer.topk_ids[j], dtype=torch.int64)
-            vals[b, :n] = torch.tensor(answer.topk_logprobs[j], dtype=torch.float32)
+    ids[at], vals[at] = part_ids, part_vals
     # a −inf among the top-k (k beyond the tokens the teacher allows; sent as −1e30) is a refusal too: the
     # same floor as the sampled log-probs' (mopd/targets.py), so q = exp(floor) and p·(log p − log q) is bounded
     return TeacherTopK(indices=ids, logprobs=vals.clamp(min=REFUSED_LOGPROB))
