@@ -95,7 +95,9 @@ def test_topk_resolves_correction_none_and_refuses_truncate_naming_both_fields()
     from mopd_hpc.config.loss import LossConfig
 
     assert LossConfig(**resolved["loss"]).correction == "none"  # the resolved section loads as written
-    proc = mopd_submit("--check", "configs/slurm_het_cpu.yaml", "--local", "--set", "loss.correction=truncate")
+    proc = mopd_submit(
+        "--check", "configs/slurm_het_cpu.yaml", "--local", "--set", "loss.correction=truncate"
+    )
     assert proc.returncode != 0
     assert "loss.correction" in proc.stderr and "loss.estimator 'topk'" in proc.stderr, proc.stderr
 

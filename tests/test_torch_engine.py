@@ -234,7 +234,11 @@ def test_engine_rejects_what_it_cannot_apply(models):
     unchecked = LossConfig().model_copy(update={"estimator": "topk", "orm_alpha": 0.5, "correction": "none"})
     with pytest.raises(EngineError, match="orm_alpha"):
         TorchTrainEngine.from_pretrained(
-            models["student"], dtype="float32", device="cpu", optimizer=OptimizerConfig(lr=1e-2), loss=unchecked
+            models["student"],
+            dtype="float32",
+            device="cpu",
+            optimizer=OptimizerConfig(lr=1e-2),
+            loss=unchecked,
         )
     with pytest.raises(EngineError, match="dtype"):
         TorchScoringEngine.from_pretrained(models["teacher"], dtype="float64")
