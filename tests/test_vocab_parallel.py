@@ -10,6 +10,7 @@ Top-k across shards: per-shard top-k, then the top-k of the candidates, equals t
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -205,3 +206,44 @@ def test_two_gloo_ranks_equal_the_full_vocabulary(tmp_path: Path) -> None:
     for o in out:
         assert abs(o["loss"] - want_loss) <= TOL
     torch.testing.assert_close(torch.cat([o["grad"] for o in out], -1), want_grad, atol=TOL, rtol=0)
+
+
+@pytest.mark.gpu
+def test_no_float32_vocabulary_tensor_on_gpu() -> None:
+    """One shard (TP = 1) of a Qwen3 vocabulary, bf16 logits [4096, 151936] (1.16 GiB), top-64 of two teachers
+    plus the sampled tokens, forward and backward: the peak above the logits stays below 3 bf16 copies of them
+    (their gradient and autograd's transient sum) + 2 float32 blocks; a float32 log-softmax alone would be 2
+    bf16 copies for its output, 2 more saved for its backward. Figures to benchmarks/results/ when present."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    n, vocab, k = 4096, 151936, 64
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = (3 * torch.randn(1, n, vocab, device=dev, generator=g)).to(torch.bfloat16).requires_grad_(True)
+    teachers = {
+        t: TeacherTopK(
+            torch.randint(0, vocab, (1, n, k), device=dev, generator=g), -torch.rand(1, n, k, device=dev)
+        )
+        for t in "ab"
+    }
+    weights = {"a": torch.tensor([0.5], device=dev), "b": torch.tensor([0.5], device=dev)}
+    mask = torch.ones(1, n, dtype=torch.bool, device=dev)
+    sampled = torch.randint(0, vocab, (1, n, 1), device=dev, generator=g)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    student = VocabParallelLogprobs(logits, 0, vocab)
+    loss, _ = topk_reverse_kl(student, teachers, weights, mask, LossConfig(estimator="topk"))
+    (loss + student(sampled).sum() * 1e-3).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    copy = logits.numel() * logits.element_size()
+    figures = {"tokens": n, "vocab": vocab, "k": k, "logits_bf16_bytes": copy, "peak_above_logits_bytes": peak,
+               "peak_in_logits_copies": peak / copy, "float32_copy_bytes": 2 * copy}  # fmt: skip
+    print(figures)
+    out = REPO / "benchmarks" / "results"
+    if out.is_dir():
+        (out / "vocab_parallel_memory_gpu.json").write_text(json.dumps(figures, indent=1))
+    ref = torch.log_softmax(logits.detach()[0, :8].float(), -1).gather(-1, teachers["a"].indices[0, :8])
+    torch.testing.assert_close(student(teachers["a"].indices)[0, :8].detach(), ref, atol=2e-3, rtol=0)
+    assert peak < 3 * copy + 2 * 128 * 2**20, figures
