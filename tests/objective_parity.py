@@ -142,12 +142,19 @@ def megatron_side(student: Path, cfg, batch, device: torch.device) -> tuple[floa
         engine.loss_config, engine.shape, engine.device = cfg, shape, device
         engine.forward = MegatronForward(model, device)
         engine.residency = SimpleNamespace(on_device=True)
+        engine.ddp = engine.model = model
         model.train()
         value, _, _ = engine.compute_loss(batch.to(device))
         value.backward()
         loss = float(value)
         grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
+    global LAST_ENGINE
+    LAST_ENGINE = engine
     return loss, mcore_to_hf(grads, shape)
+
+
+#: The last megatron engine built (for the student's own top-k, `MegatronTrainEngine.topk`).
+LAST_ENGINE = None
 
 
 def main(out: Path, device_name: str) -> None:
@@ -186,6 +193,25 @@ def main(out: Path, device_name: str) -> None:
             "grad_norm": float(gt.norm()),
         }
         print(name, report[name], flush=True)
+    # the student's own top-k (no gradient) of both engines: the last point's weights (after its step on cuda:
+    # the torch engine gets those weights through the converter)
+    from mopd_hpc.config.models import OptimizerConfig
+    from mopd_hpc.engines.megatron.convert import mcore_to_hf
+    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+
+    megatron = LAST_ENGINE
+    hf = TorchTrainEngine.from_pretrained(
+        student, dtype="float32", device=str(device), optimizer=OptimizerConfig(lr=1e-3), loss=LossConfig()
+    )
+    state = {k: v.detach() for k, v in megatron.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    hf.model.load_state_dict(mcore_to_hf(state, megatron.shape), strict=False)
+    got, want = megatron.topk(batch.tokens, 5), hf.topk(batch.tokens.to(device), 5)
+    mask = batch.tokens.response_mask
+    report["student_topk"] = {
+        "logprob_err": float((got.logprobs - want.logprobs.cpu()).abs()[mask].max()),
+        "ids_equal_frac": float((got.indices == want.indices.cpu()).all(-1)[mask].float().mean()),
+    }
+    print("student_topk", report["student_topk"], flush=True)
     (out / "parity.json").write_text(json.dumps(report, indent=1))
 
 
