@@ -162,7 +162,7 @@ _GLOO = textwrap.dedent(
     from test_vocab_parallel import problem, V
     from mopd_hpc.config.loss import LossConfig
     from mopd_hpc.mopd.topk import topk_reverse_kl
-    from mopd_hpc.mopd.vocab_parallel import VocabParallelLogprobs, process_group_all_reduce
+    from mopd_hpc.mopd.vocab_parallel import VocabParallelLogprobs, process_group_all_reduce, vocab_parallel_topk
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
     logits, mask, teachers, weights, sampled = problem()
@@ -172,7 +172,16 @@ _GLOO = textwrap.dedent(
     loss, _ = topk_reverse_kl(student, teachers, weights, mask, LossConfig(estimator="topk"))
     lp = student(sampled[..., None]).squeeze(-1)
     (loss + (lp * mask).sum()).backward()
-    torch.save({"loss": float(loss), "grad": local.grad}, sys.argv[3])
+    def gather(t):
+        parts = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(parts, t)
+        return parts
+    # megatron-like padding: V' = 56, rank 1 holds 22 real columns of 28 (ids 28..49) and 6 of padding
+    padded = torch.cat([logits, torch.full((*logits.shape[:-1], 6), 1e3, dtype=logits.dtype)], -1)
+    top_ids, top_lp = vocab_parallel_topk(padded[..., rank * 28:(rank + 1) * 28], rank * 28, V, 25, gather,
+                                          process_group_all_reduce())
+    torch.save({"loss": float(loss.detach()), "grad": local.grad, "top_ids": top_ids, "top_lp": top_lp},
+               sys.argv[3])
     dist.destroy_process_group()
     """
 )
@@ -206,6 +215,10 @@ def test_two_gloo_ranks_equal_the_full_vocabulary(tmp_path: Path) -> None:
     for o in out:
         assert abs(o["loss"] - want_loss) <= TOL
     torch.testing.assert_close(torch.cat([o["grad"] for o in out], -1), want_grad, atol=TOL, rtol=0)
+    want_top = TeacherTopK.from_logits(logits, 25)  # k = 25 > rank 1's 22 real columns
+    for o in out:
+        assert torch.equal(o["top_ids"], want_top.indices)
+        torch.testing.assert_close(o["top_lp"], want_top.logprobs.float(), atol=1e-6, rtol=0)
 
 
 @pytest.mark.gpu

@@ -164,12 +164,19 @@ class VocabParallelLogprobs:
 def shard_topk(
     local_logits: torch.Tensor, vocab_start: int, vocab_size: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This shard's top-min(k, real columns) logits (no gradient) and their GLOBAL ids, [..., k'] each.
+    """This shard's top-min(k, V_r) logits (float32, no gradient) and their GLOBAL ids, [..., min(k, V_r)] each.
 
-    Values are raw logits; subtract the global logsumexp (`VocabParallelLogprobs.lse`) for log-probs.
-    A shard of padding only gives k' = 0."""
+    Values are raw logits; subtract the global logsumexp (`VocabParallelLogprobs.lse`) for log-probs. A shard
+    with fewer than min(k, V_r) real columns (megatron's padding) fills the rest with −inf at id vocab_start,
+    so that every shard of a group gives the same shape (what an all-gather needs); −inf is never chosen
+    while the group has k real columns."""
+    width = min(k, local_logits.shape[-1])
     n_real = real_columns(local_logits.shape[-1], vocab_start, vocab_size)
-    values, idx = local_logits.detach()[..., :n_real].float().topk(min(k, n_real), dim=-1)
+    values, idx = local_logits.detach()[..., :n_real].float().topk(min(width, n_real), dim=-1)
+    if values.shape[-1] < width:
+        fill = (*values.shape[:-1], width - values.shape[-1])
+        values = torch.cat([values, values.new_full(fill, float("-inf"))], dim=-1)
+        idx = torch.cat([idx, idx.new_zeros(fill)], dim=-1)
     return values, idx + vocab_start
 
 
@@ -191,8 +198,8 @@ def vocab_parallel_topk(
     """(global top-k ids [..., K] int64, their float32 log π [..., K]) of vocab-parallel logits, no gradient.
 
     Args:
-        all_gather: tensor → every rank's tensor of the same shape, in rank order (None: one shard). Every
-            shard must contribute the same k' (true when each holds ≥ k real columns).
+        all_gather: tensor → every rank's tensor of the same shape, in rank order (None: one shard); every
+            shard contributes [..., min(k, V_r)] (`shard_topk`).
         all_reduce: the group's `AllReduce`, for the global logsumexp.
     """
     with torch.no_grad():
