@@ -101,6 +101,8 @@ def test_set_and_local_reach_the_resolved_config() -> None:
         "--set",
         "steps=3",
         "--set",
+        "loss.estimator=sampled",
+        "--set",
         "loss.correction=mask",
     )
     assert proc.returncode == 0, proc.stderr
@@ -110,6 +112,23 @@ def test_set_and_local_reach_the_resolved_config() -> None:
         3,
         "mask",
     )
+
+
+def test_topk_resolves_correction_none_and_refuses_truncate_naming_both_fields() -> None:
+    """estimator topk: the unset correction resolves to none (and the resolved config loads again); an explicit
+    truncate is refused by --check, naming loss.estimator and loss.correction."""
+    proc = mopd_submit("--check", "configs/slurm_het_cpu.yaml", "--local")
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load(proc.stdout)
+    assert (resolved["loss"]["estimator"], resolved["loss"]["correction"]) == ("topk", "none")
+    from mopd_hpc.config.loss import LossConfig
+
+    assert LossConfig(**resolved["loss"]).correction == "none"  # the resolved section loads as written
+    proc = mopd_submit(
+        "--check", "configs/slurm_het_cpu.yaml", "--local", "--set", "loss.correction=truncate"
+    )
+    assert proc.returncode != 0
+    assert "loss.correction" in proc.stderr and "loss.estimator 'topk'" in proc.stderr, proc.stderr
 
 
 def test_bad_override_exits_2() -> None:

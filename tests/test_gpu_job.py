@@ -6,6 +6,11 @@ and end. Two configs:
 - configs/local_gpu_separated.yaml, two GPUs: actor and teacher on GPU 0, rollout on GPU 1, weights by AWEX
   separate mode (NCCL between the two GPUs).
 
+Issue 20 adds two runs of configs/local_gpu_colocated.yaml (one GPU, the megatron actor): `loss.estimator:
+topk` with `loss.correction: none` (the student's top-k reverse KL over the teacher's top-64, vocab-parallel
+log-softmax) and `loss.rl_coefficient: 0.5` (GRPO at loss level); each run's per-phase figures, with its
+engine, estimator, rl_coefficient and kl_coefficient, go to MOPD_GPU_JOB_OUT/<case>/summary.json.
+
 Asserted: exit 0; one metrics line per step with a finite loss, every phase timed, and the rollouts of step s
 sampled by the weights of step s − 1 (weight_version); checkpoints and the final HF student written; the
 teacher scored (non-zero teacher time). The metrics of the run are copied to MOPD_GPU_JOB_OUT/<config stem>
@@ -24,14 +29,24 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
+CASES = {
+    "local_gpu_colocated": ("local_gpu_colocated", 1, {}),
+    "local_gpu_separated": ("local_gpu_separated", 2, {}),
+    "colocated_topk": ("local_gpu_colocated", 1, {"loss.estimator": "topk", "loss.correction": "none"}),
+    "colocated_rl": ("local_gpu_colocated", 1, {"loss.rl_coefficient": 0.5}),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(("config", "gpus"), [("local_gpu_colocated", 1), ("local_gpu_separated", 2)])
-def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, config: str, gpus: int) -> None:
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, case: str) -> None:
+    config, gpus, loss = CASES[case]
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA device(s)")
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
@@ -52,6 +67,7 @@ def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, confi
         "models.tokenizer.path": models / "student",
         "models.teachers.0.path": models / "teacher",
         "steps": STEPS,
+        **loss,
     }
     argv = [sys.executable, "-m", "mopd_hpc.cli.submit", str(REPO / "configs" / f"{config}.yaml"),
             "--local", "--run-dir", str(run_dir)]  # fmt: skip
@@ -66,7 +82,7 @@ def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, confi
         proc = subprocess.CompletedProcess(argv, -9, str(exc.stdout or ""), str(exc.stderr or ""))
     keep = os.environ.get("MOPD_GPU_JOB_OUT")
     if keep:
-        keep = os.path.join(keep, config)
+        keep = os.path.join(keep, case)
         os.makedirs(keep, exist_ok=True)
         (Path(keep) / "submit.log").write_text(proc.stdout + "\n----- stderr\n" + proc.stderr)
         for name in ("logs", "metrics.jsonl", "eval.json"):
@@ -82,6 +98,18 @@ def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, confi
         assert math.isfinite(line["loss/total"]) and math.isfinite(line["mopd/reverse_kl"]), line
         for phase in ("rollout", "teacher", "train", "sync"):
             assert line[f"time/{phase}_s"] > 0, (phase, line)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())  # the resolved run config
+    resolved = {"engine": cfg["models"]["actor"]["engine"], "estimator": cfg["loss"]["estimator"],
+                "correction": cfg["loss"]["correction"], "rl_coefficient": cfg["loss"]["rl_coefficient"],
+                "kl_coefficient": cfg["loss"]["kl_coefficient"]}  # fmt: skip
+    for key, value in loss.items():
+        assert resolved[key.removeprefix("loss.")] == value, (key, resolved)
+    if keep:
+        phases = {k: [line[k] for line in lines] for k in lines[0] if k.startswith("time/")}
+        losses = {k: [line[k] for line in lines] for k in lines[0] if k.startswith(("loss/", "mopd/"))}
+        summary = {"case": case, "config": f"configs/{config}.yaml", "overrides": loss, **resolved,
+                   "steps": STEPS, "phases_s": phases, "losses": losses}  # fmt: skip
+        (Path(keep) / "summary.json").write_text(json.dumps(summary, indent=1))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == [
         "step_000002",
         "step_000003",

@@ -224,8 +224,17 @@ def test_grad_clip_is_honoured(models):
 
 
 def test_engine_rejects_what_it_cannot_apply(models):
+    with pytest.raises(ValueError, match="loss.orm_alpha 0.5 with loss.estimator 'topk'"):
+        LossConfig(estimator="topk", orm_alpha=0.5)  # --check refuses it; the engine guards a built one
+    unchecked = LossConfig().model_copy(update={"estimator": "topk", "orm_alpha": 0.5, "correction": "none"})
     with pytest.raises(EngineError, match="orm_alpha"):
-        make_engine(models["student"], estimator="topk", orm_alpha=0.5)
+        TorchTrainEngine.from_pretrained(
+            models["student"],
+            dtype="float32",
+            device="cpu",
+            optimizer=OptimizerConfig(lr=1e-2),
+            loss=unchecked,
+        )
     with pytest.raises(EngineError, match="dtype"):
         TorchScoringEngine.from_pretrained(models["teacher"], dtype="float64")
     engine = make_engine(models["student"])

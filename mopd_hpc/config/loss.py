@@ -7,7 +7,7 @@ composition); MOPD paper (advantage clip, A_max = 5; top-k estimator).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -31,10 +31,12 @@ class LossConfig(Section):
     )
     topk: int = Field(DEFAULT_TOPK, ge=1, description="k of the 'topk' estimator, in tokens.")
     correction: Literal["truncate", "mask", "none"] = Field(
-        "truncate",
+        None,  # unset: resolved by `_resolve_correction` (truncate with sampled, none with topk)
         description="Train/inference mismatch correction on r_t = π_θ(y_t)/μ(y_t): 'truncate' "
         "ρ = sg(min(r_t, ratio_cap)) (AReaL); 'mask' ρ = sg(r_t) inside [mask_low, mask_high], 0 "
-        "outside (IcePop, MiMo eq. 8); 'none' ρ = 1.",
+        "outside (IcePop, MiMo eq. 8); 'none' ρ = 1. Unset: 'truncate' with estimator 'sampled', 'none' "
+        "with 'topk' (whose per-position reverse KL does not depend on the sampled token: 'truncate' and "
+        "'mask' are refused there).",
     )
     ratio_cap: float = Field(DEFAULT_RATIO_CAP, gt=0, description="C of 'truncate' (dimensionless).")
     mask_low: float = Field(0.5, ge=0, description="ε_low of 'mask': lowest kept r_t (dimensionless).")
@@ -57,9 +59,38 @@ class LossConfig(Section):
         0.0, ge=0, description="β of a KL penalty to a reference model inside L_RL; > 0 needs a reference."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_correction(cls, data: Any) -> Any:
+        """An unset (or null) correction resolves by the estimator: 'none' for topk, else 'truncate'."""
+        if isinstance(data, dict) and data.get("correction") is None:
+            data = {**data, "correction": "none" if data.get("estimator") == "topk" else "truncate"}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
         problems = []
+        if self.estimator == "topk" and self.correction != "none":
+            problems.append(
+                Problem(
+                    "correction",
+                    f"loss.correction {self.correction!r} has no effect with loss.estimator 'topk': the "
+                    "per-position reverse KL does not depend on the sampled token, so a per-token ratio "
+                    "π_θ(y_t)/μ(y_t) corrects nothing",
+                    self.correction,
+                    "correction: none (the default with topk), or estimator: sampled",
+                )
+            )
+        if self.estimator == "topk" and self.orm_alpha > 0:
+            problems.append(
+                Problem(
+                    "orm_alpha",
+                    f"loss.orm_alpha {self.orm_alpha} with loss.estimator 'topk': the advantage-level "
+                    "composition A_t + α·A_ORM needs the sampled estimator's per-token advantage",
+                    self.orm_alpha,
+                    "orm_alpha: 0 and rl_coefficient > 0 (GRPO at loss level) with topk, or estimator: sampled",
+                )
+            )
         if self.distillation_coefficient == 0 and self.rl_coefficient == 0:
             problems.append(
                 Problem(

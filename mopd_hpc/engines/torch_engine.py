@@ -9,8 +9,9 @@ log-probs without a float32 [B, T, V] copy (fused Triton on CUDA, chunked on CPU
 
 The train step (DESIGN.md §3; the loss section is bound once, at construction):
 
-    L = c_rl·L_GRPO + c_d·L_MOPD          (`compose_loss`; a zero coefficient's term is never computed)
-    L_MOPD = `mopd_loss` (estimator sampled: S, W from the batch) or `topk_reverse_kl_loss` (estimator topk)
+    L = c_rl·L_GRPO + c_d·L_MOPD          (`mopd.objective.Objective`, the one objective every engine calls)
+    L_MOPD = `mopd_loss` (estimator sampled: S, W from the batch) or `topk_reverse_kl` (estimator topk: the
+             student's log-probs of the teachers' top-k ids from the [B, T, V] logits, `token_logprobs`)
     g = ∇L; grad_norm = ‖g‖₂ before clipping; g ← g·min(1, grad_clip/grad_norm); AdamW step
 
 A step whose gradient norm is not finite is skipped (no parameter changes; `step_skipped` = 1).
@@ -73,12 +74,10 @@ from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, 
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.engines.residency import Residency
 from mopd_hpc.engines.torch_scoring import TorchScoringEngine
-from mopd_hpc.mopd.compose import compose_loss
-from mopd_hpc.mopd.grpo import grpo_policy_loss
-from mopd_hpc.mopd.logprobs import Backend
-from mopd_hpc.mopd.loss import mopd_loss
+from mopd_hpc.mopd.logprobs import Backend, token_logprobs
 from mopd_hpc.mopd.normalize import loss_denominator
-from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl_loss
+from mopd_hpc.mopd.objective import Objective, ObjectiveError
+from mopd_hpc.mopd.topk import TeacherTopK
 
 __all__ = ["TorchScoringEngine", "TorchTrainEngine"]
 
@@ -127,11 +126,11 @@ class TorchTrainEngine:
         data_parallel: DataParallel = DataParallel.single(),
         micro_batching: MicroBatching = MicroBatching(),
     ) -> None:
-        if loss.estimator == "topk" and loss.orm_alpha > 0:
-            raise EngineError(
-                f"loss.orm_alpha={loss.orm_alpha} with estimator 'topk': the advantage-level composition "
-                "needs the sampled estimator's advantage; use rl_coefficient with 'topk', or estimator 'sampled'"
-            )
+        try:
+            #: The composed loss of the bound `loss:` section (`mopd.objective`).
+            self.objective = Objective(loss)
+        except ObjectiveError as err:
+            raise EngineError(str(err)) from None
         self.path = path
         self.loss_config = loss
         self.optimizer_config = optimizer
@@ -238,54 +237,26 @@ class TorchTrainEngine:
         Raises:
             EngineError: the batch lacks what a positive coefficient's term reads.
         """
-        cfg = self.loss_config
         tokens = batch.tokens
         logits = self.forward.response_logits(tokens, self.train_module)
         logprobs = self.forward.token_logprobs(logits, tokens)
-        mask = tokens.response_mask
-        stats: dict[str, torch.Tensor] = {}
-
-        def distill() -> torch.Tensor:
-            if cfg.estimator == "topk":
-                if not batch.teacher_topk:
-                    raise EngineError(
-                        "estimator 'topk' needs batch.teacher_topk and teacher_weights; got none"
-                    )
-                value, s = topk_reverse_kl_loss(
-                    logits, batch.teacher_topk, batch.teacher_weights, mask, cfg, denominator=denominator
-                )
-            else:
-                if batch.targets is None:
-                    raise EngineError("estimator 'sampled' needs batch.targets (S, W); got None")
-                value, s = mopd_loss(
-                    logprobs,
-                    batch.behavior_logprobs,
-                    batch.targets.logp_sum,
-                    batch.targets.weight_sum,
-                    mask,
-                    cfg,
-                    orm_advantages=batch.orm_advantages,
-                    denominator=denominator,
-                )
-            stats.update(s)
-            return value
-
-        def rl() -> torch.Tensor:
-            if batch.orm_advantages is None:
-                raise EngineError(f"rl_coefficient={cfg.rl_coefficient} needs batch.orm_advantages; got None")
-            value, s = grpo_policy_loss(
-                logprobs,
-                batch.behavior_logprobs,
-                batch.orm_advantages,
-                mask,
-                cfg,
+        student = (lambda ids: token_logprobs(logits, ids)) if self.objective.uses_topk else None
+        try:
+            loss, stats = self.objective(
+                logprobs=logprobs,
+                behavior_logprobs=batch.behavior_logprobs,
+                loss_mask=tokens.response_mask,
+                targets=batch.targets,
+                teacher_topk=batch.teacher_topk,
+                teacher_weights=batch.teacher_weights,
+                student_logprobs=student,
+                orm_advantages=batch.orm_advantages,
                 ref_logprobs=batch.ref_logprobs,
                 denominator=denominator,
             )
-            stats.update(s)
-            return value
-
-        return compose_loss(cfg, rl=rl, distill=distill), logprobs, stats
+        except ObjectiveError as err:
+            raise EngineError(str(err)) from None
+        return loss, logprobs, stats
 
     def train_step(
         self,

@@ -10,6 +10,7 @@ from mopd_hpc.mopd.grpo import grpo_advantages, grpo_policy_loss
 from mopd_hpc.mopd.logprobs import LogprobError, token_logprobs
 from mopd_hpc.mopd.loss import mopd_loss
 from mopd_hpc.mopd.normalize import LossInputError, loss_denominator, normalize
+from mopd_hpc.mopd.objective import Objective, ObjectiveError
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine
 from mopd_hpc.mopd.plan import ExecutionPlan, PlanError
 from mopd_hpc.mopd.routing import RoutedDataset, RoutedSample, RoutedSource, RoutingError
@@ -22,6 +23,8 @@ __all__ = [
     "ExecutionPlan",
     "LogprobError",
     "LossInputError",
+    "Objective",
+    "ObjectiveError",
     "Phase",
     "PhaseMachine",
     "PlanError",

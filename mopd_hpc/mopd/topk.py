@@ -17,7 +17,7 @@ Shape legend: B sequences, T response positions, V vocabulary, K top-k tokens pe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,10 @@ class TeacherTopK:
         return cls(indices=indices, logprobs=values)
 
 
+#: Student log-probs of chosen ids: [B, T, K] int64 global token ids → [B, T, K] float log π_θ (with grad).
+StudentLogprobs = Callable[[torch.Tensor], torch.Tensor]
+
+
 def topk_reverse_kl_loss(
     student_logits: torch.Tensor,
     teacher_topk: Mapping[str, TeacherTopK],
@@ -54,11 +58,42 @@ def topk_reverse_kl_loss(
     *,
     denominator: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """L_MOPD of the `topk` estimator (formula in the module docstring).
+    """L_MOPD of the `topk` estimator from full-vocabulary logits (formula in the module docstring).
 
     Args:
         student_logits: [B, T, V] student logits at the response positions (any float dtype; the
             softmax is computed in float32 without a float32 [B, T, V] copy, or in float64 for float64).
+        teacher_topk, teacher_weights, loss_mask, config, denominator: as `topk_reverse_kl`.
+
+    Returns / Raises: as `topk_reverse_kl`; also LossInputError when student_logits is not [B, T, V].
+    """
+    if student_logits.dim() != 3:
+        raise LossInputError(f"student_logits has shape {list(student_logits.shape)}; expected [B, T, V]")
+    return topk_reverse_kl(
+        lambda ids: token_logprobs(student_logits, ids),
+        teacher_topk,
+        teacher_weights,
+        loss_mask,
+        config,
+        denominator=denominator,
+    )
+
+
+def topk_reverse_kl(
+    student_logprobs: StudentLogprobs,
+    teacher_topk: Mapping[str, TeacherTopK],
+    teacher_weights: Mapping[str, torch.Tensor],
+    loss_mask: torch.Tensor,
+    config: LossConfig,
+    *,
+    denominator: torch.Tensor | int | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """L_MOPD of the `topk` estimator (formula in the module docstring), the student's log-probs given as a
+    callable: `token_logprobs` of full logits, or `vocab_parallel.VocabParallelLogprobs` of one rank's
+    vocabulary shard (called once per teacher, in `teacher_topk`'s order: a collective there).
+
+    Args:
+        student_logprobs: [B, T, K] ids → [B, T, K] log π_θ of those ids (float, carries the gradient).
         teacher_topk: teacher_id → `TeacherTopK` ([B, T, K] each; K may differ between teachers).
         teacher_weights: teacher_id → [B] route weight w_j of each sample (0: the teacher's rows are
             ignored, e.g. not scored); every teacher in `teacher_topk` needs an entry.
@@ -75,34 +110,44 @@ def topk_reverse_kl_loss(
     Raises:
         LossInputError: shapes disagree or a teacher has no weight entry.
     """
-    if student_logits.dim() != 3:
-        raise LossInputError(f"student_logits has shape {list(student_logits.shape)}; expected [B, T, V]")
-    batch, length, _ = student_logits.shape
+    if loss_mask.dim() != 2:
+        raise LossInputError(f"loss_mask has shape {list(loss_mask.shape)}; expected [B, T]")
+    batch, length = loss_mask.shape
     mask = as_bool_mask(loss_mask, torch.Size((batch, length)))
-    dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    per_pos = torch.zeros((batch, length), dtype=dtype, device=student_logits.device)
-    mass = torch.zeros_like(per_pos)
-    total_w = torch.zeros(batch, dtype=dtype, device=student_logits.device)
+    device = loss_mask.device
+    dtype: torch.dtype | None = None
+    per_pos = mass = total_w = None
     for tid, top in teacher_topk.items():
         if tid not in teacher_weights:
             raise LossInputError(f"teacher {tid!r} has top-k log-probs but no entry in teacher_weights")
-        w = teacher_weights[tid].detach().to(dtype)
         if top.indices.shape != top.logprobs.shape or top.indices.shape[:2] != (batch, length):
             raise LossInputError(
                 f"teacher {tid!r}: indices {list(top.indices.shape)} and logprobs "
                 f"{list(top.logprobs.shape)}; expected equal [{batch}, {length}, K]"
             )
-        if w.shape != (batch,):
-            raise LossInputError(f"teacher_weights[{tid!r}] has shape {list(w.shape)}; expected [{batch}]")
-        active = mask & (w > 0)[:, None]
+        if teacher_weights[tid].shape != (batch,):
+            raise LossInputError(
+                f"teacher_weights[{tid!r}] has shape {list(teacher_weights[tid].shape)}; expected [{batch}]"
+            )
+        w_raw = teacher_weights[tid].detach()
+        active = mask & (w_raw > 0)[:, None]
         idx = torch.where(active[..., None], top.indices, 0)
+        lp = student_logprobs(idx)
+        if dtype is None:
+            dtype = torch.promote_types(lp.dtype, torch.float32)
+            per_pos = torch.zeros((batch, length), dtype=dtype, device=device)
+            mass = torch.zeros_like(per_pos)
+            total_w = torch.zeros(batch, dtype=dtype, device=device)
+        lp = lp.to(dtype)
+        w = w_raw.to(dtype)
         lq = torch.where(active[..., None], top.logprobs.detach().to(dtype), 0.0)
-        lp = token_logprobs(student_logits, idx).to(dtype)
         p, q = lp.exp(), lq.exp()
         d = (p * (lp - lq) - p + q).sum(dim=-1)
         per_pos = per_pos + torch.where(active, w[:, None] * d, 0.0)
         mass = mass + torch.where(active, w[:, None] * q.sum(dim=-1), 0.0)
         total_w = total_w + w
+    if per_pos is None or mass is None or total_w is None:
+        raise LossInputError("teacher_topk is empty; expected at least one teacher's [B, T, K] top-k")
     loss = normalize(torch.where(mask, per_pos, 0.0), mask, config.normalizer, denominator)
     stats: Stats = {
         "topk/loss": loss.detach().float(),

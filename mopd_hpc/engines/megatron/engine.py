@@ -15,8 +15,13 @@ response_start[b] + t − 1 (`TokenBatch.logit_positions`). Rows are right-padde
 The teacher's forward-only engine, `MegatronScoringEngine` (top-k at tensor_parallel 1), lives in
 `scoring.py` and is re-exported here (`engine.MegatronScoringEngine` resolves lazily: no import cycle).
 
-The train step (sampled estimator; loss bound at construction, `mopd.loss.mopd_loss`):
+The train step (the loss section bound at construction as `mopd.objective.Objective`: either estimator,
+GRPO at loss level c_rl, α·A_ORM at advantage level; `compute_loss`):
     zero DDP grad buffers → per micro-batch: loss → backward → finalize_model_grads → MegatronOptimizer.step()
+Estimator topk reads the vocab-parallel logits (GPTModel without labels) through
+`mopd.vocab_parallel.VocabParallelLogprobs`: per-shard logsumexp all-reduced over the TP group, each top-k id
+read on the rank owning it; no rank holds a [tokens × vocabulary] float32 tensor (the model-dtype local
+logits [B, L, V'/tp], their response rows and gradient, and one float32 block of rows).
 Micro-batches (`engines/micro_batch.py`, `models.actor.micro_batch_tokens`): the rows split by the token
 budget, each micro-batch's loss its per-token sum over the WHOLE step's denominator (`loss_denominator`,
 computed once), its backward accumulating into DDP's fp32 main-grad buffers; all but the last run under the
@@ -51,8 +56,15 @@ from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
 from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, split_rows, step_budget
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
-from mopd_hpc.mopd.loss import mopd_loss
 from mopd_hpc.mopd.normalize import loss_denominator
+from mopd_hpc.mopd.objective import Objective, ObjectiveError
+from mopd_hpc.mopd.topk import TeacherTopK
+from mopd_hpc.mopd.vocab_parallel import (
+    AllReduce,
+    VocabParallelLogprobs,
+    process_group_all_reduce,
+    vocab_parallel_topk,
+)
 
 #: Re-exported from `scoring.py` on first access (module `__getattr__`, PEP 562): importing it here eagerly
 #: would cycle, since scoring.py reads this module's shared pieces.
@@ -179,6 +191,16 @@ class MegatronForward:
         out = per_position.gather(1, batch.logit_positions.to(self.device))
         return torch.where(mask, out, torch.zeros_like(out))
 
+    def response_logits(self, batch: TokenBatch) -> torch.Tensor:
+        """[B, T, V_r] this TP rank's vocab-parallel logits (model dtype; V_r = V'/tp columns starting at
+        rank·V_r) at the positions predicting each response token; carries the graph when grads are on.
+        GPTModel's forward without labels gives [B, L, V_r] (`parallel_output`: no vocabulary gather)."""
+        ids = batch.input_ids.to(self.device)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        logits = self.model(ids, positions, None)
+        index = batch.logit_positions.to(self.device)[..., None].expand(-1, -1, logits.shape[-1])
+        return logits.gather(1, index)
+
 
 class MegatronTrainEngine:
     """The actor on megatron-core: DDP (distributed optimizer) + Megatron Adam, the MOPD loss bound once."""
@@ -192,11 +214,10 @@ class MegatronTrainEngine:
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
-        if loss.estimator != "sampled" or loss.rl_coefficient > 0:
-            raise EngineError(
-                f"the megatron engine supports loss.estimator 'sampled' without an RL term; got "
-                f"estimator={loss.estimator!r}, rl_coefficient={loss.rl_coefficient}"
-            )
+        try:
+            Objective(loss)  # refuses a loss section no engine can apply (see `objective`)
+        except ObjectiveError as err:
+            raise EngineError(str(err)) from None
         self.micro_batching = micro_batching
         if micro_batching.activation_checkpointing:
             enable_full_recompute(model)
@@ -218,6 +239,11 @@ class MegatronTrainEngine:
         except MemoryModelError:
             self.memory_shape = None
 
+    @property
+    def objective(self) -> Objective:
+        """The composed loss of the bound `loss:` section (`mopd.objective`; built from `loss_config`)."""
+        return Objective(self.loss_config)
+
     def _require_resident(self, what: str) -> None:
         if not self.residency.on_device:
             raise EngineError(f"{what}: the actor is offloaded; onload() first")
@@ -228,10 +254,68 @@ class MegatronTrainEngine:
         self.ddp.eval()
         return self.forward.token_logprobs(batch).float().cpu()
 
-    def topk(self, batch: TokenBatch, k: int) -> Any:
-        raise EngineError(
-            "the megatron engine has no top-k scoring (vocab-parallel); use loss.estimator: sampled"
+    @torch.no_grad()
+    def topk(self, batch: TokenBatch, k: int) -> TeacherTopK:
+        """The student's own top-min(k, V) per response position (no gradient), on the CPU: per-shard top-k
+        of the vocab-parallel logits, then the top-k of the TP group's candidates
+        (`vocab_parallel.vocab_parallel_topk`; a collective over the TP group at tensor_parallel > 1)."""
+        self._require_resident("topk")
+        self.ddp.eval()
+        logits = self.forward.response_logits(batch)
+        tp, rank, group = _tp_info()
+        gather = None
+        if tp > 1:
+
+            def gather(t: torch.Tensor) -> list[torch.Tensor]:
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t, group=group)
+                return parts
+
+        ids, values = vocab_parallel_topk(
+            logits, rank * logits.shape[-1], self.shape.vocab_size, k, gather, self._tp_all_reduce()
         )
+        return TeacherTopK(ids.cpu(), values.cpu())
+
+    def _tp_all_reduce(self) -> AllReduce | None:
+        """The TP group's all-reduce (None at tensor_parallel 1: one shard, no collective)."""
+        tp, _, group = _tp_info()
+        return None if tp == 1 else process_group_all_reduce(group)
+
+    def compute_loss(
+        self, batch: TrainBatch, denominator: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The bound objective of `batch` (on the device, B ≥ 1): (loss, the [B, T] float32 log π_θ(y_t) it
+        was computed from, carrying the gradient, the terms' statistics). Estimator sampled: the labels
+        path (vocab-parallel cross entropy). Estimator topk: one forward without labels, the sampled tokens'
+        and the teachers' top-k ids' log-probs from the vocab-parallel logits (`VocabParallelLogprobs`:
+        per-shard logsumexp all-reduced over the TP group, no vocabulary gather).
+
+        Raises:
+            EngineError: the batch lacks what a positive coefficient's term reads.
+        """
+        tokens = batch.tokens
+        mask = tokens.response_mask
+        student = None
+        if self.objective.uses_topk:
+            logits = self.forward.response_logits(tokens)
+            rank = _tp_info()[1]
+            student = VocabParallelLogprobs(
+                logits, rank * logits.shape[-1], self.shape.vocab_size, self._tp_all_reduce()
+            )
+            sampled = student(torch.where(mask, tokens.response_ids, 0)[..., None]).squeeze(-1)
+            logprobs = torch.where(mask, sampled, 0.0)
+        else:
+            logprobs = self.forward.token_logprobs(tokens)
+        try:
+            loss, stats = self.objective(
+                logprobs=logprobs, behavior_logprobs=batch.behavior_logprobs, loss_mask=mask,
+                targets=batch.targets, teacher_topk=batch.teacher_topk, teacher_weights=batch.teacher_weights,
+                student_logprobs=student, orm_advantages=batch.orm_advantages, ref_logprobs=batch.ref_logprobs,
+                denominator=denominator,
+            )  # fmt: skip
+        except ObjectiveError as err:
+            raise EngineError(str(err)) from None
+        return loss, logprobs, stats
 
     def train_step(
         self,
@@ -247,13 +331,11 @@ class MegatronTrainEngine:
         `TorchTrainEngine.train_step`).
 
         Raises:
-            EngineError: the actor is offloaded, or the batch has no targets (S, W).
+            EngineError: the actor is offloaded, or the batch lacks what a positive coefficient's term reads.
         """
         from megatron.core.distributed import finalize_model_grads
 
         self._require_resident("train_step")
-        if batch.targets is None:
-            raise EngineError("estimator 'sampled' needs batch.targets (S, W); got None")
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -267,14 +349,7 @@ class MegatronTrainEngine:
             rows = batch.stand_in() if part is None else part.batch
             sync = contextlib.nullcontext() if i == len(parts) - 1 else self.ddp.no_sync()
             with sync:
-                logprobs = self.forward.token_logprobs(rows.tokens)
-                targets = rows.targets
-                assert targets is not None  # checked on the whole batch above
-                loss, stats = mopd_loss(
-                    logprobs, rows.behavior_logprobs, targets.logp_sum, targets.weight_sum,
-                    rows.tokens.response_mask, self.loss_config, orm_advantages=rows.orm_advantages,
-                    denominator=denominator,
-                )  # fmt: skip
+                loss, logprobs, stats = self.compute_loss(rows, denominator)
                 loss.backward()
             combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
             if part is not None:
