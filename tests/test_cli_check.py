@@ -15,6 +15,7 @@ import yaml
 from mopd_hpc.cli import submit
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import RunConfig
+from mopd_hpc.config.gaps import job_gaps
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -37,6 +38,13 @@ def mopd_submit(*args: str | Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_check_prints_the_resolved_config(path: Path) -> None:
     proc = mopd_submit("--check", path)
+    if gaps := job_gaps(RunConfig.from_yaml(path)):  # the production configs: engines no role runs yet
+        # if --check passes, the job's roles can run it: else exit 2, naming each field, nothing on stdout
+        assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+        lines = proc.stderr.splitlines()
+        assert lines[0].endswith(f"asks for what the job's roles do not run yet ({len(gaps)}):")
+        assert lines[1 : 1 + len(gaps)] == [f"  - {g.render()}" for g in gaps]
+        return
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     first = proc.stdout.splitlines()[0]

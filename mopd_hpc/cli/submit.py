@@ -3,7 +3,8 @@
     mopd-submit run.yaml [--check] [--dry-run] [--render PATH] [--local] [--set KEY=VALUE ...]
                          [--run-dir DIR] [--resume RUN_DIR] [--probe]
 
-- `--check`: validate and print the resolved config; exit 0 or 2.
+- `--check`: validate and print the resolved config; exit 0, or 2 with every error, or with what the job's
+  roles do not run (`job_gaps`, config/capabilities.py): if --check passes, the job's roles can run it.
 - `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
 - `--dry-run`: print the config warnings (as --check does, one a line), the rank map (component, node, role,
   index, GPUs, named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch
@@ -35,7 +36,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
@@ -155,14 +156,27 @@ def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
 
 
 def check(config: str, overrides: Sequence[str], force_local: bool, out: TextIO, err: TextIO) -> int:
-    """Load, validate and print; returns 0, or EXIT_USAGE with every problem on `err`."""
+    """Load, validate and print; returns 0, or EXIT_USAGE with every problem on `err`: the config's errors,
+    else what the job's roles do not run (`job_gaps`, from config/capabilities.py). The rule: if --check
+    passes, the job's roles can run the config."""
     try:
         cfg = load_run_config(config, overrides, force_local)
     except ConfigError as exc:
         print(str(exc), file=err)
         return EXIT_USAGE
+    if gaps := job_gaps(cfg):
+        print(f"mopd-submit: {_gaps_refusal(gaps)}", file=err)
+        return EXIT_USAGE
     print_config(cfg, out, source=config)
     return 0
+
+
+def _gaps_refusal(gaps: Sequence[Any]) -> str:
+    return _bulleted(
+        f"this config is valid but asks for what the job's roles do not run yet ({len(gaps)}):",
+        [gap.render() for gap in gaps],
+        "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
+    )
 
 
 def unrunnable_roles(plan: JobPlan) -> list[str]:
@@ -225,13 +239,7 @@ def execute(
         if args.probe or (missing and not args.render and not args.dry_run):
             plan = plan.as_probe()
         elif not args.render and not args.dry_run and (gaps := job_gaps(cfg)):
-            raise UsageError(
-                _bulleted(
-                    f"this config is valid but asks for what the job's roles do not run yet ({len(gaps)}):",
-                    [gap.render() for gap in gaps],
-                    "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
-                )
-            )
+            raise UsageError(_gaps_refusal(gaps))
         runs_here = cfg.cluster.backend == "local" and not args.render and not args.dry_run
         if runs_here and not plan.probe and (absent := local_path_errors(cfg)):
             raise UsageError(

@@ -70,7 +70,7 @@ from mopd_hpc.engines.hf_model import (
 from mopd_hpc.engines.lr_schedule import lr_scheduler
 from mopd_hpc.engines.memory_model import dtype_bytes
 from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
-from mopd_hpc.engines.protocol import EngineError, ResidencyReport
+from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.residency import Residency
 from mopd_hpc.engines.torch_scoring import TorchScoringEngine
 from mopd_hpc.mopd.compose import compose_loss
@@ -127,11 +127,7 @@ class TorchTrainEngine:
         data_parallel: DataParallel = DataParallel.single(),
         micro_batching: MicroBatching = MicroBatching(),
     ) -> None:
-        if loss.estimator == "topk" and loss.orm_alpha > 0:
-            raise EngineError(
-                f"loss.orm_alpha={loss.orm_alpha} with estimator 'topk': the advantage-level composition "
-                "needs the sampled estimator's advantage; use rl_coefficient with 'topk', or estimator 'sampled'"
-            )
+        refuse_loss("torch", loss)  # what config/capabilities.py declares the torch engine computes
         self.path = path
         self.loss_config = loss
         self.optimizer_config = optimizer

@@ -50,7 +50,7 @@ from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
 from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, split_rows, step_budget
-from mopd_hpc.engines.protocol import EngineError, ResidencyReport
+from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.mopd.loss import mopd_loss
 from mopd_hpc.mopd.normalize import loss_denominator
 
@@ -192,11 +192,7 @@ class MegatronTrainEngine:
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
-        if loss.estimator != "sampled" or loss.rl_coefficient > 0:
-            raise EngineError(
-                f"the megatron engine supports loss.estimator 'sampled' without an RL term; got "
-                f"estimator={loss.estimator!r}, rl_coefficient={loss.rl_coefficient}"
-            )
+        refuse_loss("megatron", loss)  # what config/capabilities.py declares the megatron engine computes
         self.micro_batching = micro_batching
         if micro_batching.activation_checkpointing:
             enable_full_recompute(model)
