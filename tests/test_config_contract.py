@@ -37,6 +37,7 @@ from helpers_models import build_micro_models, save_micro_qwen3
 
 from mopd_hpc.cli import submit
 from mopd_hpc.config import load_run_config
+from mopd_hpc.config.refusals import embedded_table, refusals_table
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.teacher_server import ScoreResponse
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
@@ -331,3 +332,34 @@ def test_cpu_shape_that_passes_check_runs_locally(micro_models: Path, tmp_path: 
     assert all(math.isfinite(line["loss/total"]) and math.isfinite(line["loss/rl"]) for line in lines), lines
     if changes.get("loss.rl_coefficient"):
         assert any(line["loss/rl"] != 0 for line in lines), lines
+
+
+# ------------------------------------------------------------------------------- what the loss axes meet
+
+
+def test_the_loss_axes_meet_the_declared_refusals() -> None:
+    """A few points by name: the refusal the declarations give each (config/capabilities.py), and points
+    that must pass (the contract above would hold vacuously if --check refused everything)."""
+
+    def fields(**kw: object) -> list[str]:
+        point = LossPoint(**{"estimator": "sampled", "correction": "truncate", "rl": "none", "distill": True,
+                             "kl": False, "engine": "torch"} | kw)  # fmt: skip
+        return run_check(point.overrides())[1]
+
+    assert fields() == [] and fields(estimator="topk", rl="loss") == [] and fields(rl="advantage") == []
+    assert fields(rl="loss", kl=True) == ["loss.kl_coefficient"]  # no role scores a reference model
+    assert fields(estimator="topk", rl="advantage") == ["loss.orm_alpha"]
+    assert fields(kl=True) == ["loss.kl_coefficient"]  # a config error: the KL penalty lives in L_RL
+    assert fields(distill=False) == ["loss.distillation_coefficient"]  # nothing to train
+    assert fields(engine="megatron") == []
+    assert fields(engine="megatron", estimator="topk") == ["loss.estimator"]
+    assert fields(engine="megatron", rl="loss") == ["loss.rl_coefficient"]
+    ran = sum(1 for p in LOSS_POINTS if p.engine == "torch" and run_check(p.overrides())[0] == 0)
+    assert ran >= 12, ran  # 21 today: 9 sampled with distillation, 6 topk, 6 c_rl alone
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/en/mopd.md", "docs/zh/mopd.md"])
+def test_docs_hold_the_refusals_table_of_the_declarations(doc: str) -> None:
+    assert embedded_table((REPO / doc).read_text(encoding="utf-8")) == refusals_table(), (
+        f"{doc}: regenerate the table with `python -m mopd_hpc.config.refusals`"
+    )
