@@ -106,10 +106,8 @@ class LossPoint:
     @property
     def id(self) -> str:
         rl = {"none": "no-rl", "loss": "c_rl", "advantage": "alpha"}[self.rl]
-        return (
-            f"{self.engine}-{self.estimator}-{self.correction}-{rl}-{'distill' if self.distill else 'no-distill'}"
-            f"{'-kl' if self.kl else ''}"
-        )
+        distill = "distill" if self.distill else "no-distill"
+        return f"{self.engine}-{self.estimator}-{self.correction}-{rl}-{distill}{'-kl' if self.kl else ''}"
 
 
 LOSS_POINTS = [
@@ -263,11 +261,11 @@ SHAPE_REFUSALS = [
 #: CPU-free shapes that pass --check: where they run (skipped here: no CUDA).
 GPU_RUNS = [
     ("gpu-megatron-awex-colocate", REPO / "configs" / "local_gpu_colocated.yaml", [],
-     "tests/test_gpu_job.py[local_gpu_colocated-1] on the H200"),
+     "runs in tests/test_gpu_job.py[local_gpu_colocated-1] on the H200"),
     ("gpu-megatron-awex-separate", REPO / "configs" / "local_gpu_separated.yaml", [],
-     "tests/test_gpu_job.py[local_gpu_separated-2] on two H200s"),
+     "runs in tests/test_gpu_job.py[local_gpu_separated-2] on two H200s"),
     ("gpu-torch-1", LOCAL, ["cluster.group.gpus_per_node=1"],
-     "its train step on CUDA: tests/test_microbatch_gpu.py on the H200 (no whole job on one GPU yet)"),
+     "the torch train step ran on CUDA in tests/test_microbatch_gpu.py (H200); no whole job on one GPU yet"),
 ]  # fmt: skip
 
 
@@ -284,7 +282,7 @@ def test_shape_is_refused_by_check_naming_the_field(config: Path, overrides: lis
 )
 def test_gpu_shape_passes_check_and_runs_on_gpus(config: Path, overrides: list[str], where: str) -> None:
     assert run_check(overrides, config) == (0, [])
-    pytest.skip(f"gpu: runs in {where}")
+    pytest.skip(f"gpu: {where}")
 
 
 @pytest.fixture(scope="module")

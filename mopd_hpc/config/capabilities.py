@@ -5,8 +5,8 @@ The rule: if `mopd-submit --check` passes, the job's roles can run the config. `
 refuses what a declaration here does not cover (`config/gaps.py` `job_gaps`, the config rules' device checks
 in `config/rules.py`), each refusal a `Problem` naming the field, the value and the way out; the engines and
 roles re-check the same declarations at start (a config edited after submit): `TorchTrainEngine` and
-`MegatronTrainEngine` call `loss_refusals`, `roles/actor.check_actor_engine` calls `actor_refusals`, the
-teacher role and server call `teacher_refusals`. When an issue adds a capability, it changes a declaration
+`MegatronTrainEngine` call `loss_refusals` (engine_only), `roles/actor.check_actor_engine` calls
+`actor_refusals` and `loss_refusals`, the teacher role and server call `teacher_refusals`. When an issue adds a capability, it changes a declaration
 below, nothing else: e.g. a reference model for the KL penalty is `reference=True` on the engine that scores
 it; megatron top-k is `"topk"` in its `estimators`.
 
@@ -39,8 +39,10 @@ class ActorEngineSpec:
         devices: device kinds it trains on ("cpu", "gpu").
         estimators: `loss.estimator` values its distillation term computes.
         loss_rl: the loss-level RL term c_rl·L_GRPO (`loss.rl_coefficient > 0`).
-        advantage_rl: estimators with which the advantage-level term A_t + α·A_ORM (`loss.orm_alpha > 0`) runs.
-        reference: a reference model's log-probs reach the loss (the KL penalty, `loss.kl_coefficient > 0`).
+        advantage_rl: estimators with which the advantage-level term A_t + α·A_ORM (`loss.orm_alpha > 0`)
+            runs.
+        reference: the job's roles score a reference model for this actor, whose log-probs reach the KL
+            penalty (`loss.kl_coefficient > 0`; the engines' GRPO term computes it when given them).
         schedules: `models.actor.optimizer.schedule` values; warmup: `warmup_ratio > 0` is applied.
         tensor_parallel, pipeline_parallel: the largest sizes the role runs.
         data_parallel_cpu, data_parallel_gpu: the largest data-parallel size on each device kind (None: any).
@@ -65,7 +67,7 @@ class ActorEngineSpec:
 
 @dataclass(frozen=True, slots=True)
 class TeacherEngineSpec:
-    """What a teacher (scoring) engine serves: device kinds, the largest tensor-parallel size, top-k answers."""
+    """What a teacher (scoring) engine serves: device kinds, the largest tensor-parallel size, top-k."""
 
     name: str
     devices: tuple[str, ...]
@@ -80,7 +82,7 @@ class RolloutBackendSpec:
     name: str
     runs_in_job: bool
     devices: tuple[str, ...]
-    tensor_parallel: int
+    tensor_parallel: int | None  # GPUs per engine; None: any that fits a node
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +136,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
     # transformers generate on one device: an engine of tensor_parallel > 1 would use one of its GPUs
     "hf": RolloutBackendSpec("hf", runs_in_job=True, devices=("cpu", "gpu"), tensor_parallel=1),
     # engines/rollout/sglang_backend.py exists with its tests; the rollout role does not start it
-    "sglang": RolloutBackendSpec("sglang", runs_in_job=False, devices=("gpu",), tensor_parallel=8),
+    "sglang": RolloutBackendSpec("sglang", runs_in_job=False, devices=("gpu",), tensor_parallel=None),
 }
 
 WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
@@ -148,7 +150,7 @@ WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
 
 
 def _others(table: dict[str, Any], field: str, ok: Any, but: str = "") -> str:
-    """', or <field>: a / b' for the declared names other than `but` that `ok(spec)` accepts ('' when none)."""
+    """', or <field>: a / b' for the declared names but `but` that `ok(spec)` accepts ('' when none)."""
     names = [name for name, spec in table.items() if name != but and ok(spec)]
     return f", or {field}: {' / '.join(names)}" if names else ""
 
@@ -161,8 +163,10 @@ def _processes(n: int) -> str:
     return "one process" if n == 1 else f"at most {n} ranks"
 
 
-def loss_refusals(engine: str, loss: Any) -> list[Problem]:
-    """The `loss:` settings the actor engine `engine` cannot compute (paths `loss.*`), from its declaration.
+def loss_refusals(engine: str, loss: Any, *, engine_only: bool = False) -> list[Problem]:
+    """The `loss:` settings the job cannot train with the actor engine `engine` (paths `loss.*`), from its
+    declaration; `engine_only`: only what the engine itself does not compute (its constructor's re-check: the
+    reference log-probs of the KL penalty are an input the engine computes with, the job's roles supply them).
 
     A term is checked only when it is computed: the estimator when distillation_coefficient > 0, the
     advantage-level term when also orm_alpha > 0, the KL penalty when rl_coefficient > 0 (kl without RL is
@@ -204,7 +208,7 @@ def loss_refusals(engine: str, loss: Any) -> list[Problem]:
                 + " / ".join(spec.advantage_rl),
             )
         )
-    if loss.rl_coefficient > 0 and loss.kl_coefficient > 0 and not spec.reference:
+    if loss.rl_coefficient > 0 and loss.kl_coefficient > 0 and not spec.reference and not engine_only:
         out.append(
             Problem(
                 "loss.kl_coefficient",
@@ -233,7 +237,8 @@ def optimizer_refusals(engine: str, optimizer: Any) -> list[Problem]:
             )
             + f"(warmup_ratio {optimizer.warmup_ratio})",
             optimizer.schedule,
-            f"schedule: {spec.schedules[0]}{'' if spec.warmup else ' and warmup_ratio: 0'} with engine: {engine}"
+            f"schedule: {spec.schedules[0]}{'' if spec.warmup else ' and warmup_ratio: 0'} "
+            f"with engine: {engine}"
             + _others(
                 ACTOR_ENGINES, "engine", lambda s: s.warmup and optimizer.schedule in s.schedules, but=engine
             ),
@@ -259,7 +264,8 @@ def actor_refusals(
         return [
             Problem(
                 "models.actor.engine",
-                f"the {engine} engine trains on {_devices(spec.devices)} only; the actor's device is a {device.upper()}",
+                f"the {engine} engine trains on {_devices(spec.devices)} only; the actor's device is a "
+                f"{device.upper()}",
                 engine,
                 f"a {_devices(spec.devices)} group ({group_path}.gpus_per_node)"
                 + _others(ACTOR_ENGINES, "engine", lambda s: device in s.devices, but=engine),
@@ -303,7 +309,8 @@ def actor_refusals(
         out.append(
             Problem(
                 "models.actor.engine",
-                f"the actor role runs the {engine} engine at data-parallel size ≤ {limit} on {device.upper()}s: the actor "
+                f"the actor role runs the {engine} engine at data-parallel size ≤ {limit} on "
+                f"{device.upper()}s: the actor "
                 f"has {world} trainer ranks{f' ({how})' if how else ''}, dp {dp} = world / "
                 f"(tensor_parallel·pipeline_parallel)",
                 engine,
@@ -365,7 +372,7 @@ def rollout_refusals(backend: str, tensor_parallel: int) -> list[Problem]:
                 f"expected {' / '.join(repr(r) for r in running)}",
             )
         ]
-    if tensor_parallel > spec.tensor_parallel:
+    if spec.tensor_parallel is not None and tensor_parallel > spec.tensor_parallel:
         return [
             Problem(
                 "rollout.engines.tensor_parallel",
@@ -379,7 +386,8 @@ def rollout_refusals(backend: str, tensor_parallel: int) -> list[Problem]:
 
 
 def weight_sync_refusals(backend: str, actor_engine: str, rollout_backend: str) -> Iterator[Problem]:
-    """What the `backend` weight sync does not connect: the actor engine it writes from, the rollout it reads into."""
+    """What the `backend` weight sync does not connect: the actor engine it writes from, the rollout it
+    reads into."""
     spec = WEIGHT_SYNCS[backend]
     if actor_engine not in spec.actor_engines:
         yield Problem(

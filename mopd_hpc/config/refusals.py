@@ -106,7 +106,7 @@ def refusal_rows() -> list[tuple[str, str, str]]:
     for name, spec in ROLLOUT_BACKENDS.items():
         if not spec.runs_in_job:
             rows.append(("rollout.backend", f"`{name}` (no role runs it yet)", _names(running)))
-        else:
+        elif spec.tensor_parallel is not None:
             rows.append(
                 (
                     "rollout.engines.tensor_parallel",

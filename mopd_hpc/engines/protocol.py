@@ -28,12 +28,12 @@ class EngineError(ValueError):
 
 def refuse_loss(engine: str, loss: Any) -> None:
     """Re-check at construction what `mopd-submit --check` checked: the `loss:` terms the actor engine `engine`
-    computes (`config/capabilities.py` `loss_refusals`, one declaration for both).
+    computes (`config/capabilities.py` `loss_refusals(engine_only=True)`, one declaration for both).
 
     Raises:
-        EngineError: one line per refused field, e.g. `loss.kl_coefficient: ... (got 0.1; kl_coefficient: 0)`.
+        EngineError: one line per refused field, e.g. `loss.estimator: ... (got 'topk'; loss.estimator: ...)`.
     """
-    if problems := loss_refusals(engine, loss):
+    if problems := loss_refusals(engine, loss, engine_only=True):
         raise EngineError("; ".join(p.render() for p in problems))
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.capabilities import ACTOR_ENGINES, actor_refusals
+from mopd_hpc.config.capabilities import ACTOR_ENGINES, actor_refusals, loss_refusals
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.rollout.client import RolloutClient
@@ -87,7 +87,8 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
     """The engine `models.actor.engine` names, if this child can run it; checked before waiting for servers,
     from the declarations `mopd-submit --check` used (`config/capabilities.py` `actor_refusals`): this child's
     device (a GPU when the plan gives it one: `RoleEnv.device`, or CUDA_VISIBLE_DEVICES set), the actor
-    world size (MOPD_WORLD_SIZE) and the engine's tensor_parallel / pipeline_parallel.
+    world size (MOPD_WORLD_SIZE), the engine's tensor_parallel / pipeline_parallel, and the loss terms the job
+    trains with it (`loss_refusals`: e.g. the KL penalty while no role scores a reference model).
 
     Raises:
         RoleEnvError: an unknown engine, or one problem per refused field (the field, its value, the way
@@ -107,7 +108,7 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
         role.world_size,
         actor.tensor_parallel,
         actor.pipeline_parallel,
-    )
+    ) + loss_refusals(actor.engine, cfg.loss)
     if problems:
         here = f" (this child: MOPD_WORLD_SIZE {role.world_size}, CUDA_VISIBLE_DEVICES {visible!r})"
         raise RoleEnvError("; ".join(p.render() for p in problems) + here)
