@@ -361,3 +361,23 @@ def test_docs_hold_the_refusals_table_of_the_declarations(doc: str) -> None:
     assert embedded_table((REPO / doc).read_text(encoding="utf-8")) == refusals_table(), (
         f"{doc}: regenerate the table with `python -m mopd_hpc.config.refusals`"
     )
+
+
+def test_the_roles_recheck_the_same_declarations_at_start(tmp_path: Path) -> None:
+    """A config edited after submit (loaded, so valid, but refused by --check) stops the child before it
+    waits for servers, with the refusal --check gives."""
+    from mopd_hpc.config.gaps import job_gaps
+    from mopd_hpc.roles.env import RoleEnvError
+    from mopd_hpc.roles.rollout import server_args
+
+    kl = load_run_config(LOCAL, [*BASE, "loss.rl_coefficient=0.5", "loss.kl_coefficient=0.1"])
+    (gap,) = job_gaps(kl)
+    with pytest.raises(RoleEnvError) as info:
+        check_actor_engine(kl, actor_role(tmp_path), {})
+    assert str(info.value).startswith(gap.render())
+    wide = load_run_config(LOCAL, ["cluster.group.gpus_per_node=2", "rollout.engines.tensor_parallel=2"])
+    assert [g.path for g in job_gaps(wide)] == ["models.actor.engine", "rollout.engines.tensor_parallel"]
+    with pytest.raises(
+        RoleEnvError, match=r"^rollout\.engines\.tensor_parallel: a hf rollout engine runs on one"
+    ):
+        server_args(actor_role(tmp_path), wide, {})
