@@ -52,6 +52,7 @@ from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableEr
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address, read_job_token
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, CheckpointRequest
 from mopd_hpc.trainer.actor_group import Group
@@ -110,7 +111,7 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
         actor.pipeline_parallel,
     ) + loss_refusals(actor.engine, cfg.loss)
     if problems:
-        here = f" (this child: MOPD_WORLD_SIZE {role.world_size}, CUDA_VISIBLE_DEVICES {visible!r})"
+        here = f" (this child: {child_env.WORLD_SIZE} {role.world_size}, CUDA_VISIBLE_DEVICES {visible!r})"
         raise RoleEnvError("; ".join(p.render() for p in problems) + here)
     return actor.engine
 
