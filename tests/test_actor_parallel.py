@@ -20,6 +20,7 @@ LOCAL = CONFIGS / "local_cpu.yaml"
 SLURM_GPUS = [
     "cluster.backend=slurm", "models.actor.engine=megatron", "weight_sync.backend=torch",
     "models.actor.optimizer.schedule=constant", "models.actor.optimizer.warmup_ratio=0",
+    "loss.estimator=sampled",  # the megatron engine's estimator (config/capabilities.py)
 ]  # fmt: skip
 
 
@@ -230,10 +231,10 @@ def test_cpu_torch_dp_runs_gpu_torch_and_megatron_beyond_one_process_are_gaps() 
         assert job_gaps(load_run_config(CONFIGS / config)) == []
     megatron = load_run_config(LOCAL, [*SLURM_GPUS, "cluster.group.gpus_per_node=4"])
     assert [g.render() for g in job_gaps(megatron)] == [
-        "models.actor.engine: the actor role runs the megatron engine on one process: data parallelism (dp 4 = "
-        "world 4 / (tensor_parallel·pipeline_parallel), world = cluster.group.nodes × gpus_per_node = 1 × 4) "
-        "needs ranks it does not start (got 'megatron'; one trainer slot (cluster.group.nodes: 1 and "
-        "gpus_per_node: 1), or engine: torch on CPU ranks)"
+        "models.actor.engine: the actor role runs the megatron engine at data-parallel size ≤ 1 on GPUs: the "
+        "actor has 4 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 4), dp 4 = world / "
+        "(tensor_parallel·pipeline_parallel) (got 'megatron'; one trainer slot (cluster.group.nodes × "
+        "gpus_per_node), or engine: torch on CPU ranks)"
     ]
     staged = load_run_config(
         LOCAL, [*SLURM_GPUS, "cluster.group.gpus_per_node=2", "models.actor.pipeline_parallel=2"]

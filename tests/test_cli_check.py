@@ -16,6 +16,7 @@ from helpers_models import hub_cache_for
 from mopd_hpc.cli import submit
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import RunConfig
+from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.launch.hub_cache import is_hub_id
 from mopd_hpc.launch.model_check import model_paths, resolve_hub_ids
 
@@ -55,6 +56,13 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_check_prints_the_resolved_config(path: Path, hub_cache: Path) -> None:
     cfg = RunConfig.from_yaml(path)
     proc = mopd_submit("--check", path, hub_cache=hub_cache if hub_ids(cfg) else None)
+    if gaps := job_gaps(cfg):  # the production configs: engines no role runs yet
+        # if --check passes, the job's roles can run it: else exit 2, naming each field, nothing on stdout
+        assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+        lines = proc.stderr.splitlines()
+        assert lines[0].endswith(f"asks for what the job's roles do not run yet ({len(gaps)}):")
+        assert lines[1 : 1 + len(gaps)] == [f"  - {g.render()}" for g in gaps]
+        return
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     first = proc.stdout.splitlines()[0]

@@ -55,15 +55,15 @@ def test_torch_actor_on_several_cpu_ranks_is_data_parallel() -> None:
 def test_torch_actor_on_several_gpus_is_a_job_gap() -> None:
     cfg = load_run_config(LOCAL, ["cluster.group.gpus_per_node=2"])
     assert [g.render() for g in job_gaps(cfg)] == [
-        "models.actor.engine: the torch actor has trained on several ranks on CPU only (gloo), not yet on GPUs: "
-        "the actor has 2 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 2) (got 'torch'; one trainer "
-        "slot (cluster.group.nodes: 1 and gpus_per_node: 1), or CPU ranks (cluster.group.gpus_per_node: 0, "
-        "actor_ranks_per_node))"
+        "models.actor.engine: the actor role runs the torch engine at data-parallel size ≤ 1 on GPUs: the actor "
+        "has 2 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 2), dp 2 = world / "
+        "(tensor_parallel·pipeline_parallel) (got 'torch'; one trainer slot (cluster.group.nodes × "
+        "gpus_per_node), or CPU ranks (cluster.group.gpus_per_node: 0, actor_ranks_per_node))"
     ]
-    rc, out, _ = execute(str(LOCAL), "--check", "--set", "cluster.group.gpus_per_node=2")
-    assert (
-        rc == 0 and "# warning: not run by the job's roles yet: models.actor.engine: the torch actor" in out
-    )
+    # --check refuses it (if --check passes, the job's roles can run it), naming the field
+    rc, out, err = execute(str(LOCAL), "--check", "--set", "cluster.group.gpus_per_node=2")
+    assert (rc, out) == (2, "")
+    assert err.splitlines()[1].startswith("  - models.actor.engine: the actor role runs the torch engine at ")
 
 
 def test_separated_rollout_gpus_are_not_actor_ranks() -> None:

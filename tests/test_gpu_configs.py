@@ -33,10 +33,10 @@ def mopd_submit(*args: str | Path, hub_cache: Path | None = None) -> subprocess.
     )  # fmt: skip
 
 
-def test_check_passes() -> None:
-    proc = mopd_submit("--check", CONFIG)
-    assert proc.returncode == 0, proc.stderr
-    assert "is valid" in proc.stdout
+def test_check_refuses_what_the_roles_do_not_run() -> None:
+    proc = mopd_submit("--check", CONFIG)  # valid, but no role runs megatron TP 8 or sglang yet
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert "this config is valid but asks for what the job's roles do not run yet (4):" in proc.stderr
     cfg = RunConfig.from_yaml(CONFIG)
     assert cfg.models.actor.engine == "megatron" and cfg.models.actor.tensor_parallel == 8
     assert (cfg.rollout.backend, cfg.rollout.engines.count, cfg.rollout.engines.tensor_parallel) == (
@@ -119,15 +119,18 @@ def test_awex_colocate_rejected_by_check_cli(tmp_path: Path) -> None:
 )
 def test_production_engines_are_refused_at_submit_not_substituted(config: str, tmp_path: Path) -> None:
     """The job's roles run the megatron actor at TP 1, the HF rollout and AWEX colocate only: a TP-8 /
-    sglang config is valid (--check warns, --dry-run works) but mopd-submit refuses to run it, naming each
+    sglang config is valid (--dry-run works) but --check and mopd-submit refuse to run it, naming each
     field, before any process starts. Its hub ids (gsm8k: Qwen/Qwen3-0.6B, Qwen/Qwen3-14B) are in a hub
     cache built here, as on a host that downloaded them."""
     cache = hub_cache_for([REPO / config], tmp_path / "hub")
     check = mopd_submit("--check", REPO / config, hub_cache=cache)
-    assert check.returncode == 0, check.stderr
-    assert "# warning: not run by the job's roles yet: models.actor.tensor_parallel: the actor role runs the " \
-        "megatron engine on one process: tensor_parallel > 1 needs ranks it does not start (got 8; expected 1)" \
-        in check.stdout  # fmt: skip
+    assert check.returncode == 2, check.stderr
+    assert "  - models.actor.tensor_parallel: the actor role runs the megatron engine at tensor_parallel ≤ 1 " \
+        "(one process): tensor_parallel 8 needs ranks it does not start (got 8; expected ≤ 1)" \
+        in check.stderr  # fmt: skip
+    dry = mopd_submit("--dry-run", REPO / config, "--run-dir", tmp_path / "dry")
+    assert dry.returncode == 0 and "# warning: not run by the job's roles yet: models.actor.tensor_parallel: " \
+        in dry.stdout, dry.stderr  # fmt: skip
     run = mopd_submit(REPO / config, "--run-dir", tmp_path / "run", hub_cache=cache)
     assert run.returncode == 2
     for field in ("models.actor.tensor_parallel", "rollout.backend", "weight_sync.backend"):

@@ -80,10 +80,10 @@ def test_teacher_at_tp2_is_a_gap_naming_the_field_value_and_1() -> None:
     gaps = [g for g in job_gaps(gpu_config(2)) if g.path.startswith("models.teachers")]
     assert len(gaps) == 1
     gap = gaps[0]
-    assert (gap.path, gap.got, gap.expected) == ("models.teachers[0].tensor_parallel", 2, "expected 1")
+    assert (gap.path, gap.got, gap.expected) == ("models.teachers[0].tensor_parallel", 2, "expected ≤ 1")
     assert gap.render() == (
-        "models.teachers[0].tensor_parallel: the teacher role serves each teacher from one process: a "
-        "megatron teacher at tensor_parallel > 1 needs follower ranks it does not start (got 2; expected 1)"
+        "models.teachers[0].tensor_parallel: the teacher role serves a megatron teacher at tensor_parallel ≤ 1 "
+        "(one process, no follower ranks): tensor_parallel 2 needs ranks it does not start (got 2; expected ≤ 1)"
     )
     warnings = gpu_config(2).warnings()
     assert any(
@@ -122,13 +122,17 @@ def test_teacher_args_megatron_without_a_gpu_names_the_field(tmp_path: Path, vis
     with pytest.raises(RoleEnvError) as err:
         teacher_args(role(tmp_path, environ), gpu_config(1), environ)
     text = str(err.value)
-    assert text.startswith("models.teachers[0].engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is ")
-    assert repr(visible) in text and "engine: torch" in text
+    assert text == (
+        "models.teachers[0].engine: the megatron teacher engine scores on GPU only; the teacher's device is a "
+        f"CPU (got 'megatron'; a GPU group, or engine: torch) (CUDA_VISIBLE_DEVICES {visible!r})"
+    )
 
 
 def test_teacher_args_tensor_parallel_2_names_the_field(tmp_path: Path) -> None:
     environ = {"MOPD_TEACHER_ID": "teacher", "CUDA_VISIBLE_DEVICES": "0,1"}
-    with pytest.raises(RoleEnvError, match=r"^models\.teachers\[0\]\.tensor_parallel=2: .*expected 1$"):
+    with pytest.raises(
+        RoleEnvError, match=r"^models\.teachers\[0\]\.tensor_parallel: .*\(got 2; expected ≤ 1\) \(CUDA_VIS"
+    ):
         teacher_args(role(tmp_path, environ), gpu_config(2), environ)
 
 
@@ -183,7 +187,7 @@ def test_megatron_on_a_cpu_device_names_the_field(tmp_path: Path, monkeypatch: p
 
 
 def test_tensor_parallel_and_unknown_engine_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(EngineError, match=r"^models\.teachers\[0\]\.tensor_parallel=2: .*expected 1$"):
+    with pytest.raises(EngineError, match=r"^models\.teachers\[0\]\.tensor_parallel=2: .*expected ≤ 1$"):
         build_engine(cli_args(tmp_path, tensor_parallel=2, source="models.teachers[0]"))
     with pytest.raises(EngineError, match=r"^--engine='vllm': expected one of torch, megatron$"):
         build_engine(cli_args(tmp_path, engine="vllm"))

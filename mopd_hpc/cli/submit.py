@@ -3,11 +3,12 @@
     mopd-submit run.yaml [--check] [--dry-run] [--render PATH] [--local] [--set KEY=VALUE ...]
                          [--run-dir DIR] [--resume RUN_DIR] [--probe]
 
-- `--check`: validate and print the resolved config; exit 0 or 2. The models are checked here too
-  (launch/model_check.py): a hub id is resolved through this host's Hugging Face cache (refused, with the
-  command that fetches it, when the cache does not hold it), the model files the children read are opened
-  (tokenizer, config.json, weight headers) and the tokenizers compared; every submission but --dry-run and
-  --probe does the same, and the job receives the resolved snapshot directories.
+- `--check`: validate and print the resolved config; exit 0, or 2 with every error, or with what the job's
+  roles do not run (`job_gaps`, config/capabilities.py): if --check passes, the job's roles can run it. The
+  models are checked here too (launch/model_check.py): a hub id is resolved through this host's Hugging Face
+  cache (refused, with the command that fetches it, when the cache does not hold it), the model files the
+  children read are opened (tokenizer, config.json, weight headers) and the tokenizers compared; every
+  submission but --dry-run and --probe does the same, and the job receives the resolved snapshot directories.
 - `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
 - `--dry-run`: print the config warnings (as --check does, one a line), the rank map (component, node, role,
   index, GPUs, named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch
@@ -39,7 +40,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
@@ -164,15 +165,27 @@ def print_config(cfg: RunConfig, out: TextIO, source: str = "", notes: Sequence[
 
 def check(config: str, overrides: Sequence[str], force_local: bool, out: TextIO, err: TextIO) -> int:
     """Load, validate (the models' files too: launch/model_check.py) and print; returns 0, or EXIT_USAGE with
-    every problem on `err`."""
+    every problem on `err`: the config's errors, else what the job's roles do not run (`job_gaps`, from
+    config/capabilities.py). The rule: if --check passes, the job's roles can run the config."""
     try:
         written = load_run_config(config, overrides, force_local)
         cfg = prepare_models(written, config)
     except ConfigError as exc:
         print(str(exc), file=err)
         return EXIT_USAGE
+    if gaps := job_gaps(cfg):
+        print(f"mopd-submit: {_gaps_refusal(gaps)}", file=err)
+        return EXIT_USAGE
     print_config(cfg, out, source=config, notes=resolution_notes(written, cfg))
     return 0
+
+
+def _gaps_refusal(gaps: Sequence[Any]) -> str:
+    return _bulleted(
+        f"this config is valid but asks for what the job's roles do not run yet ({len(gaps)}):",
+        [gap.render() for gap in gaps],
+        "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
+    )
 
 
 def unrunnable_roles(plan: JobPlan) -> list[str]:
@@ -237,13 +250,7 @@ def execute(
         if args.probe or (missing and not args.render and not args.dry_run):
             plan = plan.as_probe()
         elif not args.render and not args.dry_run and (gaps := job_gaps(cfg)):
-            raise UsageError(
-                _bulleted(
-                    f"this config is valid but asks for what the job's roles do not run yet ({len(gaps)}):",
-                    [gap.render() for gap in gaps],
-                    "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
-                )
-            )
+            raise UsageError(_gaps_refusal(gaps))
         runs_here = cfg.cluster.backend == "local" and not args.render and not args.dry_run
         if runs_here and not plan.probe and (absent := local_path_errors(cfg)):
             raise UsageError(

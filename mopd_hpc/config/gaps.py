@@ -1,121 +1,70 @@
-"""What the job's roles do not run yet (issue 8): `job_gaps(cfg)`, one `Problem` per valid setting that
-`mopd-submit` refuses to run (re-exported by `config/rules.py`, whose `config_warnings` lists them first).
+"""What the job's roles do not run: `job_gaps(cfg)`, one `Problem` per valid setting that `mopd-submit
+--check` (and so every submit) refuses (re-exported by `config/rules.py`, whose `config_warnings` lists them
+first, for --dry-run and --render, which still show such a config).
 
-Each gap names the field, its value and the value the roles run, so the user can change that field (or
-wait for the role that runs it) instead of getting a substitute engine silently.
+Every refusal is derived from the declarations of `config/capabilities.py` (what each actor engine, teacher
+engine, rollout backend and weight-sync backend runs); each names the field, its value and the way out, so
+the user changes that field (or waits for the role that runs it) instead of a job that fails after the
+queue wait, or a substitute engine silently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib.util
 from typing import Any
 
+from mopd_hpc.config.capabilities import (
+    ROLLOUT_BACKENDS,
+    actor_refusals,
+    loss_refusals,
+    rollout_refusals,
+    teacher_refusals,
+    weight_sync_refusals,
+)
 from mopd_hpc.config.parallel import actor_world
-from mopd_hpc.config.problems import Problem, join_path
+from mopd_hpc.config.problems import Problem
 
 
 def job_gaps(cfg: Any) -> list[Problem]:
-    """Valid settings that the job's roles do not run yet, one problem each (issue 8).
-
-    The roles run: the torch actor on one process, or on several CPU ranks (data parallelism over the trainer
-    slots, config/parallel.py: it has not run on GPUs yet), or the megatron actor at tensor_parallel,
-    pipeline_parallel and data-parallel size 1 (one process); torch or
-    megatron teachers at tensor_parallel 1; the HF rollout server; torch.distributed weight sync, or AWEX
-    (colocate or separate mode) from the megatron actor to the HF server. The rest (tensor-parallel actors
-    and teachers, SGLang in the rollout role) exists as components with their tests and benchmarks, but no
-    role runs it: such a config passes --check, --dry-run, --render and --probe, and mopd-submit refuses to
-    run it.
-    """
-    out = []
-    actor = cfg.models.actor
-    if actor.engine == "megatron" and actor.tensor_parallel != 1:
-        out.append(
-            Problem(
-                "models.actor.tensor_parallel",
-                "the actor role runs the megatron engine on one process: tensor_parallel > 1 needs ranks "
-                "it does not start",
-                actor.tensor_parallel,
-                "expected 1",
-            )
-        )
-    for i, teacher in enumerate(cfg.models.teachers):
-        # the teacher role builds the torch or the megatron scoring engine (roles/teacher.py), one
-        # process per teacher: a tensor-parallel teacher would need follower ranks the role does not start
-        if teacher.tensor_parallel != 1:
-            out.append(
-                Problem(
-                    join_path("models", "teachers", i, "tensor_parallel"),
-                    f"the teacher role serves each teacher from one process: a {teacher.engine} teacher at "
-                    "tensor_parallel > 1 needs follower ranks it does not start",
-                    teacher.tensor_parallel,
-                    "expected 1",
-                )
-            )
-    if cfg.rollout.backend != "hf":
-        out.append(
-            Problem(
-                "rollout.backend",
-                "the rollout role runs the hf server only",
-                cfg.rollout.backend,
-                "expected 'hf'",
-            )
-        )
-    if cfg.weight_sync.backend == "awex":
-        out += _awex_gaps(cfg)
-    return out + list(_actor_world_gaps(cfg))  # last: the refusals before issue 16 keep their order
-
-
-def _actor_world_gaps(cfg: Any) -> Iterator[Problem]:
-    """The actor beyond one rank: the torch engine has run data-parallel on CPU ranks only (gloo); the
-    megatron engine has run on one GPU only (its TP, PP and DP runs are the multi-GPU issue's)."""
+    """Valid settings of a loaded RunConfig that the job's roles do not run, one problem each, in the order:
+    the actor's shape, the teachers, the rollout backend, the weight sync, the loss (`config/capabilities.py`
+    says what runs; README "What --check refuses" lists it)."""
     actor, group = cfg.models.actor, cfg.cluster.trainer_group
+    device = "gpu" if group.gpus_per_node else "cpu"
     world = actor_world(cfg.cluster, cfg.rollout)
-    if world.size <= 1:
-        return
-    one_slot = f"one trainer slot ({world.group_path}.nodes: 1 and gpus_per_node: 1)"
-    if actor.engine == "torch" and group.gpus_per_node:
-        yield Problem(
-            "models.actor.engine",
-            f"the torch actor has trained on several ranks on CPU only (gloo), not yet on GPUs: the actor has "
-            f"{world.size} trainer ranks ({world.how})",
+    out: list[Problem] = []
+    if world.size > 0:  # else config/rules.py reports the rollout engines taking every GPU
+        out += actor_refusals(
             actor.engine,
-            f"{one_slot}, or CPU ranks ({world.group_path}.gpus_per_node: 0, actor_ranks_per_node)",
+            device,
+            world.size,
+            actor.tensor_parallel,
+            actor.pipeline_parallel,
+            how=world.how,
+            group_path=world.group_path,
         )
-    elif actor.engine == "megatron":
-        if actor.pipeline_parallel != 1:
-            yield Problem(
-                "models.actor.pipeline_parallel",
-                "the actor role runs the megatron engine on one process: pipeline_parallel > 1 needs ranks "
-                "it does not start",
-                actor.pipeline_parallel,
-                "expected 1",
-            )
-        dp = world.size // (actor.tensor_parallel * actor.pipeline_parallel)
-        if dp > 1:
-            yield Problem(
-                "models.actor.engine",
-                f"the actor role runs the megatron engine on one process: data parallelism (dp {dp} = world "
-                f"{world.size} / (tensor_parallel·pipeline_parallel), world = {world.how}) needs ranks it "
-                "does not start",
-                actor.engine,
-                f"{one_slot}, or engine: torch on CPU ranks",
-            )
+    estimator = cfg.loss.estimator if cfg.loss.distillation_coefficient > 0 else None
+    for i, teacher in enumerate(cfg.models.teachers):
+        out += teacher_refusals(i, teacher.engine, device, teacher.tensor_parallel, estimator)
+    out += rollout_refusals(cfg.rollout.backend, cfg.rollout.engines.tensor_parallel)
+    out += _backend_package(cfg)
+    out += weight_sync_refusals(cfg.weight_sync.backend, actor.engine, cfg.rollout.backend)
+    return out + loss_refusals(actor.engine, cfg.loss)
 
 
-def _awex_gaps(cfg: Any) -> Iterator[Problem]:
-    """AWEX runs in the job from the megatron actor to the HF rollout server (colocate or separate mode)."""
-    engine, backend = cfg.models.actor.engine, cfg.rollout.backend
-    if engine != "megatron":
-        yield Problem(
-            "weight_sync.backend",
-            f"the AWEX writer needs the megatron actor; models.actor.engine is {engine!r}",
-            "awex",
-            "models.actor.engine: megatron, or weight_sync.backend: torch",
+def _backend_package(cfg: Any) -> list[Problem]:
+    """The rollout backend's package where the job will run: on the local backend that is this machine, so
+    an sglang that does not import here is refused (on Slurm it is the rollout nodes', which the submit host
+    cannot see: `config_warnings` says so, and the role names the missing package at start)."""
+    package = ROLLOUT_BACKENDS[cfg.rollout.backend].package
+    if package is None or cfg.cluster.backend != "local" or importlib.util.find_spec(package) is not None:
+        return []
+    return [
+        Problem(
+            "rollout.backend",
+            f"the {cfg.rollout.backend} backend's package {package!r} does not import on this machine, where "
+            "cluster.backend local runs the job",
+            cfg.rollout.backend,
+            f"install {package} here (pip install 'mopd_hpc[{package}]'), or rollout.backend: hf",
         )
-    if backend != "hf":
-        yield Problem(
-            "weight_sync.backend",
-            f"the job's AWEX reader is the hf rollout server's (/awex/init); rollout.backend is {backend!r}",
-            "awex",
-            "rollout.backend: hf, or weight_sync.backend: torch",
-        )
+    ]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mopd_hpc.config.capabilities import ACTOR_ENGINES, ROLLOUT_BACKENDS, TEACHER_ENGINES, optimizer_refusals
 from mopd_hpc.config.data import unevaluated_sources
 from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message
@@ -152,9 +153,9 @@ def _actor_layout(c: Any) -> Iterator[Problem]:
     actor, group = c.models.actor, c.cluster.trainer_group
     world = actor_world(c.cluster, c.rollout)
     where = world.group_path
-    if actor.engine == "megatron" and group.gpus_per_node == 0:
+    if "cpu" not in ACTOR_ENGINES[actor.engine].devices and group.gpus_per_node == 0:
         yield _needs_gpus(
-            "models.actor.engine", "the megatron engine", actor.engine, where, "use engine: torch"
+            "models.actor.engine", f"the {actor.engine} engine", actor.engine, where, "use engine: torch"
         )
         return
     if group.gpus_per_node and world.size <= 0:
@@ -186,9 +187,9 @@ def _teacher_layout(c: Any) -> Iterator[Problem]:
     group, where = c.cluster.trainer_group, _trainer_path(c.cluster)
     for i, teacher in enumerate(c.models.teachers):
         path = join_path("models", "teachers", i)
-        if teacher.engine == "megatron" and group.gpus_per_node == 0:
+        if "cpu" not in TEACHER_ENGINES[teacher.engine].devices and group.gpus_per_node == 0:
             yield _needs_gpus(
-                f"{path}.engine", "the megatron engine", teacher.engine, where, "use engine: torch"
+                f"{path}.engine", f"the {teacher.engine} engine", teacher.engine, where, "use engine: torch"
             )
             continue
         yield from _parallel_problems(
@@ -224,8 +225,10 @@ def _rollout_layout(c: Any) -> Iterator[Problem]:
             rollout.mode,
             "rollout.mode: separated, or cluster.shape: colocated",
         )
-    if rollout.backend == "sglang" and group.gpus_per_node == 0:
-        yield _needs_gpus("rollout.backend", "the sglang backend", rollout.backend, where, "use backend: hf")
+    if "cpu" not in ROLLOUT_BACKENDS[rollout.backend].devices and group.gpus_per_node == 0:
+        yield _needs_gpus(
+            "rollout.backend", f"the {rollout.backend} backend", rollout.backend, where, "use backend: hf"
+        )
         return
     engines = rollout.engines
     yield from _parallel_problems(
@@ -332,17 +335,9 @@ def _eval_split(c: Any) -> Iterator[Problem]:
 
 
 @rule("models")
-def _megatron_schedule(c: Any) -> Iterator[Problem]:
-    """The megatron engine keeps Megatron's optimizer at a constant lr (no schedule wired in yet)."""
-    actor = c.models.actor
-    opt = actor.optimizer
-    if actor.engine == "megatron" and (opt.schedule != "constant" or opt.warmup_ratio > 0):
-        yield Problem(
-            "models.actor.optimizer.schedule",
-            f"the megatron engine trains at a constant lr (warmup_ratio {opt.warmup_ratio})",
-            opt.schedule,
-            "schedule: constant and warmup_ratio: 0 with engine: megatron, or engine: torch",
-        )
+def _engine_schedule(c: Any) -> Iterator[Problem]:
+    """The lr schedule the actor engine applies (config/capabilities.py: megatron trains at a constant lr)."""
+    yield from optimizer_refusals(c.models.actor.engine, c.models.actor.optimizer)
 
 
 def _cpu_budget(cfg: Any) -> Iterator[Problem]:
@@ -366,6 +361,19 @@ def config_warnings(cfg: Any) -> list[str]:
     """Legal but suspicious settings of a valid RunConfig, rendered as problems (not errors); `job_gaps`
     first, as "not run by the job's roles yet: ..."."""
     out = [f"not run by the job's roles yet: {gap.render()}" for gap in job_gaps(cfg)]
+    backend = ROLLOUT_BACKENDS[cfg.rollout.backend]
+    if backend.stand_in_only:
+        where = (
+            "this machine" if cfg.cluster.backend == "local" else "the rollout nodes (not checked from here)"
+        )
+        out.append(
+            Problem(
+                "rollout.backend",
+                f"the {backend.name} backend has been tested with a stand-in for its engine only, never with "
+                f"{backend.package} itself; {backend.package} must import on {where}",
+                backend.name,
+            ).render()
+        )
     for i, teacher in enumerate(cfg.models.teachers):
         if not any(weights.get(teacher.id, 0) > 0 for weights in cfg.routes.values()):
             out.append(

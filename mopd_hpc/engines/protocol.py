@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from mopd_hpc.config.capabilities import loss_refusals
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.mopd.topk import TeacherTopK
 
@@ -23,6 +24,17 @@ from mopd_hpc.mopd.topk import TeacherTopK
 class EngineError(ValueError):
     """An engine was asked for something its configuration or state cannot give (bad device or dtype,
     a batch missing what the bound loss reads, weights offloaded)."""
+
+
+def refuse_loss(engine: str, loss: Any) -> None:
+    """Re-check at construction what `mopd-submit --check` checked: the `loss:` terms the actor engine `engine`
+    computes (`config/capabilities.py` `loss_refusals(engine_only=True)`, one declaration for both).
+
+    Raises:
+        EngineError: one line per refused field, e.g. `loss.estimator: ... (got 'topk'; loss.estimator: ...)`.
+    """
+    if problems := loss_refusals(engine, loss, engine_only=True):
+        raise EngineError("; ".join(p.render() for p in problems))
 
 
 @dataclass(frozen=True, slots=True)

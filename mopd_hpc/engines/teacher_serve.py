@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.config.capabilities import TEACHER_ENGINES
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.serving import start_app
 from mopd_hpc.records.run_dir import teacher_endpoint_file
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mopd_hpc.teacher")
 
 #: Scoring engines this server builds (`TeacherConfig.engine`).
-ENGINES = ("torch", "megatron")
+ENGINES = tuple(TEACHER_ENGINES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +97,12 @@ def build_engine(args: TeacherArgs) -> Any:
     """
     from mopd_hpc.engines.torch_engine import TorchScoringEngine
 
-    if args.tensor_parallel != 1:
+    spec = TEACHER_ENGINES.get(args.engine)  # the declaration `mopd-submit --check` used
+    if spec is not None and args.tensor_parallel > spec.tensor_parallel:
         raise EngineError(
-            f"{args.field('tensor_parallel')}={args.tensor_parallel}: the teacher server is one process "
-            "(no follower ranks); expected 1"
+            f"{args.field('tensor_parallel')}={args.tensor_parallel}: the teacher server runs a {args.engine} "
+            f"teacher at tensor_parallel ≤ {spec.tensor_parallel} (no follower ranks); expected ≤ "
+            f"{spec.tensor_parallel}"
         )
     if args.engine == "torch":
         return TorchScoringEngine.from_pretrained(

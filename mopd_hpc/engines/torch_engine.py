@@ -71,7 +71,7 @@ from mopd_hpc.engines.hf_model import (
 from mopd_hpc.engines.lr_schedule import lr_scheduler
 from mopd_hpc.engines.memory_model import dtype_bytes
 from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
-from mopd_hpc.engines.protocol import EngineError, ResidencyReport
+from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.residency import Residency
 from mopd_hpc.engines.torch_scoring import TorchScoringEngine
 from mopd_hpc.mopd.logprobs import Backend, token_logprobs
@@ -126,6 +126,7 @@ class TorchTrainEngine:
         data_parallel: DataParallel = DataParallel.single(),
         micro_batching: MicroBatching = MicroBatching(),
     ) -> None:
+        refuse_loss("torch", loss)  # what config/capabilities.py declares the torch engine computes
         try:
             #: The composed loss of the bound `loss:` section (`mopd.objective`).
             self.objective = Objective(loss)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
+from mopd_hpc.config.capabilities import ACTOR_ENGINES, actor_refusals, loss_refusals
 from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
@@ -56,6 +57,7 @@ from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableEr
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address, read_job_token
+from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, CheckpointRequest
 from mopd_hpc.trainer.actor_group import Group
@@ -89,42 +91,35 @@ def check_compatibility(cfg: RunConfig, plan: ExecutionPlan) -> None:
 
 
 def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]) -> str:
-    """The engine `models.actor.engine` names, if this child can run it; checked before waiting for servers.
+    """The engine `models.actor.engine` names, if this child can run it; checked before waiting for servers,
+    from the declarations `mopd-submit --check` used (`config/capabilities.py` `actor_refusals`): this child's
+    device (a GPU when the plan gives it one: `RoleEnv.device`, or CUDA_VISIBLE_DEVICES set), the actor
+    world size (MOPD_WORLD_SIZE), the engine's tensor_parallel / pipeline_parallel, and the loss terms the job
+    trains with it (`loss_refusals`: e.g. the KL penalty while no role scores a reference model).
 
     Raises:
-        RoleEnvError: torch with world size > 1 on GPUs (not run on GPUs yet: naming the trainer group's
-            fields); megatron with CUDA_VISIBLE_DEVICES empty (naming models.actor.engine), or at
-            tensor_parallel / pipeline_parallel / world size other than 1 (naming models.actor.tensor_parallel,
-            or the field that is not 1).
+        RoleEnvError: an unknown engine, or one problem per refused field (the field, its value, the way
+            out), e.g. megatron without a GPU (models.actor.engine), at tensor_parallel 2
+            (models.actor.tensor_parallel), or torch on several GPU ranks (models.actor.engine).
     """
     actor = cfg.models.actor
-    if actor.engine == "torch":
-        if role.world_size > 1 and environ.get("CUDA_VISIBLE_DEVICES"):
-            raise RoleEnvError(
-                f"actor world size {role.world_size} on GPUs: the torch engine's data parallelism has run on "
-                "CPU only; use one trainer GPU (cluster.<group>.nodes = 1, gpus_per_node = 1), a CPU group "
-                "(gpus_per_node: 0, actor_ranks_per_node), or engine: megatron"
-            )
-        return "torch"
-    if actor.engine != "megatron":
-        raise RoleEnvError(f"models.actor.engine={actor.engine!r}: expected 'torch' or 'megatron'")
-    if not role.device.is_cuda:
+    if actor.engine not in ACTOR_ENGINES:
         raise RoleEnvError(
-            f"models.actor.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
-            f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives the actor child none); expected a GPU "
-            "group (cluster.<group>.gpus_per_node >= 1), or engine: torch"
+            f"models.actor.engine={actor.engine!r}: expected one of {', '.join(ACTOR_ENGINES)}"
         )
-    if actor.tensor_parallel != 1 or role.world_size != 1:
-        raise RoleEnvError(
-            f"models.actor.tensor_parallel={actor.tensor_parallel} (actor world size {role.world_size}): the "
-            "actor role runs the megatron engine on one process; expected 1 (and one trainer GPU)"
-        )
-    if actor.pipeline_parallel != 1:
-        raise RoleEnvError(
-            f"models.actor.pipeline_parallel={actor.pipeline_parallel}: the actor role runs the megatron "
-            "engine on one process; expected 1"
-        )
-    return "megatron"
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    device = "gpu" if role.device.is_cuda or visible else "cpu"
+    problems = actor_refusals(
+        actor.engine,
+        device,
+        role.world_size,
+        actor.tensor_parallel,
+        actor.pipeline_parallel,
+    ) + loss_refusals(actor.engine, cfg.loss)
+    if problems:
+        here = f" (this child: {child_env.WORLD_SIZE} {role.world_size}, CUDA_VISIBLE_DEVICES {visible!r})"
+        raise RoleEnvError("; ".join(p.render() for p in problems) + here)
+    return actor.engine
 
 
 def build_train_engine(

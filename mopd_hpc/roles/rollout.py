@@ -34,10 +34,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.config.capabilities import rollout_refusals
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
 from mopd_hpc.records.job_end import stop_on_job_end
 from mopd_hpc.records.run_dir import rollout_ready_file
-from mopd_hpc.roles.env import RoleEnv, cpu_threads, master_address, read_job_token, start_server_role
+from mopd_hpc.roles.env import (
+    RoleEnv,
+    RoleEnvError,
+    cpu_threads,
+    master_address,
+    read_job_token,
+    start_server_role,
+)
 from mopd_hpc.roles.rollout_record import publish_rollout_endpoint, rollout_endpoint
 
 log = logging.getLogger("mopd_hpc.rollout")
@@ -53,7 +61,14 @@ def engines_per_node(cfg: RunConfig) -> int:
 
 
 def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> ServerArgs:
-    """The hf server's arguments for this engine (module docstring)."""
+    """The hf server's arguments for this engine (module docstring).
+
+    Raises:
+        RoleEnvError: what `config/capabilities.py` declares the rollout role does not run (`rollout_refusals`,
+            the declaration `mopd-submit --check` used: another backend, an engine wider than one device).
+    """
+    if problems := rollout_refusals(cfg.rollout.backend, cfg.rollout.engines.tensor_parallel):
+        raise RoleEnvError("; ".join(p.render() for p in problems))
     gpu = role.device.is_cuda
     return ServerArgs(
         model_path=cfg.models.actor.path,

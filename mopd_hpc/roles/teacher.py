@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.config.capabilities import teacher_refusals
 from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.serving import cli_port
 from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs
@@ -85,8 +86,9 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
     """The scoring server's arguments for this child.
 
     Raises:
-        RoleEnvError: no or unknown teacher id; the teacher's tensor_parallel is not 1; engine megatron
-            while CUDA_VISIBLE_DEVICES is empty (the child has no GPU). The message names the config field
+        RoleEnvError: no or unknown teacher id; what `config/capabilities.py` declares the teacher's engine
+            does not serve (`teacher_refusals`: a tensor_parallel above the engine's, engine megatron while
+            CUDA_VISIBLE_DEVICES is empty). The message names the config field
             (`models.teachers[i].tensor_parallel`, `models.teachers[i].engine`) and its value.
     """
     teacher_id = environ.get(TEACHER_ID_ENV)
@@ -96,20 +98,14 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         teacher = cfg.models.teacher(teacher_id)
     except KeyError as exc:
         raise RoleEnvError(f"{TEACHER_ID_ENV}={teacher_id!r}: {exc.args[0]}") from None
-    here = f"models.teachers[{cfg.models.teacher_ids.index(teacher.id)}]"
+    index = cfg.models.teacher_ids.index(teacher.id)
+    here = f"models.teachers[{index}]"
     replica = _replica(environ, here, teacher_replicas(cfg, teacher))
-    if teacher.tensor_parallel != 1:
-        raise RoleEnvError(
-            f"{here}.tensor_parallel={teacher.tensor_parallel}: the teacher role serves each teacher from one "
-            "process and starts no follower ranks; expected 1"
-        )
     gpu = role.device.is_cuda
-    if teacher.engine == "megatron" and not gpu:
-        raise RoleEnvError(
-            f"{here}.engine='megatron' needs a GPU, but CUDA_VISIBLE_DEVICES is "
-            f"{environ.get('CUDA_VISIBLE_DEVICES')!r} (the job gives this teacher child none); expected a "
-            "GPU group, or engine: torch"
-        )
+    # the declarations `mopd-submit --check` used (config/capabilities.py): device and tensor_parallel
+    if problems := teacher_refusals(index, teacher.engine, "gpu" if gpu else "cpu", teacher.tensor_parallel):
+        where = f" (CUDA_VISIBLE_DEVICES {environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        raise RoleEnvError("; ".join(p.render() for p in problems) + where)
     return TeacherArgs(
         teacher_id=teacher.id,
         model_path=teacher.path,

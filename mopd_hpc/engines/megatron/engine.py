@@ -55,7 +55,7 @@ from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
 from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, split_rows, step_budget
-from mopd_hpc.engines.protocol import EngineError, ResidencyReport
+from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.objective import Objective, ObjectiveError
 from mopd_hpc.mopd.topk import TeacherTopK
@@ -214,6 +214,7 @@ class MegatronTrainEngine:
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
+        refuse_loss("megatron", loss)  # what config/capabilities.py declares the megatron engine computes
         try:
             Objective(loss)  # refuses a loss section no engine can apply (see `objective`)
         except ObjectiveError as err:

@@ -1,0 +1,426 @@
+"""What the job's engines and roles can run: one frozen declaration per actor engine, teacher engine, rollout
+backend and weight-sync backend (issue 19), and the refusals derived from them.
+
+The rule: if `mopd-submit --check` passes, the job's roles can run the config. `--check` (so every submit)
+refuses what a declaration here does not cover (`config/gaps.py` `job_gaps`, the config rules' device checks
+in `config/rules.py`), each refusal a `Problem` naming the field, the value and the way out; the engines and
+roles re-check the same declarations at start (a config edited after submit): `TorchTrainEngine` and
+`MegatronTrainEngine` call `loss_refusals` (engine_only), `roles/actor.check_actor_engine` calls
+`actor_refusals` and `loss_refusals`, the teacher role and server call `teacher_refusals`. When an issue adds a capability, it changes a declaration
+below, nothing else: e.g. a reference model for the KL penalty is `reference=True` on the engine that scores
+it; megatron top-k is `"topk"` in its `estimators`.
+
+What each role starts: the actor role one process per trainer slot (`config/parallel.py` actor_world), the
+engine's tp·pp·dp ranks; the teacher role one process per teacher (no follower ranks); the rollout role one
+server per `rollout.engines.count`. A limit of 1 below therefore means "one process".
+
+Imports no torch (it is read on the submit host in a second). The refusals' table in README.md and docs/ is
+`refusals_table()` (tests/test_config_contract.py checks the docs hold it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from mopd_hpc.config.problems import Problem, join_path
+
+#: Device kinds a declaration names: "cpu" (a group with gpus_per_node 0) and "gpu".
+DEVICES = ("cpu", "gpu")
+
+
+@dataclass(frozen=True, slots=True)
+class ActorEngineSpec:
+    """What an actor (train) engine runs, as the actor role builds it.
+
+    Attributes:
+        name: `models.actor.engine`.
+        devices: device kinds it trains on ("cpu", "gpu").
+        estimators: `loss.estimator` values its distillation term computes.
+        loss_rl: the loss-level RL term c_rl·L_GRPO (`loss.rl_coefficient > 0`).
+        advantage_rl: estimators with which the advantage-level term A_t + α·A_ORM (`loss.orm_alpha > 0`)
+            runs.
+        reference: the job's roles score a reference model for this actor, whose log-probs reach the KL
+            penalty (`loss.kl_coefficient > 0`; the engines' GRPO term computes it when given them).
+        schedules: `models.actor.optimizer.schedule` values; warmup: `warmup_ratio > 0` is applied.
+        tensor_parallel, pipeline_parallel: the largest sizes the role runs.
+        data_parallel_cpu, data_parallel_gpu: the largest data-parallel size on each device kind (None: any).
+    """
+
+    name: str
+    devices: tuple[str, ...]
+    estimators: tuple[str, ...]
+    loss_rl: bool
+    advantage_rl: tuple[str, ...]
+    reference: bool
+    schedules: tuple[str, ...]
+    warmup: bool
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel_cpu: int | None
+    data_parallel_gpu: int | None
+
+    def data_parallel(self, device: str) -> int | None:
+        return self.data_parallel_gpu if device == "gpu" else self.data_parallel_cpu
+
+
+@dataclass(frozen=True, slots=True)
+class TeacherEngineSpec:
+    """What a teacher (scoring) engine serves: device kinds, the largest tensor-parallel size, top-k."""
+
+    name: str
+    devices: tuple[str, ...]
+    tensor_parallel: int
+    topk: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutBackendSpec:
+    """A rollout backend: whether the rollout role runs it, on which devices, at what TP per engine."""
+
+    name: str
+    runs_in_job: bool
+    devices: tuple[str, ...]
+    tensor_parallel: int | None  # GPUs per engine; None: any that fits a node
+    package: str | None = None  # the Python package the role imports for it (checked where the job runs)
+    stand_in_only: bool = False  # tested with a stand-in for the package only: --check warns
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSyncSpec:
+    """A weight-sync backend: the actor engines it writes from and the rollout backends it reads into."""
+
+    name: str
+    actor_engines: tuple[str, ...]
+    rollout_backends: tuple[str, ...]
+
+
+# ---------------------------------------------------------------------------------------- the declarations
+
+ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
+    "torch": ActorEngineSpec(
+        name="torch",
+        devices=("cpu", "gpu"),
+        estimators=("sampled", "topk"),
+        loss_rl=True,
+        advantage_rl=("sampled",),  # the topk estimator has no per-token advantage to add α·A_ORM to
+        reference=True,  # engines/reference.py: the starting actor, scored in each rank's TEACHER phase
+        schedules=("constant", "cosine"),
+        warmup=True,
+        tensor_parallel=1,
+        pipeline_parallel=1,
+        data_parallel_cpu=None,  # DDP over gloo (issue 16)
+        data_parallel_gpu=1,  # DDP over NCCL has not run in the job yet
+    ),
+    "megatron": ActorEngineSpec(
+        name="megatron",
+        devices=("gpu",),
+        estimators=("sampled", "topk"),  # top-k over the vocab-parallel logits (mopd/vocab_parallel.py)
+        loss_rl=True,
+        advantage_rl=("sampled",),
+        reference=True,  # engines/reference.py with the megatron scoring engine
+        schedules=("constant",),  # Megatron's optimizer at a constant lr: no schedule wired in
+        warmup=False,
+        tensor_parallel=1,  # the actor role starts one megatron process
+        pipeline_parallel=1,
+        data_parallel_cpu=None,
+        data_parallel_gpu=1,
+    ),
+}
+
+TEACHER_ENGINES: dict[str, TeacherEngineSpec] = {
+    "torch": TeacherEngineSpec("torch", devices=("cpu", "gpu"), tensor_parallel=1, topk=True),
+    "megatron": TeacherEngineSpec("megatron", devices=("gpu",), tensor_parallel=1, topk=True),
+}
+
+ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
+    # transformers generate on one device: an engine of tensor_parallel > 1 would use one of its GPUs
+    "hf": RolloutBackendSpec("hf", runs_in_job=True, devices=("cpu", "gpu"), tensor_parallel=1),
+    # roles/rollout_sglang.py: an in-process sglang.Engine, tensor parallel inside the engine; tested with a
+    # stand-in for sglang.Engine only (sglang pins torch 2.9.1: it cannot be installed on these machines)
+    "sglang": RolloutBackendSpec(
+        "sglang",
+        runs_in_job=True,
+        devices=("gpu",),
+        tensor_parallel=None,
+        package="sglang",
+        stand_in_only=True,
+    ),
+}
+
+WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
+    "torch": WeightSyncSpec("torch", actor_engines=("torch", "megatron"), rollout_backends=("hf", "sglang")),
+    # the job's AWEX reader is the hf rollout server's (/awex/init); the writer is the megatron actor's
+    "awex": WeightSyncSpec("awex", actor_engines=("megatron",), rollout_backends=("hf",)),
+}
+
+
+# ---------------------------------------------------------------------------------------- the refusals
+
+
+def _others(table: dict[str, Any], field: str, ok: Any, but: str = "") -> str:
+    """', or <field>: a / b' for the declared names but `but` that `ok(spec)` accepts ('' when none)."""
+    names = [name for name, spec in table.items() if name != but and ok(spec)]
+    return f", or {field}: {' / '.join(names)}" if names else ""
+
+
+def _devices(devices: tuple[str, ...]) -> str:
+    return " / ".join(d.upper() for d in devices)
+
+
+def _processes(n: int) -> str:
+    return "one process" if n == 1 else f"at most {n} ranks"
+
+
+def loss_refusals(engine: str, loss: Any, *, engine_only: bool = False) -> list[Problem]:
+    """The `loss:` settings the job cannot train with the actor engine `engine` (paths `loss.*`), from its
+    declaration; `engine_only`: only what the engine itself does not compute (its constructor's re-check: the
+    reference log-probs of the KL penalty are an input the engine computes with, the job's roles supply them).
+
+    A term is checked only when it is computed: the estimator when distillation_coefficient > 0, the
+    advantage-level term when also orm_alpha > 0, the KL penalty when rl_coefficient > 0 (kl without RL is
+    a config error of config/rules.py).
+    """
+    spec, out = ACTOR_ENGINES[engine], []
+    actor = f"the {engine} actor engine"
+    distill = loss.distillation_coefficient > 0
+    if distill and loss.estimator not in spec.estimators:
+        out.append(
+            Problem(
+                "loss.estimator",
+                f"{actor} computes estimator {' / '.join(spec.estimators)} only",
+                loss.estimator,
+                f"loss.estimator: {spec.estimators[0]}"
+                + _others(
+                    ACTOR_ENGINES, "models.actor.engine", lambda s: loss.estimator in s.estimators, but=engine
+                ),
+            )
+        )
+    if loss.rl_coefficient > 0 and not spec.loss_rl:
+        out.append(
+            Problem(
+                "loss.rl_coefficient",
+                f"{actor} has no loss-level RL term (c_rl·L_GRPO)",
+                loss.rl_coefficient,
+                "rl_coefficient: 0 (loss.orm_alpha adds the reward at the advantage level)"
+                + _others(ACTOR_ENGINES, "models.actor.engine", lambda s: s.loss_rl, but=engine),
+            )
+        )
+    if distill and loss.orm_alpha > 0 and loss.estimator not in spec.advantage_rl:
+        out.append(
+            Problem(
+                "loss.orm_alpha",
+                f"the advantage-level composition A_t + α·A_ORM needs a per-token advantage: {actor} adds it "
+                f"with estimator {' / '.join(spec.advantage_rl) or 'none'}, not {loss.estimator!r}",
+                loss.orm_alpha,
+                "orm_alpha: 0 (loss.rl_coefficient adds the reward as a loss term), or loss.estimator: "
+                + " / ".join(spec.advantage_rl),
+            )
+        )
+    if loss.rl_coefficient > 0 and loss.kl_coefficient > 0 and not spec.reference and not engine_only:
+        out.append(
+            Problem(
+                "loss.kl_coefficient",
+                f"the KL penalty needs a reference model's log-probs, and the job scores none for {actor}",
+                loss.kl_coefficient,
+                "kl_coefficient: 0"
+                + _others(ACTOR_ENGINES, "models.actor.engine", lambda s: s.reference, but=engine),
+            )
+        )
+    return out
+
+
+def optimizer_refusals(engine: str, optimizer: Any) -> list[Problem]:
+    """The lr schedule the actor engine `engine` does not apply (path models.actor.optimizer.schedule)."""
+    spec = ACTOR_ENGINES[engine]
+    if optimizer.schedule in spec.schedules and (spec.warmup or optimizer.warmup_ratio == 0):
+        return []
+    return [
+        Problem(
+            "models.actor.optimizer.schedule",
+            f"the {engine} engine trains at "
+            + (
+                "a constant lr "
+                if spec.schedules == ("constant",)
+                else f"schedule {' / '.join(spec.schedules)} "
+            )
+            + f"(warmup_ratio {optimizer.warmup_ratio})",
+            optimizer.schedule,
+            f"schedule: {spec.schedules[0]}{'' if spec.warmup else ' and warmup_ratio: 0'} "
+            f"with engine: {engine}"
+            + _others(
+                ACTOR_ENGINES, "engine", lambda s: s.warmup and optimizer.schedule in s.schedules, but=engine
+            ),
+        )
+    ]
+
+
+def actor_refusals(
+    engine: str,
+    device: str,
+    world: int,
+    tp: int,
+    pp: int,
+    *,
+    how: str = "",
+    group_path: str = "cluster.<group>",
+) -> list[Problem]:
+    """The actor shape the role does not run with engine `engine`: `world` ranks on `device` ("cpu"/"gpu")
+    at tensor_parallel `tp` and pipeline_parallel `pp` (dp = world / (tp·pp)); `how` says how the world was
+    counted, `group_path` is the trainer group's YAML path (for the way out)."""
+    spec, out = ACTOR_ENGINES[engine], []
+    if device not in spec.devices:
+        return [
+            Problem(
+                "models.actor.engine",
+                f"the {engine} engine trains on {_devices(spec.devices)} only; the actor's device is a "
+                f"{device.upper()}",
+                engine,
+                f"a {_devices(spec.devices)} group ({group_path}.gpus_per_node)"
+                + _others(ACTOR_ENGINES, "engine", lambda s: device in s.devices, but=engine),
+            )
+        ]
+    if tp > spec.tensor_parallel:
+        out.append(
+            Problem(
+                "models.actor.tensor_parallel",
+                f"the actor role runs the {engine} engine at tensor_parallel ≤ {spec.tensor_parallel} "
+                f"({_processes(spec.tensor_parallel)}): tensor_parallel {tp} needs ranks it does not start",
+                tp,
+                f"expected ≤ {spec.tensor_parallel}",
+            )
+        )
+    if pp > spec.pipeline_parallel:
+        out.append(
+            Problem(
+                "models.actor.pipeline_parallel",
+                f"the actor role runs the {engine} engine at pipeline_parallel ≤ {spec.pipeline_parallel}: "
+                f"pipeline_parallel {pp} needs ranks it does not start",
+                pp,
+                f"expected ≤ {spec.pipeline_parallel}",
+            )
+        )
+    dp, limit = world // max(1, tp * pp), spec.data_parallel(device)
+    if limit is not None and dp > limit:
+        slots = "one trainer slot" if limit * tp * pp == 1 else f"at most {limit * tp * pp} trainer slots"
+        per_node = "gpus_per_node" if device == "gpu" else "actor_ranks_per_node"
+        ways = [f"{slots} ({group_path}.nodes × {per_node})"]
+        if device == "gpu" and "cpu" in spec.devices and spec.data_parallel_cpu is None:
+            ways.append(f"CPU ranks ({group_path}.gpus_per_node: 0, actor_ranks_per_node)")
+        for other in ACTOR_ENGINES.values():
+            other_limit = other.data_parallel(device)
+            if other.name == engine:
+                continue
+            if device in other.devices and (other_limit is None or other_limit >= dp):
+                ways.append(f"engine: {other.name}")
+            elif device == "gpu" and "cpu" in other.devices and other.data_parallel_cpu is None:
+                ways.append(f"engine: {other.name} on CPU ranks")
+        out.append(
+            Problem(
+                "models.actor.engine",
+                f"the actor role runs the {engine} engine at data-parallel size ≤ {limit} on "
+                f"{device.upper()}s: the actor "
+                f"has {world} trainer ranks{f' ({how})' if how else ''}, dp {dp} = world / "
+                f"(tensor_parallel·pipeline_parallel)",
+                engine,
+                ", or ".join(ways),
+            )
+        )
+    return out
+
+
+def teacher_refusals(
+    index: int, engine: str, device: str, tp: int, estimator: str | None = None
+) -> list[Problem]:
+    """What the teacher role does not serve for `models.teachers[index]`: its `engine` on `device` at
+    tensor_parallel `tp`, answering top-k when `estimator` is "topk"."""
+    spec, path, out = TEACHER_ENGINES[engine], join_path("models", "teachers", index), []
+    if device not in spec.devices:
+        out.append(
+            Problem(
+                f"{path}.engine",
+                f"the {engine} teacher engine scores on {_devices(spec.devices)} only; the teacher's device "
+                f"is a {device.upper()}",
+                engine,
+                "a GPU group" + _others(TEACHER_ENGINES, "engine", lambda s: device in s.devices, but=engine),
+            )
+        )
+    if tp > spec.tensor_parallel:
+        out.append(
+            Problem(
+                f"{path}.tensor_parallel",
+                f"the teacher role serves a {engine} teacher at tensor_parallel ≤ {spec.tensor_parallel} "
+                f"({_processes(spec.tensor_parallel)}, no follower ranks): tensor_parallel {tp} needs ranks it "
+                "does not start",
+                tp,
+                f"expected ≤ {spec.tensor_parallel}",
+            )
+        )
+    if estimator == "topk" and not spec.topk:
+        out.append(
+            Problem(
+                f"{path}.engine",
+                f"the {engine} teacher engine answers no top-k (loss.estimator is 'topk')",
+                engine,
+                "loss.estimator: sampled" + _others(TEACHER_ENGINES, "engine", lambda s: s.topk, but=engine),
+            )
+        )
+    return out
+
+
+def rollout_refusals(backend: str, tensor_parallel: int) -> list[Problem]:
+    """What the rollout role does not run: the `backend`, or its engines at `tensor_parallel`."""
+    spec = ROLLOUT_BACKENDS[backend]
+    running = [name for name, s in ROLLOUT_BACKENDS.items() if s.runs_in_job]
+    if not spec.runs_in_job:
+        return [
+            Problem(
+                "rollout.backend",
+                f"the rollout role runs the {' / '.join(running)} server only",
+                backend,
+                f"expected {' / '.join(repr(r) for r in running)}",
+            )
+        ]
+    if spec.tensor_parallel is not None and tensor_parallel > spec.tensor_parallel:
+        return [
+            Problem(
+                "rollout.engines.tensor_parallel",
+                f"a {backend} rollout engine runs on {_processes(spec.tensor_parallel)} (one device): the "
+                f"other GPUs of an engine of tensor_parallel {tensor_parallel} would sit idle",
+                tensor_parallel,
+                f"expected ≤ {spec.tensor_parallel}, and more rollout.engines.count instead",
+            )
+        ]
+    return []
+
+
+def weight_sync_refusals(backend: str, actor_engine: str, rollout_backend: str) -> Iterator[Problem]:
+    """What the `backend` weight sync does not connect: the actor engine it writes from, the rollout it
+    reads into."""
+    spec = WEIGHT_SYNCS[backend]
+    if actor_engine not in spec.actor_engines:
+        yield Problem(
+            "weight_sync.backend",
+            f"the {backend} writer needs the {' / '.join(spec.actor_engines)} actor; models.actor.engine is "
+            f"{actor_engine!r}",
+            backend,
+            f"models.actor.engine: {' / '.join(spec.actor_engines)}"
+            + _others(
+                WEIGHT_SYNCS, "weight_sync.backend", lambda s: actor_engine in s.actor_engines, but=backend
+            ),
+        )
+    if rollout_backend not in spec.rollout_backends:
+        yield Problem(
+            "weight_sync.backend",
+            f"the job's {backend} reader runs in the {' / '.join(spec.rollout_backends)} rollout server only; "
+            f"rollout.backend is {rollout_backend!r}",
+            backend,
+            f"rollout.backend: {' / '.join(spec.rollout_backends)}"
+            + _others(
+                WEIGHT_SYNCS,
+                "weight_sync.backend",
+                lambda s: rollout_backend in s.rollout_backends,
+                but=backend,
+            ),
+        )
