@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from transformers import Qwen3Config
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.inert import INERT, TOPK_OBJECTIVE
+from mopd_hpc.config.inert import INERT, TOPK_OBJECTIVE, inert_warnings
 from mopd_hpc.config.schema import strip, tag_of, union_members
 
 REPO = Path(__file__).resolve().parents[1]
@@ -603,5 +603,26 @@ def test_inert_row_is_inert(key: tuple[str, str], files: SimpleNamespace, tmp_pa
     assert any(row.matches(k) or k.startswith(f"{row.field}.") for k in norm), (
         f"{key}: the witness changes {norm}"
     )
-    for name in OBSERVERS:
-        assert observe(name, before, tmp_path) == observe(name, after, tmp_path), f"{key}: {name} changed"
+    for name in OBSERVERS:  # --check's warning that the field has no effect aside
+        seen = [_without_inert_warnings(observe(name, cfg, tmp_path)) for cfg in (before, after)]
+        assert seen[0] == seen[1], f"{key}: {name} changed"
+    # --check warns of a field set where it has no effect, and of nothing else the mutation did not touch
+    new = {p.path for p in inert_warnings(after)} - {p.path for p in inert_warnings(before)}
+    assert new <= set(change), (key, new)
+
+
+def _without_inert_warnings(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if ": has no effect when " not in line)
+
+
+def test_check_warns_of_a_field_set_where_it_has_no_effect() -> None:
+    from mopd_hpc.config import load_run_config
+
+    cfg = load_run_config(CONFIGS / "local_cpu.yaml", ["loss.estimator=sampled", "loss.topk=8"], False)
+    assert [p.render() for p in inert_warnings(cfg)] == [
+        "loss.topk: has no effect when loss.estimator is 'sampled': the sampled estimator asks the teachers for "
+        "token log-probs, no top-k (trainer/rank_step.py) (got 8; remove it; it takes effect once "
+        "loss.estimator is 'sampled' no longer holds)"
+    ]
+    for path in CONFIGS.glob("*.yaml"):  # the shipped configs set nothing that has no effect
+        assert inert_warnings(load_run_config(path, [], False)) == [], path

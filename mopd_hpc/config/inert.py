@@ -6,18 +6,23 @@ loss): tests/test_config_mutation.py mutates every field of the RunConfig type t
 checks each row here the other way (under its condition the mutation changes nothing observable). A field
 path uses `[]` for a list item and `*` for any name (`cluster.*.gpu_memory_gb`: the field of every group).
 
-    from mopd_hpc.config.inert import INERT, inert_fields
+    from mopd_hpc.config.inert import INERT, inert_fields, inert_warnings
     inert_fields(cfg)    # [(row, reason)] of the rows whose condition holds for this config
+    inert_warnings(cfg)  # a Problem per field set (≠ its default) where its row holds: --check warns
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from mopd_hpc.config.parallel import actor_world
+from mopd_hpc.config.problems import Problem
 
 #: The wording of the rows whose fate the objective issue (loss composition, helper E) settles.
 TOPK_OBJECTIVE = "inert with estimator topk (the objective issue settles it)"
@@ -124,3 +129,55 @@ INERT: tuple[InertField, ...] = (
 def inert_fields(cfg: Any) -> list[tuple[InertField, str]]:
     """The rows whose condition holds for the validated RunConfig `cfg`, each with its reason."""
     return [(row, row.reason) for row in INERT if row.when(cfg)]
+
+
+def _leaves(node: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(path as a row writes it, concrete path, (value, default or NO_DEFAULT)) of every field below `node`."""
+    if isinstance(node, BaseModel):
+        for name, info in type(node).model_fields.items():
+            here = f"{path}.{name}" if path else name
+            value = getattr(node, name)
+            if isinstance(value, BaseModel | list):
+                yield from _leaves(value, here)
+            else:
+                default = NO_DEFAULT if info.is_required() else info.get_default(call_default_factory=True)
+                yield here, here, (value, default)
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            for pattern, concrete, pair in _leaves(item, f"{path}[{i}]"):
+                yield re.sub(rf"^{re.escape(path)}\[{i}\]", f"{path}[]", pattern, count=1), concrete, pair
+
+
+#: A field without a default (required): whatever its value, nobody set it "instead of" a default.
+NO_DEFAULT: object = object()
+
+
+def inert_warnings(cfg: Any) -> list[Problem]:
+    """One problem per field that is set to another value than its default where its row's condition holds
+    (the setting has no effect: the user learns it at --check); rows whose condition is 'always', and
+    required fields, are not warned (their value is a label, or implied by another field)."""
+    live = [row for row in INERT if row.condition != "always" and row.when(cfg)]
+    out = []
+    for pattern, concrete, (value, default) in _leaves(cfg):
+        if default is NO_DEFAULT or value == default:
+            continue
+        for row in live:
+            if row.matches(pattern) and _group_condition(row, cfg, concrete):
+                out.append(
+                    Problem(
+                        concrete,
+                        f"has no effect when {row.condition}: {row.reason}",
+                        value,
+                        f"remove it; it takes effect once {row.condition} no longer holds",
+                    )
+                )
+                break
+    return out
+
+
+def _group_condition(row: InertField, cfg: Any, concrete: str) -> bool:
+    """Rows about a het group's field hold for that group only (`cluster.<group>.gpu_memory_gb`)."""
+    if not concrete.startswith("cluster.") or concrete.count(".") < 2:
+        return True
+    group = getattr(cfg.cluster, concrete.split(".")[1], None)
+    return group is None or group.gpus_per_node == 0
