@@ -273,9 +273,16 @@ OBSERVERS: dict[str, Callable[..., str]] = {
 }
 
 
+_SEEN: dict[tuple[str, str], str] = {}
+
+
 def observe(name: str, cfg: RunConfig, tmp: Path) -> str:
-    fn = OBSERVERS[name]
-    return fn(cfg, tmp) if name == "dry_run" else fn(cfg)
+    """What observer `name` sees of `cfg` (memoized per resolved config: many mutations share a base)."""
+    key = (name, cfg.to_yaml())
+    if key not in _SEEN:
+        fn = OBSERVERS[name]
+        _SEEN[key] = fn(cfg, tmp) if name == "dry_run" else fn(cfg)
+    return _SEEN[key]
 
 
 # ------------------------------------------------------------------------------------------- mutations
