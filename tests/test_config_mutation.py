@@ -499,6 +499,28 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
     ),
     ("routes", "loss.distillation_coefficient is 0"): ("loss", C_D0, {"routes.chain": {"chain": 2.0}}),
     ("loss.topk", "loss.estimator is 'sampled'"): ("loss", {}, {"loss.topk": 4}),
+    ("cluster.max_requeues", "cluster.requeue is false"): (
+        "cpu",
+        {"cluster.requeue": False},
+        {"cluster.max_requeues": 1},
+    ),
+    **{
+        (f"loss.{name}", "loss.distillation_coefficient is 0"): (
+            "loss",
+            {**C_D0, **setup},
+            {f"loss.{name}": value},
+        )
+        for name, setup, value in (
+            ("estimator", {}, "topk"),
+            ("topk", {"loss.estimator": "topk"}, 4),
+            ("correction", {}, "mask"),
+            ("ratio_cap", {}, 0.9),
+            ("mask_low", {"loss.correction": "mask"}, 0.9),
+            ("mask_high", {"loss.correction": "mask"}, 1.1),
+            ("advantage_clip", {}, 0.01),
+            ("orm_alpha", {}, 0.5),
+        )
+    },
     ("loss.correction", "loss.estimator is 'topk'"): (
         "loss",
         {"loss.estimator": "topk"},

@@ -80,6 +80,30 @@ INERT: tuple[InertField, ...] = (
         for name in ("id", "path", "engine", "dtype")
     ),
     InertField("routes", "loss.distillation_coefficient is 0", _no_distillation, _NO_TEACHER),
+    *(
+        InertField(
+            f"loss.{name}",
+            "loss.distillation_coefficient is 0",
+            _no_distillation,
+            "L_MOPD is off: only L_RL is computed (mopd/compose.py), and its terms read none of these",
+        )
+        for name in (
+            "estimator",
+            "topk",
+            "correction",
+            "ratio_cap",
+            "mask_low",
+            "mask_high",
+            "advantage_clip",
+            "orm_alpha",
+        )
+    ),
+    InertField(
+        "cluster.max_requeues",
+        "cluster.requeue is false",
+        lambda c: not c.cluster.requeue,
+        "the batch shell never requeues (sbatch_templates/_control.sh.j2 mopd_requeue_allowed)",
+    ),
     InertField(
         "loss.topk",
         "loss.estimator is 'sampled'",
