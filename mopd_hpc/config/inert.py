@@ -156,20 +156,23 @@ def inert_fields(cfg: Any) -> list[tuple[InertField, str]]:
 
 
 def _leaves(node: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
-    """(path as a row writes it, concrete path, (value, default or NO_DEFAULT)) of every field below `node`."""
-    if isinstance(node, BaseModel):
-        for name, info in type(node).model_fields.items():
-            here = f"{path}.{name}" if path else name
-            value = getattr(node, name)
-            if isinstance(value, BaseModel | list):
-                yield from _leaves(value, here)
-            else:
-                default = NO_DEFAULT if info.is_required() else info.get_default(call_default_factory=True)
-                yield here, here, (value, default)
-    elif isinstance(node, list):
-        for i, item in enumerate(node):
-            for pattern, concrete, pair in _leaves(item, f"{path}[{i}]"):
-                yield re.sub(rf"^{re.escape(path)}\[{i}\]", f"{path}[]", pattern, count=1), concrete, pair
+    """(concrete path, value, default or NO_DEFAULT) of every field below `node` (a model or a list of them)."""
+    items = node if isinstance(node, list) else []
+    for i, item in enumerate(items):
+        yield from _leaves(item, f"{path}[{i}]")
+    if not isinstance(node, BaseModel):
+        return
+    for name, info in type(node).model_fields.items():
+        here = f"{path}.{name}" if path else name
+        value = getattr(node, name)
+        if isinstance(value, BaseModel | list):
+            yield from _leaves(value, here)
+        else:
+            yield (
+                here,
+                value,
+                NO_DEFAULT if info.is_required() else info.get_default(call_default_factory=True),
+            )
 
 
 #: A field without a default (required): whatever its value, nobody set it "instead of" a default.
@@ -182,11 +185,12 @@ def inert_warnings(cfg: Any) -> list[Problem]:
     required fields, are not warned (their value is a label, or implied by another field)."""
     live = [row for row in INERT if row.condition != "always" and row.when(cfg)]
     out = []
-    for pattern, concrete, (value, default) in _leaves(cfg):
+    for concrete, value, default in _leaves(cfg):
         if default is NO_DEFAULT or value == default:
             continue
+        pattern = re.sub(r"\[\d+\]", "[]", concrete)
         for row in live:
-            if row.matches(pattern) and _group_condition(row, cfg, concrete):
+            if row.matches(pattern) and _holds_for_its_group(row, cfg, concrete):
                 out.append(
                     Problem(
                         concrete,
@@ -199,9 +203,10 @@ def inert_warnings(cfg: Any) -> list[Problem]:
     return out
 
 
-def _group_condition(row: InertField, cfg: Any, concrete: str) -> bool:
-    """Rows about a het group's field hold for that group only (`cluster.<group>.gpu_memory_gb`)."""
-    if not concrete.startswith("cluster.") or concrete.count(".") < 2:
+def _holds_for_its_group(row: InertField, cfg: Any, concrete: str) -> bool:
+    """A `cluster.*.<field>` row (a field of every het group: gpu_memory_gb) holds for a group without GPUs
+    only, whatever the other groups have."""
+    if not row.field.startswith("cluster.*."):
         return True
     group = getattr(cfg.cluster, concrete.split(".")[1], None)
     return group is None or group.gpus_per_node == 0
