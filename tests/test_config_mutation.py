@@ -70,8 +70,12 @@ FIELDS = field_paths()
 
 
 # ------------------------------------------------------------------------------------------- documents
+#: set_path's value that removes a key.
+DELETE = object()
+
+
 def set_path(doc: dict[str, Any], key: str, value: Any) -> None:
-    """Set `a.b[1].c` in a nested YAML document (None deletes a mapping key when `value` is DELETE)."""
+    """Set `a.b[1].c` in a nested YAML document; `value` DELETE removes the key."""
     parts: list[str | int] = []
     for part in key.split("."):
         name, *idx = re.split(r"\[(\d+)\]", part)
@@ -84,9 +88,6 @@ def set_path(doc: dict[str, Any], key: str, value: Any) -> None:
         node.pop(parts[-1], None)
     else:
         node[parts[-1]] = copy.deepcopy(value)
-
-
-DELETE = object()
 
 
 @pytest.fixture(scope="module")
