@@ -20,6 +20,7 @@ Prints one table and writes benchmarks/results/fidelity.json. Timing goals are n
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -52,6 +53,7 @@ def _setup(config: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from mopd_hpc.config import RunConfig
+    from mopd_hpc.engines.teacher_generate import GreedyRequest, greedy_ids
     from mopd_hpc.engines.torch_engine import TorchScoringEngine
     from mopd_hpc.roles.env import with_absolute_paths
     from mopd_hpc.trainer.data_setup import build_run_data
@@ -62,9 +64,16 @@ def _setup(config: Path) -> dict[str, Any]:
     teachers = {t.id: TorchScoringEngine.from_pretrained(t.path) for t in cfg.models.teachers}
     data = build_run_data(cfg)
     weights = {r: dict(w) for r, w in cfg.routes.items()}
-    paths = {t.id: t.path for t in cfg.models.teachers}
     max_new = cfg.rollout.sampling.max_new_tokens
-    teacher_acc = teacher_accuracy(paths, weights, tokenizer, data.eval_prompts, max_new)
+
+    def generator(engine: Any) -> Any:  # the teacher servers' greedy route, in this process
+        async def generate(ids: Any, new: int, eos: int, pad: int) -> list[list[int]]:
+            return greedy_ids(engine, GreedyRequest(tuple(map(tuple, ids)), new, eos, pad))
+
+        return generate
+
+    generators = {tid: generator(engine) for tid, engine in teachers.items()}
+    teacher_acc = asyncio.run(teacher_accuracy(generators, weights, tokenizer, data.eval_prompts, max_new))
     return {
         "cfg": cfg,
         "tokenizer": tokenizer,

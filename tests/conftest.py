@@ -200,3 +200,14 @@ def weird_tmp_path(tmp_path: Path) -> Path:
     path = tmp_path / WEIRD_DIR_NAME
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module's tests on one torch thread (the CPU tests compare numbers, not speed; CI has 2 cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -69,3 +69,76 @@ def save_micro_qwen3(
     )
     Qwen3ForCausalLM(cfg).save_pretrained(str(path))
     return path
+
+
+def save_micro_model_dir(path: Path, seed: int = 0) -> Path:
+    """A micro Qwen3 checkpoint with the tiny models' character tokenizer: config.json, model.safetensors and
+    the tokenizer files, as a child reads them (vocabulary of 45 tokens)."""
+    from mopd_hpc.data.tokenizer import VOCAB_SIZE, build_char_tokenizer, save_char_tokenizer
+
+    save_micro_qwen3(path, seed, vocab_size=VOCAB_SIZE)
+    save_char_tokenizer(build_char_tokenizer(), path)
+    return path
+
+
+def write_hub_snapshot(cache: Path, repo_id: str, source: Path, revision: str = "0" * 39 + "1") -> Path:
+    """Put the files of directory `source` into the Hugging Face hub cache `cache` as the hub writes them:
+    `models--org--name/blobs/<sha256>` files, `snapshots/<revision>/<name>` symlinks to them, `refs/main`
+    naming the revision. Returns the snapshot directory."""
+    import hashlib
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in sorted(source.iterdir()):
+        if not file.is_file():
+            continue
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / file.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def write_stub_checkpoint(path: Path, config: dict) -> Path:
+    """A checkpoint directory that passes `mopd-submit --check`'s file checks without real weights: the given
+    config.json (e.g. a production model's shape, for the memory plan; model_type qwen3 unless it names one),
+    the tiny tokenizer's files and a one-tensor model.safetensors (its header consistent with its size)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from mopd_hpc.data.tokenizer import build_char_tokenizer, save_char_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
+    save_char_tokenizer(build_char_tokenizer(), path)
+    save_file({"stub": np.zeros(4, dtype=np.float32)}, str(path / "model.safetensors"))
+    return path
+
+
+def hub_cache_for(configs: list[Path], root: Path) -> Path:
+    """A hub cache under `root` holding every hub id the run configs `configs` name as a model path
+    (Qwen/Qwen3-0.6B, ...), each one micro model with the tiny tokenizer: `mopd-submit` resolves the ids and
+    checks the files there, as on a host that has downloaded them. Returns the cache (for HF_HUB_CACHE)."""
+    from mopd_hpc.config import RunConfig
+    from mopd_hpc.launch.hub_cache import is_hub_id
+    from mopd_hpc.launch.model_check import model_paths
+
+    ids = [
+        m.value
+        for path in configs
+        for m in model_paths(RunConfig.from_yaml(path))
+        if is_hub_id(m.value) and not (REPO_ROOT / m.value).is_dir()
+    ]
+    model = save_micro_model_dir(root / "micro")
+    for repo_id in dict.fromkeys(ids):
+        write_hub_snapshot(root / "cache", repo_id, model)
+    return root / "cache"

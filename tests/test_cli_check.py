@@ -11,18 +11,24 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers_models import hub_cache_for
 
 from mopd_hpc.cli import submit
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import RunConfig
+from mopd_hpc.launch.hub_cache import is_hub_id
+from mopd_hpc.launch.model_check import model_paths, resolve_hub_ids
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
-def mopd_submit(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """Run the console entry point in a child process (the module form: no dependence on PATH)."""
+def mopd_submit(*args: str | Path, hub_cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the console entry point in a child process (the module form: no dependence on PATH); `hub_cache`:
+    the Hugging Face hub cache it reads (HF_HUB_CACHE, offline)."""
     env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    if hub_cache is not None:
+        env |= {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "mopd_hpc.cli.submit", *map(str, args)],
         cwd=REPO,
@@ -34,16 +40,39 @@ def mopd_submit(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def hub_ids(cfg: RunConfig) -> list[str]:
+    """The model paths of `cfg` that are hub ids (no such directory in the repository)."""
+    return [m.value for m in model_paths(cfg) if is_hub_id(m.value) and not (REPO / m.value).is_dir()]
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A hub cache holding every hub id the shipped configs name (helpers_models.hub_cache_for)."""
+    return hub_cache_for(CONFIGS, tmp_path_factory.mktemp("hub"))
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_check_prints_the_resolved_config(path: Path) -> None:
-    proc = mopd_submit("--check", path)
+def test_check_prints_the_resolved_config(path: Path, hub_cache: Path) -> None:
+    cfg = RunConfig.from_yaml(path)
+    proc = mopd_submit("--check", path, hub_cache=hub_cache if hub_ids(cfg) else None)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     first = proc.stdout.splitlines()[0]
-    cfg = RunConfig.from_yaml(path)
     assert first.startswith(f"# {path} is valid — {cfg.name}: backend {cfg.cluster.backend}")
-    # The whole output is YAML (the header lines are comments) and it is the resolved config.
-    assert RunConfig.from_dict(yaml.safe_load(proc.stdout)) == cfg
+    # The whole output is YAML (the header lines are comments) and it is the resolved config: hub ids
+    # replaced by the cache's snapshot directories.
+    resolved = resolve_hub_ids(cfg, base=REPO, cache_dir=hub_cache)[0]
+    assert RunConfig.from_dict(yaml.safe_load(proc.stdout)) == resolved
+    assert (resolved == cfg) == (not hub_ids(cfg))
+
+
+def test_check_refuses_a_hub_id_this_host_has_not_downloaded(tmp_path: Path) -> None:
+    proc = mopd_submit("--check", REPO / "configs" / "gsm8k_qwen3_14b_to_0_6b.yaml", hub_cache=tmp_path)
+    assert proc.returncode == EXIT_USAGE
+    assert "models.actor.path: hub id 'Qwen/Qwen3-0.6B' is neither a directory here nor in the Hugging " in (
+        proc.stderr
+    )
+    assert "`hf download Qwen/Qwen3-14B`" in proc.stderr  # the teacher's, too
 
 
 def test_bad_config_exits_2_with_every_problem_on_stderr(tmp_path: Path) -> None:

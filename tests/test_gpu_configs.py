@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers_configs import set_dotted
+from helpers_models import hub_cache_for
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.problems import ConfigError
@@ -21,8 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
 
 
-def mopd_submit(*args: str | Path) -> subprocess.CompletedProcess[str]:
+def mopd_submit(*args: str | Path, hub_cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`mopd-submit` in a child process; `hub_cache`: the Hugging Face hub cache it reads (offline)."""
     env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}
+    if hub_cache is not None:
+        env |= {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "mopd_hpc.cli.submit", *map(str, args)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
@@ -116,13 +120,15 @@ def test_awex_colocate_rejected_by_check_cli(tmp_path: Path) -> None:
 def test_production_engines_are_refused_at_submit_not_substituted(config: str, tmp_path: Path) -> None:
     """The job's roles run the megatron actor at TP 1, the HF rollout and AWEX colocate only: a TP-8 /
     sglang config is valid (--check warns, --dry-run works) but mopd-submit refuses to run it, naming each
-    field, before any process starts."""
-    check = mopd_submit("--check", REPO / config)
+    field, before any process starts. Its hub ids (gsm8k: Qwen/Qwen3-0.6B, Qwen/Qwen3-14B) are in a hub
+    cache built here, as on a host that downloaded them."""
+    cache = hub_cache_for([REPO / config], tmp_path / "hub")
+    check = mopd_submit("--check", REPO / config, hub_cache=cache)
     assert check.returncode == 0, check.stderr
     assert "# warning: not run by the job's roles yet: models.actor.tensor_parallel: the actor role runs the " \
         "megatron engine on one process: tensor_parallel > 1 needs ranks it does not start (got 8; expected 1)" \
         in check.stdout  # fmt: skip
-    run = mopd_submit(REPO / config, "--run-dir", tmp_path / "run")
+    run = mopd_submit(REPO / config, "--run-dir", tmp_path / "run", hub_cache=cache)
     assert run.returncode == 2
     for field in ("models.actor.tensor_parallel", "rollout.backend", "weight_sync.backend"):
         assert f"{field}: " in run.stderr, run.stderr

@@ -347,8 +347,9 @@ def test_healthy_run_progress_json_schema_and_plot(tmp_path: Path) -> None:
         "end",
         "earlier_jobs",
         "later_jobs",
+        "refused",
     }
-    assert doc["job"]["earlier_jobs"] == [] and doc["job"]["later_jobs"] == []
+    assert doc["job"]["earlier_jobs"] == [] and doc["job"]["later_jobs"] == [] and doc["job"]["refused"] == []
     assert set(doc["nodes"][0]) == {"host", "guard", "children"}
     assert set(doc["nodes"][0]["children"][0]) == {
         "host",

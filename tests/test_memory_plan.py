@@ -8,13 +8,13 @@ shapes, one GPU) at 16 × 4 × 64 and at the 64 × 4 × 256 that ran out of memo
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers_models import write_stub_checkpoint
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.engines.memory_model import ModelShape, micro_batch_bytes
@@ -115,9 +115,8 @@ def mopd_submit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_dry_run_prints_the_plan_and_check_warns(tmp_path: Path) -> None:
-    for name in ("student", "teacher"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(QWEN3_0_6B))
+    for name in ("student", "teacher"):  # --check opens the files a child reads: a tokenizer, weights too
+        write_stub_checkpoint(tmp_path / name, QWEN3_0_6B)
     sets = [f"models.actor.path={tmp_path / 'student'}", f"models.teachers.0.path={tmp_path / 'teacher'}"]
     sets += [f"models.tokenizer.path={tmp_path / 'student'}", *OOM, "cluster.group.gpu_memory_gb=140"]
     flags = [arg for s in sets for arg in ("--set", s)]

@@ -36,7 +36,10 @@ def test_zero_distillation_loads_no_teacher() -> None:
     assert plan.requires_teacher_scoring is False
     assert plan.teachers == ()  # configured, never loaded, scored or drained
     assert plan.requires_rl and plan.requires_reference and plan.requires_reward
-    assert plan.step_phases == (Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC)
+    # no teacher, but the reference model scores the rollouts in TEACHER and is drained (engines/reference.py)
+    assert plan.step_phases == (Phase.ROLLOUT, Phase.TEACHER, Phase.DRAIN, Phase.TRAIN, Phase.SYNC)
+    no_kl = ExecutionPlan.from_config(loss.model_copy(update={"kl_coefficient": 0.0}), teachers=["math"])
+    assert not no_kl.requires_reference and no_kl.step_phases == (Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC)
 
 
 def test_orm_alpha_needs_rewards_only_with_distillation() -> None:

@@ -3,7 +3,7 @@ address, not on every interface.
 
 The servers as they are served — the guard (`Guard.app`), the teacher (`teacher_serve.teacher_app` over a real
 micro Qwen3 `TorchScoringEngine`), the hf rollout server (`hf_server.rollout_app` over a real `HFRolloutEngine`,
-AWEX routes included) and the sglang backend (`sglang_backend.sglang_app` over the stand-in Engine of
+AWEX routes included) and the sglang backend (`sglang_server.sglang_app` over the stand-in Engine of
 test_sglang_backend.py) — on real 127.0.0.1 sockets. The routes are enumerated from each app's router, so a
 route added later is checked without a change here: without the token (or with a wrong one) each answers 401,
 except the bare liveness probe, which answers `{"status": "ok"}` and nothing else; with the token none
@@ -41,7 +41,8 @@ from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
 from mopd_hpc.engines.rollout.hf_server import rollout_app
 from mopd_hpc.engines.rollout.http_app import RolloutServer
 from mopd_hpc.engines.rollout.server_args import ServerArgs
-from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch, SGLangRolloutServer, sglang_app
+from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch
+from mopd_hpc.engines.rollout.sglang_server import SGLangRolloutServer, sglang_app
 from mopd_hpc.engines.serving import start_app
 from mopd_hpc.engines.tcp_store import tcp_store
 from mopd_hpc.engines.teacher_serve import teacher_app

@@ -19,14 +19,13 @@ from mopd_hpc.engines.rollout.sglang_backend import (
     HEALTH_PATH,
     SGLangBackendError,
     SGLangLaunch,
-    SGLangRolloutServer,
     check_environment,
     check_item,
     generate_kwargs,
     ports_from_env,
     readiness_path,
-    sglang_app,
 )
+from mopd_hpc.engines.rollout.sglang_server import SGLangRolloutServer, sglang_app
 
 PORTS = {"http": 31000, "nccl": 31001, "dist_init": 31002, "master": 31003}
 

@@ -7,6 +7,7 @@ import json
 import struct
 
 import pytest
+import safetensors.torch
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
@@ -32,16 +33,16 @@ def test_round_trip_is_bit_exact(orm):
     assert back == record
     # μ's float32 bits survive: the same bytes again
     assert back.to_bytes() == data
+    # one engines/wire.py frame: a safetensors file of int32/float32 buffers (no JSON floats)
+    tensors = safetensors.torch.load(bytes(data))
+    expected = {"tokens": 15, "row_lengths": 4, "starts": 4, "mu": 7, **({"orm": 4} if orm else {})}
+    assert {name: t.numel() for name, t in tensors.items()} == expected
+    assert {name: t.dtype for name, t in tensors.items()} == {
+        name: torch.float32 if name in ("mu", "orm") else torch.int32 for name in expected
+    }
     (n,) = struct.unpack_from("<Q", data)
-    header = json.loads(data[8 : 8 + n])
-    assert [b[0] for b in header["buffers"]] == [
-        "tokens",
-        "row_lengths",
-        "starts",
-        "mu",
-        *(["orm"] if orm else []),
-    ]
-    assert "mu" not in header and len(data) == 8 + n + 4 * (15 + 4 + 4 + 7 + (4 if orm else 0))
+    assert len(data) == 8 + n + 4 * sum(expected.values())
+    assert "mu" not in json.loads(data[8 : 8 + n])["__metadata__"]["mopd.meta"]
 
 
 def test_shard_views_equal_the_full_batch_rows():
@@ -77,9 +78,9 @@ def test_inconsistent_and_malformed_records_are_refused():
     with pytest.raises(RecordError, match="needs at least one row"):
         ControlRecord("step", 1)
     data = step_record().to_bytes()
-    with pytest.raises(RecordError, match="truncated"):
+    with pytest.raises(RecordError, match="truncated frame"):
         ControlRecord.from_bytes(data[:-3])
-    with pytest.raises(RecordError, match="trailing"):
+    with pytest.raises(RecordError, match="after the last tensor"):
         ControlRecord.from_bytes(data + b"\0")
     with pytest.raises(RecordError, match="not a control record"):
         ControlRecord.from_bytes(b"\x01")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from test_local_backend import CONFIGS, REPO, env_for, leases_of, processes_of, wait_for
 
+from mopd_hpc.logs.summary import no_sacct, summarize_run
 from mopd_hpc.runtime.guard.events import read_events
 from mopd_hpc.runtime.run_lock import read_holder
 
@@ -70,7 +71,8 @@ def test_a_reader_that_closes_early_stops_the_job_quietly(tmp_path: Path) -> Non
     events = [e["event"] for e in guard_events(run_dir)]
     signals = [e["signal"] for e in guard_events(run_dir) if e["event"] == "guard_signal"]
     assert signals == ["SIGTERM"]  # stopped as a lost terminal: checkpoint request, then teardown
-    assert events[-1] == "guard_stop"  # the teardown ran to its end: the guard was not SIGKILLed
+    assert events[-2:] == ["guard_stop", "guard_exit"]  # the teardown ran to its end, then the guard exited
+    assert guard_events(run_dir)[-1]["exit_code"] == 0  # (its keeper's record): it was not SIGKILLed
     assert sum(e == "exit" for e in events) == 4
 
 
@@ -128,4 +130,12 @@ def test_ctrl_c_through_tee_ends_with_130_and_a_full_teardown(tmp_path: Path) ->
     assert_clean_end(run_dir, job_id, err)
     events = guard_events(run_dir)
     assert [e["signal"] for e in events if e["event"] == "guard_signal"] == ["SIGINT"]
-    assert events[-1]["event"] == "guard_stop"
+    assert [e["event"] for e in events[-2:]] == ["guard_stop", "guard_exit"]
+    assert (events[-1]["exit_code"], events[-1]["signal"]) == (130, None)  # 128 + SIGINT: exited, not killed
+    summary = summarize_run(run_dir, sacct_runner=no_sacct)  # and the summary says a person stopped it
+    assert (summary.job.job_id, summary.job.state) == (job_id, "CANCELLED")
+    assert (summary.first_failure.cause.key, summary.first_failure.cause.title) == (
+        "interrupted",
+        "interrupted (Ctrl-C)",
+    )
+    assert {slot.state for slot in summary.children} == {"killed"}

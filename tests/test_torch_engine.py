@@ -25,12 +25,7 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
 OUTPUTS = [[11, 12, 13, 14], [15], [16, 17], [18, 19, 20]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

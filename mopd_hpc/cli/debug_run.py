@@ -84,11 +84,14 @@ def execute(
     )
     from mopd_hpc.launch.from_config import jobspec_from_config
     from mopd_hpc.launch.jobspec import JobSpecError
+    from mopd_hpc.launch.model_check import prepare_models
     from mopd_hpc.launch.rundir import RunDirError, prepare_run_dir
     from mopd_hpc.runtime.plan import PLAN_FILE_NAME, PlanError
 
     try:
         cfg = load_run_config(args.config, args.overrides, False)
+        # as mopd-submit: hub ids → this host's cached snapshots, the model files checked (launch/model_check.py)
+        cfg = prepare_models(cfg, args.config, check_files=not args.probe)
         path = os.path.abspath(os.path.expanduser(args.run_dir or cfg.run_dir))
         cfg = cfg.model_copy(update={"run_dir": path})
         plan = place_children(cfg)

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from mopd_hpc.runtime import child_env, run_lock
 from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, GuardAuthError, read_token_file
 from mopd_hpc.runtime.guard.autostart import NodeAssignment, assign_node, run_plan, visible_gpus
+from mopd_hpc.runtime.guard.events import events_path
 from mopd_hpc.runtime.guard.keeper import fork_guard
 from mopd_hpc.runtime.guard.proctree import set_child_subreaper
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
@@ -183,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if args.keeper if args.keeper is not None else assignment is not None:
-        fork_guard(config.kill_wait_s)  # from here on this is the guard (a subreaper); its parent the keeper
+        events = (str(events_path(config.run_dir, config.host)), config.host)  # the keeper records our end
+        fork_guard(config.kill_wait_s, events=events)  # from here on this is the guard; its parent the keeper
     else:
         set_child_subreaper()  # orphans of the children's trees stay the guard's to find (proctree.py)
     return asyncio.run(_serve(config, token, assignment, visible))

@@ -3,7 +3,11 @@
     mopd-submit run.yaml [--check] [--dry-run] [--render PATH] [--local] [--set KEY=VALUE ...]
                          [--run-dir DIR] [--resume RUN_DIR] [--probe]
 
-- `--check`: validate and print the resolved config; exit 0 or 2.
+- `--check`: validate and print the resolved config; exit 0 or 2. The models are checked here too
+  (launch/model_check.py): a hub id is resolved through this host's Hugging Face cache (refused, with the
+  command that fetches it, when the cache does not hold it), the model files the children read are opened
+  (tokenizer, config.json, weight headers) and the tokenizers compared; every submission but --dry-run and
+  --probe does the same, and the job receives the resolved snapshot directories.
 - `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
 - `--dry-run`: print the config warnings (as --check does, one a line), the rank map (component, node, role,
   index, GPUs, named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch
@@ -46,6 +50,7 @@ from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
 from mopd_hpc.launch.memory_plan import format_memory_plan, memory_plan, plan_warnings
+from mopd_hpc.launch.model_check import prepare_models, resolution_notes
 from mopd_hpc.launch.paths import local_path_errors, path_warnings
 from mopd_hpc.launch.pipe_out import PipeOut
 from mopd_hpc.launch.placement import place_children
@@ -140,8 +145,9 @@ def _bulleted(head: str, problems: Sequence[str], tail: str = "") -> str:
     return "\n".join([head, *(f"  - {p}" for p in problems), *([tail] if tail else [])])
 
 
-def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
-    """Print the resolved config as syntax-highlighted YAML (plain text when `out` is not a terminal)."""
+def print_config(cfg: RunConfig, out: TextIO, source: str = "", notes: Sequence[str] = ()) -> None:
+    """Print the resolved config as syntax-highlighted YAML (plain text when `out` is not a terminal), after
+    its header, the `notes` (hub ids resolved) and the warnings as comment lines."""
     from rich.console import Console
     from rich.syntax import Syntax
 
@@ -150,6 +156,8 @@ def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
     console = Console(file=out, soft_wrap=True)
     console.print(f"# {source or 'config'} is valid — {summary(cfg)}", markup=False, highlight=False)
     console.print(f"# {shape_line(ActorParallel.from_config(cfg))}", markup=False, highlight=False)
+    for note in notes:
+        console.print(f"# {note}", markup=False, highlight=False)
     for warning in submit_warnings(cfg):
         console.print(f"# warning: {warning}", markup=False, highlight=False)
     console.print(
@@ -158,13 +166,15 @@ def print_config(cfg: RunConfig, out: TextIO, source: str = "") -> None:
 
 
 def check(config: str, overrides: Sequence[str], force_local: bool, out: TextIO, err: TextIO) -> int:
-    """Load, validate and print; returns 0, or EXIT_USAGE with every problem on `err`."""
+    """Load, validate (the models' files too: launch/model_check.py) and print; returns 0, or EXIT_USAGE with
+    every problem on `err`."""
     try:
-        cfg = load_run_config(config, overrides, force_local)
+        written = load_run_config(config, overrides, force_local)
+        cfg = prepare_models(written, config)
     except ConfigError as exc:
         print(str(exc), file=err)
         return EXIT_USAGE
-    print_config(cfg, out, source=config)
+    print_config(cfg, out, source=config, notes=resolution_notes(written, cfg))
     return 0
 
 
@@ -214,6 +224,8 @@ def execute(
 
     try:
         cfg = load_run_config(args.config, args.overrides, args.local)
+        # hub ids → this host's cached snapshots (the job's config.yaml carries them); the files checked
+        cfg = prepare_models(cfg, args.config, check_files=not (args.dry_run or args.probe))
         path = resolve_run_dir(cfg, args.run_dir, args.resume)
         cfg = cfg.model_copy(update={"run_dir": str(path)})
         plan = place_children(cfg)

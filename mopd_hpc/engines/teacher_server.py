@@ -10,6 +10,7 @@ A teacher child loads its checkpoint ONCE and serves forward-only scoring of the
   POST /offload   move the weights to host memory (GPU: real; CPU: logged no-op) → the residency report
   POST /onload    the reverse
   POST /reload    reload from the checkpoint path only when its fingerprint changed → {reloaded, ...}
+  POST /generate_greedy  greedy completions for the run's evaluation (`teacher_generate.py`)
 
 `response_start[b]` is the index in row b where the response begins (≥ 1: the first response token is
 predicted from the last prompt position). Binary transport (DESIGN.md §7): a /score request may be a frame
@@ -40,10 +41,12 @@ from aiohttp import web
 from mopd_hpc.engines.batch import BatchError, TokenBatch
 from mopd_hpc.engines.buffer_pool import BufferPool
 from mopd_hpc.engines.protocol import EngineError
+from mopd_hpc.engines.teacher_generate import GreedyRequestError, generate_route, greedy_body
 from mopd_hpc.engines.teacher_wire import (
     ScoreTensors,
     decode_score_request,
     encode_score_request,
+    first_nan,
     floor_nonfinite,
     score_answer,
 )
@@ -68,6 +71,10 @@ DEFAULT_TIMEOUT_S = 600.0
 
 class TeacherRequestError(ValueError):
     """A /score request is malformed (HTTP 400); the message names the field, value and expectation."""
+
+
+class NonFiniteScoreError(ValueError):
+    """The scoring forward gave a NaN log-prob at a response position (answered 500, naming row and position)."""
 
 
 class TeacherClientError(RuntimeError):
@@ -159,6 +166,7 @@ class TeacherServer:
         app.router.add_post("/offload", self.offload)
         app.router.add_post("/onload", self.onload)
         app.router.add_post("/reload", self.reload)
+        app.router.add_post("/generate_greedy", self.generate_greedy)
         return app
 
     def _identity(self) -> dict[str, Any]:
@@ -174,7 +182,7 @@ class TeacherServer:
             return await handler(request)
         except web.HTTPException:
             raise
-        except (TeacherRequestError, BatchError, WireError, json.JSONDecodeError) as err:
+        except (TeacherRequestError, GreedyRequestError, BatchError, WireError, json.JSONDecodeError) as err:
             return _error(400, err)
         except EngineError as err:
             return _error(503, err)
@@ -198,6 +206,13 @@ class TeacherServer:
             batch, top_k = TokenBatch.from_rows(req.input_ids, req.response_start, self.pad_id), req.top_k
         async with self.lock:
             logprobs, top = await asyncio.to_thread(self.engine.score, batch, top_k)
+        if (nan := first_nan(logprobs, batch.response_lengths)) is not None:
+            b, t, count = nan
+            raise NonFiniteScoreError(
+                f"teacher {self.teacher_id!r}: its log-prob of row {b}'s response token {t} is NaN ({count} NaN "
+                "in the batch): a broken forward (an overflow in its dtype, damaged weights), not a refusal; "
+                "nothing of this batch is answered"
+            )
         if accepts_frame(request):
             ids, vals = (None, None) if top is None else (top.indices, top.logprobs)
             frame = score_answer(batch.response_lengths, logprobs, ids, vals, self._identity(), vocab)
@@ -209,6 +224,9 @@ class TeacherServer:
             body["topk_ids"] = [top.indices[b, :n].tolist() for b, n in enumerate(lengths)]
             body["topk_logprobs"] = [values[b, :n].tolist() for b, n in enumerate(lengths)]
         return web.json_response(body | self._identity())
+
+    async def generate_greedy(self, request: web.Request) -> web.Response:
+        return web.json_response(await generate_route(self, await request.json()) | self._identity())
 
     async def offload(self, request: web.Request) -> web.Response:
         async with self.lock:
@@ -387,6 +405,13 @@ class TeacherClient:
             if resp.status == 200:
                 message = f"expected a binary answer ({resp.content_type} instead): {str(message)[:200]}"
             raise TeacherClientError(resp.status, str(message))
+
+    async def generate_greedy(
+        self, input_ids: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int, pad_token_id: int
+    ) -> list[list[int]]:
+        """Greedy new tokens per row, rows of equal length (`teacher_generate.py`)."""
+        body = greedy_body(input_ids, max_new_tokens, eos_token_id, pad_token_id)
+        return [list(r) for r in (await self._call("POST", "/generate_greedy", body))["output_ids"]]
 
     async def offload(self) -> dict[str, Any]:
         return await self._call("POST", "/offload")

@@ -17,8 +17,10 @@ Answer frame:
     topk_logprobs   [N, K] float32       their log-probs
     meta            {"teacher_id", "weight_version", "fingerprint"}
 
-Non-finite log-probs (−inf of an impossible token, NaN) travel as `LOGPROB_FLOOR` in both encodings, JSON
-and binary, so that the two give the same values bit for bit.
+Non-finite log-probs (−inf of an impossible token) travel as `LOGPROB_FLOOR` in both encodings, JSON
+and binary, so that the two give the same values bit for bit; the actor takes that floor as the teacher's
+refusal of the token (mopd/targets.py). A NaN log-prob at a response position is refused by the server
+(`first_nan`: a broken forward, never sent as a refusal); top-k values keep the floor for any non-finite.
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ def floor_nonfinite(values: torch.Tensor) -> torch.Tensor:
     """A float32 copy of `values` with every non-finite entry replaced by `LOGPROB_FLOOR` (same shape)."""
     f = LOGPROB_FLOOR
     return torch.nan_to_num(values.float(), nan=f, posinf=f, neginf=f)
+
+
+def first_nan(logprobs: torch.Tensor, lengths: torch.Tensor) -> tuple[int, int, int] | None:
+    """(row, response position, count) of the first NaN among the real positions of `logprobs` [B, T]
+    (row b's are 0 .. lengths[b] − 1), or None. A NaN is a broken forward, not a refusal (−inf): the teacher
+    server refuses to send it as `LOGPROB_FLOOR`, which the actor would take as a refusal (mopd/targets.py)."""
+    width = logprobs.shape[-1] if logprobs.dim() == 2 else 0
+    real = torch.arange(width)[None, :] < lengths.reshape(-1, 1).to("cpu")
+    nan = torch.isnan(logprobs.detach().to("cpu")) & real
+    if not bool(nan.any()):
+        return None
+    b, t = (int(i) for i in nan.nonzero()[0])
+    return b, t, int(nan.sum())
 
 
 def encode_score_request(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -156,8 +157,9 @@ def after_local_run(
         progress.close()
     run_dir = Path(run_dir)
     if rc != 0:
+        how = f"the guard was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
         print(
-            f"[local] the job failed (exit code {rc}): `mopd-logs summarize {run_dir}` says what failed first",
+            f"[local] the job failed ({how}): `mopd-logs summarize {run_dir}` says what failed first",
             file=out,
         )
         return

@@ -5,6 +5,9 @@ Each child's holdings are either resident through the step, or held in one phase
 - actor (train engine, per rank): weights, optimizer state and (megatron) the fp32 grad buffer, resident;
   torch's gradients and the activations of one micro-batch (`micro_batch_tokens`, else the rank's whole
   shard: batch_size·samples_per_prompt/dp rows of max_prompt_tokens + max_new_tokens positions) in `train`;
+  with a KL penalty (rl_coefficient > 0, kl_coefficient > 0) its reference model's weights and scoring
+  buffers, as a teacher of the actor's engine, dtype and tensor_parallel would hold them, in `teacher`
+  (`engines/reference.py`: onloaded only while it scores);
 - teacher (scoring): its weights and scoring buffers in `teacher` (on a GPU the controller onloads teachers
   when scoring starts and offloads them at the drain); buffers: `TEACHER_ROWS` rows at a time, the logits
   the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
@@ -119,11 +122,17 @@ def _actor(cfg: Any, shape: ModelShape, parallel: ActorParallel) -> tuple[Holdin
         shape, actor.dtype, actor.engine, positions, response, actor.activation_checkpointing, parallel.tp
     )
     grads_phase = "train" if actor.engine == "torch" else None
+    reference: tuple[Holding, ...] = ()
+    if cfg.loss.rl_coefficient > 0 and cfg.loss.kl_coefficient > 0:  # scored by the rank itself
+        reference = tuple(
+            Holding(f"reference model {h.what}", h.bytes, "teacher") for h in _teacher(cfg, actor, shape)
+        )
     return (
         Holding("weights", state.weights),
         Holding("gradients", state.gradients, grads_phase),
         Holding("optimizer", state.optimizer),
         Holding(f"activations ({positions:,} positions a micro-batch)", act, "train"),
+        *reference,
     )
 
 

@@ -11,6 +11,7 @@ Signatures come from launchers.md §4.5 item 3 and the project's own exception n
 from __future__ import annotations
 
 import re
+import signal as signal_mod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -101,6 +102,8 @@ CONSEQUENCE_KEYS = frozenset({"peer_lost"})
 #: Keys that are not text patterns.
 KILLED_BY_SIGNAL = "killed_by_signal"
 INTERRUPTED = "interrupted"  # SIGINT to the guards (Ctrl-C)
+TERMINATED = "terminated"  # another stop signal to a local run's guard (SIGTERM to mopd-submit --local)
+GUARD_DIED = "guard_died"  # the guard process ended without stopping (SIGKILL, crash)
 EXCEPTION = "exception"
 EXIT_CODE = "exit_code"
 STEP_FAILED = "step_failed"
@@ -110,6 +113,8 @@ CAUSE_KEYS = (
     *(c.key for c in CAUSE_PATTERNS),
     KILLED_BY_SIGNAL,
     INTERRUPTED,
+    TERMINATED,
+    GUARD_DIED,
     EXCEPTION,
     EXIT_CODE,
     STEP_FAILED,
@@ -228,10 +233,45 @@ def exit_cause(exit_code: int) -> Cause:
     return Cause(EXIT_CODE, f"exited with code {exit_code}", f"exit_code={exit_code}")
 
 
-def guard_signal_cause(name: str) -> Cause:
+def guard_signal_cause(name: str, local: bool = False) -> Cause:
     """The cause of a stop by a signal to the guards, worded by the signal: SIGINT is Ctrl-C (key
-    "interrupted"), anything else Slurm's scancel, preemption or time limit (key "killed_by_signal")."""
+    "interrupted"); on a local run (`local`: no Slurm sends signals there) any other one was sent to
+    `mopd-submit --local` (which forwards it) or to the guard (key "terminated"); on Slurm it is scancel,
+    preemption or time limit (key "killed_by_signal")."""
     if name == "SIGINT":
         return Cause(INTERRUPTED, "interrupted (Ctrl-C)", f"guard got {name}")
+    if local:
+        return Cause(
+            TERMINATED,
+            f"terminated by {name} (sent to mopd-submit --local or its guard)",
+            f"guard got {name}",
+        )
     cause = signal_cause(name, None)
     return Cause(cause.key, f"guard got {name} (scancel, preemption or time limit)", cause.evidence)
+
+
+def guard_death_cause(exit_signal: str | None, exit_code: int | None) -> Cause:
+    """The guard process ended without its `guard_stop` teardown (its keeper's `guard_exit` event): killed
+    by a signal ("guard died: killed by signal 9 (SIGKILL)") or a crash ("guard died: exited with code 1");
+    its children were killed with it (their parent-death signal, then the keeper's sweep)."""
+    if exit_signal is not None:
+        try:
+            number = f"{int(signal_mod.Signals[exit_signal])} "
+        except KeyError:
+            number = ""
+        how = f"killed by signal {number}({exit_signal})"
+    else:
+        how = f"exited with code {exit_code} without stopping its children"
+    evidence = "guard_exit " + (f"signal={exit_signal}" if exit_signal else f"exit_code={exit_code}")
+    return Cause(GUARD_DIED, f"guard died: {how}", evidence)
+
+
+def guard_gone_cause() -> Cause:
+    """A local guard with neither `guard_stop` nor `guard_exit` whose job no longer holds the run-dir lock
+    (runtime/run_lock.py): the guard and its keeper were both killed (SIGKILL of the process group)."""
+    return Cause(
+        GUARD_DIED,
+        "guard died: no guard_stop or guard_exit event, and the job no longer holds its run-dir lock "
+        "(the guard and its keeper were killed)",
+        "run.lock not held by the job",
+    )

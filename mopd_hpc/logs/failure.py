@@ -10,8 +10,10 @@ own `kill` or after Slurm signalled the guard are teardown (`run_events`). Order
 1. guard events: the earliest failing child exit; its stderr (and stdout) are scanned for the fatal traceback
    and classified (`causes`); a signal without a traceback is "killed by signal N";
 2. without a failing child: Slurm's signal to the guards (time limit, preemption, requeue: sacct state,
-   `state/requeue.json`, slurmstepd lines), a guard that never became ready or never stopped (guard
-   unreachable), the batch shell's `state/first_failure.json`, a failed sacct component;
+   `state/requeue.json`, slurmstepd lines; on a local run a stop signal sent to `mopd-submit --local`), a
+   guard that died (its keeper's `guard_exit` without `guard_stop`: SIGKILL, crash; on a local run also a
+   guard with neither whose job no longer holds the run-dir lock), a guard that never became ready or never
+   stopped (guard unreachable), the batch shell's `state/first_failure.json`, a failed sacct component;
 3. without guard events: child logs with a traceback, oldest modification first.
 
 Only one job's evidence counts (a run dir is reused on resume, resubmission and requeue): the caller passes
@@ -39,9 +41,12 @@ from mopd_hpc.logs.causes import (
     classify_text,
     exception_cause,
     exit_cause,
+    guard_death_cause,
+    guard_gone_cause,
     guard_signal_cause,
     signal_cause,
 )
+from mopd_hpc.logs.index import LOCAL_JOB_ID
 from mopd_hpc.logs.jobs import job_log_paths, leader_of, record_belongs
 from mopd_hpc.logs.run_events import ChildRun, GuardRun
 from mopd_hpc.logs.sacct import SacctJob
@@ -182,12 +187,15 @@ def find_first_failure(
     job_id: str | None = None,
     restart: int | None = None,
     logs_fallback: bool = True,
+    lock_released: bool = False,
 ) -> FirstFailure | None:
     """Decide the first failure (module docstring); `scans` maps a log path to its scan (missing → scanned).
 
     `guards`/`children` are one job's (`jobs.select_job`); `job_id` (leader) and `restart` (its incarnation,
     SLURM_RESTART_COUNT) keep out the state files and job logs another job or an earlier incarnation wrote;
     None does not filter. `logs_fallback=False` skips step 3 (the child logs are another job's).
+    `lock_released`: the job is a local one that no longer holds its run-dir lock (every process of it is
+    gone), so a guard of it that logged no end died.
     """
     scan_cache = dict(scans)
 
@@ -247,7 +255,7 @@ def find_first_failure(
             log_path=str(path) if path else None,
             log_tail=tuple(read_last_lines(path, EVIDENCE_TAIL_LINES)) if path else (),
         )
-    return _job_level_failure(run_dir, guards, children, sacct, job_id, restart, logs_fallback)
+    return _job_level_failure(run_dir, guards, children, sacct, job_id, restart, logs_fallback, lock_released)
 
 
 def _read_state(
@@ -292,8 +300,10 @@ def _job_level_failure(
     job_id: str | None = None,
     restart: int | None = None,
     logs_fallback: bool = True,
+    lock_released: bool = False,
 ) -> FirstFailure | None:
     text_cause, text_path = _job_text_cause(run_dir, job_id, restart)
+    local = job_id is not None and LOCAL_JOB_ID.match(job_id) is not None
 
     def make(cause: Cause, source: str, host: str | None = None, ts: float | None = None) -> FirstFailure:
         path = text_path if text_cause is not None and cause.key == text_cause.key else None
@@ -324,8 +334,14 @@ def _job_level_failure(
         elif cancelled is not None:
             cause = cancelled
         else:
-            cause = guard_signal_cause(g.signals[0][1])
+            cause = guard_signal_cause(g.signals[0][1], local=local)
         return make(cause, "slurm_signal", host=g.host, ts=g.first_signal_ts)
+    dead = sorted((g for g in guards if g.died), key=lambda x: x.exit_ts or 0.0)
+    if dead:  # its children died with it (parent-death signal, the keeper's sweep): no exit of theirs
+        g = dead[0]
+        return make(guard_death_cause(g.exit_signal, g.exit_code), "guard", host=g.host, ts=g.exit_ts)
+    if lock_released and (gone := [g for g in guards if not g.ended]):
+        return make(guard_gone_cause(), "guard", host=gone[0].host, ts=gone[0].last_ts)
     for g in guards:
         if g.start_ts is not None and g.ready_ts is None:
             cause = text_cause or Cause(

@@ -98,8 +98,10 @@ def latest_job_id(segments: Sequence[Segment]) -> str | None:
 
 
 def events_verdict(guards: Sequence[GuardRun], children: Sequence[ChildRun]) -> str:
-    """A one-word account of a job from its events: FAILED (a child failed on its own), INTERRUPTED (SIGINT),
-    SIGNALLED (SIGTERM/SIGUSR2: scancel, preemption or time limit), ENDED (every guard stopped) or UNKNOWN."""
+    """A one-word account of a job from its events: FAILED (a child failed on its own, or a guard died
+    without a stop signal: its keeper's `guard_exit` without `guard_stop`), INTERRUPTED (SIGINT), SIGNALLED
+    (SIGTERM/SIGUSR2: scancel, preemption or time limit; SIGTERM to a local run), ENDED (every guard
+    stopped) or UNKNOWN."""
     if any(c.failed and c.exit_ts is not None and not c.teardown for c in children):
         return "FAILED"
     names = [name for g in guards for _, name in g.signals[:1]]
@@ -107,6 +109,8 @@ def events_verdict(guards: Sequence[GuardRun], children: Sequence[ChildRun]) -> 
         return "INTERRUPTED"
     if names:
         return "SIGNALLED"
+    if any(g.died for g in guards):
+        return "FAILED"
     if guards and all(g.stop_ts is not None for g in guards):
         return "ENDED"
     return "UNKNOWN"

@@ -26,6 +26,8 @@ _BY_CAUSE: Mapping[str, tuple[str, ...]] = {
     "killed_by_signal": ("sacct -j {job} --format=JobID,State,ExitCode,MaxRSS,MaxRSSNode", "{resume}"),
     "node_fail": ("{resume}",),
     "interrupted": ("{resume}",),
+    "terminated": ("{resume}",),
+    "guard_died": ("{resume}",),
     "checkpoint_signal": ("{resume}",),  # not a failure: the actor checkpointed on SIGUSR2 and stopped
 }
 _DEFAULT = ("mopd-logs tail {run_dir} --role {role} --rank {rank}", "{resume}")

@@ -77,6 +77,14 @@ def _job_panel(s: RunSummary) -> Panel:
         if jobs:
             listed = ", ".join(f"{jid} {state}" for jid, state in jobs)
             parts.append(Text(f"{label} jobs in this run dir: {listed}", style="dim"))
+    for refused, host, pid, ts in job.refused:  # turned away by the run-dir lock while this job held it
+        who = f"job {refused}" if refused else "a submission"
+        parts.append(
+            Text(
+                f"refused while this job held the run dir: {who} (host {host}, pid {pid}) at {_ts(ts)}",
+                style="yellow",
+            )
+        )
     if job.state == CHECKPOINTED:
         at = f"step {job.end_step}" if job.end_step is not None else "its last checkpoint"
         parts.append(
@@ -144,6 +152,11 @@ def _nodes_table(s: RunSummary) -> Table:
     for g in s.guards:
         if g.signals:
             table.add_row(Text(g.host), "guard", "-", "signalled", ", ".join(n for _, n in g.signals), "")
+        elif g.died:
+            ended = g.exit_signal or str(g.exit_code)
+            table.add_row(
+                Text(g.host), "guard", "-", Text("died", style=_STATE_STYLE.get("failed", "")), ended, ""
+            )
     return table
 
 

@@ -90,6 +90,8 @@ class GuardRun:
     """One guard process (one node of one job incarnation): start/ready/stop times and the signals it got.
 
     `plan_done_ts` is its `plan_done` event (it stopped watching its children); `last_ts` its last event.
+    `exit_ts` / `exit_code` / `exit_signal`: its keeper's `guard_exit` event (the guard process ended; exit
+    code, or the signal's name), None without one.
     """
 
     host: str
@@ -100,6 +102,19 @@ class GuardRun:
     signals: tuple[tuple[float, str], ...]
     plan_done_ts: float | None = None
     last_ts: float | None = None
+    exit_ts: float | None = None
+    exit_code: int | None = None
+    exit_signal: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        """The guard process is known to be gone: it logged `guard_stop`, or its keeper its exit."""
+        return self.stop_ts is not None or self.exit_ts is not None
+
+    @property
+    def died(self) -> bool:
+        """It ended without stopping: killed by a signal, or exited without `guard_stop` (a crash)."""
+        return self.exit_ts is not None and (self.exit_signal is not None or self.stop_ts is None)
 
     @property
     def first_signal_ts(self) -> float | None:
@@ -114,6 +129,9 @@ class GuardRun:
             "stop_ts": self.stop_ts,
             "plan_done_ts": self.plan_done_ts,
             "signals": [{"ts": ts, "signal": name} for ts, name in self.signals],
+            "exit": None
+            if self.exit_ts is None
+            else {"ts": self.exit_ts, "exit_code": self.exit_code, "signal": self.exit_signal},
         }
 
 
@@ -128,7 +146,7 @@ def _float(value: Any) -> float | None:
 def _segment_runs(host: str, seg: dict[str, Any]) -> tuple[GuardRun, list[ChildRun]]:
     guard, signals, children = seg["guard"], seg["signals"], seg["children"]
     first_signal = signals[0] if signals else None
-    done = [ts for ts in (guard["plan_done_ts"], guard["stop_ts"]) if ts is not None]
+    done = [ts for ts in (guard["plan_done_ts"], guard["stop_ts"], guard["exit_ts"]) if ts is not None]
     runs = []
     for (role, index, gen), rec in children.items():
         exit_ts, kill_ts = rec.get("exit_ts"), rec.get("kill_ts")
@@ -178,7 +196,14 @@ def read_guard_segments(path: str | os.PathLike[str]) -> list[tuple[GuardRun, li
 
     def new_segment() -> dict[str, Any]:
         guard = {"job_id": None, "start_ts": None, "ready_ts": None, "stop_ts": None}
-        seg = {"guard": {**guard, "plan_done_ts": None, "last_ts": None}, "signals": [], "children": {}}
+        ends = {
+            "plan_done_ts": None,
+            "last_ts": None,
+            "exit_ts": None,
+            "exit_code": None,
+            "exit_signal": None,
+        }
+        seg = {"guard": {**guard, **ends}, "signals": [], "children": {}}
         segments.append(seg)
         return seg
 
@@ -205,6 +230,10 @@ def read_guard_segments(path: str | os.PathLike[str]) -> list[tuple[GuardRun, li
                 guard["ready_ts"] = ts
             elif kind == "guard_stop":
                 guard["stop_ts"] = ts
+            elif kind == "guard_exit":
+                sig = ev.get("signal")
+                guard.update(exit_ts=ts, exit_code=_int(ev.get("exit_code")))
+                guard["exit_signal"] = sig if isinstance(sig, str) else None
             elif kind == "plan_done" and guard["plan_done_ts"] is None:
                 guard["plan_done_ts"] = ts
             elif kind == "guard_signal":

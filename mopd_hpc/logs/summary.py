@@ -23,11 +23,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mopd_hpc.logs.causes import INTERRUPTED, TERMINATED
 from mopd_hpc.logs.failure import FirstFailure, find_first_failure
+from mopd_hpc.logs.index import LOCAL_JOB_ID
 from mopd_hpc.logs.jobs import Segment, latest_job_id, leader_of, record_belongs, select_job
 from mopd_hpc.logs.next_steps import next_steps
 from mopd_hpc.logs.progress import Progress, read_progress
 from mopd_hpc.logs.run_events import ChildRun, GuardRun, read_run_segments
+from mopd_hpc.logs.run_lock_facts import Refusal, lock_released, refusals_of
 from mopd_hpc.logs.sacct import SacctJob, SacctRunner, query_sacct, run_sacct
 from mopd_hpc.records.run_dir import EVENTS_DIR, JOB_END_FILE, JOB_FILE, LOGS_DIR, METRICS_FILE, STATE_DIR
 from mopd_hpc.runtime.jobids import JobIdError, fold_job_id
@@ -116,11 +119,15 @@ class JobInfo:
 
     `state` is one of RUNNING, PENDING, FAILED, CANCELLED, UNKNOWN, SUCCEEDED, or CHECKPOINTED: every part
     ended cleanly because the actor checkpointed on a checkpoint signal (SIGUSR2) and stopped at step
-    `end_step`; re-running the same command resumes it. `end_reason`/`end_step` are the actor's
+    `end_step`; re-running the same command resumes it. Without sacct, a job stopped by Ctrl-C, or a local
+    job stopped by any signal (SIGTERM to `mopd-submit --local`), is CANCELLED; a job whose guard died is
+    FAILED, never RUNNING (the keeper's `guard_exit`, or for a local job a run-dir lock it no longer holds). `end_reason`/`end_step` are the actor's
     `state/job_end.json` ("finished", "checkpoint_signal", "failed"), None when it wrote none.
     `restart_count` is the incarnation shown (SLURM_RESTART_COUNT: a requeued job's earlier incarnations are
     not part of the summary). `earlier_jobs`/`later_jobs`: (job id, state) of the other jobs that used the
-    run dir (state from sacct when it answers, else `jobs.events_verdict`).
+    run dir (state from sacct when it answers, else `jobs.events_verdict`). `refused`: (job id or None for
+    a submission, host, pid, Unix time) of each job the run-dir lock turned away while this job held it
+    (runtime/run_lock.py `read_refusals`).
     """
 
     job_id: str | None
@@ -136,6 +143,7 @@ class JobInfo:
     end_step: int | None = None
     earlier_jobs: tuple[tuple[str, str], ...] = ()
     later_jobs: tuple[tuple[str, str], ...] = ()
+    refused: tuple[Refusal, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +159,7 @@ class JobInfo:
             "end": None if self.end_reason is None else {"reason": self.end_reason, "step": self.end_step},
             "earlier_jobs": [{"job_id": j, "state": st} for j, st in self.earlier_jobs],
             "later_jobs": [{"job_id": j, "state": st} for j, st in self.later_jobs],
+            "refused": [{"job_id": j, "host": h, "pid": p, "ts": ts} for j, h, p, ts in self.refused],
         }
 
 
@@ -230,8 +239,14 @@ def _sacct_state(sacct: SacctJob) -> str:
 
 
 def _job_state(
-    sacct: SacctJob | None, guards: Sequence[GuardRun], slots: tuple[ChildSlot, ...], failed: bool
+    sacct: SacctJob | None,
+    guards: Sequence[GuardRun],
+    slots: tuple[ChildSlot, ...],
+    failure: FirstFailure | None,
+    local: bool = False,
+    lock_released: bool = False,
 ) -> tuple[str, str]:
+    failed = failure is not None
     if sacct is not None and sacct.components:
         states = [c.coarse_state for c in sacct.components]
         for verdict in ("RUNNING", "PENDING"):
@@ -243,8 +258,12 @@ def _job_state(
         return "SUCCEEDED", "sacct"
     if not guards and not slots:
         return ("FAILED" if failed else "UNKNOWN"), "run_dir"
-    if any(g.stop_ts is None for g in guards) and not failed:
+    if any(not g.ended for g in guards) and not failed and not lock_released:
         return "RUNNING", "run_dir"
+    if failure is not None and failure.source == "slurm_signal":
+        key = failure.cause.key
+        if key == INTERRUPTED or (local and key == TERMINATED):  # a person stopped it
+            return "CANCELLED", "run_dir"
     return ("FAILED" if failed else "SUCCEEDED"), "run_dir"
 
 
@@ -338,6 +357,7 @@ def summarize_run(
     restarts += [sacct.requeues] if sacct is not None and sacct.components else []
     restart = max(restarts) if restarts else None
     slots = _slots(children)
+    released = lock_released(root, job_id)
     failure = find_first_failure(
         root,
         guards,
@@ -347,8 +367,10 @@ def summarize_run(
         job_id=job_id,
         restart=restart,
         logs_fallback=not segments or bool(children),
+        lock_released=released,
     )
-    state, source = _job_state(sacct, guards, slots, failure is not None)
+    local = job_id is not None and LOCAL_JOB_ID.match(job_id) is not None
+    state, source = _job_state(sacct, guards, slots, failure, local, released)
     if state not in ("RUNNING", "PENDING"):
         slots = tuple(replace(slot, job_over=True) for slot in slots)
     end_reason, end_step = _job_end(root, job_id)
@@ -370,6 +392,7 @@ def summarize_run(
         end_step=end_step,
         earlier_jobs=_other_jobs(events.earlier, runner, OTHER_JOBS_ASKED),
         later_jobs=_other_jobs(events.later, runner, OTHER_JOBS_ASKED),
+        refused=refusals_of(root, job_id),
     )
     progress = read_progress(root)
     running = state == "RUNNING"

@@ -207,32 +207,61 @@ class CompatibilityReport:
     architecture_digests: tuple[tuple[str, str], ...]
 
 
+def compatibility_errors(
+    actor: ModelFiles, teachers: Sequence[ModelFiles]
+) -> list[tuple[int, CompatibilityError]]:
+    """Every incompatibility, as (index in `teachers` of the teacher it concerns, the error): a teacher whose
+    tokenizer differs from the actor's (`TokenizerMismatchError`), a teacher whose architecture differs from
+    the first teacher's (`ArchitectureMismatchError`). `check_models` raises the first; `mopd-submit --check`
+    names each one's config field (launch/model_check.py).
+
+    Raises:
+        ModelFilesError: a model's files are missing.
+    """
+    return _compare(actor, teachers)[2]
+
+
+def _compare(
+    actor: ModelFiles, teachers: Sequence[ModelFiles]
+) -> tuple[TokenizerFingerprint, list[ArchitectureFingerprint], list[tuple[int, CompatibilityError]]]:
+    """(the actor's tokenizer fingerprint, the architectures of the actor then each teacher, the errors)."""
+    errors: list[tuple[int, CompatibilityError]] = []
+    actor_tok = tokenizer_fingerprint(actor.tokenizer_path or actor.path, name=actor.name)
+    archs = [architecture_fingerprint(actor.path, name=actor.name)]
+    for i, teacher in enumerate(teachers):
+        tok = tokenizer_fingerprint(teacher.tokenizer_path or teacher.path, name=teacher.name)
+        diff = first_tokenizer_difference(actor_tok, tok)
+        if diff is not None:
+            message = (
+                f"teacher {teacher.name!r} ({teacher.path}) does not share the tokenizer of actor "
+                f"{actor.name!r} ({actor.path}): {diff}"
+            )
+            errors.append((i, TokenizerMismatchError(message)))
+        archs.append(architecture_fingerprint(teacher.path, name=teacher.name))
+    for i, other in enumerate(archs[2:], start=1):
+        diff = first_architecture_difference(archs[1], other)
+        if diff is not None:
+            message = (
+                f"teachers {archs[1].name!r} and {other.name!r} have different architectures: {diff}; "
+                "all teachers must share one architecture"
+            )
+            errors.append((i, ArchitectureMismatchError(message)))
+    return actor_tok, archs, errors
+
+
 def check_models(actor: ModelFiles, teachers: Sequence[ModelFiles]) -> CompatibilityReport:
     """Check that every teacher shares the actor's tokenizer and the teachers one architecture.
 
     Raises:
-        TokenizerMismatchError: a teacher's tokenizer differs from the actor's (both named, first token).
+        TokenizerMismatchError: a teacher's tokenizer differs from the actor's (both named, first token;
+            raised before any architecture mismatch).
         ArchitectureMismatchError: two teachers' architectures differ (both named, first key).
         ModelFilesError: a model's files are missing (callers may defer the check to job start).
     """
-    actor_tok = tokenizer_fingerprint(actor.tokenizer_path or actor.path, name=actor.name)
-    archs = [architecture_fingerprint(actor.path, name=actor.name)]
-    for teacher in teachers:
-        tok = tokenizer_fingerprint(teacher.tokenizer_path or teacher.path, name=teacher.name)
-        diff = first_tokenizer_difference(actor_tok, tok)
-        if diff is not None:
-            raise TokenizerMismatchError(
-                f"teacher {teacher.name!r} ({teacher.path}) does not share the tokenizer of actor "
-                f"{actor.name!r} ({actor.path}): {diff}"
-            )
-        archs.append(architecture_fingerprint(teacher.path, name=teacher.name))
-    for other in archs[2:]:
-        diff = first_architecture_difference(archs[1], other)
-        if diff is not None:
-            raise ArchitectureMismatchError(
-                f"teachers {archs[1].name!r} and {other.name!r} have different architectures: {diff}; "
-                "all teachers must share one architecture"
-            )
+    actor_tok, archs, errors = _compare(actor, teachers)
+    tokenizer = [e for _, e in errors if isinstance(e, TokenizerMismatchError)]
+    if errors:
+        raise (tokenizer or [errors[0][1]])[0]
     return CompatibilityReport(
         tokenizer_digest=actor_tok.digest,
         architecture_digests=tuple((a.name, a.digest) for a in archs),

@@ -1,7 +1,7 @@
 """The per-step phase machine: who owns the GPUs when, and when teacher memory may be released.
 
-    ROLLOUT → TEACHER → DRAIN → TRAIN → SYNC → ROLLOUT      (a plan with teachers)
-    ROLLOUT → TRAIN → SYNC → ROLLOUT                        (a plan without teachers: c_d = 0)
+    ROLLOUT → TEACHER → DRAIN → TRAIN → SYNC → ROLLOUT      (a plan with teachers or a reference model)
+    ROLLOUT → TRAIN → SYNC → ROLLOUT                        (neither: c_d = 0 and no KL penalty)
     any phase → ABORT → ROLLOUT                             (failure; ABORT is idempotent)
 
 Teacher resources may be released only after a drain receipt from every registered consumer (each
@@ -105,9 +105,11 @@ class PhaseMachine:
         consumers: Iterable[str],
         on_transition: Callable[[Transition], None] | None = None,
     ) -> PhaseMachine:
-        """The machine for `plan` (teacher phases exactly when the plan scores teachers)."""
-        names = tuple(consumers) if plan.requires_teacher_scoring else ()
-        return cls(uses_teacher=plan.requires_teacher_scoring, consumers=names, on_transition=on_transition)
+        """The machine for `plan` (TEACHER and DRAIN exactly when teachers or the reference model score the
+        rollouts: `ExecutionPlan.scores_before_train`)."""
+        scores = plan.scores_before_train
+        names = tuple(consumers) if scores else ()
+        return cls(uses_teacher=scores, consumers=names, on_transition=on_transition)
 
     @property
     def pending_consumers(self) -> frozenset[str]:

@@ -4,7 +4,9 @@ Rules (DESIGN.md §3):
 - c_d = 0 ⇒ no teacher is loaded, scored or drained; the step goes ROLLOUT → TRAIN directly.
 - c_rl = 0 and α = 0 ⇒ no RL advantage work and no reference model (rewards are still computed,
   cheaply, for monitoring: `requires_reward` says whether the *loss* needs them).
-- A reference model is needed only for a KL penalty inside the RL term (c_rl > 0 and β > 0).
+- A reference model is needed only for a KL penalty inside the RL term (c_rl > 0 and β > 0); it scores the
+  rollouts in the TEACHER phase (with the teachers, or alone when c_d = 0), and its device memory is released
+  before the drain receipts, like the teachers' tensors (`engines/reference.py`).
 - α only acts through the distillation advantage, so it needs rewards only when c_d > 0.
 Both coefficients zero is rejected by `LossConfig` already.
 """
@@ -88,8 +90,13 @@ class ExecutionPlan:
         )
 
     @property
+    def scores_before_train(self) -> bool:
+        """The step has TEACHER and DRAIN phases: teachers or the reference model score the rollouts."""
+        return self.requires_teacher_scoring or self.requires_reference
+
+    @property
     def step_phases(self) -> tuple[Phase, ...]:
         """The phases of one step, in order (SYNC then back to ROLLOUT)."""
-        if self.requires_teacher_scoring:
+        if self.scores_before_train:
             return (Phase.ROLLOUT, Phase.TEACHER, Phase.DRAIN, Phase.TRAIN, Phase.SYNC)
         return (Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC)

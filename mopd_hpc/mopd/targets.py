@@ -9,6 +9,16 @@ so that S − W·log π_θ(y_t) = Σ_j w_j·(log π_j − log π_θ): minimizing
 geometric teacher ensemble ∝ Π_j π_j^{w_j/W} (AReaL feature/mopd `aggregate_mopd_targets`; DESIGN.md §3).
 Weights are not normalized. One teacher per route (MiMo-V2-Flash §4.4) is the special case.
 
+A teacher's refusal (a −inf log-prob: the teacher gives the sampled token probability 0, e.g. a vocabulary
+entry its head masks; it arrives as the wire's floor −1e30, engines/teacher_wire.py) is taken as the
+smallest log-prob a float32 softmax represents, `REFUSED_LOGPROB` = log(float32 tiny) ≈ −87.34 nats, and
+counted (`TeacherTargets.refused_tokens`). Why a finite floor rather than an error or a mask: the refusal is
+information (reverse KL(π_θ ‖ π_j) is +∞ there: the student must stop emitting that token), so the token
+keeps a large negative advantage A = S − W·log π_θ ≥ W·(−87.34) − W·log π_θ; kept at −1e30 it would be
+an advantage of ~1e30 (loss and gradient ~1e30, whatever `grad_clip` then does); masked, the student would
+never learn to stop. `loss.advantage_clip` clips it further when set. A NaN teacher log-prob is no refusal
+but a broken forward: the teacher server refuses to answer it (engines/teacher_server.py).
+
 Shape legend: B sequences, T response positions, J teachers.
 """
 
@@ -19,6 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+#: What a teacher's −inf (or the wire's −1e30 floor) becomes in S: log of float32's smallest normal number.
+REFUSED_LOGPROB = math.log(torch.finfo(torch.float32).tiny)
 
 
 class TargetError(ValueError):
@@ -31,11 +44,14 @@ class TeacherTargets:
 
     `logp_sum` is S = Σ_j w_j·log π_j(y_t); `weight_sum` is W = Σ_j w_j (per token, constant along T).
     Positions where a sample's positive-weight teachers gave non-finite values stay non-finite in S:
-    `mopd_loss` ignores them only where `loss_mask` is 0.
+    `mopd_loss` ignores them only where `loss_mask` is 0. A −inf (refused) log-prob is no such value: it enters
+    S as `REFUSED_LOGPROB` (module docstring); `refused_tokens` counts those (row, position, teacher) entries
+    (positions holding NaN, e.g. padding, are not counted).
     """
 
     logp_sum: torch.Tensor
     weight_sum: torch.Tensor
+    refused_tokens: int = 0
 
 
 def validate_route_weights(route: str, weights: Mapping[str, float]) -> None:
@@ -62,7 +78,9 @@ def aggregate_teacher_targets(
         sample_weights: length B; element b is the route weights {teacher_id: w_j} of sample b.
 
     Returns:
-        `TeacherTargets` with float32 [B, T] tensors (accumulated in float32 whatever the input dtype).
+        `TeacherTargets` with float32 [B, T] tensors (accumulated in float32 whatever the input dtype); a
+        log-prob below `REFUSED_LOGPROB` (−inf, the wire's −1e30) of a positive-weight teacher is raised to it
+        and counted in `refused_tokens`.
 
     Raises:
         TargetError: a weight is negative/non-finite or all zero for a sample; a teacher with positive
@@ -98,10 +116,17 @@ def aggregate_teacher_targets(
 
     logp_sum = torch.zeros(shape, dtype=torch.float32, device=device)
     weight_sum = torch.zeros(batch, dtype=torch.float32, device=device)
+    refused = 0
     for tid, lp in teacher_logprobs.items():
         w = torch.tensor(weight_rows[tid], dtype=torch.float32, device=device)
         used = (w > 0)[:, None]
-        contrib = torch.where(used, w[:, None] * lp.detach().float(), 0.0)
+        values = lp.detach().float()
+        low = used & (values < REFUSED_LOGPROB)  # −inf and the wire's −1e30; NaN compares False
+        refused += int(low.sum())
+        values = torch.where(low, REFUSED_LOGPROB, values)
+        contrib = torch.where(used, w[:, None] * values, 0.0)
         logp_sum = logp_sum + contrib
         weight_sum = weight_sum + w
-    return TeacherTargets(logp_sum=logp_sum, weight_sum=weight_sum[:, None].expand(shape).contiguous())
+    return TeacherTargets(
+        logp_sum=logp_sum, weight_sum=weight_sum[:, None].expand(shape).contiguous(), refused_tokens=refused
+    )

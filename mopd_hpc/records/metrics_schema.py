@@ -12,9 +12,11 @@ readers that do not know them):
 | `mopd/rho_mean` | mean importance ratio ρ_t after truncation/masking |
 | `mopd/ratio_capped_frac`, `mopd/ratio_masked_frac` | fraction of tokens whose ratio was capped / masked, in [0, 1] |
 | `mopd/teacher_student_gap` | mean of S − W·log π_θ(y_t) over response tokens (nats) |
+| `mopd/teacher_refused_tokens` (optional) | (row, position, teacher) entries of the step whose teacher log-prob was −inf (a refusal), taken as log(float32 tiny) ≈ −87.34 in S (mopd/targets.py); present when teachers score |
 | `reward/<route>`, `accuracy/<route>` | mean reward / accuracy of the step's rollouts of one route |
 | `perf/tokens_per_s` | trained tokens per second of wall time |
 | `time/rollout_s`, `time/teacher_s`, `time/drain_s`, `time/train_s`, `time/sync_s` | seconds per phase |
+| `ref/kl`, `time/reference_s` | only with a KL penalty (loss.rl_coefficient > 0 and kl_coefficient > 0): the mean k3 KL(π_θ ‖ π_ref) over response tokens with the policy before the step's update (nats; 0 at step 1, where π_θ = π_ref), and rank 0's seconds of the reference model's scoring (part of `time/teacher_s`) |
 | `memory/<child>/<phase>/allocated_gib`, `memory/<child>/<phase>/reserved_gib` | peak GPU memory of one child during one phase of the step, GiB (2^30 bytes): torch's `max_memory_allocated` / `max_memory_reserved` since the phase began (the peak is reset at each phase start); only for children on CUDA (absent on CPU). `<child>` is `actor` (the controller's rank), `<phase>` a phase of the step (`rollout`, `teacher`, `drain`, `train`, `sync`) |
 
 Evaluation (`run_dir/eval.json`): `{"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc,

@@ -12,7 +12,9 @@ ranks follow it (trainer/follower.py). In order, on every rank:
 4. wait for the teacher and rollout endpoints (`MOPD_ENDPOINT_TIMEOUT_S`, default 600 s; the error names
    what is missing; every rank waits for the same servers, so they build their engines together);
 5. build the train engine `models.actor.engine` names (the loss section bound once, the data-parallel rank
-   of the group; `build_train_engine`), open a client per teacher (every rank scores its own rows);
+   of the group; `build_train_engine`), with a KL penalty its reference model (`build_reference`: the
+   starting actor from models.actor.path, offloaded between uses), open a client per teacher (every rank
+   scores its own rows);
 6. rank 0: the tokenizer, the routed data, the rollout clients and the weight sync (the `nccl` port), the
    SIGUSR2 checkpoint handler, then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
    checkpoint and sends the stop record), then `Follower.run()`.
@@ -45,6 +47,7 @@ from typing import Any, TextIO
 from mopd_hpc.config import ConfigError, RunConfig
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
+from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
@@ -162,6 +165,22 @@ def build_train_engine(
     )
 
 
+def build_reference(cfg: RunConfig, kind: str, engine: Any) -> ReferenceModel:
+    """This rank's reference model for the KL penalty: a scoring engine of the actor's `kind` loaded from
+    models.actor.path (never a run checkpoint: the starting weights, also after a resume), in the actor's
+    dtype, on the actor engine's device (`engine.device`; megatron: after the engine's `initialize_parallel`),
+    as many rows per forward as a teacher of the run would score (`roles.teacher.scoring_rows`).
+
+    Raises:
+        EngineError: what `ReferenceModel.load` raises.
+    """
+    from mopd_hpc.roles.teacher import scoring_rows
+
+    actor = cfg.models.actor
+    rows = scoring_rows(cfg, actor.path)
+    return ReferenceModel.load(kind, actor.path, dtype=actor.dtype, device=engine.device, max_batch_rows=rows)
+
+
 def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
     """The variables awex reads itself in the actor (its trainer rank, on its device): `AwexJobConfig.
     trainer_env(role.rank, master_address(role), role.device.index)` (device 0 for a CPU child, which awex
@@ -201,16 +220,19 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
         )
         dp = DataParallel(group.dp_rank, group.dp_size) if group.dp_size > 1 else DataParallel.single()
         engine = build_train_engine(cfg, kind, role.device, dp)
+        reference = build_reference(cfg, kind, engine) if plan.requires_reference else None
         async with contextlib.AsyncExitStack() as stack:
             teachers = {
                 t: await stack.enter_async_context(TeacherClient(endpoints.teachers[t], token=token))
                 for t in plan.teachers
             }
             if role.rank == 0:
-                outcome = await _lead(role, cfg, plan, engine, endpoints.rollout, teachers, group, token, out)
+                outcome = await _lead(
+                    role, cfg, plan, engine, endpoints.rollout, teachers, group, token, out, reference
+                )
             else:
                 signal.signal(CHECKPOINT_SIGNAL, signal.SIG_IGN)  # rank 0 decides when to checkpoint
-                shard_step = ShardStep(engine, teachers, plan, cfg.loss, route_weights(cfg), group)
+                shard_step = ShardStep(engine, teachers, plan, cfg.loss, route_weights(cfg), group, reference)
                 outcome = await Follower(engine, shard_step, group, role.run_dir).run()
     finally:
         group.close()
@@ -233,6 +255,7 @@ async def _lead(
     group: Group,
     token: str | None,
     out: TextIO,
+    reference: ReferenceModel | None = None,
 ) -> RunOutcome:
     """Rank 0: the controller with its collaborators (step 6 of the module docstring)."""
     from transformers import AutoTokenizer
@@ -270,6 +293,7 @@ async def _lead(
             out=out,
             group=group,
             checkpoint_request=request,
+            reference=reference,
         )
         return await controller.run()
 

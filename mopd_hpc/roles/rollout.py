@@ -1,6 +1,7 @@
 """The `rollout` role entry point the guard runs: `python -m mopd_hpc.roles.rollout`.
 
-It wraps the hf rollout server (`engines/rollout/hf_server.py`) for one engine of a run: everything comes
+It wraps the hf rollout server (`engines/rollout/hf_server.py`) for one engine of a run (with
+`rollout.backend: sglang`, an in-process sglang.Engine instead: roles/rollout_sglang.py): everything comes
 from the guard-given environment (read once, in `main`; `roles/env.py`) and the run's resolved
 config `run_dir/config.yaml`:
 
@@ -15,7 +16,7 @@ config `run_dir/config.yaml`:
                  it itself; unset, it probes 8.8.8.8 for its own address): `awex_env`
 
 Once the server listens it writes `run_dir/endpoints/rollout-<index>.json` atomically
-({url, host, port, pid, index, job_id, model_path}) and serves until SIGTERM/SIGINT or until the actor
+({url, host, port, pid, index, job_id, model_path, backend}: roles/rollout_record.py) and serves until SIGTERM/SIGINT or until the actor
 announces the end of the job (`records/job_end.py`); then it removes the endpoint file and exits 0.
 SIGUSR2 (Slurm's checkpoint signal, sent to every process of the step) is ignored: a rollout server has
 no state to save, and the actor and the guard decide when it stops.
@@ -32,12 +33,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
 from mopd_hpc.records.job_end import stop_on_job_end
-from mopd_hpc.records.run_dir import endpoint_file, rollout_ready_file
+from mopd_hpc.records.run_dir import rollout_ready_file
 from mopd_hpc.roles.env import RoleEnv, cpu_threads, master_address, read_job_token, start_server_role
+from mopd_hpc.roles.rollout_record import publish_rollout_endpoint, rollout_endpoint
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -85,18 +86,7 @@ async def _publish(role: RoleEnv, args: ServerArgs, stop: asyncio.Event) -> None
     if stop.is_set():
         return
     info = json.loads(ready.read_text(encoding="utf-8"))
-    port = int(info["port"])
-    record = {
-        "url": f"http://{role.advertise_host}:{port}",
-        "host": role.advertise_host,
-        "port": port,
-        "pid": os.getpid(),
-        "index": role.index,
-        "job_id": role.job_id,
-        "model_path": args.model_path,
-    }
-    atomic_write_json(endpoint_file(role.run_dir, "rollout", str(role.index)), record)
-    log.info("rollout engine %d published at %s", role.index, record["url"])
+    publish_rollout_endpoint(role, int(info["port"]), args.model_path, "hf")
 
 
 async def run(role: RoleEnv, args: ServerArgs) -> None:
@@ -105,7 +95,7 @@ async def run(role: RoleEnv, args: ServerArgs) -> None:
 
     token = read_job_token(role)
     stop = asyncio.Event()
-    endpoint = endpoint_file(role.run_dir, "rollout", str(role.index))
+    endpoint = rollout_endpoint(role)
     endpoint.parent.mkdir(parents=True, exist_ok=True)
     Path(args.ready_file or "").unlink(missing_ok=True)
     tasks = [
@@ -129,7 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     environ = dict(os.environ)
     role, cfg = start_server_role(environ)
     os.environ.update(awex_env(role, cfg))  # the edge: awex reads it from os.environ itself
-    asyncio.run(run(role, server_args(role, cfg, environ)))
+    if cfg.rollout.backend == "sglang":
+        from mopd_hpc.roles.rollout_sglang import run_sglang
+
+        asyncio.run(run_sglang(role, cfg, environ))
+    else:
+        asyncio.run(run(role, server_args(role, cfg, environ)))
     return 0
 
 

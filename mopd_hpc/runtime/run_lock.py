@@ -4,7 +4,10 @@ Two jobs on one run dir mix their logs and metrics, talk to each other's servers
 checkpoints. The lock is `flock(LOCK_EX)` on `run_dir/run.lock` (man 2 flock): the kernel frees it when the
 last process holding the open file description exits, SIGKILL included, so a crashed job never leaves a
 stale lock behind. The file holds the holder's record (`job_id`, `host`, `pid`, `since`), read to name it
-in the refusal; a record left by a dead holder is simply overwritten by the next one.
+in the refusal; a record left by a dead holder is simply overwritten by the next one. Every refusal is also
+appended to `run_dir/events/refused.jsonl` (`REFUSED_FILE`: the refused job's id, host, pid, time and the
+holder's record; one O_APPEND write, nothing of the holder touched), so that `mopd-logs summarize` of the
+holder's job shows who was turned away.
 
 Who holds it: `mopd-submit --local` (before it writes anything into the run dir; the guard it starts
 inherits the descriptor, so the lock lives while either does), and every guard at start (`mopd-guard`:
@@ -28,6 +31,8 @@ from typing import Any
 
 #: The lock file, in the run directory.
 LOCK_FILE_NAME = "run.lock"
+#: The refusals, one JSON line each, relative to the run directory.
+REFUSED_FILE = "events/refused.jsonl"
 #: How long to wait for a holder that has the lock but has not written its record yet, seconds.
 _RECORD_WAIT_S = 0.5
 
@@ -118,6 +123,7 @@ def acquire(run_dir: str | os.PathLike[str], job_id: str, host: str, pid: int | 
         holder = _holder_record(root)
         if holder.get("job_id") == job_id:
             return RunLock(path, -1, holder)
+        record_refusal(root, job_id, host, holder, pid)
         raise RunDirLockedError(root, holder) from None
     record = {
         "job_id": job_id,
@@ -156,8 +162,53 @@ def claim(run_dir: str | os.PathLike[str], job_id: str | None, host: str) -> Run
         return acquire(run_dir, job_id, host)
     holder = holder_of(run_dir)
     if holder is not None:
+        record_refusal(run_dir, None, host, holder)
         raise RunDirLockedError(Path(run_dir), holder)
     return None
+
+
+def record_refusal(
+    run_dir: str | os.PathLike[str],
+    job_id: str | None,
+    host: str,
+    holder: dict[str, Any],
+    pid: int | None = None,
+) -> None:
+    """Append one refusal to `run_dir/REFUSED_FILE`: {ts, job_id (None: a submission, its id not known
+    yet), host, pid (default this process), holder}. Best effort: the refusal itself is the error the
+    caller raises; a run dir this process cannot write to only loses the record."""
+    record = {
+        "ts": time.time(),
+        "job_id": job_id,
+        "host": host,
+        "pid": os.getpid() if pid is None else pid,
+        "holder": holder,
+    }
+    path = Path(run_dir) / REFUSED_FILE
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def read_refusals(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every refusal recorded in `run_dir` (`record_refusal`), oldest first; torn or foreign lines skipped."""
+    out = []
+    try:
+        with open(Path(run_dir) / REFUSED_FILE, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("holder"), dict):
+                    out.append(record)
+    except OSError:
+        return []
+    return out
 
 
 def _holder_record(root: Path) -> dict[str, Any]:

@@ -7,7 +7,8 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
              A_ORM over the whole step (GRPO groups need every row); the step record goes to every rank
              of the actor group (`trainer/step_record.py`)
     TEACHER  every rank (this one too) has the teachers score its own shard of the rows
-             (`trainer/rank_step.py`): only the rows of routes that weight a teacher go to it
+             (`trainer/rank_step.py`): only the rows of routes that weight a teacher go to it; with a KL
+             penalty (c_rl > 0, β > 0) every rank's reference model scores its shard too, even when c_d = 0
     DRAIN    every rank's drain receipt gathered here; then the teachers may be released (offloaded on GPU;
              nothing to do on CPU)
     TRAIN    one `train_step` of the engine on every rank's shard (the loss normalized over the whole step)
@@ -48,6 +49,7 @@ from typing import Any, TextIO
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.protocol import TrainEngine
+from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine, Transition
@@ -103,6 +105,8 @@ class Controller:
         run_dir: the run directory. job_id: this job (recorded in checkpoints). out: progress output.
         group: the actor group (`ActorGroup` joined as rank 0, or `SoloGroup` for one rank).
         checkpoint_request: the installed SIGUSR2 handler (None: not honoured).
+        reference: this rank's reference model (`engines/reference.py`), exactly when the plan has a KL
+            penalty (`plan.requires_reference`): the starting weights, never restored from a checkpoint.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Controller:
         group: Group | None = None,
         checkpoint_request: CheckpointRequest | None = None,
         token: str | None = None,
+        reference: ReferenceModel | None = None,
     ) -> None:
         self.cfg, self.plan, self.engine, self.tokenizer, self.data = cfg, plan, engine, tokenizer, data
         self.rollout, self.teachers, self.sync = list(rollout), dict(teachers), sync
@@ -135,7 +140,9 @@ class Controller:
         self.route_weights = {r: dict(cfg.routes[r]) for r in self.routes}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.gpu = any(g.gpus_per_node > 0 for g in cfg.cluster.groups().values())
-        self.shard_step = ShardStep(engine, self.teachers, plan, cfg.loss, self.route_weights, self.group)
+        self.shard_step = ShardStep(
+            engine, self.teachers, plan, cfg.loss, self.route_weights, self.group, reference
+        )
         #: Every phase change of the run, in order (for the event log and tests).
         self.transitions: list[Transition] = []
         consumers = tuple(ACTOR_CONSUMER.format(rank=r) for r in range(self.group.world_size))
@@ -157,7 +164,7 @@ class Controller:
         metrics = MetricsWriter.open(self.run_dir / METRICS_FILE, resume_step=start)
         with contextlib.closing(metrics):
             if start == 0 or evaluate.read_eval(self.run_dir) is None:
-                self._evaluate_start()
+                await self._evaluate_start()
             await self.sync.start(self.rollout)
             await self.sync.push(start, self.rollout)
             log.info("rollout engines hold the weights of step %d", start)
@@ -220,7 +227,7 @@ class Controller:
                 self.pad_id,
             )
             timings["rollout"] = time.perf_counter() - t0
-            if self.plan.requires_teacher_scoring:
+            if self.plan.scores_before_train:  # teachers, or the reference model (`engines/reference.py`)
                 self.machine.transition(Phase.TEACHER)
                 if self.gpu:
                     for client in self.teachers.values():
@@ -319,13 +326,13 @@ class Controller:
     def _max_new_tokens(self) -> int:
         return self.cfg.rollout.sampling.max_new_tokens
 
-    def _evaluate_start(self) -> None:
+    async def _evaluate_start(self) -> None:
         prompts = self.data.eval_prompts
         if not prompts:
             return
-        paths = {t.id: t.path for t in self.cfg.models.teachers}
-        teachers = evaluate.teacher_accuracy(
-            paths, self.route_weights, self.tokenizer, prompts, self._max_new_tokens()
+        generators = {tid: client.generate_greedy for tid, client in self.teachers.items()}
+        teachers = await evaluate.teacher_accuracy(
+            generators, self.route_weights, self.tokenizer, prompts, self._max_new_tokens()
         )
         start = self._student_accuracy(prompts)
         counts = {r: len(p) for r, p in prompts.items()}

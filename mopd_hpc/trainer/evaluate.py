@@ -3,8 +3,8 @@
 Accuracy = share of held-out prompts whose greedy completion (at most `rollout.sampling.max_new_tokens`
 tokens) scores exactly 1 with the dataset's own reward (`mopd_hpc.data.evaluation`). The held-out prompts
 are `trainer/data_setup.eval_prompts`. A route's `teacher` accuracy is the best over the teachers the route
-gives a positive weight; teachers are loaded read-only, once, at the start (their accuracy does not change
-during the run; it is kept in eval.json, so a resumed run does not load them again).
+gives a positive weight; each teacher generates on its own server, once, at the start (its accuracy does not
+change during the run; it is kept in eval.json, so a resumed run does not ask again).
 
 `run_dir/eval.json` (written atomically):
 
@@ -17,13 +17,14 @@ Accuracies are fractions in [0, 1]; `student_end` is null until the run ends.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.data import Prompt
 from mopd_hpc.data.evaluation import evaluate_prompts
+from mopd_hpc.data.rewards import is_correct, score_completion
 from mopd_hpc.records.run_dir import EVAL_FILE
 
 
@@ -39,32 +40,36 @@ def student_accuracy(
     }
 
 
-def teacher_accuracy(
-    teacher_paths: Mapping[str, str],
+#: A teacher's greedy generation where it is served: (prompt ids [B rows], max_new_tokens, eos id, pad id)
+#: → new-token rows ([B] of equal length, pad after EOS). `TeacherClient.generate_greedy` is one.
+GreedyFn = Callable[[Sequence[Sequence[int]], int, int, int], Awaitable[list[list[int]]]]
+
+
+async def teacher_accuracy(
+    generators: Mapping[str, GreedyFn],
     route_weights: Mapping[str, Mapping[str, float]],
     tokenizer: Any,
     prompts: Mapping[str, Sequence[Prompt]],
     max_new_tokens: int,
 ) -> dict[str, dict[str, float]]:
-    """route → {teacher id: greedy accuracy} for every teacher with a positive weight on the route; each
-    teacher checkpoint is loaded once (CPU, float32) and released after."""
-    import torch
+    """route → {teacher id: greedy accuracy} for every teacher with a positive weight on the route.
 
-    from mopd_hpc.engines.hf_model import load_causal_lm
-
-    needed: dict[str, list[str]] = {}
-    for route in prompts:
-        for teacher, w in route_weights[route].items():
-            if w > 0 and teacher in teacher_paths:
-                needed.setdefault(teacher, []).append(route)
+    Each teacher generates on its own server (`generators`, engines/teacher_generate.py): the actor process
+    loads no teacher. Prompts are encoded as `data.evaluation.greedy_complete` encodes them (the tokenizer's
+    special tokens; the server left-pads) and the new tokens decoded the same way, so on the same weights and
+    dtype the accuracy equals the in-process greedy evaluation's.
+    """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     out: dict[str, dict[str, float]] = {route: {} for route in prompts}
-    for teacher, routes in needed.items():
-        model = load_causal_lm(teacher_paths[teacher], "float32", torch.device("cpu")).eval()
-        for route in routes:
-            out[route][teacher] = evaluate_prompts(
-                model, tokenizer, list(prompts[route]), source=route, max_new_tokens=max_new_tokens
-            ).accuracy
-        del model
+    for route, items in prompts.items():
+        ids = [tokenizer(p.text)["input_ids"] for p in items]
+        for teacher, weight in route_weights[route].items():
+            if weight <= 0 or teacher not in generators or not items:
+                continue
+            rows = await generators[teacher](ids, max_new_tokens, eos, pad)
+            completions = tokenizer.batch_decode(rows, skip_special_tokens=True)
+            rewards = [score_completion(p, c) for p, c in zip(items, completions, strict=True)]
+            out[route][teacher] = sum(is_correct(r) for r in rewards) / len(rewards)
     return out
 
 

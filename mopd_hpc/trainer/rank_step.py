@@ -3,11 +3,13 @@
 Given the step record rank 0 sent (`trainer/step_record.py`) and this rank's shard (`trainer/shards.py`):
 
     TEACHER  this rank's rows go to the teacher servers straight from this rank (`score_teachers` on the
-             shard): no rank receives, or re-sends, another rank's top-k targets
-    DRAIN    the answers now live in this rank's tensors only; its receipt (step, rows scored) is gathered
-             at rank 0, which may then release the teachers (the controller's `on_drained`); a barrier
-             keeps every rank from training before that release (on GPU the teachers' memory is the
-             actor's to use)
+             shard): no rank receives, or re-sends, another rank's top-k targets; with a KL penalty the
+             rank's own reference model (`engines/reference.py`) scores the same rows, then gives its
+             device memory back
+    DRAIN    the answers now live in this rank's tensors only (its reference offloaded); its receipt (step,
+             rows scored) is gathered at rank 0, which may then release the teachers (the controller's
+             `on_drained`); a barrier keeps every rank from training before that release (on GPU the
+             teachers' memory is the actor's to use)
     TRAIN    `engine.train_step` on the shard; the engine divides the loss sum by the token count of the
              whole step (engines/data_parallel.py), so the update is the DP = 1 update; the topk
              estimator's ratio statistics are summed over the ranks (`step.ratio_sums`)
@@ -29,8 +31,10 @@ import torch
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.protocol import TrainEngine
+from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.teacher_server import TeacherClient
 from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.mopd.targets import REFUSED_LOGPROB
 from mopd_hpc.trainer.actor_group import Group, Receipts
 from mopd_hpc.trainer.shards import Shard, shard_rows
 from mopd_hpc.trainer.step import RATIO_KEYS, ratio_means, ratio_sums, shard_batch
@@ -38,6 +42,8 @@ from mopd_hpc.trainer.step_record import ControlRecord
 from mopd_hpc.trainer.teacher_phase import TeacherScores, score_teachers
 
 log = logging.getLogger("mopd_hpc.trainer")
+#: Metric: (row, position, teacher) entries of the step a teacher refused (−inf log-prob; mopd/targets.py).
+REFUSED_KEY = "mopd/teacher_refused_tokens"
 
 
 def make_resident(engine: TrainEngine, what: str) -> None:
@@ -50,7 +56,8 @@ def make_resident(engine: TrainEngine, what: str) -> None:
 @dataclass(frozen=True, slots=True)
 class ShardOutcome:
     """What one rank's shard step gives: the engine's statistics (global: reduced over the ranks), the
-    shard, and seconds per phase on this rank ("teacher", "drain", "train"; absent phases absent)."""
+    shard, and seconds per phase on this rank ("teacher", "drain", "train"; absent phases absent; "reference":
+    the part of "teacher" the reference model took)."""
 
     stats: Mapping[str, float]
     shard: Shard
@@ -65,6 +72,10 @@ class ShardStep:
         teachers: teacher id → client of its server, opened by the caller.
         plan: the run's ExecutionPlan. loss: the loss section (its top-k and correction).
         route_weights: route → {teacher id: w_j}. group: the actor group.
+        reference: this rank's reference model, exactly when the plan needs one (`requires_reference`).
+
+    Raises:
+        ValueError: a reference given to a plan without a KL penalty, or none to a plan with one.
     """
 
     def __init__(
@@ -75,9 +86,16 @@ class ShardStep:
         loss: LossConfig,
         route_weights: Mapping[str, Mapping[str, float]],
         group: Group,
+        reference: ReferenceModel | None = None,
     ) -> None:
+        if plan.requires_reference != (reference is not None):
+            raise ValueError(
+                f"plan.requires_reference is {plan.requires_reference} (loss.kl_coefficient="
+                f"{loss.kl_coefficient}, rl_coefficient={loss.rl_coefficient}) but the reference model is "
+                f"{'given' if reference is not None else 'None'}; build it exactly when the KL penalty is on"
+            )
         self.engine, self.teachers, self.plan, self.loss = engine, teachers, plan, loss
-        self.route_weights, self.group = route_weights, group
+        self.route_weights, self.group, self.reference = route_weights, group, reference
 
     def shard_of(self, record: ControlRecord) -> Shard:
         """This rank's rows of the step (`shard_rows`, the same on every rank)."""
@@ -100,10 +118,14 @@ class ShardStep:
         """
         shard = self.shard_of(record)
         timings: dict[str, float] = {}
-        scores = None
-        if self.plan.requires_teacher_scoring:
+        scores = ref_logprobs = None
+        if self.plan.scores_before_train:
             t0 = time.perf_counter()
-            scores = await self.score(record, shard)
+            if self.plan.requires_teacher_scoring:
+                scores = await self.score(record, shard)
+            if self.reference is not None:
+                ref_logprobs = self.reference.logprobs(record.tokens(shard.start, shard.stop))
+                timings["reference"] = self.reference.last_seconds
             timings["teacher"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             receipts = self.group.gather_receipts(record.step, shard.rows)
@@ -114,14 +136,14 @@ class ShardStep:
         t0 = time.perf_counter()
         if before_train is not None:
             before_train()
-        stats = self.train(record, shard, scores)
+        stats = self.train(record, shard, scores, ref_logprobs)
         timings["train"] = time.perf_counter() - t0
         return ShardOutcome(stats, shard, timings)
 
     async def score(self, record: ControlRecord, shard: Shard) -> TeacherScores:
         """TEACHER: this rank's rows scored by the teachers of their routes."""
         lo, hi = shard.start, shard.stop
-        return await score_teachers(
+        scores = await score_teachers(
             self.teachers,
             record.rows[lo:hi],
             record.starts[lo:hi],
@@ -130,11 +152,29 @@ class ShardStep:
             self.route_weights,
             top_k=self.loss.topk if self.plan.estimator == "topk" else None,
         )
+        if scores.targets.refused_tokens:
+            log.warning(
+                "step %d, rows %d..%d: %d teacher log-prob(s) were -inf (the teacher refuses the sampled "
+                "token): taken as %.2f (mopd/targets.py REFUSED_LOGPROB)",
+                record.step,
+                lo,
+                hi - 1,
+                scores.targets.refused_tokens,
+                REFUSED_LOGPROB,
+            )
+        return scores
 
-    def train(self, record: ControlRecord, shard: Shard, scores: TeacherScores | None) -> dict[str, float]:
-        """TRAIN: one `train_step` on the shard; the ratio statistics of the topk estimator summed over the
-        data-parallel ranks (every rank takes part in that all-reduce)."""
-        batch = shard_batch(record, shard, scores)
+    def train(
+        self,
+        record: ControlRecord,
+        shard: Shard,
+        scores: TeacherScores | None,
+        ref_logprobs: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """TRAIN: one `train_step` on the shard (`ref_logprobs`: the reference's [b, T] log-probs of its rows);
+        the ratio statistics of the topk estimator summed over the data-parallel ranks (every rank takes part
+        in that all-reduce)."""
+        batch = shard_batch(record, shard, scores, ref_logprobs)
         seen: dict[str, Any] = {}
         observe = None
         if self.plan.estimator == "topk" and self.plan.requires_teacher_scoring:
@@ -145,6 +185,8 @@ class ShardStep:
 
         stats = dict(self.engine.train_step(batch, observe=observe))
         self.group.forget_read_records()  # the gradient all-reduce: every rank has read this record
+        if scores is not None:  # teachers' refusals (−inf log-probs, mopd/targets.py) of the whole step
+            (stats[REFUSED_KEY],) = self.group.all_reduce_sum([scores.targets.refused_tokens])
         if "sums" in seen:
             sums = seen["sums"]
             keys = [k for k in RATIO_KEYS if k in sums]

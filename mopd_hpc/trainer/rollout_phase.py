@@ -134,13 +134,43 @@ async def generate(
 async def _generate_block(
     client: RolloutClient, body: dict[str, Any], prompts: Sequence[Sequence[int]], n: int
 ) -> list[GeneratedSample]:
-    items = await client.generate_raw(body)
-    items = items if isinstance(items, list) else [items]
-    if len(items) != len(prompts) * n:
+    """One engine's block: ids and μ come back as one binary frame (engines/wire.py) where the server
+    offers it, else as SGLang's JSON."""
+    answer = await client.generate_batch(body)
+    if len(answer.items) != len(prompts) * n:
         raise RolloutPhaseError(
-            f"{client.base_url} returned {len(items)} responses for {len(prompts)} prompts × n={n}"
+            f"{client.base_url} returned {len(answer.items)} responses for {len(prompts)} prompts × n={n}"
         )
-    return [GeneratedSample.from_response(item, prompts[k // n]) for k, item in enumerate(items)]
+    return answer.samples(prompts, n)
+
+
+def check_behavior_finite(
+    behavior: torch.Tensor, mask: torch.Tensor, step: int, draws: Sequence[RoutedSample]
+) -> None:
+    """Refuse a non-finite μ at a response token (NaN, ±inf), naming the step, the row and the position.
+
+    Why an error and not a mask or a clip: μ is the engine's log-probability of the token it sampled from
+    its own distribution, finite by construction (the token had probability > 0); a non-finite one is an
+    engine fault (an overflow, a wrong log-prob). The importance ratio π_θ/μ is then undefined, and masking
+    the token would hide the fault while training on the rest of that engine's output. The sglang backend
+    refuses the same at its edge (engines/rollout/sglang_backend.py); this check covers every backend.
+
+    Args:
+        behavior: [B, T] float32 μ (0 at padding). mask: [B, T] bool response mask. draws: row b's prompt.
+
+    Raises:
+        RolloutPhaseError: the first bad (row, position), its value and the count of bad entries.
+    """
+    bad = ~torch.isfinite(behavior) & mask
+    if not bool(bad.any()):
+        return
+    b, t = (int(i) for i in bad.nonzero()[0])
+    raise RolloutPhaseError(
+        f"step {step}, row {b} (source {draws[b].source!r}, route {draws[b].route!r}): the behavior log-prob "
+        f"μ at response position {t} is {float(behavior[b, t])} ({int(bad.sum())} non-finite in the step); "
+        "expected the rollout engine's finite log-prob of each token it sampled (the importance ratio "
+        "π_θ/μ is undefined otherwise): the rollout engine returned a wrong log-prob"
+    )
 
 
 async def collect_rollouts(
@@ -159,7 +189,8 @@ async def collect_rollouts(
     """The ROLLOUT phase of `step` (module docstring).
 
     Raises:
-        RolloutPhaseError: a prompt too long, or a response without behavior log-probs.
+        RolloutPhaseError: a prompt too long, a response without behavior log-probs, a non-finite μ
+            (`check_behavior_finite`), or a step whose responses are all empty (named by its step).
         RolloutServerError / RolloutUnavailableError: an engine failed.
     """
     if not clients:
@@ -175,8 +206,15 @@ async def collect_rollouts(
                 f"response {k} has {len(s.output_ids)} tokens but {len(s.behavior_logprobs)} behavior "
                 "log-probs; the engine must answer return_logprob"
             )
+    if not any(s.output_ids for s in samples):
+        raise RolloutPhaseError(
+            f"step {step}: all {len(samples)} responses are empty (0 tokens): no token to train on (an update "
+            "from none is undefined: AdamW would still move the weights by its momentum); the rollout engine "
+            "stopped every sample at once: check rollout.sampling.max_new_tokens and the stop tokens"
+        )
     tokens = TokenBatch.from_samples([s.prompt_ids for s in samples], [s.output_ids for s in samples], pad_id)
     behavior = tokens.pad_response_values([s.behavior_logprobs for s in samples])
+    check_behavior_finite(behavior, tokens.response_mask, step, row_draws)
     completions = tuple(tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in samples)
     rewards = [
         float(sources[d.source].score(d.sample, text)) for d, text in zip(row_draws, completions, strict=True)

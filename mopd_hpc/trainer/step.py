@@ -39,10 +39,16 @@ PHASE_TIME_KEYS = {
 }
 
 
-def shard_batch(record: ControlRecord, shard: Shard, scores: TeacherScores | None) -> TrainBatch:
+def shard_batch(
+    record: ControlRecord,
+    shard: Shard,
+    scores: TeacherScores | None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> TrainBatch:
     """The `TrainBatch` of rows [shard.start, shard.stop) of a step record: tokens and μ of those rows (as the
     rollout gave them), S and W, the teachers' top-k and per-row weights (topk estimator) from `scores` (the
-    shard's own), and the shard's slice of the step's A_ORM (computed over every row by rank 0)."""
+    shard's own), the shard's slice of the step's A_ORM (computed over every row by rank 0), and the
+    reference model's [b, T] log-probs of the shard's rows (KL penalty only; None otherwise)."""
     tokens = record.tokens(shard.start, shard.stop)
     return TrainBatch.create(
         tokens,
@@ -51,6 +57,7 @@ def shard_batch(record: ControlRecord, shard: Shard, scores: TeacherScores | Non
         teacher_topk=scores.topk if scores is not None else None,
         teacher_weights=scores.weights if scores is not None and scores.topk else None,
         orm_advantages=record.orm_advantages(shard.start, shard.stop),
+        ref_logprobs=ref_logprobs,
     )
 
 
@@ -108,7 +115,8 @@ def step_metrics(
     """The metrics line's values (without `step` and `ts`).
 
     stats: `TorchTrainEngine.train_step` output (with `ratio_means` under the topk estimator).
-    timings: phase name → seconds (absent phases: 0). routes: every route of the run (a route absent from
+    timings: phase name → seconds (absent phases: 0; "reference": the reference model's part of "teacher",
+    not added again to the total). routes: every route of the run (a route absent from
     this step's rollouts gets NaN reward/accuracy, written as null).
     """
     topk = loss.estimator == "topk"
@@ -131,13 +139,18 @@ def step_metrics(
         reward, accuracy = means.get(route, (float("nan"), float("nan")))
         values[f"reward/{route}"] = reward
         values[f"accuracy/{route}"] = accuracy
-    total_s = sum(timings.values())
+    total_s = sum(float(timings.get(phase, 0.0)) for phase in PHASE_TIME_KEYS)
     values["perf/tokens_per_s"] = rollouts.response_tokens / total_s if total_s > 0 else 0.0
     for phase, key in PHASE_TIME_KEYS.items():
         values[key] = float(timings.get(phase, 0.0))
+    if loss.rl_coefficient > 0 and loss.kl_coefficient > 0:
+        values["ref/kl"] = stats.get("grpo/kl_ref", float("nan"))
+        values["time/reference_s"] = float(timings.get("reference", 0.0))
     values["train/grad_norm"] = stats.get("grad_norm", float("nan"))
     values["train/lr"] = stats.get("lr", float("nan"))
     values["train/response_tokens"] = float(rollouts.response_tokens)
+    if "mopd/teacher_refused_tokens" in stats:  # −inf teacher log-probs taken as the floor (mopd/targets.py)
+        values["mopd/teacher_refused_tokens"] = stats["mopd/teacher_refused_tokens"]
     if loss.estimator == "topk" and "topk/teacher_mass" in stats:
         values["topk/teacher_mass"] = stats["topk/teacher_mass"]
     return values

@@ -11,14 +11,10 @@ Kinds (`ControlRecord.kind`):
             them) and the pad id
     stop    the run ends: `step` = steps done, `reason` "finished" or "checkpoint_signal"
 
-Wire format (DESIGN.md §7: tensors as raw bytes with a header, never JSON lists of floats):
-
-    8 bytes   little-endian uint64 n = length of the header
-    n bytes   UTF-8 JSON header {"kind", "step", "reason", "routes", "pad_id", "buffers": [[name, dtype,
-              count], ...]}
-    payload   each buffer's little-endian bytes, in header order: `tokens` int32 (every row concatenated),
-              `row_lengths` int32 [B], `starts` int32 [B], `mu` float32 (every response token, rows
-              concatenated), `orm` float32 [B] (when present)
+Wire format (DESIGN.md §7: tensors as raw bytes with a header, never JSON lists of floats): one frame of
+engines/wire.py (byte for byte a safetensors file) with the tensors `tokens` int32 (every row concatenated),
+`row_lengths` int32 [B], `starts` int32 [B], `mu` float32 (every response token, rows concatenated), `orm`
+float32 [B] (when present), and `meta` {"kind", "step", "reason", "routes", "pad_id"}.
 
 `from_bytes(to_bytes(r)) == r` bit for bit (tested). A step record of B rows × L tokens is about
 4·(B·L + B·T) bytes: 256 rows of 2,048 tokens is ~3 MB; the teachers' top-k is never in it (each DP rank
@@ -29,20 +25,16 @@ Shape legend: B rows, T response positions.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from mopd_hpc.engines import wire
 from mopd_hpc.engines.batch import TokenBatch
 
 KINDS = ("start", "step", "stop")
 STOP_REASONS = ("finished", "checkpoint_signal")
-_DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
-_HEADER = struct.Struct("<Q")
 
 
 class RecordError(ValueError):
@@ -152,25 +144,23 @@ class ControlRecord:
     # ------------------------------------------------------------------------------- the wire
 
     def to_bytes(self) -> bytes:
-        """The wire format of the module docstring."""
-        buffers: list[tuple[str, str, np.ndarray]] = [
-            ("tokens", "int32", _array([t for r in self.rows for t in r], "int32")),
-            ("row_lengths", "int32", _array([len(r) for r in self.rows], "int32")),
-            ("starts", "int32", _array(self.starts, "int32")),
-            ("mu", "float32", _array([x for m in self.mu for x in m], "float32")),
-        ]
+        """The wire format of the module docstring (one engines/wire.py frame)."""
+        tensors = {
+            "tokens": _tensor([t for r in self.rows for t in r], torch.int32),
+            "row_lengths": _tensor([len(r) for r in self.rows], torch.int32),
+            "starts": _tensor(self.starts, torch.int32),
+            "mu": _tensor([x for m in self.mu for x in m], torch.float32),
+        }
         if self.orm is not None:
-            buffers.append(("orm", "float32", _array(self.orm, "float32")))
-        header = {
+            tensors["orm"] = _tensor(self.orm, torch.float32)
+        meta = {
             "kind": self.kind,
             "step": self.step,
             "reason": self.reason,
             "routes": list(self.routes),
             "pad_id": self.pad_id,
-            "buffers": [[name, dtype, int(a.size)] for name, dtype, a in buffers],
         }
-        head = json.dumps(header, separators=(",", ":")).encode()
-        return b"".join([_HEADER.pack(len(head)), head, *(a.tobytes() for _, _, a in buffers)])
+        return bytes(wire.encode(tensors, meta))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ControlRecord:
@@ -180,43 +170,39 @@ class ControlRecord:
             RecordError: truncated or malformed bytes, or a record that fails its own checks.
         """
         try:
-            (n,) = _HEADER.unpack_from(data, 0)
-            header = json.loads(data[_HEADER.size : _HEADER.size + n].decode())
-            offset = _HEADER.size + n
-            arrays: dict[str, np.ndarray] = {}
-            for name, dtype, count in header["buffers"]:
-                size = _DTYPES[dtype].itemsize * int(count)
-                if offset + size > len(data):
-                    raise RecordError(f"control record truncated in buffer {name!r}")
-                arrays[name] = np.frombuffer(data, _DTYPES[dtype], int(count), offset)
-                offset += size
-        except (struct.error, ValueError, KeyError, TypeError) as exc:
-            if isinstance(exc, RecordError):
-                raise
+            frame = wire.decode(data)
+            tensors = {
+                name: frame.tensor(name, (dtype,), 1).tolist()
+                for name, dtype in _BUFFERS.items()
+                if name != "orm" or "orm" in frame.tensors
+            }
+            header = frame.meta
+            kind, step, reason = header["kind"], int(header["step"]), header["reason"]
+            routes, pad_id = tuple(header["routes"]), int(header["pad_id"])
+        except (wire.WireError, KeyError, TypeError, ValueError) as exc:
             raise RecordError(f"not a control record ({len(data)} bytes): {exc}") from None
-        if offset != len(data):
-            raise RecordError(f"control record has {len(data) - offset} trailing bytes")
-        lengths = arrays["row_lengths"].tolist()
-        starts = tuple(arrays["starts"].tolist())
-        flat, mu_flat = arrays["tokens"].tolist(), arrays["mu"]
+        starts = tuple(tensors["starts"])
+        flat, mu_flat = tensors["tokens"], tensors["mu"]
         rows, mu, at, at_mu = [], [], 0, 0
-        for length, start in zip(lengths, starts, strict=True):
+        for length, start in zip(tensors["row_lengths"], starts, strict=True):
             rows.append(tuple(flat[at : at + length]))
-            mu.append(tuple(mu_flat[at_mu : at_mu + length - start].tolist()))
+            mu.append(tuple(mu_flat[at_mu : at_mu + length - start]))
             at, at_mu = at + length, at_mu + length - start
-        orm = tuple(arrays["orm"].tolist()) if "orm" in arrays else None
-        return cls(
-            kind=header["kind"],
-            step=int(header["step"]),
-            reason=header["reason"],
-            rows=tuple(rows),
-            starts=starts,
-            routes=tuple(header["routes"]),
-            mu=tuple(mu),
-            orm=orm,
-            pad_id=int(header["pad_id"]),
-        )
+        if at != len(flat) or at_mu != len(mu_flat):
+            raise RecordError(f"step {step}: the row lengths do not tile the {len(flat)} tokens")
+        orm = tuple(tensors["orm"]) if "orm" in tensors else None
+        return cls(kind, step, reason, tuple(rows), starts, routes, tuple(mu), orm, pad_id)
 
 
-def _array(values: Sequence[float] | Sequence[int], dtype: str) -> np.ndarray:
-    return np.asarray(values, dtype=_DTYPES[dtype]).reshape(-1)
+#: The frame's tensors and their dtypes (`orm` only when the record has A_ORM).
+_BUFFERS = {
+    "tokens": torch.int32,
+    "row_lengths": torch.int32,
+    "starts": torch.int32,
+    "mu": torch.float32,
+    "orm": torch.float32,
+}
+
+
+def _tensor(values: Sequence[float] | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=dtype).reshape(-1)

@@ -1,7 +1,8 @@
 """TEACHER: each teacher scores only the rollouts of the routes that give it weight; S and W per token.
 
-For teacher j, the rows b with w_j(route(b)) > 0 are sent to its scoring server in one /score call (the
-teachers are called concurrently). Every call returns log π_j(y_t) of the sampled tokens; with the `topk`
+For teacher j, the rows b with w_j(route(b)) > 0 and a non-empty response are sent to its scoring server in
+one /score call (the teachers are called concurrently; a teacher with no such row is not called: an empty
+response is masked out of the loss, and so are all the rows of a route whose responses are all empty). Every call returns log π_j(y_t) of the sampled tokens; with the `topk`
 estimator it also returns the teacher's top-k (k = loss.topk) at each response position. Rows a teacher did
 not score hold NaN log-probs / zero top-k, and weight 0 (`aggregate_teacher_targets` and the top-k loss never
 read them). Then (DESIGN.md §3; AReaL feature/mopd `aggregate_mopd_targets`):
@@ -21,7 +22,7 @@ import torch
 
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.teacher_server import ScoreResponse, TeacherClient
-from mopd_hpc.mopd.targets import TeacherTargets, aggregate_teacher_targets
+from mopd_hpc.mopd.targets import REFUSED_LOGPROB, TeacherTargets, aggregate_teacher_targets
 from mopd_hpc.mopd.topk import TeacherTopK
 
 
@@ -38,6 +39,8 @@ class TeacherScores:
         topk: teacher id → `TeacherTopK` [B, T, K] (estimator topk only; else empty).
         weights: teacher id → [B] float32 w_j of each row (0 where the teacher did not score).
         rows_scored: teacher id → number of rows it scored.
+
+    `targets.refused_tokens` counts the teachers' −inf log-probs (refusals, mopd/targets.py).
     """
 
     targets: TeacherTargets
@@ -74,43 +77,48 @@ async def score_teachers(
         TeacherPhaseError: an answer with the wrong number of rows or response positions.
         TeacherClientError: a teacher server failed.
     """
-    assignment = rows_per_teacher(routes, route_weights, list(clients))
+    lengths = tokens.response_lengths.tolist()
+    routed = rows_per_teacher(routes, route_weights, list(clients))
+    # an empty response has nothing to score: its rows are not sent, and a teacher none of whose rows has a
+    # response token is not called (its rows keep NaN log-probs and zero top-k, at masked positions only)
+    sent = {t: kept for t, idx in routed.items() if (kept := [b for b in idx if lengths[b]])}
     missing = {t for r in set(routes) for t, w in route_weights[r].items() if w > 0} - set(clients)
     if missing:
         raise TeacherPhaseError(
             f"routes {sorted(set(routes))} need teachers {sorted(missing)}: not connected"
         )
     calls = [
-        clients[t].score([rows[b] for b in idx], [starts[b] for b in idx], top_k)
-        for t, idx in assignment.items()
+        clients[t].score([rows[b] for b in idx], [starts[b] for b in idx], top_k) for t, idx in sent.items()
     ]
-    answers = dict(zip(assignment, await asyncio.gather(*calls), strict=True))
+    answers = dict(zip(sent, await asyncio.gather(*calls), strict=True))
     batch, width = tokens.batch_size, tokens.response_width
-    lengths = tokens.response_lengths.tolist()
     logprobs: dict[str, torch.Tensor] = {}
     topk: dict[str, TeacherTopK] = {}
     weights: dict[str, torch.Tensor] = {}
-    for teacher, idx in assignment.items():
-        answer = answers[teacher]
-        _check(teacher, answer, idx, lengths)
+    for teacher, idx in routed.items():
+        answer = answers.get(teacher)
         lp = torch.full((batch, width), float("nan"), dtype=torch.float32)
-        for k, b in enumerate(idx):
-            if lengths[b]:
+        if answer is not None:
+            _check(teacher, answer, sent[teacher], lengths)
+            for k, b in enumerate(sent[teacher]):
                 lp[b, : lengths[b]] = torch.tensor(answer.logprobs[k], dtype=torch.float32)
         logprobs[teacher] = lp
         w = torch.zeros(batch, dtype=torch.float32)
         for b in idx:
             w[b] = float(route_weights[routes[b]][teacher])
         weights[teacher] = w
-        if top_k is not None:
-            topk[teacher] = _topk_tensor(teacher, answer, idx, lengths, batch, width)
+        if top_k is not None and answer is not None:
+            topk[teacher] = _topk_tensor(teacher, answer, sent[teacher], lengths, batch, width)
+        elif top_k is not None:
+            zeros = torch.zeros((batch, width, top_k), dtype=torch.int64)
+            topk[teacher] = TeacherTopK(indices=zeros, logprobs=zeros.float())
     sample_weights = [{t: float(w) for t, w in route_weights[r].items() if w > 0} for r in routes]
     targets = aggregate_teacher_targets(logprobs, sample_weights)
     return TeacherScores(
         targets=targets,
         topk=topk,
         weights=weights,
-        rows_scored={t: len(idx) for t, idx in assignment.items()},
+        rows_scored={t: len(idx) for t, idx in sent.items()},
     )
 
 
@@ -137,4 +145,6 @@ def _topk_tensor(
         if n:
             ids[b, :n] = torch.tensor(answer.topk_ids[j], dtype=torch.int64)
             vals[b, :n] = torch.tensor(answer.topk_logprobs[j], dtype=torch.float32)
-    return TeacherTopK(indices=ids, logprobs=vals)
+    # a −inf among the top-k (k beyond the tokens the teacher allows; sent as −1e30) is a refusal too: the
+    # same floor as the sampled log-probs' (mopd/targets.py), so q = exp(floor) and p·(log p − log q) is bounded
+    return TeacherTopK(indices=ids, logprobs=vals.clamp(min=REFUSED_LOGPROB))

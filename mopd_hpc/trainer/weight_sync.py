@@ -81,20 +81,29 @@ class WeightSync(Protocol):
 
 
 class TorchSync:
-    """torch.distributed broadcast (module docstring). `engine` gives `named_weights()`."""
+    """torch.distributed broadcast (module docstring). `engine` gives `named_weights()`; each server joins
+    with `ranks_per_server` ranks (rollout.engines.tensor_parallel: an sglang engine's TP workers)."""
 
-    def __init__(self, engine: Any, settings: SyncSettings, timeout_s: float = TORCH_SYNC_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        settings: SyncSettings,
+        timeout_s: float = TORCH_SYNC_TIMEOUT_S,
+        ranks_per_server: int = 1,
+    ) -> None:
         self.engine, self.settings, self.timeout_s = engine, settings, timeout_s
+        self.ranks_per_server = ranks_per_server
         self.sender: TorchBroadcastSender | None = None
 
     async def start(self, clients: Sequence[RolloutClient]) -> None:
-        """Every server joins the group as rank 1 + i (this process is rank 0)."""
+        """Every server joins the group after this process (rank 0), with its ranks_per_server ranks."""
         self.sender = TorchBroadcastSender(
             self.settings.master_addr,
             self.settings.master_port,
-            world_size=1 + len(clients),
+            world_size=1 + len(clients) * self.ranks_per_server,
             backend=self.settings.backend,
             timeout_s=self.timeout_s,
+            ranks_per_server=self.ranks_per_server,
         )
         await self.sender.init_group(list(clients))
 
@@ -292,7 +301,7 @@ def build_sync(cfg: RunConfig, engine: Any, settings: SyncSettings, run_dir: str
     """
     backend = cfg.weight_sync.backend
     if backend == "torch":
-        return TorchSync(engine, settings)
+        return TorchSync(engine, settings, ranks_per_server=cfg.rollout.engines.tensor_parallel)
     if backend == "awex":
         return AwexSync(awex_job_config(cfg), engine, run_dir, settings.master_addr)
     raise AwexConfigError(f"weight_sync.backend={backend!r}: expected 'torch' or 'awex'")

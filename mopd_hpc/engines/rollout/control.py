@@ -188,3 +188,16 @@ def add_memory_routes(router: Any, release: Any, resume: Any, flush: Any) -> Non
     ):
         router.add_get(path, handler)
         router.add_post(path, handler)
+
+
+def add_weight_routes(router: Any, init_group: Any, update: Any, destroy_group: Any, from_disk: Any) -> None:
+    """Register SGLang's weight-update endpoints (POST) on an aiohttp router, handlers in this order:
+    /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
+    /update_weights_from_disk."""
+    for path, handler in (
+        ("/init_weights_update_group", init_group),
+        ("/update_weights_from_distributed", update),
+        ("/destroy_weights_update_group", destroy_group),
+        ("/update_weights_from_disk", from_disk),
+    ):
+        router.add_post(path, handler)

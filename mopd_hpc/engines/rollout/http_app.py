@@ -30,6 +30,7 @@ from mopd_hpc.engines.rollout.control import (
     InitGroupRequest,
     MemoryTagsRequest,
     add_memory_routes,
+    add_weight_routes,
 )
 from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
 from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestError
@@ -114,10 +115,9 @@ class RolloutServer:
         r.add_post("/pause_generation", self.pause)
         r.add_post("/continue_generation", self.resume)
         add_memory_routes(r, self.release, self.resume_memory, self.flush_cache)
-        r.add_post("/init_weights_update_group", self.init_group)
-        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
-        r.add_post("/destroy_weights_update_group", self.destroy_group)
-        r.add_post("/update_weights_from_disk", self.update_from_disk)
+        add_weight_routes(
+            r, self.init_group, self.update_from_distributed, self.destroy_group, self.update_from_disk
+        )
         return app
 
     # ---- info --------------------------------------------------------------------------------------

@@ -20,28 +20,21 @@ Mapping rules (pure functions, tested without sglang in tests/test_sglang_backen
 - readiness: an ordinary instance keeps SGLang's generating `/health` probe (a 1-token generation);
   an AWEX-launched instance starts with its weights released (AWEX colocate `initialize()`), so a
   generating probe would fail: it is ready when `/model_info` answers (`readiness_path`).
-- the job's token: every route requires it (`sglang_app`, `runtime/http_auth.py`); without it, `GET /health`
-  is the bare liveness probe (200 `{"status": "ok"}`, no generation): the readiness probe sends the token.
+- the job's token: every route of the server (`sglang_server.py`) requires it (`sglang_app`,
+  `runtime/http_auth.py`); without it, `GET /health` is the bare liveness probe (200 `{"status": "ok"}`, no
+  generation): the readiness probe sends the token.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import logging
 import math
-import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
-from mopd_hpc.engines.rollout.control import MemoryTagsRequest, add_memory_routes
 from mopd_hpc.engines.rollout.fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, GenerateRequest
-from mopd_hpc.runtime.guard.auth import GuardAuthError
-from mopd_hpc.runtime.http_auth import protect, standalone_token
 from mopd_hpc.runtime.ports import port_env_key
 
 log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
@@ -276,132 +269,3 @@ def check_item(
             f"meta_info.finish_reason={meta.get('finish_reason')!r}: expected {{'type': ...}}"
         )
     return GeneratedSample.from_response(item, prompt_ids)
-
-
-# ------------------------------------------------------------------------------------------- server
-
-
-class SGLangRolloutServer:
-    """The HTTP surface over an `sglang.Engine` (or any object with its Python API: async_generate,
-    release_memory_occupation, resume_memory_occupation, flush_cache, get_server_info)."""
-
-    def __init__(self, launch: SGLangLaunch, engine: Any) -> None:
-        self.launch, self.engine = launch, engine
-        self.released: set[str] = set()
-        self.lock = asyncio.Lock()
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
-        r = app.router
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health)
-        r.add_get("/model_info", self.model_info)
-        r.add_get("/server_info", self.server_info)
-        r.add_post("/generate", self.generate)
-        add_memory_routes(r, self.release, self.resume_memory, self.flush_cache)
-        return app
-
-    async def health(self, request: web.Request) -> web.Response:
-        """SGLang's generating probe: one token from a one-token prompt; 503 while weights are released."""
-        if self.released:
-            return web.json_response({"error": f"released: {sorted(self.released)}"}, status=503)
-        out = await self.engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1})
-        return web.Response(status=200 if out else 503)
-
-    async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"model_path": self.launch.model_path, "is_generation": True, "backend": "sglang"}
-        )
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        info = self.engine.get_server_info() if hasattr(self.engine, "get_server_info") else {}
-        return web.json_response(
-            {"launch": asdict(self.launch), "released_tags": sorted(self.released), **info}
-        )
-
-    async def generate(self, request: web.Request) -> web.Response:
-        try:
-            req = GenerateRequest.from_json(await request.json())
-            kwargs = generate_kwargs(req)
-        except (RolloutRequestError, ValueError) as exc:
-            return web.json_response({"error": {"message": str(exc)}}, status=400)
-        if "weights" in self.released:
-            return web.json_response({"error": {"message": "weights are released"}}, status=503)
-        out = await self.engine.async_generate(**kwargs)
-        items = out if isinstance(out, list) else [out]
-        for k, item in enumerate(items):  # validate every item against the documented shape
-            check_item(item, kwargs["input_ids"][k], req.return_logprob, req.logprob_start_len)
-        return web.json_response(items if req.is_batch or len(items) > 1 else items[0])
-
-    async def release(self, request: web.Request) -> web.Response:
-        tags = MemoryTagsRequest.from_json(await _json(request)).tags
-        todo = [t for t in tags if t not in self.released]  # idempotent: SGLang raises on a repeated tag
-        if todo:
-            self.engine.release_memory_occupation(tags=todo)
-            self.released.update(todo)
-        return web.json_response({"success": True, "released": sorted(self.released)})
-
-    async def resume_memory(self, request: web.Request) -> web.Response:
-        tags = MemoryTagsRequest.from_json(await _json(request)).tags
-        todo = [t for t in tags if t in self.released]
-        if todo:
-            self.engine.resume_memory_occupation(tags=todo)
-            self.released.difference_update(todo)
-        return web.json_response({"success": True, "released": sorted(self.released)})
-
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        self.engine.flush_cache()
-        return web.json_response({"success": True})
-
-
-def sglang_app(server: SGLangRolloutServer, token: str) -> web.Application:
-    """The backend's app as it is served: `SGLangRolloutServer.app()` behind `token` (`http_auth.protect`)."""
-    return protect(server.app(), token)
-
-
-async def _json(request: web.Request) -> Any:
-    raw = await request.read()
-    return {} if not raw.strip() else await request.json()
-
-
-def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    """`python -m mopd_hpc.engines.rollout.sglang_backend --model DIR [--tp N] [--awex] [--token-file F]`;
-    ports from env. Every route but the liveness probe requires the token of `--token-file` (created when
-    missing; default: a new one in a private temporary directory; its path is logged)."""
-    import os
-
-    env = dict(os.environ if environ is None else environ)
-    p = argparse.ArgumentParser(prog="python -m mopd_hpc.engines.rollout.sglang_backend")
-    p.add_argument("--model", required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--base-gpu-id", type=int, default=0)
-    p.add_argument("--mem-fraction-static", type=float, default=0.5)
-    p.add_argument("--awex", action="store_true", help="install AWEX's worker hooks before the Engine")
-    p.add_argument("--token-file", default=None, help="0600 token file (created when missing)")
-    ns = p.parse_args(argv)
-    try:
-        check_environment(env)
-        launch = SGLangLaunch.from_ports(
-            ns.model, ports_from_env(env), tp_size=ns.tp, base_gpu_id=ns.base_gpu_id,
-            mem_fraction_static=ns.mem_fraction_static, awex=ns.awex,
-        )  # fmt: skip
-        token, token_file = standalone_token(ns.token_file, None)
-    except (SGLangBackendError, GuardAuthError) as exc:
-        print(f"sglang backend: {exc}", file=sys.stderr)
-        return 2
-    import sglang
-
-    if launch.awex:
-        from awex.engine.sglang import install_sglang_worker_hooks  # needs megatron.core too (awex 0.9.0)
-
-        install_sglang_worker_hooks()
-    engine = sglang.Engine(**launch.engine_kwargs())
-    log.info("sglang engine up: %s (token file %s)", " ".join(launch.to_argv()), token_file)
-    app = sglang_app(SGLangRolloutServer(launch, engine), token)
-    web.run_app(app, host=launch.host, port=launch.port)
-    engine.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

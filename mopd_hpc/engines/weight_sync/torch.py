@@ -236,7 +236,10 @@ class TorchBroadcastSender:
         group_name: str = DEFAULT_GROUP_NAME,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         device: torch.device | str | None = None,
+        ranks_per_server: int = 1,
     ) -> None:
+        if ranks_per_server < 1:
+            raise WeightSyncConfigError(f"ranks_per_server={ranks_per_server}: expected >= 1")
         if backend not in BACKENDS:
             raise WeightSyncConfigError(f"backend={backend!r}: expected one of {list(BACKENDS)}")
         if world_size < 2:
@@ -245,6 +248,9 @@ class TorchBroadcastSender:
             raise WeightSyncConfigError(f"master_port={master_port}: expected a TCP port in [1, 65535]")
         self.master_addr, self.master_port, self.world_size = master_addr, master_port, world_size
         self.backend, self.group_name, self.timeout_s, self.device = backend, group_name, timeout_s, device
+        #: Group ranks of one server: 1 (the hf server), or its tensor-parallel size (an sglang engine's
+        #: TP workers each join, as rank_offset + tp_rank).
+        self.ranks_per_server = ranks_per_server
         self.group: BroadcastGroup | None = None
         #: Number of completed syncs; each send publishes str(weight_version) unless told otherwise.
         self.weight_version = 0
@@ -254,11 +260,14 @@ class TorchBroadcastSender:
         return list(clients) if isinstance(clients, Sequence) else [clients]
 
     async def init_group(self, clients: RolloutClient | Sequence[RolloutClient]) -> None:
-        """Join as rank 0 while every server joins (POST /init_weights_update_group, rank 1 + i)."""
+        """Join as rank 0 while every server joins (POST /init_weights_update_group): server i as ranks
+        1 + i·ranks_per_server … (i + 1)·ranks_per_server."""
         clients = self._clients(clients)
-        if 1 + len(clients) != self.world_size:
+        per = self.ranks_per_server
+        if 1 + len(clients) * per != self.world_size:
             raise WeightSyncConfigError(
-                f"world_size={self.world_size} but {len(clients)} servers given: expected 1 + servers"
+                f"world_size={self.world_size} but {len(clients)} servers of {per} rank(s) given: expected "
+                "1 + servers × ranks_per_server"
             )
         joining = in_daemon_thread(
             BroadcastGroup.join,
@@ -274,7 +283,12 @@ class TorchBroadcastSender:
         calls = [
             c.init_weights_update_group(
                 InitGroupRequest(
-                    self.master_addr, self.master_port, 1 + i, self.world_size, self.group_name, self.backend
+                    self.master_addr,
+                    self.master_port,
+                    1 + i * per,
+                    self.world_size,
+                    self.group_name,
+                    self.backend,
                 )
             )
             for i, c in enumerate(clients)

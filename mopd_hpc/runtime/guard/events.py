@@ -4,6 +4,9 @@ Every line has `ts` (Unix seconds, float), `host`, `event`, and for child events
 `generation`, `pid`. Events:
 
 - `guard_start` / `guard_ready` (`url`, `port`, `pid`) / `guard_signal` (`signal`) / `guard_stop`;
+- `guard_exit` (`pid`, `exit_code` or `signal`): written by the guard's keeper once the guard process has
+  ended, whatever ended it (runtime/guard/keeper.py `record_exit`; after `guard_stop` on a clean stop, alone
+  when the guard was SIGKILLed);
 - `spawn` (`module`, `stdout`, `stderr`, `ports`: name → port, `gpus`, `env`: the overrides, secret-looking
   values redacted) / `spawn_refused` (`role`, `index`, `reason`, `keys`: an env override refused);
 - `exit` (`exit_code`: int or null, `signal`: name or null; one of the two is set) / `kill` (`signal`).

@@ -8,8 +8,11 @@
   children (killed by their parent-death signal) and every orphan below them, whatever session they
   started (`setsid`), are re-parented to the keeper, not to pid 1;
 - forwards SIGTERM, SIGINT, SIGUSR2, SIGHUP, SIGQUIT to the guard, and reaps every child it adopts;
-- when the guard has exited: SIGTERM to every descendant left, GRACE_S to exit, SIGKILL to what remains,
-  until none is left; then exits as the guard did (its exit code, or the same signal).
+- when the guard has exited: appends a `guard_exit` event (`pid`, `exit_code` or `signal`) to the guard's
+  event log when given one (EVENTS_FILE HOST: the only record of a guard that was SIGKILLed and never wrote
+  `guard_stop`; `mopd-logs summarize` names that death), then SIGTERM to every descendant left, GRACE_S to
+  exit, SIGKILL to what remains, until none is left; then exits as the guard did (its exit code, or the same
+  signal).
 
 The guard gets SIGHUP as its parent-death signal: if the keeper itself is killed, the guard kills every
 child's tree at once and exits (runtime/guard/server.py). What is guaranteed, and what is not: DESIGN notes
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -85,11 +89,33 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
-def fork_guard(grace_s: float, python: str = sys.executable) -> None:
+def record_exit(events_file: str, host: str, guard: int, status: int) -> None:
+    """Append the guard's end (`guard_exit`: `exit_code`, or `signal` by name) to its event log, in the
+    format of runtime/guard/events.py (one line, one O_APPEND write). Best effort: a keeper that cannot
+    write still sweeps and exits as the guard did (its exit status tells the death too)."""
+    code = os.waitstatus_to_exitcode(status)
+    record = {
+        "ts": time.time(),
+        "host": host,
+        "event": "guard_exit",
+        "pid": guard,
+        "exit_code": code if code >= 0 else None,
+        "signal": signal.Signals(-code).name if code < 0 else None,
+    }
+    with contextlib.suppress(OSError, ValueError):
+        fd = os.open(events_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def fork_guard(grace_s: float, python: str = sys.executable, events: tuple[str, str] | None = None) -> None:
     """Split this process in two: the parent becomes the keeper (it execs this file and never returns),
     the child returns as the guard, a subreaper itself, with KEEPER_DEATH_SIGNAL as its parent-death signal.
 
-    Call it before any thread starts (fork keeps only the calling thread). Linux only.
+    `events` = (the guard's event log, its host name): where the keeper records the guard's end
+    (`record_exit`). Call it before any thread starts (fork keeps only the calling thread). Linux only.
     """
     keeper = os.getpid()
     sys.stdout.flush()
@@ -99,10 +125,11 @@ def fork_guard(grace_s: float, python: str = sys.executable) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     pid = os.fork()
     if pid:
+        argv = ["keeper", str(pid), str(grace_s), *(events or ())]
         try:
-            os.execv(python, [python, "-S", os.path.abspath(__file__), str(pid), str(grace_s)])
+            os.execv(python, [python, "-S", os.path.abspath(__file__), *argv[1:]])
         except OSError:  # cannot exec an interpreter: be the keeper in this process
-            os._exit(main(["keeper", str(pid), str(grace_s)]))
+            os._exit(main(argv))
     # The guard keeps them blocked until its own handlers are set (server.py Guard.start unblocks them).
     _prctl(PR_SET_PDEATHSIG, int(KEEPER_DEATH_SIGNAL))
     if os.getppid() != keeper:  # the keeper died before the line above
@@ -111,8 +138,8 @@ def fork_guard(grace_s: float, python: str = sys.executable) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        sys.stderr.write("usage: keeper.py GUARD_PID GRACE_S\n")
+    if len(argv) not in (3, 5):
+        sys.stderr.write("usage: keeper.py GUARD_PID GRACE_S [EVENTS_FILE HOST]\n")
         return 2
     guard, grace_s = int(argv[1]), float(argv[2])
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -134,6 +161,8 @@ def main(argv: list[str]) -> int:
             break
     for signum in FORWARDED:
         signal.signal(signum, signal.SIG_IGN)
+    if len(argv) == 5:
+        record_exit(argv[3], argv[4], guard, status)
     sweep(grace_s)
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)

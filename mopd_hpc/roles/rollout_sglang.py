@@ -1,0 +1,117 @@
+"""The rollout role with `rollout.backend: sglang`: one in-process `sglang.Engine` per rollout child, behind
+the same HTTP surface as the hf server (engines/rollout/sglang_server.py), so the trainer cannot tell them apart.
+
+From the guard-given environment and the run's config (roles/rollout.py reads both once, in `main`):
+
+    ports        the child's named leases: `http` (our aiohttp server), `nccl`, `dist_init` (the Engine's):
+                 `SGLangLaunch.from_ports`, never positional
+    tp_size      rollout.engines.tensor_parallel (the child's CUDA_VISIBLE_DEVICES holds the engine's GPUs;
+                 base_gpu_id is its device index there)
+    model        models.actor.path, dtype models.actor.dtype, seed run seed + engine index
+    AWEX         weight_sync.backend awex: AWEX's worker hooks installed before the Engine; the instance starts
+                 with its weights released, so readiness is /model_info instead of the generating /health
+                 (`readiness_path`)
+    environment  `check_environment` refuses SGLANG_RETURN_ORIGINAL_LOGPROB=1 (μ would be T = 1 log-probs)
+                 and expandable_segments (the memory saver would be off)
+
+Readiness: once our server listens, the role probes `readiness_path` with the job's token until it answers
+200, and only then writes the endpoint record (roles/rollout_record.py). It serves until SIGTERM/SIGINT or the
+end of the job, then removes the record and shuts the Engine down.
+
+Tested with a stand-in that has sglang.Engine's Python API (tests/test_rollout_role_sglang.py): no real SGLang
+has run here (it pins torch 2.9.1; the machines here have 2.11+).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch, check_environment, readiness_path
+from mopd_hpc.engines.rollout.sglang_server import SGLangRolloutServer, sglang_app, start_engine
+from mopd_hpc.engines.serving import start_app
+from mopd_hpc.records.job_end import stop_on_job_end
+from mopd_hpc.roles.env import RoleEnv, read_job_token
+from mopd_hpc.roles.rollout_record import publish_rollout_endpoint, rollout_endpoint
+from mopd_hpc.runtime.http_auth import auth_headers
+
+log = logging.getLogger("mopd_hpc.rollout")
+
+#: Seconds between readiness probes, and the longest a probe may take (SGLang's own health timeout is 20 s).
+PROBE_PERIOD_S, PROBE_TIMEOUT_S = 0.2, 30.0
+
+
+def sglang_launch(role: RoleEnv, cfg: RunConfig) -> SGLangLaunch:
+    """The Engine's arguments for this child (module docstring).
+
+    Raises:
+        SGLangBackendError: a named port missing, or a launch value out of range.
+    """
+    return SGLangLaunch.from_ports(
+        cfg.models.actor.path,
+        role.ports,
+        host=role.bind_host,
+        tp_size=cfg.rollout.engines.tensor_parallel,
+        base_gpu_id=role.device.index or 0,
+        random_seed=cfg.seed + role.index,
+        dtype=cfg.models.actor.dtype,
+        awex=cfg.weight_sync.backend == "awex",
+    )
+
+
+async def wait_ready(url: str, token: str, stop: asyncio.Event) -> bool:
+    """Probe `url` with the job's token until it answers 200 (True), or until `stop` is set (False)."""
+    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+    async with aiohttp.ClientSession(headers=auth_headers(token), timeout=timeout) as http:
+        while not stop.is_set():
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with http.get(url) as answer:
+                    if answer.status == 200:
+                        return True
+            await asyncio.sleep(PROBE_PERIOD_S)
+    return False
+
+
+async def run_sglang(
+    role: RoleEnv,
+    cfg: RunConfig,
+    environ: Mapping[str, str],
+    engine_factory: Callable[[SGLangLaunch], Any] = start_engine,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve one sglang rollout engine until SIGTERM/SIGINT, `stop`, or the end of the job.
+
+    `engine_factory` builds the Engine from the launch (`sglang.Engine`; tests pass a stand-in).
+
+    Raises:
+        SGLangBackendError: the environment, a launch value, or sglang missing (named, with the way out).
+    """
+    check_environment(environ)
+    launch = sglang_launch(role, cfg)
+    token = read_job_token(role)
+    engine = await asyncio.to_thread(engine_factory, launch)
+    endpoint = rollout_endpoint(role)
+    endpoint.parent.mkdir(parents=True, exist_ok=True)
+    runner, port, stop = await start_app(
+        sglang_app(SGLangRolloutServer(launch, engine), token), launch.host, launch.port, stop
+    )
+    ender = asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop))
+    try:
+        probe = f"http://{launch.host}:{port}{readiness_path(launch.awex)}"
+        if await wait_ready(probe, token, stop):
+            publish_rollout_endpoint(role, port, launch.model_path, "sglang")
+        await stop.wait()
+    finally:
+        ender.cancel()
+        with contextlib.suppress(FileNotFoundError):
+            endpoint.unlink()
+        await runner.cleanup()
+        if hasattr(engine, "shutdown"):
+            await asyncio.to_thread(engine.shutdown)
+        log.info("sglang rollout engine %d stopped", role.index)

@@ -1,0 +1,277 @@
+"""The rollout role with `rollout.backend: sglang` (roles/rollout_sglang.py), wired to a stand-in with
+sglang.Engine's Python API (no real SGLang can be installed here: it pins torch 2.9.1).
+
+Real parts: the role's aiohttp server on 127.0.0.1 behind the job's token, its readiness probe and endpoint
+record, the trainer's rollout-phase client, and the trainer's torch weight sync (a real gloo group) into an
+engine of tensor-parallel size 2 whose two stand-in TP workers each join the group as their own rank and
+receive every tensor, as SGLang's TP workers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from helpers_auth import TOKEN, write_run_dir_token
+from test_sglang_backend import sglang_item
+
+from mopd_hpc.config import RunConfig
+from mopd_hpc.config.rollout import SamplingConfig
+from mopd_hpc.engines.rollout.client import RolloutClient
+from mopd_hpc.engines.rollout.sglang_backend import SGLangBackendError, SGLangLaunch
+from mopd_hpc.engines.weight_sync.torch import BroadcastGroup, TensorSpec, receive_tensors
+from mopd_hpc.records.run_dir import endpoint_file
+from mopd_hpc.roles.env import RoleEnv
+from mopd_hpc.roles.rollout_sglang import run_sglang
+from mopd_hpc.trainer.rollout_phase import generate
+from mopd_hpc.trainer.weight_sync import SyncSettings, TorchSync
+
+REPO = Path(__file__).resolve().parents[1]
+TP = 2
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class TPStandIn:
+    """sglang.Engine's Python API with `tp_size` workers: generation answers in SGLang 0.5.23's shapes
+    (output ids 5, 6 with log-probs −0.5, −0.75); each worker thread joins the weight-update group as
+    rank_offset + tp_rank and receives the broadcast tensors (SGLang's `init_weights_update_group` and
+    `update_weights_from_distributed` semantics, algo_awex.md §3.2)."""
+
+    def __init__(self, launch: SGLangLaunch, healthy: bool = True) -> None:
+        self.launch, self.healthy = launch, healthy
+        self.calls: list[tuple[str, Any]] = []
+        self.groups: list[BroadcastGroup] = []
+        self.received: list[dict[str, torch.Tensor]] = []
+        self.shut = False
+
+    async def async_generate(self, **kw: Any) -> Any:
+        self.calls.append(("generate", kw))
+        if not self.healthy:
+            return []
+        ids = kw["input_ids"]
+        rows = ids if ids and isinstance(ids[0], list) else [ids]
+        items = [sglang_item(r, [5, 6], [-0.5, -0.75]) for r in rows]
+        return items if isinstance(ids[0], list) else items[0]
+
+    def _on_workers(self, work: Any) -> list[Any]:
+        out: list[Any] = [None] * self.launch.tp_size
+        errors: list[BaseException] = []
+
+        def one(rank: int) -> None:
+            try:
+                out[rank] = work(rank)
+            except BaseException as exc:  # noqa: BLE001 — re-raised below, in the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.launch.tp_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+    def init_weights_update_group(self, **kw: Any) -> tuple[bool, str]:
+        self.calls.append(("init_group", kw))
+        self.groups = self._on_workers(
+            lambda r: BroadcastGroup.join(
+                kw["master_address"],
+                kw["master_port"],
+                kw["rank_offset"] + r,
+                kw["world_size"],
+                kw["group_name"],
+                kw["backend"],
+                timeout_s=60,
+            )
+        )
+        return True, "joined"
+
+    def update_weights_from_distributed(self, **kw: Any) -> tuple[bool, str]:
+        self.calls.append(("update", kw))
+        specs = [
+            TensorSpec(n, d, tuple(s))
+            for n, d, s in zip(kw["names"], kw["dtypes"], kw["shapes"], strict=True)
+        ]
+        self.received = self._on_workers(
+            lambda r: receive_tensors(self.groups[r], specs, kw.get("load_format"))
+        )
+        return True, "updated"
+
+    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        self.calls.append(("destroy", group_name))
+        for g in self.groups:
+            g.close()
+        return True, ""
+
+    def release_memory_occupation(self, tags: list[str]) -> None:
+        self.calls.append(("release", tags))
+
+    def resume_memory_occupation(self, tags: list[str]) -> None:
+        self.calls.append(("resume", tags))
+
+    def flush_cache(self) -> None:
+        self.calls.append(("flush", None))
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def sglang_config(awex: bool = False) -> RunConfig:
+    """configs/local_gpu_colocated.yaml with the sglang backend at TP 2 on a 2-GPU node (the stand-in needs
+    no GPU: only the config's validation counts GPUs)."""
+    doc = yaml.safe_load((REPO / "configs" / "local_gpu_colocated.yaml").read_text())
+    doc["rollout"]["backend"] = "sglang"
+    doc["rollout"].setdefault("engines", {})["tensor_parallel"] = TP
+    for group in doc["cluster"].values():
+        if isinstance(group, dict) and "gpus_per_node" in group:
+            group["gpus_per_node"] = TP
+    doc["weight_sync"] = {"backend": "awex" if awex else "torch"}
+    return RunConfig.from_dict(doc)
+
+
+def role_env(run_dir: Path, ports: list[int]) -> RoleEnv:
+    http, nccl, dist_init = ports
+    return RoleEnv.from_env(
+        {
+            "MOPD_RUN_DIR": str(run_dir),
+            "MOPD_ROLE": "rollout",
+            "MOPD_INDEX": "0",
+            "MOPD_JOB_ID": "local-7",
+            "MOPD_HOST": "localhost",
+            "MOPD_NODE_ADDR": "127.0.0.1",
+            "MOPD_BACKEND": "local",
+            "MOPD_PORT_HTTP": str(http),
+            "MOPD_PORT_NCCL": str(nccl),
+            "MOPD_PORT_DIST_INIT": str(dist_init),
+        }
+    )
+
+
+async def wait_record(path: Path, task: asyncio.Task[None]) -> dict[str, Any]:
+    for _ in range(300):
+        if path.exists():
+            return json.loads(path.read_text())
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{path} was never written")
+
+
+class Actor:
+    """The trainer engine's `named_weights()` for TorchSync."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.weights = {
+            "model.embed_tokens.weight": torch.randn(7, 4, generator=gen),
+            "model.norm.weight": torch.rand(4, generator=gen),
+            "lm_head.weight": torch.randn(7, 4, generator=gen).to(torch.bfloat16),
+        }
+
+    def named_weights(self) -> Any:
+        return iter(self.weights.items())
+
+
+def test_sglang_role_serves_rollouts_and_weight_sync_to_a_tp2_engine(tmp_path: Path) -> None:
+    write_run_dir_token(tmp_path)
+    ports = free_ports(4)
+    role, cfg = role_env(tmp_path, ports[:3]), sglang_config()
+    engines: list[TPStandIn] = []
+
+    def factory(launch: SGLangLaunch) -> TPStandIn:
+        engines.append(TPStandIn(launch))
+        return engines[-1]
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
+        record = await wait_record(endpoint_file(tmp_path, "rollout", "0"), task)
+        (engine,) = engines
+        # the launch from the named leases and the config; readiness = SGLang's generating /health probe
+        assert (engine.launch.port, engine.launch.nccl_port, engine.launch.dist_init_port) == tuple(ports[:3])
+        assert engine.launch.tp_size == TP and engine.launch.model_path == cfg.models.actor.path
+        assert engine.calls[0] == ("generate", {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
+        assert record == record | {
+            "url": f"http://127.0.0.1:{ports[0]}",
+            "port": ports[0],
+            "job_id": "local-7",
+            "backend": "sglang",
+            "index": 0,
+        }
+        async with RolloutClient(record["url"], token=TOKEN, retries=0) as client:
+            sampling = SamplingConfig(max_new_tokens=2, temperature=0.7)
+            samples = await generate([client], [[1, 2, 3], [4]], sampling, n=2, seeds=[10, 20])
+            assert [s.output_ids for s in samples] == [(5, 6)] * 4
+            assert [s.behavior_logprobs for s in samples] == [(-0.5, -0.75)] * 4
+            assert [s.prompt_ids for s in samples] == [(1, 2, 3), (1, 2, 3), (4,), (4,)]
+            kw = engine.calls[-1][1]  # n copies per prompt, prompt-major, seeds + j
+            assert [p["sampling_seed"] for p in kw["sampling_params"]] == [10, 11, 20, 21]
+            assert all(p["temperature"] == 0.7 and p["max_new_tokens"] == 2 for p in kw["sampling_params"])
+
+            actor = Actor()
+            sync = TorchSync(actor, SyncSettings("127.0.0.1", ports[3], "gloo"), 60, ranks_per_server=TP)
+            await sync.start([client])
+            await sync.push(1, [client])
+            init = next(kw for name, kw in engine.calls if name == "init_group")
+            assert (init["rank_offset"], init["world_size"]) == (1, 1 + TP)
+            for worker in engine.received:  # both TP workers hold every tensor, bit for bit
+                assert worker.keys() == actor.weights.keys()
+                for name, value in actor.weights.items():
+                    assert torch.equal(worker[name], value) and worker[name].dtype == value.dtype
+            assert (await client.model_info())["weight_version"] == "1"
+            await sync.close([client])
+        stop.set()
+        await task
+        assert engine.shut and not endpoint_file(tmp_path, "rollout", "0").exists()
+
+    asyncio.run(scenario())
+
+
+def test_awex_instance_is_ready_by_model_info_not_a_generation(tmp_path: Path) -> None:
+    """An AWEX-launched engine starts with its weights released: the generating probe fails, and the role
+    publishes once /model_info answers."""
+    write_run_dir_token(tmp_path)
+    ports = free_ports(3)
+    role, cfg = role_env(tmp_path, ports), sglang_config(awex=True)
+    engines: list[TPStandIn] = []
+
+    def factory(launch: SGLangLaunch) -> TPStandIn:
+        engines.append(TPStandIn(launch, healthy=False))
+        return engines[-1]
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
+        record = await wait_record(endpoint_file(tmp_path, "rollout", "0"), task)
+        assert record["backend"] == "sglang" and engines[0].launch.awex
+        assert engines[0].calls == []  # never probed with a generation
+        stop.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_environment_that_breaks_mu_is_refused_before_the_engine_starts(tmp_path: Path) -> None:
+    write_run_dir_token(tmp_path)
+    role, cfg = role_env(tmp_path, free_ports(3)), sglang_config()
+    started: list[SGLangLaunch] = []
+    with pytest.raises(SGLangBackendError, match="temperature-1 log-probs"):
+        asyncio.run(run_sglang(role, cfg, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, started.append))
+    assert started == [] and not endpoint_file(tmp_path, "rollout", "0").exists()
