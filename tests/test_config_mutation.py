@@ -200,6 +200,11 @@ class _Client:
         meta = {"output_token_logprobs": [[-0.5, 3], [-0.7, 4]], "finish_reason": {"type": "stop"}}
         return [{"output_ids": [3, 4], "meta_info": meta} for _ in range(len(body["input_ids"]) * n)]
 
+    async def generate_batch(self, body: dict[str, Any]) -> Any:
+        from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
+
+        return GeneratedBatch.from_sglang(await self.generate_raw(body))
+
 
 def _rollout(cfg: RunConfig) -> str:
     from mopd_hpc.launch.placement import place_children
