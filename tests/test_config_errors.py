@@ -214,7 +214,10 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
     (
         "colocated-not-forked",
         set_("rollout.forked", False),
-        ["rollout.forked: a colocated rollout must run as a forked child of the guard (got false"],
+        [
+            "rollout.forked: a colocated rollout must run as a forked child of the guard (got false; set "
+            "rollout.forked: true (or leave it out: the default))"
+        ],
     ),
     (
         "mask-low-ge-high",
@@ -554,7 +557,7 @@ def test_every_problem_is_listed_at_once(tmp_path: Path) -> None:
         "data.batch_size: must be greater than or equal to 1 (got 0)",
         "loss.rl_coefficient: must be greater than or equal to 0 (got -1.0)",
         "rollout.forked: a colocated rollout must run as a forked child of the guard "
-        "(got false; set rollout.forked: true, or rollout.mode: separated)",
+        "(got false; set rollout.forked: true (or leave it out: the default))",
         "routes.chain: unknown teacher 'reasoner' (known: chain, legs)",
     ]
 

@@ -67,7 +67,7 @@ def test_torch_actor_on_several_gpus_is_a_job_gap() -> None:
 
 
 def test_separated_rollout_gpus_are_not_actor_ranks() -> None:
-    base = ["rollout.mode=separated", "rollout.forked=false"]
+    base = ["rollout.mode=separated"]
     (gap,) = job_gaps(load_run_config(LOCAL, [*base, "cluster.group.gpus_per_node=3"]))
     assert "2 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 3 − rollout.engines " \
         "count·tensor_parallel 1·1)" in gap.render()  # fmt: skip

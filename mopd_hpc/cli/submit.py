@@ -45,6 +45,7 @@ from typing import Any, TextIO
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
+from mopd_hpc.config.inert import inert_warnings
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
@@ -122,10 +123,12 @@ def summary(cfg: RunConfig) -> str:
 
 
 def submit_warnings(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
-    """Every warning --check prints: the config's own (`RunConfig.warnings`), the paths missing here, then
-    the GPUs whose memory plan exceeds `cluster.<group>.gpu_memory_gb` (`launch/memory_plan.py`; none when
-    the job cannot be placed: that error comes with the plan)."""
-    return [*cfg.warnings(), *path_warnings(cfg, cwd), *_memory_warnings(cfg)]
+    """Every warning --check prints: the config's own (`RunConfig.warnings`), the fields set where they have
+    no effect (`config/inert.py`), the paths missing here, then the GPUs whose memory plan exceeds
+    `cluster.<group>.gpu_memory_gb` (`launch/memory_plan.py`; none when the job cannot be placed: that error
+    comes with the plan)."""
+    inert = [p.render() for p in inert_warnings(cfg)]
+    return [*cfg.warnings(), *inert, *path_warnings(cfg, cwd), *_memory_warnings(cfg)]
 
 
 def _memory_warnings(cfg: RunConfig) -> list[str]:

@@ -40,7 +40,10 @@ class OptimizerConfig(Section):
 class ActorConfig(Section):
     """The student being trained (π_θ)."""
 
-    id: Identifier = Field(description="Name of the actor; names its child processes, logs and metrics.")
+    id: Identifier = Field(
+        description="Name of the actor: a label in mopd-submit's summary line (children, logs and metrics are "
+        "named by role and rank)."
+    )
     path: NonEmptyStr = Field(description="HF model id or local checkpoint directory (config.json, weights).")
     dtype: Dtype = Field("bfloat16", description="Parameter and compute dtype of the train engine.")
     engine: Engine = Field("torch", description="'torch' (transformers, CPU/GPU) or 'megatron' (GPU only).")

@@ -47,24 +47,30 @@ class RolloutConfig(Section):
     )
     forked: StrictBool = Field(
         True,
-        description="Rollout engines run as children forked by the node's guard (required when colocated, "
-        "so that a rollout crash or offload never takes the actor down).",
+        description="Rollout engines run as children forked by the node's guard, so that a rollout crash or "
+        "offload never takes the actor down. Must be true: the job starts every engine that way (one rollout "
+        "child per engine, launch/placement.py); false is refused.",
     )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
-        if self.mode == "colocated" and not self.forked:
-            raise_if_any(
-                [
-                    Problem(
-                        "forked",
-                        "a colocated rollout must run as a forked child of the guard",
-                        self.forked,
-                        "set rollout.forked: true, or rollout.mode: separated",
-                    )
-                ]
-            )
+        raise_if_any(unforked_rollout(self))
         return self
+
+
+def unforked_rollout(rollout: RolloutConfig) -> list[Problem]:
+    """`forked: false` is refused: the job has no other way to start a rollout engine than as a child of the
+    node's guard (launch/placement.py gives every engine its own rollout child), so accepting false would
+    run the forked engines anyway, the setting silently ignored (issue 19). Paths relative to `rollout`."""
+    if rollout.forked:
+        return []
+    why = (
+        "a colocated rollout must run as a forked child of the guard"
+        if rollout.mode == "colocated"
+        else "the job runs every rollout engine as a forked child of the node's guard; there is no unforked "
+        "rollout (in the actor's process, or a server started elsewhere)"
+    )
+    return [Problem("forked", why, rollout.forked, "set rollout.forked: true (or leave it out: the default)")]
 
 
 class WeightSyncConfig(Section):

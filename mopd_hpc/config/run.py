@@ -44,7 +44,9 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of data order, sampling and initialization.")
     steps: int = Field(ge=1, description="Training steps (one batch of data.batch_size prompts each).")
     checkpoint_interval: int = Field(ge=1, description="Checkpoint every this many steps.")
-    log_interval: int = Field(1, ge=1, description="Write a metrics line every this many steps.")
+    log_interval: int = Field(
+        1, ge=1, description="Write a metrics line every this many steps (and at the last step)."
+    )
     models: ModelsConfig = Field(description="Actor, teachers, tokenizer.")
     routes: dict[Identifier, dict[Identifier, TeacherWeight]] = Field(
         min_length=1,

@@ -15,7 +15,7 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
     SYNC     weights → rollout engines from this rank only: one copy per engine (`trainer/weight_sync.py`,
              weight_sync.backend: torch broadcast, gloo on CPU; or AWEX); weight_version = str(step)
 
-then one metrics line (`records/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
+then one metrics line every `log_interval` steps and at the last (`records/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
 checkpoint under run_dir/checkpoints, written by this rank only: the DDP state is replicated (every rank
 holds the same weights and optimizer state after each step), so one copy is every rank's; it records the
 actor world size (model, optimizer, data-stream position, RNG, step, world size).
@@ -62,10 +62,11 @@ from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from mopd_hpc.trainer.data_setup import RunData
+from mopd_hpc.trainer.intervals import checkpoint_due, metrics_due
 from mopd_hpc.trainer.phase_memory import PhaseMemory
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rank_step import Group, Receipts, ShardStep, make_resident
-from mopd_hpc.trainer.rollout_phase import collect_rollouts
+from mopd_hpc.trainer.rollout_phase import step_rollouts
 from mopd_hpc.trainer.step import orm_advantages, step_metrics
 from mopd_hpc.trainer.step_record import ControlRecord
 from mopd_hpc.trainer.weight_sync import WeightSync
@@ -172,9 +173,10 @@ class Controller:
                     if self._stop_requested():
                         return await self._stop_for_signal(progress, start)
                     values = await self._one_step(step)
-                    metrics.write(step, values)
+                    if metrics_due(step, self.cfg):
+                        metrics.write(step, values)
                     progress.update(step, values)
-                    if step % self.cfg.checkpoint_interval == 0 or step == self.cfg.steps:
+                    if checkpoint_due(step, self.cfg):
                         self._checkpoint(step)
             if self._stop_requested():
                 return await self._stop_for_signal(None, start)
@@ -211,19 +213,9 @@ class Controller:
         self.phase_memory.start_step()
         try:
             t0 = time.perf_counter()
-            draws = self.data.dataset.take(self.cfg.data.batch_size)
             n = self.cfg.data.samples_per_prompt
-            rollouts = await collect_rollouts(
-                self.rollout,
-                draws,
-                tokenizer=self.tokenizer,
-                sources=self.data.sources,
-                sampling=self.cfg.rollout.sampling,
-                samples_per_prompt=n,
-                max_prompt_tokens=self.cfg.data.max_prompt_tokens,
-                seed=self.cfg.seed,
-                step=step,
-                pad_id=self.pad_id,
+            rollouts = await step_rollouts(
+                self.cfg, self.data, self.rollout, self.tokenizer, step, self.pad_id
             )
             record = ControlRecord.from_rows(
                 step,

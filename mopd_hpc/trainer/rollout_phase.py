@@ -230,3 +230,24 @@ async def collect_rollouts(
         completions=completions,
         weight_versions=tuple(s.weight_version for s in samples),
     )
+
+
+async def step_rollouts(
+    cfg: Any, data: Any, clients: Sequence[RolloutClient], tokenizer: Any, step: int, pad_id: int
+) -> Rollouts:
+    """The controller's ROLLOUT of `step`: data.batch_size prompts taken from `data.dataset` (a
+    `trainer.data_setup.RunData`; the stream advances), sampled by `collect_rollouts` with the config's
+    sampling, samples_per_prompt, max_prompt_tokens and run seed. Raises as `collect_rollouts`."""
+    draws = data.dataset.take(cfg.data.batch_size)
+    return await collect_rollouts(
+        clients,
+        draws,
+        tokenizer=tokenizer,
+        sources=data.sources,
+        sampling=cfg.rollout.sampling,
+        samples_per_prompt=cfg.data.samples_per_prompt,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        seed=cfg.seed,
+        step=step,
+        pad_id=pad_id,
+    )

@@ -1,0 +1,212 @@
+"""The one table of config fields that have no effect in some settings: field → condition → reason (issue 19).
+
+Every other field changes something observable whenever it changes (the job plan, the sbatch script, the
+`--dry-run` text, a `--check` warning or refusal, the data stream, the rollout request, a train step's
+loss): tests/test_config_mutation.py mutates every field of the RunConfig type tree and checks that, and
+checks each row here the other way (under its condition the mutation changes nothing observable). A field
+path uses `[]` for a list item and `*` for any name (`cluster.*.gpu_memory_gb`: the field of every group).
+
+    from mopd_hpc.config.inert import INERT, inert_fields, inert_warnings
+    inert_fields(cfg)    # [(row, reason)] of the rows whose condition holds for this config
+    inert_warnings(cfg)  # a Problem per field set (≠ its default) where its row holds: --check warns
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from mopd_hpc.config.parallel import actor_world
+from mopd_hpc.config.problems import Problem
+
+#: The wording of the rows whose fate the objective issue (loss composition, helper E) settles.
+TOPK_OBJECTIVE = "inert with estimator topk (the objective issue settles it)"
+
+
+@dataclass(frozen=True, slots=True)
+class InertField:
+    """One row: `field` (a path pattern) has no effect on a config for which `when(cfg)` is true.
+
+    Attributes:
+        field: YAML path pattern of the field (`loss.ratio_cap`, `models.teachers[].path`, `cluster.*.qos`).
+        condition: `when` in words, in field terms (`loss.estimator is 'topk'`).
+        when: the condition on a validated RunConfig.
+        reason: why the field has no effect then (which consumer skips it).
+    """
+
+    field: str
+    condition: str
+    when: Callable[[Any], bool]
+    reason: str
+
+    def matches(self, path: str) -> bool:
+        """Whether the field path `path` (as the type-tree walk writes it) is this row's field."""
+        return fnmatch.fnmatchcase(path, self.field.replace("[]", "[[][]]"))
+
+
+def _topk(cfg: Any) -> bool:
+    return cfg.loss.estimator == "topk"
+
+
+def _no_distillation(cfg: Any) -> bool:
+    return cfg.loss.distillation_coefficient == 0
+
+
+_NO_TEACHER = "no teacher is loaded or scored (launch/placement.py starts none; mopd/plan.py ExecutionPlan)"
+
+INERT: tuple[InertField, ...] = (
+    InertField("models.actor.id", "always", lambda c: True, "a label in mopd-submit's summary line only"),
+    InertField(
+        "models.actor.collective_timeout_s",
+        "the actor's world is 1 rank",
+        lambda c: actor_world(c.cluster, c.rollout).size == 1,
+        "one rank has no collective to wait in (roles/actor_group.py join_group: SoloGroup)",
+    ),
+    InertField(
+        "weight_sync.awex_mode",
+        "always",
+        lambda c: True,
+        "only the mode rollout.mode implies is valid (config/rules.py _awex), and null resolves to it",
+    ),
+    *(
+        InertField(
+            f"models.teachers[].{name}", "loss.distillation_coefficient is 0", _no_distillation, _NO_TEACHER
+        )
+        for name in ("id", "path", "engine", "dtype")
+    ),
+    InertField("routes", "loss.distillation_coefficient is 0", _no_distillation, _NO_TEACHER),
+    *(
+        InertField(
+            f"loss.{name}",
+            "loss.distillation_coefficient is 0",
+            _no_distillation,
+            "L_MOPD is off: only L_RL is computed (mopd/compose.py), and its terms read none of these",
+        )
+        for name in (
+            "estimator",
+            "topk",
+            "correction",
+            "ratio_cap",
+            "mask_low",
+            "mask_high",
+            "advantage_clip",
+            "orm_alpha",
+        )
+    ),
+    InertField(
+        "cluster.max_requeues",
+        "cluster.requeue is false",
+        lambda c: not c.cluster.requeue,
+        "the batch shell never requeues (sbatch_templates/_control.sh.j2 mopd_requeue_allowed)",
+    ),
+    InertField(
+        "loss.topk",
+        "loss.estimator is 'sampled'",
+        lambda c: c.loss.estimator == "sampled",
+        "the sampled estimator asks the teachers for token log-probs, no top-k (trainer/rank_step.py)",
+    ),
+    *(
+        InertField(f"loss.{name}", "loss.estimator is 'topk'", _topk, TOPK_OBJECTIVE)
+        for name in ("correction", "ratio_cap", "mask_low", "mask_high", "advantage_clip")
+    ),
+    InertField(
+        "loss.ratio_cap",
+        "loss.correction is not 'truncate'",
+        lambda c: c.loss.correction != "truncate",
+        "only the 'truncate' correction caps the ratio (mopd/loss.py)",
+    ),
+    *(
+        InertField(
+            f"loss.{name}",
+            "loss.correction is not 'mask'",
+            lambda c: c.loss.correction != "mask",
+            "only the 'mask' correction has a kept band (mopd/loss.py)",
+        )
+        for name in ("mask_low", "mask_high")
+    ),
+    InertField(
+        "loss.ppo_clip",
+        "loss.rl_coefficient is 0",
+        lambda c: c.loss.rl_coefficient == 0,
+        "the clipped surrogate is L_RL's, which is off (mopd/compose.py)",
+    ),
+    InertField(
+        "data.eval.seed",
+        "data.eval.size is 0",
+        lambda c: c.data.eval.size == 0,
+        "no held-out split is drawn (trainer/data_setup.py eval_prompts)",
+    ),
+    InertField(
+        "cluster.*.gpu_memory_gb",
+        "the group's gpus_per_node is 0",
+        lambda c: any(g.gpus_per_node == 0 for g in c.cluster.groups().values()),
+        "a group without GPUs has no GPU memory plan to check (launch/memory_plan.py)",
+    ),
+)
+
+
+def inert_fields(cfg: Any) -> list[tuple[InertField, str]]:
+    """The rows whose condition holds for the validated RunConfig `cfg`, each with its reason."""
+    return [(row, row.reason) for row in INERT if row.when(cfg)]
+
+
+def _leaves(node: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(concrete path, value, default or NO_DEFAULT) of every field below `node` (a model or a list of them)."""
+    items = node if isinstance(node, list) else []
+    for i, item in enumerate(items):
+        yield from _leaves(item, f"{path}[{i}]")
+    if not isinstance(node, BaseModel):
+        return
+    for name, info in type(node).model_fields.items():
+        here = f"{path}.{name}" if path else name
+        value = getattr(node, name)
+        if isinstance(value, BaseModel | list):
+            yield from _leaves(value, here)
+        else:
+            yield (
+                here,
+                value,
+                NO_DEFAULT if info.is_required() else info.get_default(call_default_factory=True),
+            )
+
+
+#: A field without a default (required): whatever its value, nobody set it "instead of" a default.
+NO_DEFAULT: object = object()
+
+
+def inert_warnings(cfg: Any) -> list[Problem]:
+    """One problem per field that is set to another value than its default where its row's condition holds
+    (the setting has no effect: the user learns it at --check); rows whose condition is 'always', and
+    required fields, are not warned (their value is a label, or implied by another field)."""
+    live = [row for row in INERT if row.condition != "always" and row.when(cfg)]
+    out = []
+    for concrete, value, default in _leaves(cfg):
+        if default is NO_DEFAULT or value == default:
+            continue
+        pattern = re.sub(r"\[\d+\]", "[]", concrete)
+        for row in live:
+            if row.matches(pattern) and _holds_for_its_group(row, cfg, concrete):
+                out.append(
+                    Problem(
+                        concrete,
+                        f"has no effect when {row.condition}: {row.reason}",
+                        value,
+                        f"remove it; it takes effect once {row.condition} no longer holds",
+                    )
+                )
+                break
+    return out
+
+
+def _holds_for_its_group(row: InertField, cfg: Any, concrete: str) -> bool:
+    """A `cluster.*.<field>` row (a field of every het group: gpu_memory_gb) holds for a group without GPUs
+    only, whatever the other groups have."""
+    if not row.field.startswith("cluster.*."):
+        return True
+    group = getattr(cfg.cluster, concrete.split(".")[1], None)
+    return group is None or group.gpus_per_node == 0
