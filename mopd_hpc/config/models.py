@@ -93,6 +93,14 @@ class TeacherConfig(Section):
     engine: Engine = Field("torch", description="Scoring engine: 'torch' or 'megatron' (GPU only).")
     dtype: Dtype = Field("bfloat16", description="Dtype of the scoring forward pass.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size, in GPUs (within one node).")
+    residency: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Where the teacher's weights are between its phases on a GPU: 'auto' stays resident when "
+        "the memory plan of every GPU it is on fits with it there (the GPU's memory: "
+        "cluster.<group>.gpu_memory_gb, else detected in the job), else offloaded at the drain and onloaded "
+        "when scoring starts; 'always' stays resident; 'never' is offloaded at every drain. Its scoring "
+        "buffers are released after each score either way (engines/residency_plan.py).",
+    )
 
 
 class TokenizerConfig(Section):

@@ -8,8 +8,9 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
              of the actor group (`trainer/step_record.py`)
     TEACHER  every rank (this one too) has the teachers score its own shard of the rows
              (`trainer/rank_step.py`): only the rows of routes that weight a teacher go to it
-    DRAIN    every rank's drain receipt gathered here; then the teachers may be released (offloaded on GPU;
-             nothing to do on CPU)
+    DRAIN    every rank's drain receipt gathered here; then the teachers may be released: on GPU the ones
+             the residency decision offloads (`offload_teachers`, `engines/residency_plan.py`) leave, the
+             others stay resident; nothing to do on CPU
     TRAIN    one `train_step` of the engine on every rank's shard (the loss normalized over the whole step)
     SYNC     weights → rollout engines from this rank only: one copy per engine (`trainer/weight_sync.py`,
              weight_sync.backend: torch broadcast, gloo on CPU; or AWEX); weight_version = str(step)
@@ -60,7 +61,7 @@ from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from mopd_hpc.trainer.data_setup import RunData
-from mopd_hpc.trainer.phase_memory import PhaseMemory
+from mopd_hpc.trainer.phase_memory import PhaseMemory, server_peaks
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rank_step import Group, Receipts, ShardStep, make_resident
 from mopd_hpc.trainer.rollout_phase import collect_rollouts
@@ -102,6 +103,8 @@ class Controller:
         run_dir: the run directory. job_id: this job (recorded in checkpoints). out: progress output.
         group: the actor group (`ActorGroup` joined as rank 0, or `SoloGroup` for one rank).
         checkpoint_request: the installed SIGUSR2 handler (None: not honoured).
+        offload_teachers: ids of the teachers offloaded at each drain on GPU (onloaded when scoring
+            starts); None = every teacher. The others stay resident.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class Controller:
         group: Group | None = None,
         checkpoint_request: CheckpointRequest | None = None,
         token: str | None = None,
+        offload_teachers: frozenset[str] | None = None,
     ) -> None:
         self.cfg, self.plan, self.engine, self.tokenizer, self.data = cfg, plan, engine, tokenizer, data
         self.rollout, self.teachers, self.sync = list(rollout), dict(teachers), sync
@@ -134,6 +138,7 @@ class Controller:
         self.route_weights = {r: dict(cfg.routes[r]) for r in self.routes}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.gpu = any(g.gpus_per_node > 0 for g in cfg.cluster.groups().values())
+        self.moving = moving_teachers(self.teachers, self.gpu, offload_teachers)
         self.shard_step = ShardStep(engine, self.teachers, plan, cfg.loss, self.route_weights, self.group)
         #: Every phase change of the run, in order (for the event log and tests).
         self.transitions: list[Transition] = []
@@ -230,9 +235,8 @@ class Controller:
             timings["rollout"] = time.perf_counter() - t0
             if self.plan.requires_teacher_scoring:
                 self.machine.transition(Phase.TEACHER)
-                if self.gpu:
-                    for client in self.teachers.values():
-                        await client.onload()
+                for client in self.moving.values():
+                    await client.onload()
             else:
                 self.machine.transition(Phase.TRAIN)
             await self.group.publish(record)
@@ -256,6 +260,8 @@ class Controller:
         )
         values["rollout/weight_version"] = _as_number(rollouts.weight_versions[0])
         values |= self.phase_memory.take()
+        if self.phase_memory.active:
+            values |= await server_peaks(self.teachers, self.rollout, self.cfg.rollout.backend)
         return values
 
     async def _drained(self, receipts: Receipts) -> None:
@@ -266,9 +272,8 @@ class Controller:
                 raise ActorGroupError(f"actor rank {rank} drained step {step} during step {self.step + 1}")
             self.machine.receive(DrainReceipt(ACTOR_CONSUMER.format(rank=rank), self.machine.step, rows))
         self.machine.release_teacher()
-        if self.gpu:
-            for client in self.teachers.values():
-                await client.offload()
+        for client in self.moving.values():
+            await client.offload()
         self.machine.transition(Phase.TRAIN)
 
     # ------------------------------------------------------------------ resume, checkpoints, eval
@@ -357,6 +362,16 @@ class Controller:
         print(
             f"done: {self.step} steps; student saved to {self.run_dir / FINAL_DIR}", file=self.out, flush=True
         )
+
+
+def moving_teachers(
+    teachers: Mapping[str, TeacherClient], gpu: bool, offload: frozenset[str] | None
+) -> dict[str, TeacherClient]:
+    """The teachers onloaded for scoring and offloaded at the drain: on a GPU those in `offload` (None: all);
+    none on CPU."""
+    if not gpu:
+        return {}
+    return {t: c for t, c in teachers.items() if offload is None or t in offload}
 
 
 def _empty_cuda_cache() -> None:
