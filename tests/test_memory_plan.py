@@ -56,7 +56,8 @@ def test_the_colocated_gpu_plan_from_the_formulas() -> None:
     assert act.phase == "train" and act.what.startswith(f"activations ({rows * length:,} positions")
     assert act.bytes == micro_batch_bytes(shape, "bfloat16", "megatron", rows * length, rows * 256)
     assert h["teacher teacher", "weights"] == mp.Holding("weights", 2 * p, "teacher")
-    assert h["teacher teacher", "scoring buffers"].bytes == 64 * 151936 * (length * 2 + 256 * 4)
+    rows_scored = (4 << 30) // (length * 151936 * 4)  # roles/teacher.py scoring_rows: 22
+    assert h["teacher teacher", "scoring buffers"].bytes == rows_scored * 151936 * (length * 2 + 256 * 4)
     kv = h["rollout 0", "KV cache"]
     assert (kv.bytes, kv.phase) == (rows * length * 28 * 2 * 8 * 128 * 2, "rollout")
     peak, phase = gpu.peak()
@@ -129,7 +130,10 @@ def test_constants_follow_the_engines_defaults() -> None:
     from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch
     from mopd_hpc.engines.teacher_serve import TeacherArgs
 
+    from mopd_hpc.roles.teacher import SCORING_BUDGET_BYTES
+
     assert mp.TEACHER_ROWS == TeacherArgs.__dataclass_fields__["max_batch_rows"].default
+    assert mp.SCORING_BUDGET_BYTES == SCORING_BUDGET_BYTES
     assert mp.SGLANG_MEM_FRACTION == SGLangLaunch.__dataclass_fields__["mem_fraction_static"].default
 
 

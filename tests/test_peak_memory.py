@@ -33,7 +33,9 @@ class FakeAllocator:
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 2 * self.peak)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: self.now)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * self.now)
-        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: setattr(self, "peak", self.now))
+        monkeypatch.setattr(
+            torch.cuda, "reset_peak_memory_stats", lambda d=None: setattr(self, "peak", self.now)
+        )
 
 
 def test_requests_fold_their_peaks_into_their_phases(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,6 +97,7 @@ def test_the_servers_answer_memory_peaks_on_cpu() -> None:
 
     async def scenario() -> None:
         app = web.Application(middlewares=[pm.peak_middleware(pm.PeakTracker(None), {"/x": "teacher"})])
+
         async def handler(request: web.Request) -> web.Response:
             return web.json_response({"ok": True})
 

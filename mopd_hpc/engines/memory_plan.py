@@ -11,7 +11,8 @@ Each child's holdings are either resident through the step, or held in one phase
   (batch_size·samples_per_prompt/dp rows);
 - teacher (scoring): its scoring buffers in `teacher` (released after each score), its weights in `teacher`
   too when it is offloaded between phases, resident when it stays (`resident_teachers`; which teachers stay
-  is `engines/residency_plan.py`'s decision from this plan); buffers: `TEACHER_ROWS` rows at a time, the logits
+  is `engines/residency_plan.py`'s decision from this plan); buffers: the rows the teacher role scores at a time
+  (`TEACHER_ROWS`, fewer when their float32 logits exceed `SCORING_BUDGET_BYTES`), the logits
   the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
   top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
 - rollout engine (the actor's model): weights, resident; hf: the KV cache of its rows (the step's rollouts
@@ -47,8 +48,11 @@ from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.plan import ChildSpec, JobPlan
 
 GIB = float(2**30)
-#: Rows a teacher scores at a time (`engines/teacher_serve.py` ServeArgs.max_batch_rows' default).
+#: Rows a teacher scores at a time at most (`engines/teacher_serve.py` TeacherArgs.max_batch_rows' default);
+#: the job's teacher role takes fewer when their float32 logits exceed `SCORING_BUDGET_BYTES`
+#: (`roles/teacher.py` scoring_rows: the same rule).
 TEACHER_ROWS = 64
+SCORING_BUDGET_BYTES = 4 << 30
 #: SGLang's static memory fraction for weights + KV pool (`engines/rollout/sglang_backend.py`'s default).
 SGLANG_MEM_FRACTION = 0.5
 PHASES = ("rollout", "teacher", "train")
@@ -151,7 +155,8 @@ def _teacher(cfg: Any, teacher: Any, shape: ModelShape, resident: bool) -> tuple
     b = dtype_bytes(teacher.dtype)
     tp = teacher.tensor_parallel
     prompt, new = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens
-    rows = min(TEACHER_ROWS, cfg.data.batch_size * cfg.data.samples_per_prompt)
+    step_rows = max(TEACHER_ROWS, cfg.data.batch_size * cfg.data.samples_per_prompt)
+    rows = max(1, min(step_rows, SCORING_BUDGET_BYTES // ((prompt + new) * shape.vocab * 4)))
     topk = cfg.loss.estimator == "topk"
     if teacher.engine == "megatron":
         buffers = rows * shape.vocab * ((prompt + new) * b + new * 4) // tp
