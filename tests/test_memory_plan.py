@@ -129,7 +129,6 @@ def test_constants_follow_the_engines_defaults() -> None:
     pytest.importorskip("torch")
     from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch
     from mopd_hpc.engines.teacher_serve import TeacherArgs
-
     from mopd_hpc.roles.teacher import SCORING_BUDGET_BYTES
 
     assert mp.TEACHER_ROWS == TeacherArgs.__dataclass_fields__["max_batch_rows"].default

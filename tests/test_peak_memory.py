@@ -108,3 +108,10 @@ def test_the_servers_answer_memory_peaks_on_cpu() -> None:
             assert await (await client.post(pm.PEAKS_PATH)).json() == {}
 
     asyncio.run(scenario())
+
+
+def test_the_rollout_child_allocates_with_expandable_segments_unless_told_otherwise() -> None:
+    from mopd_hpc.roles.rollout import allocator_env
+
+    assert allocator_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert allocator_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) == {}  # the user's stays

@@ -16,7 +16,9 @@ Each child's holdings are either resident through the step, or held in one phase
   the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
   top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
 - rollout engine (the actor's model): weights, resident; hf: the KV cache of its rows (the step's rollouts
-  over the engines) and float32 sampling logits, in `rollout`; sglang: weights and KV pool are the static
+  over the engines: one batch) and the sampling buffers, in `rollout` (the engine gives them back after each
+  batch and allocates with expandable segments, `roles/rollout.py`, so that its growing cache does not
+  fragment: without them the H200 measured 4× the KV cache reserved); sglang: weights and KV pool are the static
   `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`).
 A GPU's plan is its largest phase: Σ resident + Σ held in that phase (phases rollout, teacher, train). A child
 over several GPUs (a rollout engine's tensor parallelism) puts 1/its GPUs on each. A model whose config.json
@@ -56,6 +58,9 @@ SCORING_BUDGET_BYTES = 4 << 30
 #: SGLang's static memory fraction for weights + KV pool (`engines/rollout/sglang_backend.py`'s default).
 SGLANG_MEM_FRACTION = 0.5
 PHASES = ("rollout", "teacher", "train")
+#: Bytes per row and vocabulary entry of one decode step's sampling (`engines/rollout/sampling.py`): float32
+#: log-probs, their exp and cumsum, and top-p's sorted values with int64 indices.
+SAMPLING_BYTES = 24
 #: What one process's CUDA context (and the libraries' workspaces) takes on its GPU outside torch's allocator.
 CUDA_CONTEXT_BYTES = 512 * 2**20
 
@@ -182,7 +187,7 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
     return (
         weights,
         Holding(f"KV cache ({rows} rows)", kv, "rollout"),
-        Holding("sampling logits", rows * shape.vocab * 4 // share, "rollout"),
+        Holding("sampling buffers", rows * shape.vocab * SAMPLING_BYTES // share, "rollout"),
     )
 
 
