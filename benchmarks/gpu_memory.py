@@ -13,7 +13,7 @@ teacher residency auto). From its metrics.jsonl:
 - peak reserved GiB per child and phase (`memory/<child>/<phase>/reserved_gib`: the actor's phases, the
   teacher's and rollout engine's phases and `held`, what they keep between their requests), the max over
   the steps;
-- the GPU's measured total per phase of the plan (rollout, teacher, train): Σ over the children of their
+- the GPU's measured total per phase (rollout, teacher, drain, train, sync): Σ over the children of their
   peak in that phase (a server without a request in it: its `held`), and the largest;
 - the memory plan (`engines/residency_plan.planned_residency` with the GPU's memory as the job detects it):
   per phase and its largest, the ratio plan / measured (issue 21 asks for 1 ≤ ratio ≤ 1.25), and the
@@ -139,7 +139,7 @@ def one_shape(shape: str, models: Path, steps: int, timeout_s: float, capacity: 
         subprocess.run(["cp", "-r", str(run_dir / "logs"), str(keep / f"{shape}_logs")], check=False)
     plan = plan_of(sets, capacity)
     measured = measured_totals(lines)
-    peak = max((measured.get(ph, 0.0) for ph in PHASES), default=0.0)
+    peak = max(measured.values(), default=0.0)  # every phase of the step, drain and sync too
     return {
         "shape": {"prompts": prompts, "samples_per_prompt": samples, "max_new_tokens": new},
         "exit_code": code,
