@@ -79,6 +79,9 @@ def test_an_unknown_gpu_memory_offloads_auto_teachers() -> None:
     decision, (gpu,) = decided(OOM)
     assert decision.offload == {"teacher"} and gpu.capacity_gib is None
     assert "its memory is unknown; set cluster.group.gpu_memory_gb" in decision.reasons[0]
+    cfg = load_run_config(str(CONFIG), OOM, False)  # models not readable here: nothing to decide from
+    unplanned, _ = rp.planned_residency(cfg, place_children(cfg), lambda path: None, capacity_gib=139.8)
+    assert unplanned.offload == {"teacher"} and "actor 0 is not planned (" in unplanned.reasons[0]
 
 
 def _teacher(tid: str, gib: float) -> mp.ChildMemory:

@@ -15,7 +15,8 @@ released after each score either way (they are the plan's `teacher`-phase holdin
 in that phase, a resident teacher's weights counted in every phase, plus `CUDA_CONTEXT_BYTES` per child, is at
 most the GPU's memory. Under `auto` every teacher starts resident; then the one with the largest weights
 leaves, one at a time, until the GPU fits (a GPU holds a few teachers: the greedy order is enough). A GPU whose memory is unknown (no `gpu_memory_gb`, nothing detected) keeps nothing
-resident under `auto`. A teacher over several GPUs (tensor parallel) is offloaded when any of them needs it.
+resident under `auto`, nor does a GPU with a child the plan could not size (a config.json not readable
+here). A teacher over several GPUs (tensor parallel) is offloaded when any of them needs it.
 """
 
 from __future__ import annotations
@@ -104,12 +105,16 @@ def decide_residency(gpus: tuple[GpuMemory, ...], modes: Mapping[str, str]) -> R
         auto = [c for c in teachers if modes.get(c.teacher, "auto") == "auto"]
         if not auto:
             continue
-        if gpu.capacity_gib is None:
+        unknown = (
+            f"its memory is unknown; set cluster.{gpu.group}.gpu_memory_gb"
+            if gpu.capacity_gib is None
+            else next((f"{c.label} is not planned ({c.note})" for c in gpu.children if not c.holdings), None)
+        )
+        if unknown is not None:
             for child in auto:
                 offload.add(child.teacher)
                 reasons[child.teacher] = (
-                    f"teacher {child.teacher}: offloaded between phases ({where}: its memory is unknown; set "
-                    f"cluster.{gpu.group}.gpu_memory_gb)"
+                    f"teacher {child.teacher}: offloaded between phases ({where}: {unknown})"
                 )
             continue
         capacity = int(gpu.capacity_gib * GIB)
