@@ -1,4 +1,4 @@
-"""The memory plan before anything starts (`launch/memory_plan.py`): per GPU of the job plan, each child's
+"""The memory plan before anything starts (`engines/memory_plan.py`): per GPU of the job plan, each child's
 holdings from the config and the models' config.json (`engines/memory_model.py`), the largest phase, the
 `cluster.<group>.gpu_memory_gb` warning, and `mopd-submit --dry-run` / `--check` printing them.
 
@@ -17,8 +17,8 @@ import pytest
 from helpers_models import write_stub_checkpoint
 
 from mopd_hpc.config import load_run_config
-from mopd_hpc.engines.memory_model import ModelShape, micro_batch_bytes
-from mopd_hpc.launch import memory_plan as mp
+from mopd_hpc.engines import memory_plan as mp
+from mopd_hpc.engines.memory_model import ModelShape, default_micro_batch_tokens, micro_batch_bytes
 from mopd_hpc.launch.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,9 +56,10 @@ def test_the_colocated_gpu_plan_from_the_formulas() -> None:
     assert act.phase == "train" and act.what.startswith(f"activations ({rows * length:,} positions")
     assert act.bytes == micro_batch_bytes(shape, "bfloat16", "megatron", rows * length, rows * 256)
     assert h["teacher teacher", "weights"] == mp.Holding("weights", 2 * p, "teacher")
-    assert h["teacher teacher", "scoring buffers"].bytes == 64 * 151936 * (length * 2 + 256 * 4)
+    rows_scored = (4 << 30) // (length * 151936 * 4)  # roles/teacher.py scoring_rows: 22
+    assert h["teacher teacher", "scoring buffers"].bytes == rows_scored * 151936 * (length * 2 + 256 * 4)
     kv = h["rollout 0", "KV cache"]
-    assert (kv.bytes, kv.phase) == (rows * length * 28 * 2 * 8 * 128 * 2, "rollout")
+    assert (kv.bytes, kv.phase) == (int(mp.HF_KV_GROWTH * rows * length * 28 * 2 * 8 * 128 * 2), "rollout")
     peak, phase = gpu.peak()
     resident = 2 * p + 4 * p + 12 * p + 2 * p  # actor state + rollout weights
     assert (peak, phase) == (resident + act.bytes, "train")
@@ -69,8 +70,12 @@ def test_the_colocated_gpu_plan_from_the_formulas() -> None:
     assert "the run caps it by the free memory" in lines[2]
 
 
+#: The whole 64 × 4 × 256 step in one micro-batch (the OOM of issue 21).
+WHOLE = "models.actor.micro_batch_tokens=81920"
+
+
 def test_gpu_memory_gb_warns_when_the_plan_exceeds_it() -> None:
-    _, gpus = plan_of([*OOM, "cluster.group.gpu_memory_gb=140"])
+    _, gpus = plan_of([*OOM, WHOLE, "cluster.group.gpu_memory_gb=140"])
     (warning,) = mp.memory_warnings(gpus)
     peak = gpus[0].peak()[0] / GIB
     assert warning.startswith("cluster.group.gpu_memory_gb: the memory plan of node 0 GPU 0 is ")
@@ -79,10 +84,34 @@ def test_gpu_memory_gb_warns_when_the_plan_exceeds_it() -> None:
     # A micro-batch budget brings the same step under the GPU's memory.
     _, fits = plan_of([*OOM, "cluster.group.gpu_memory_gb=140", "models.actor.micro_batch_tokens=16384"])
     assert mp.memory_warnings(fits) == [] and fits[0].peak()[0] < 100 * GIB
-    assert "16,384 positions" in "\n".join(mp.format_memory_plan(fits))
+    assert "16,320 positions" in "\n".join(mp.format_memory_plan(fits))  # whole rows of 320 positions
     # Recompute shrinks the activations too.
-    _, ckpt = plan_of([*OOM, "models.actor.activation_checkpointing=true"])
+    _, ckpt = plan_of([*OOM, WHOLE, "models.actor.activation_checkpointing=true"])
     assert ckpt[0].peak()[0] < gpus[0].peak()[0]
+
+
+def test_a_null_budget_with_the_gpus_memory_known_is_the_one_the_engine_derives() -> None:
+    """micro_batch_tokens null and 140 GiB: the budget is `default_micro_batch_tokens` of what the train phase
+    leaves free (the GPU less the actor's state, the other children's train-phase holdings and a CUDA context
+    per child), floored to whole rows; the step then fits."""
+    cfg, gpus = plan_of([*OOM, "cluster.group.gpu_memory_gb=140"])
+    (gpu,) = gpus
+    shape = ModelShape.from_hf_config(QWEN3_0_6B)
+    h = holdings(gpu)
+    state = sum(h["actor 0", k].bytes for k in ("weights", "gradients", "optimizer"))
+    others = h["rollout 0", "weights"].bytes  # the teacher is offloaded outside its phase here
+    free = 140 * GIB - state - others - 3 * mp.CUDA_CONTEXT_BYTES
+    budget = default_micro_batch_tokens(shape, "bfloat16", "megatron", free)
+    positions = budget // 320 * 320
+    act = h["actor 0", "activations"]
+    assert act.what.startswith(f"activations ({positions:,} positions")
+    assert act.bytes == micro_batch_bytes(shape, "bfloat16", "megatron", positions, positions * 256 // 320)
+    assert mp.memory_warnings(gpus) == [] and gpu.peak()[0] <= 140 * GIB
+    # Detected in the job instead of configured: the same plan.
+    _, detected = plan_of(OOM)
+    cfg2 = load_run_config(str(CONFIG), OOM, False)
+    same = mp.memory_plan(cfg2, place_children(cfg2), lambda path: QWEN3_0_6B, capacity_gib=140.0)
+    assert same == gpus and detected[0].capacity_gib is None
 
 
 def test_unreadable_models_and_cpu_jobs() -> None:
@@ -100,8 +129,10 @@ def test_constants_follow_the_engines_defaults() -> None:
     pytest.importorskip("torch")
     from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch
     from mopd_hpc.engines.teacher_serve import TeacherArgs
+    from mopd_hpc.roles.teacher import SCORING_BUDGET_BYTES
 
     assert mp.TEACHER_ROWS == TeacherArgs.__dataclass_fields__["max_batch_rows"].default
+    assert mp.SCORING_BUDGET_BYTES == SCORING_BUDGET_BYTES
     assert mp.SGLANG_MEM_FRACTION == SGLangLaunch.__dataclass_fields__["mem_fraction_static"].default
 
 
@@ -118,7 +149,7 @@ def test_dry_run_prints_the_plan_and_check_warns(tmp_path: Path) -> None:
     for name in ("student", "teacher"):  # --check opens the files a child reads: a tokenizer, weights too
         write_stub_checkpoint(tmp_path / name, QWEN3_0_6B)
     sets = [f"models.actor.path={tmp_path / 'student'}", f"models.teachers.0.path={tmp_path / 'teacher'}"]
-    sets += [f"models.tokenizer.path={tmp_path / 'student'}", *OOM, "cluster.group.gpu_memory_gb=140"]
+    sets += [f"models.tokenizer.path={tmp_path / 'student'}", *OOM, WHOLE, "cluster.group.gpu_memory_gb=140"]
     flags = [arg for s in sets for arg in ("--set", s)]
     dry = mopd_submit(str(CONFIG), "--dry-run", *flags, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr

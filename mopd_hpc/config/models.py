@@ -104,6 +104,14 @@ class TeacherConfig(Section):
         "replica per tensor-parallel group of the actor's GPUs), on CPU 1. On GPUs a replica takes "
         "tensor_parallel of the actor's GPUs (replicas·tensor_parallel at most the actor's GPUs).",
     )
+    residency: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Where the teacher's weights are between its phases on a GPU: 'auto' stays resident when "
+        "the memory plan of every GPU it is on fits with it there (the GPU's memory: "
+        "cluster.<group>.gpu_memory_gb, else detected in the job), else offloaded at the drain and onloaded "
+        "when scoring starts; 'always' stays resident; 'never' is offloaded at every drain. Its scoring "
+        "buffers are released after each score either way (engines/residency_plan.py).",
+    )
 
 
 class TokenizerConfig(Section):

@@ -1,6 +1,6 @@
 """GPU memory of the engines from model shapes (config.json) and step sizes: pure arithmetic, no torch.
 
-Used by the `--dry-run` memory plan (`launch/memory_plan.py`) and by the train engines' default micro-batch
+Used by the `--dry-run` memory plan (`engines/memory_plan.py`) and by the train engines' default micro-batch
 budget on CUDA (`default_micro_batch_tokens`). Estimates, in bytes; b = bytes per element of the model dtype.
 
 Train state per actor rank (TP size t, DP size n; P parameters, `ModelShape.params`):
@@ -31,8 +31,13 @@ vocab-parallel cross entropy's float32 softmax 4·V/t, and the logits' gradient 
 0.9 MB per position at V = 151,936, what made the 64 × 4 × 256 step of issue 21 run out of memory.
 
 These are estimates of the largest terms (not the allocator's fragmentation, CUDA context, or kernels'
-workspaces); `ACTIVATION_MARGIN` multiplies the activations and loss terms to cover them. Not yet calibrated
-against a measured peak (the metrics' `memory/actor/train/*` keys give the measurement).
+workspaces); `ACTIVATION_MARGIN[engine]` multiplies the activations and loss terms to cover them. Megatron's
+is calibrated on an H200 (benchmarks/results/gpu_memory.json, configs/local_gpu_colocated.yaml, random
+Qwen3-0.6B shape, bf16, the derived budget): the actor's peak reserved memory in the train phase less its
+state was 0.88 of this count at 64 × 4 × 256 (17,280 positions a micro-batch) and 0.79 at 64 × 4 × 1024 (19,584
+positions), fragmentation included (megatron's local layers save less than transformers' — its SwiGLU and
+norms), so megatron's margin is 1.0: the count itself, above both measurements, and a plan within 1.25× of
+them; torch's keeps 1.2 (not measured on a GPU yet).
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPE_BYTES: Mapping[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-#: Multiplier on activation and loss bytes for what the count leaves out (temporaries, fragmentation).
-ACTIVATION_MARGIN = 1.2
+#: Multiplier on activation and loss bytes for what the count leaves out (temporaries, fragmentation), per
+#: engine (module docstring: megatron's measured on an H200).
+ACTIVATION_MARGIN: Mapping[str, float] = {"torch": 1.2, "megatron": 1.0}
 #: Share of the free GPU memory the default micro-batch budget may fill with activations.
 FREE_FRACTION = 0.5
 
@@ -185,11 +191,11 @@ def micro_batch_bytes(
     tensor_parallel: int = 1,
 ) -> int:
     """Activation and loss bytes of one micro-batch of `positions` positions of which `loss_positions` are
-    response positions (megatron's loss runs over all of them), times ACTIVATION_MARGIN."""
+    response positions (megatron's loss runs over all of them), times the engine's ACTIVATION_MARGIN."""
     act = activation_bytes_per_position(shape, dtype, checkpointing) * positions // tensor_parallel
     at = positions if engine == "megatron" else loss_positions
     loss = loss_bytes_per_position(shape, dtype, engine, tensor_parallel) * at
-    return int(ACTIVATION_MARGIN * (act + loss))
+    return int(ACTIVATION_MARGIN[engine] * (act + loss))
 
 
 def default_micro_batch_tokens(

@@ -174,6 +174,17 @@ class TeacherPool:
         count (a split would change how the prompts are batched and padded)."""
         return await self.clients[0].generate_greedy(input_ids, max_new_tokens, eos_token_id, pad_token_id)
 
+    async def memory_peaks(self) -> dict[str, dict[str, float]]:
+        """Each phase's peak GPU memory since the last call (`TeacherClient.memory_peaks`), the largest over
+        the replicas per phase and kind (GiB): what the busiest replica's GPU needed."""
+        out: dict[str, dict[str, float]] = {}
+        for peaks in await self._each("memory_peaks"):
+            for phase, kinds in peaks.items():
+                for kind, value in kinds.items():
+                    merged = out.setdefault(phase, {})
+                    merged[kind] = max(merged.get(kind, value), value)
+        return out
+
     async def _each(self, method: str) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(getattr(c, method)() for c in self.clients)))
 

@@ -11,6 +11,10 @@ A teacher child loads its checkpoint ONCE and serves forward-only scoring of the
   POST /onload    the reverse
   POST /reload    reload from the checkpoint path only when its fingerprint changed → {reloaded, ...}
   POST /generate_greedy  greedy completions for the run's evaluation (`teacher_generate.py`)
+  POST /memory_peaks  peak GPU memory per phase since the last call (`engines/peak_memory.py`; {} on CPU)
+
+On CUDA the scoring buffers are given back to the device after each /score (`torch.cuda.empty_cache`): a
+teacher that stays resident between phases holds its weights only (`engines/residency_plan.py`).
 
 `response_start[b]` is the index in row b where the response begins (≥ 1: the first response token is
 predicted from the last prompt position). Binary transport (DESIGN.md §7): a /score request may be a frame
@@ -40,6 +44,7 @@ from aiohttp import web
 
 from mopd_hpc.engines.batch import BatchError, TokenBatch
 from mopd_hpc.engines.buffer_pool import BufferPool
+from mopd_hpc.engines.peak_memory import PeakTracker, add_peaks_route, peak_middleware
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.teacher_generate import GreedyRequestError, generate_route, greedy_body
 from mopd_hpc.engines.teacher_wire import (
@@ -135,6 +140,10 @@ class ScoreRequest:
         return cls(tuple(tuple(r) for r in rows), tuple(starts), top_k)
 
 
+#: The phase of the step each tracked route runs in (`engines/peak_memory.py`).
+PHASE_OF_PATH = {"/score": "teacher", "/onload": "teacher", "/offload": "drain"}
+
+
 class TeacherServer:
     """The HTTP surface of one teacher over a `TorchScoringEngine` (routes in the module docstring).
 
@@ -158,9 +167,12 @@ class TeacherServer:
         self.fingerprint = checkpoint_fingerprint(model_path)
         self.weight_version = 1
         self.lock = asyncio.Lock()
+        self.peaks = PeakTracker(getattr(engine.residency, "device", None))
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        track = peak_middleware(self.peaks, PHASE_OF_PATH)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors, track])
+        add_peaks_route(app.router, self.peaks)
         app.router.add_get("/health", self.health)
         app.router.add_post("/score", self.score)
         app.router.add_post("/offload", self.offload)
@@ -205,7 +217,7 @@ class TeacherServer:
             req = ScoreRequest.from_json(await request.json(), vocab)
             batch, top_k = TokenBatch.from_rows(req.input_ids, req.response_start, self.pad_id), req.top_k
         async with self.lock:
-            logprobs, top = await asyncio.to_thread(self.engine.score, batch, top_k)
+            logprobs, top = await asyncio.to_thread(self._score, batch, top_k)
         if (nan := first_nan(logprobs, batch.response_lengths)) is not None:
             b, t, count = nan
             raise NonFiniteScoreError(
@@ -227,6 +239,15 @@ class TeacherServer:
 
     async def generate_greedy(self, request: web.Request) -> web.Response:
         return web.json_response(await generate_route(self, await request.json()) | self._identity())
+
+    def _score(self, batch: TokenBatch, top_k: int | None) -> tuple[Any, Any]:
+        """The engine's score (CPU tensors), then its buffers given back to the device (module docstring)."""
+        answer = self.engine.score(batch, top_k)
+        if self.peaks.active:
+            import torch
+
+            torch.cuda.empty_cache()
+        return answer
 
     async def offload(self, request: web.Request) -> web.Response:
         async with self.lock:
@@ -418,6 +439,10 @@ class TeacherClient:
 
     async def onload(self) -> dict[str, Any]:
         return await self._call("POST", "/onload")
+
+    async def memory_peaks(self) -> dict[str, Any]:
+        """The server's peak GPU memory per phase since the last call (`engines/peak_memory.py`)."""
+        return await self._call("POST", "/memory_peaks")
 
     async def reload(self) -> dict[str, Any]:
         return await self._call("POST", "/reload")

@@ -17,7 +17,8 @@ ranks follow it (trainer/follower.py). In order, on every rank:
    starting actor from models.actor.path, offloaded between uses), open a client per teacher over its
    replicas (`TeacherPool`; every rank scores its own rows);
 6. rank 0: the tokenizer, the routed data, the rollout clients and the weight sync (the `nccl` port), the
-   SIGUSR2 checkpoint handler, then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
+   SIGUSR2 checkpoint handler, on a GPU the residency decision (`roles/residency.py`: which teachers leave
+   the GPU between phases; printed with the memory plan), then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
    checkpoint and sends the stop record), then `Follower.run()`.
 
 Engines: torch (transformers on the child's device `RoleEnv.device`: the GPU the plan gives it, else CPU;
@@ -57,6 +58,7 @@ from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableEr
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address, read_job_token
+from mopd_hpc.roles.residency import teachers_to_offload
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, CheckpointRequest
@@ -293,6 +295,7 @@ async def _lead(
             group=group,
             checkpoint_request=request,
             reference=reference,
+            offload_teachers=teachers_to_offload(role, cfg, out),
         )
         return await controller.run()
 

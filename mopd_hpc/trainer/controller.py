@@ -9,8 +9,9 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
     TEACHER  every rank (this one too) has the teachers score its own shard of the rows
              (`trainer/rank_step.py`): only the rows of routes that weight a teacher go to it; with a KL
              penalty (c_rl > 0, β > 0) every rank's reference model scores its shard too, even when c_d = 0
-    DRAIN    every rank's drain receipt gathered here; then the teachers may be released (offloaded on GPU;
-             nothing to do on CPU)
+    DRAIN    every rank's drain receipt gathered here; then the teachers may be released: on GPU the ones
+             the residency decision offloads (`offload_teachers`, `engines/residency_plan.py`) leave, the
+             others stay resident; nothing to do on CPU
     TRAIN    one `train_step` of the engine on every rank's shard (the loss normalized over the whole step)
     SYNC     weights → rollout engines from this rank only: one copy per engine (`trainer/weight_sync.py`,
              weight_sync.backend: torch broadcast, gloo on CPU; or AWEX); weight_version = str(step)
@@ -63,7 +64,7 @@ from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from mopd_hpc.trainer.data_setup import RunData
 from mopd_hpc.trainer.intervals import checkpoint_due, metrics_due
-from mopd_hpc.trainer.phase_memory import PhaseMemory
+from mopd_hpc.trainer.phase_memory import PhaseMemory, server_peaks
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rank_step import Group, Receipts, ShardStep, make_resident
 from mopd_hpc.trainer.rollout_phase import step_rollouts
@@ -107,6 +108,8 @@ class Controller:
         checkpoint_request: the installed SIGUSR2 handler (None: not honoured).
         reference: this rank's reference model (`engines/reference.py`), exactly when the plan has a KL
             penalty (`plan.requires_reference`): the starting weights, never restored from a checkpoint.
+        offload_teachers: ids of the teachers offloaded at each drain on GPU (onloaded when scoring
+            starts); None = every teacher. The others stay resident.
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class Controller:
         checkpoint_request: CheckpointRequest | None = None,
         token: str | None = None,
         reference: ReferenceModel | None = None,
+        offload_teachers: frozenset[str] | None = None,
     ) -> None:
         self.cfg, self.plan, self.engine, self.tokenizer, self.data = cfg, plan, engine, tokenizer, data
         self.rollout, self.teachers, self.sync = list(rollout), dict(teachers), sync
@@ -140,6 +144,7 @@ class Controller:
         self.route_weights = {r: dict(cfg.routes[r]) for r in self.routes}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.gpu = any(g.gpus_per_node > 0 for g in cfg.cluster.groups().values())
+        self.moving = moving_teachers(self.teachers, self.gpu, offload_teachers)
         self.shard_step = ShardStep(
             engine, self.teachers, plan, cfg.loss, self.route_weights, self.group, reference
         )
@@ -229,9 +234,8 @@ class Controller:
             timings["rollout"] = time.perf_counter() - t0
             if self.plan.scores_before_train:  # teachers, or the reference model (`engines/reference.py`)
                 self.machine.transition(Phase.TEACHER)
-                if self.gpu:
-                    for client in self.teachers.values():
-                        await client.onload()
+                for client in self.moving.values():
+                    await client.onload()
             else:
                 self.machine.transition(Phase.TRAIN)
             await self.group.publish(record)
@@ -255,6 +259,8 @@ class Controller:
         )
         values["rollout/weight_version"] = _as_number(rollouts.weight_versions[0])
         values |= self.phase_memory.take()
+        if self.phase_memory.active:
+            values |= await server_peaks(self.teachers, self.rollout, self.cfg.rollout.backend)
         return values
 
     async def _drained(self, receipts: Receipts) -> None:
@@ -265,9 +271,8 @@ class Controller:
                 raise ActorGroupError(f"actor rank {rank} drained step {step} during step {self.step + 1}")
             self.machine.receive(DrainReceipt(ACTOR_CONSUMER.format(rank=rank), self.machine.step, rows))
         self.machine.release_teacher()
-        if self.gpu:
-            for client in self.teachers.values():
-                await client.offload()
+        for client in self.moving.values():
+            await client.offload()
         self.machine.transition(Phase.TRAIN)
 
     # ------------------------------------------------------------------ resume, checkpoints, eval
@@ -356,6 +361,16 @@ class Controller:
         print(
             f"done: {self.step} steps; student saved to {self.run_dir / FINAL_DIR}", file=self.out, flush=True
         )
+
+
+def moving_teachers(
+    teachers: Mapping[str, TeacherPool], gpu: bool, offload: frozenset[str] | None
+) -> dict[str, TeacherPool]:
+    """The teachers onloaded for scoring and offloaded at the drain: on a GPU those in `offload` (None: all);
+    none on CPU."""
+    if not gpu:
+        return {}
+    return {t: c for t, c in teachers.items() if offload is None or t in offload}
 
 
 def _empty_cuda_cache() -> None:

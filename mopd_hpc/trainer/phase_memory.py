@@ -8,12 +8,13 @@ so a phase runs from the transition into it to the next transition; the controll
 a step's ROLLOUT begins, so that the work between two steps is not counted.
 Only for a CUDA device: on CPU every method is a no-op and `take()` gives {} (the metrics contract's keys are
 absent on CPU, `records/metrics_schema.py`). What another process holds on the same GPU (a colocated teacher,
-the rollout engine) is not in these numbers: they are this child's own.
+the rollout engine) is not in these numbers: they are this child's own; `server_peaks` asks the servers for
+theirs (`engines/peak_memory.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mopd_hpc.mopd.phases import Transition
@@ -107,3 +108,21 @@ class PhaseMemory:
             out[memory_key(self.child, phase, "reserved_gib")] = reserved
         self._peaks = {}
         return out
+
+
+async def server_peaks(
+    teachers: Mapping[str, Any], rollout: Sequence[Any], rollout_backend: str
+) -> dict[str, float]:
+    """The teachers' and (hf) rollout engines' peak GPU memory per phase since the last call, as metrics keys
+    (`memory/teacher/<id>/<phase>/<kind>`, `memory/rollout/<i>/...`; `engines/peak_memory.py`: their
+    phases, and `held` between their requests); {} from servers on CPU. SGLang's engine has no such route
+    (its memory is SGLang's static pool): not asked."""
+    from mopd_hpc.engines.peak_memory import peak_metrics
+
+    out: dict[str, float] = {}
+    for tid, client in teachers.items():
+        out |= peak_metrics(f"teacher/{tid}", await client.memory_peaks())
+    if rollout_backend == "hf":
+        for i, client in enumerate(rollout):
+            out |= peak_metrics(f"rollout/{i}", await client.memory_peaks() or {})
+    return out

@@ -255,6 +255,10 @@ class RolloutClient:
             body["weight_version"] = weight_version
         return await self.request("POST", "/update_weights_from_disk", body)
 
+    async def memory_peaks(self) -> dict[str, Any]:
+        """The engine's peak GPU memory per phase since the last call (`engines/peak_memory.py`; {} on CPU)."""
+        return await self.request("POST", "/memory_peaks")
+
     async def awex_init(self, inference_config: Mapping[str, Any]) -> dict[str, Any]:
         """POST /awex/init: the server builds and initializes its AWEX reader from `inference_config`
         (`AwexJobConfig.inference_config(engine_rank)`). Returns {"status": "ok", "engine_rank": i} (plus

@@ -269,6 +269,12 @@ class HFRolloutEngine:
         self.model_path = model_path
         return count
 
+    def release_cache(self) -> None:
+        """Give the caching allocator's unused blocks (a finished batch's KV cache and logits) back to the
+        device, so that a colocated child can have them until the next batch (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def offload_weights(self) -> str:
         """Move the weights to host memory (a real offload on GPU; a no-op on CPU). Returns what was done."""
         with self.lock:

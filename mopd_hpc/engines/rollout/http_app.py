@@ -4,6 +4,9 @@ Errors are JSON {"success": false, "message", "error": {"message", "type", "code
 request (field, value, expectation), 409 when the engine is busy, 503 while weights are released, 500 for
 a bug (the server keeps serving). Control endpoints answer {"success": true, "message", ...}.
 
+`POST /memory_peaks`: the engine's peak GPU memory per phase since the last call (`engines/peak_memory.py`:
+/generate in `rollout`; weight updates and memory release/resume, AWEX's too, in `sync`; {} on CPU).
+
 /generate answers SGLang's JSON, or one binary frame (`generate_wire.py`: output ids and log-probs as
 tensors) when the request's Accept header names application/x-mopd-tensors (DESIGN.md §7).
 """
@@ -23,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mopd_hpc.engines.peak_memory import PeakTracker, add_peaks_route, peak_middleware
 from mopd_hpc.engines.rollout.control import (
     DEFAULT_GROUP_NAME,
     PAUSE_MODES,
@@ -90,6 +94,22 @@ async def read_json_body(request: web.Request) -> Any:
         raise RolloutRequestError(f"malformed JSON body: {exc}") from exc
 
 
+#: The phase of the step each tracked route runs in (`engines/peak_memory.py`).
+PHASE_OF_PATH = {
+    "/generate": "rollout",
+    **{
+        path: "sync"
+        for path in (
+            "/release_memory_occupation",
+            "/resume_memory_occupation",
+            "/update_weights_from_distributed",
+            "/update_weights_from_disk",
+            "/awex/update_weights",
+        )
+    },
+}
+
+
 class RolloutServer:
     """State and handlers of one server: the engine, its scheduler, released tags, weight-sync groups."""
 
@@ -101,10 +121,13 @@ class RolloutServer:
         self.released: set[str] = set()
         self.groups: dict[str, Any] = {}
         self.rng = random.Random(args.random_seed)
+        self.peaks = PeakTracker(getattr(engine, "device", None))
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+        track = peak_middleware(self.peaks, PHASE_OF_PATH)
+        app = web.Application(middlewares=[_errors, track], client_max_size=1 << 30)
         r = app.router
+        add_peaks_route(r, self.peaks)
         for path in ("/health", "/health_generate", "/ready"):
             r.add_get(path, self.health)
         for path in ("/model_info", "/get_model_info"):

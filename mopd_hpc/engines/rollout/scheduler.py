@@ -12,6 +12,9 @@ Pause (`/pause_generation`, SGLang 0.5.23 semantics):
   and recomputing it; the tokens produced are the same.)
 `resume()` (`/continue_generation`) lets everything proceed.
 
+After each batch the engine's cached blocks go back to the device (`HFRolloutEngine.release_cache`): in a
+colocated job the KV cache is the rollout phase's only (engines/memory_plan.py).
+
 `exclusive()` holds new batches back and waits for the running one to finish, for operations that need
 an idle engine (memory release); it raises `EngineBusyError` when rows are paused in place.
 """
@@ -184,6 +187,9 @@ class GenerationScheduler:
                     with contextlib.suppress(RuntimeError):
                         job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
             finally:
+                release = getattr(self.engine, "release_cache", None)
+                if release is not None:  # the batch's KV cache back to the device (`HFRolloutEngine`)
+                    release()
                 with self._cond:
                     self._running = []
                     self._cond.notify_all()

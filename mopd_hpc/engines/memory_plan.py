@@ -3,25 +3,32 @@ will hold, estimated from the config and each model's config.json (`engines/memo
 
 Each child's holdings are either resident through the step, or held in one phase only:
 - actor (train engine, per rank): weights, optimizer state and (megatron) the fp32 grad buffer, resident;
-  torch's gradients and the activations of one micro-batch (`micro_batch_tokens`, else the rank's whole
-  shard: batch_size·samples_per_prompt/dp rows of max_prompt_tokens + max_new_tokens positions) in `train`;
-  with a KL penalty (rl_coefficient > 0, kl_coefficient > 0) its reference model's weights and scoring
-  buffers, as a teacher of the actor's engine, dtype and tensor_parallel would hold them, in `teacher`
-  (`engines/reference.py`: onloaded only while it scores);
-- teacher (scoring): its weights and scoring buffers in `teacher` (on a GPU the controller onloads teachers
-  when scoring starts and offloads them at the drain); buffers: `TEACHER_ROWS` rows at a time, the logits
+  torch's gradients and the activations of one micro-batch in `train`: whole rows of max_prompt_tokens +
+  max_new_tokens positions within `micro_batch_tokens`; null: with the GPU's memory known (the group's
+  `gpu_memory_gb`, else the `capacity_gib` the job detected), the budget the engine derives at each step
+  (`memory_model.default_micro_batch_tokens` of what the train phase leaves free: the GPU less every
+  child's train-phase holdings and `CUDA_CONTEXT_BYTES` per child), else the rank's whole shard
+  (batch_size·samples_per_prompt/dp rows); with a KL penalty (rl_coefficient > 0, kl_coefficient > 0) its
+  reference model's weights and scoring buffers, as a teacher of the actor's engine, dtype and tensor_parallel
+  would hold them, in `teacher` (`engines/reference.py`: onloaded only while it scores);
+- teacher (scoring): its scoring buffers in `teacher` (released after each score), its weights in `teacher`
+  too when it is offloaded between phases, resident when it stays (`resident_teachers`; which teachers stay
+  is `engines/residency_plan.py`'s decision from this plan); buffers: the rows the teacher role scores at a time
+  (`TEACHER_ROWS`, fewer when their float32 logits exceed `SCORING_BUDGET_BYTES`), the logits
   the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
   top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
 - rollout engine (the actor's model): weights, resident; hf: the KV cache of its rows (the step's rollouts
-  over the engines) and float32 sampling logits, in `rollout`; sglang: weights and KV pool are the static
+  over the engines: one batch) and the sampling buffers, in `rollout` (the engine gives them back after each
+  batch and allocates with expandable segments, `roles/rollout.py`, so that its growing cache does not
+  fragment: without them the H200 measured 4× the KV cache reserved; with them `HF_KV_GROWTH`); sglang: weights and KV pool are the static
   `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`).
 A GPU's plan is its largest phase: Σ resident + Σ held in that phase (phases rollout, teacher, train). A child
 over several GPUs (a rollout engine's tensor parallelism) puts 1/its GPUs on each. A model whose config.json
 cannot be read here (a Slurm path that exists on the cluster only) is left out, with a note.
 
 `--dry-run` prints the plan (`format_memory_plan`); `--check`, `--dry-run` and every submit warn where a plan
-exceeds `cluster.<group>.gpu_memory_gb` (`memory_warnings`). Residency by need (offloading only what must
-leave for the next phase to fit) is not decided from the plan yet.
+exceeds `cluster.<group>.gpu_memory_gb` (`memory_warnings`). The figures are what torch's caching allocator
+reserves per child (`memory/<child>/<phase>/reserved_gib`); the CUDA context of each process is not in them.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.engines.memory_model import (
     MemoryModelError,
     ModelShape,
+    default_micro_batch_tokens,
     dtype_bytes,
     micro_batch_bytes,
     train_state,
@@ -44,11 +52,23 @@ from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.plan import ChildSpec, JobPlan
 
 GIB = float(2**30)
-#: Rows a teacher scores at a time (`engines/teacher_serve.py` ServeArgs.max_batch_rows' default).
+#: Rows a teacher scores at a time at most (`engines/teacher_serve.py` TeacherArgs.max_batch_rows' default);
+#: the job's teacher role takes fewer when their float32 logits exceed `SCORING_BUDGET_BYTES`
+#: (`roles/teacher.py` scoring_rows: the same rule).
 TEACHER_ROWS = 64
+SCORING_BUDGET_BYTES = 4 << 30
 #: SGLang's static memory fraction for weights + KV pool (`engines/rollout/sglang_backend.py`'s default).
 SGLANG_MEM_FRACTION = 0.5
 PHASES = ("rollout", "teacher", "train")
+#: The HF engine's KV cache reserved over its size: DynamicCache grows by concatenation each decode step (a
+#: layer's new K and V coexist with the old) in expandable segments; 1.24 measured on an H200 at 64 × 4 × 1024
+#: (38.8 GiB reserved for 29.75 GiB of cache, 1.15 GiB of weights, 0.87 GiB of sampling buffers).
+HF_KV_GROWTH = 1.25
+#: Bytes per row and vocabulary entry of one decode step's sampling (`engines/rollout/sampling.py`): float32
+#: log-probs, their exp and cumsum, and top-p's sorted values with int64 indices.
+SAMPLING_BYTES = 24
+#: What one process's CUDA context (and the libraries' workspaces) takes on its GPU outside torch's allocator.
+CUDA_CONTEXT_BYTES = 512 * 2**20
 
 ConfigReader = Callable[[str], Mapping[str, Any] | None]
 
@@ -69,6 +89,11 @@ class ChildMemory:
     label: str
     holdings: tuple[Holding, ...]
     note: str = ""
+    teacher: str | None = None  # the teacher id of a teacher child
+
+    def holding(self, what: str) -> Holding | None:
+        """The holding whose `what` starts with `what` (e.g. "weights"), or None."""
+        return next((h for h in self.holdings if h.what.startswith(what)), None)
 
     def in_phase(self, phase: str) -> int:
         """Bytes held during `phase`: the resident holdings plus that phase's."""
@@ -110,13 +135,20 @@ def _shape(path: str, read: ConfigReader) -> tuple[ModelShape | None, str]:
         return None, f"{path}: {err}: not planned"
 
 
-def _actor(cfg: Any, shape: ModelShape, parallel: ActorParallel) -> tuple[Holding, ...]:
+def _actor(
+    cfg: Any, shape: ModelShape, parallel: ActorParallel, free: int | None = None
+) -> tuple[Holding, ...]:
+    """The actor's holdings; `free`: bytes the train phase leaves free for activations (null budget only)."""
     actor = cfg.models.actor
     state = train_state(shape, actor.dtype, actor.engine, parallel.tp, parallel.dp)
     rows = -(-cfg.data.batch_size * cfg.data.samples_per_prompt // parallel.dp)
     length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     shard = rows * length
-    positions = min(shard, max(length, actor.micro_batch_tokens or shard))
+    budget = actor.micro_batch_tokens
+    if budget is None and free is not None:
+        ckpt = actor.activation_checkpointing
+        budget = default_micro_batch_tokens(shape, actor.dtype, actor.engine, free, ckpt, parallel.tp)
+    positions = min(shard, max(length, (budget or shard) // length * length))  # whole rows a micro-batch
     response = positions * cfg.rollout.sampling.max_new_tokens // length
     act = micro_batch_bytes(
         shape, actor.dtype, actor.engine, positions, response, actor.activation_checkpointing, parallel.tp
@@ -136,18 +168,19 @@ def _actor(cfg: Any, shape: ModelShape, parallel: ActorParallel) -> tuple[Holdin
     )
 
 
-def _teacher(cfg: Any, teacher: Any, shape: ModelShape) -> tuple[Holding, ...]:
+def _teacher(cfg: Any, teacher: Any, shape: ModelShape, resident: bool) -> tuple[Holding, ...]:
     b = dtype_bytes(teacher.dtype)
     tp = teacher.tensor_parallel
     prompt, new = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens
-    rows = min(TEACHER_ROWS, cfg.data.batch_size * cfg.data.samples_per_prompt)
+    step_rows = max(TEACHER_ROWS, cfg.data.batch_size * cfg.data.samples_per_prompt)
+    rows = max(1, min(step_rows, SCORING_BUDGET_BYTES // ((prompt + new) * shape.vocab * 4)))
     topk = cfg.loss.estimator == "topk"
     if teacher.engine == "megatron":
         buffers = rows * shape.vocab * ((prompt + new) * b + new * 4) // tp
     else:
         buffers = rows * new * shape.vocab * (b + (4 if topk else 0))
     return (
-        Holding("weights", shape.params * b // tp, "teacher"),
+        Holding("weights", shape.params * b // tp, None if resident else "teacher"),
         Holding(f"scoring buffers ({rows} rows)", buffers, "teacher"),
     )
 
@@ -162,27 +195,34 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
         return weights, Holding(f"KV pool (mem_fraction_static {SGLANG_MEM_FRACTION})", max(0, pool))
     rows = -(-cfg.data.batch_size * cfg.data.samples_per_prompt // cfg.rollout.engines.count)
     length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
-    kv = rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b // share
+    kv = int(HF_KV_GROWTH * rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b) // share
     return (
         weights,
         Holding(f"KV cache ({rows} rows)", kv, "rollout"),
-        Holding("sampling logits", rows * shape.vocab * 4 // share, "rollout"),
+        Holding("sampling buffers", rows * shape.vocab * SAMPLING_BYTES // share, "rollout"),
     )
 
 
 def _child(
-    cfg: Any, child: ChildSpec, parallel: ActorParallel, capacity: float | None, read: ConfigReader
+    cfg: Any,
+    child: ChildSpec,
+    parallel: ActorParallel,
+    capacity: float | None,
+    read: ConfigReader,
+    resident_teachers: frozenset[str],
 ) -> ChildMemory:
     label = f"{child.role} {child.index}"
     if child.role == "actor":
         shape, note = _shape(cfg.models.actor.path, read)
-        if shape and cfg.models.actor.micro_batch_tokens is None:
+        if shape and cfg.models.actor.micro_batch_tokens is None and capacity is None:
             note = "micro_batch_tokens null: the whole shard; on a GPU the run caps it by the free memory"
         return ChildMemory(label, _actor(cfg, shape, parallel) if shape else (), note)
     if child.role == "teacher":
         teacher = cfg.models.teacher(dict(child.env)[child_env.TEACHER_ID])
         shape, note = _shape(teacher.path, read)
-        return ChildMemory(f"teacher {teacher.id}", _teacher(cfg, teacher, shape) if shape else (), note)
+        resident = teacher.id in resident_teachers
+        holdings = _teacher(cfg, teacher, shape, resident) if shape else ()
+        return ChildMemory(f"teacher {teacher.id}", holdings, note, teacher.id)
     if child.role == "rollout":
         shape, note = _shape(cfg.models.actor.path, read)
         holdings = _rollout(cfg, shape, capacity, len(child.gpus)) if shape else ()
@@ -190,26 +230,62 @@ def _child(
     return ChildMemory(label, (), f"role {child.role!r}: not planned")
 
 
-def memory_plan(cfg: Any, plan: JobPlan, read: ConfigReader = read_model_config) -> tuple[GpuMemory, ...]:
+def memory_plan(
+    cfg: Any,
+    plan: JobPlan,
+    read: ConfigReader = read_model_config,
+    *,
+    capacity_gib: float | None = None,
+    resident_teachers: frozenset[str] = frozenset(),
+) -> tuple[GpuMemory, ...]:
     """Every GPU of `plan` (a `launch.placement.place_children(cfg)`) with its children's holdings
-    (module docstring); () for a job without GPUs. `read` gives a model directory's config.json (None when
-    absent)."""
+    (module docstring); () for a job without GPUs.
+
+    Args:
+        read: a model directory's config.json (None when absent).
+        capacity_gib: one GPU's memory where a group has no `gpu_memory_gb` (what the job detected), GiB.
+        resident_teachers: ids of the teachers whose weights stay on the GPU between phases.
+    """
     groups = list(cfg.cluster.groups().items())
     parallel = ActorParallel.from_config(cfg)
-    per_gpu: dict[tuple[int, int, str], list[ChildMemory]] = {}
+    per_gpu: dict[tuple[int, int, str], list[tuple[ChildSpec, ChildMemory]]] = {}
     for child in plan.children:
         if not child.gpus:
             continue
-        capacity = groups[child.het_group][1].gpu_memory_gb
-        memory = _child(cfg, child, parallel, capacity, read)
+        capacity = groups[child.het_group][1].gpu_memory_gb or capacity_gib
+        memory = _child(cfg, child, parallel, capacity, read, resident_teachers)
         for gpu in child.gpus:
-            per_gpu.setdefault((child.het_group, child.node_index, gpu), []).append(memory)
-    return tuple(
-        GpuMemory(groups[g][0], node, gpu, tuple(children), groups[g][1].gpu_memory_gb)
-        for (g, node, gpu), children in sorted(
-            per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2]))
-        )
-    )
+            per_gpu.setdefault((child.het_group, child.node_index, gpu), []).append((child, memory))
+    out = []
+    for (g, node, gpu), pairs in sorted(per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2]))):
+        capacity = groups[g][1].gpu_memory_gb or capacity_gib
+        children = [memory for _, memory in pairs]
+        if capacity is not None and cfg.models.actor.micro_batch_tokens is None:
+            children = [_derived_budget(cfg, spec, memory, children, parallel, capacity, read)
+                        for spec, memory in pairs]  # fmt: skip
+        out.append(GpuMemory(groups[g][0], node, gpu, tuple(children), capacity))
+    return tuple(out)
+
+
+def _derived_budget(
+    cfg: Any,
+    spec: ChildSpec,
+    memory: ChildMemory,
+    children: list[ChildMemory],
+    parallel: ActorParallel,
+    capacity: float,
+    read: ConfigReader,
+) -> ChildMemory:
+    """An actor child's holdings with the micro-batch budget the engine derives when micro_batch_tokens is
+    null: from what the train phase leaves free on this GPU (module docstring)."""
+    if spec.role != "actor" or not memory.holdings:
+        return memory
+    others = sum(c.in_phase("train") for c in children if c is not memory)
+    own = sum(h.bytes for h in memory.holdings if not h.what.startswith("activations"))
+    free = int(capacity * GIB) - others - own - CUDA_CONTEXT_BYTES * len(children)
+    shape, _ = _shape(cfg.models.actor.path, read)
+    assert shape is not None  # holdings exist, so the shape was read
+    return ChildMemory(memory.label, _actor(cfg, shape, parallel, max(0, free)), memory.note, memory.teacher)
 
 
 def _gib(n: int) -> str:
