@@ -39,11 +39,14 @@ from helpers_models import build_micro_models, save_micro_qwen3
 from mopd_hpc.cli import submit
 from mopd_hpc.config import load_run_config
 from mopd_hpc.config.refusals import embedded_table, refusals_table
+from mopd_hpc.data.tokenizer import VOCAB_SIZE, build_char_tokenizer, save_char_tokenizer
+from mopd_hpc.engines import wire
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.teacher_server import ScoreResponse
+from mopd_hpc.engines.teacher_wire import ScoreTensors, score_answer
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.roles.actor import build_train_engine, check_actor_engine
+from mopd_hpc.roles.actor import build_reference, build_train_engine, check_actor_engine
 from mopd_hpc.roles.env import RoleEnv
 from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.trainer.actor_group import SoloGroup
@@ -53,7 +56,7 @@ from mopd_hpc.trainer.step_record import ControlRecord
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = REPO / "configs" / "local_cpu.yaml"
-VOCAB = 32
+VOCAB = VOCAB_SIZE  # the tiny models' character tokenizer's (config.json must hold its ids)
 #: Every loss point: two samples per prompt (GRPO's group needs them), k below the micro vocabulary, no warmup
 #: (the first step's lr is not 0).
 BASE = ["data.samples_per_prompt=2", "loss.topk=8", "models.actor.optimizer.warmup_ratio=0"]
@@ -127,10 +130,11 @@ LOSS_POINTS = [
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("contract")
-    return {
-        name: save_micro_qwen3(root / name, seed, vocab_size=VOCAB, initializer_range=0.2)
-        for name, seed in (("student", 0), ("chain", 1), ("legs", 2))
-    }
+    out = {}
+    for name, seed in (("student", 0), ("chain", 1), ("legs", 2)):
+        out[name] = save_micro_qwen3(root / name, seed, vocab_size=VOCAB, initializer_range=0.2)
+        save_char_tokenizer(build_char_tokenizer(), out[name])  # --check opens the tokenizer a child reads
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +164,15 @@ class InProcessTeacher:
         ids = None if top is None else [top.indices[b, :n].tolist() for b, n in enumerate(lengths)]
         vals = None if top is None else [top.logprobs[b, :n].float().tolist() for b, n in enumerate(lengths)]
         return ScoreResponse(lps, ids, vals, "0", "in-process")
+
+    async def score_tensors(self, input_ids, response_start, top_k=None) -> ScoreTensors:
+        """The binary transport's answer, through the server's own frame layout and decoder."""
+        batch = TokenBatch.from_rows(input_ids, response_start, pad_id=0)
+        logprobs, top = self.engine.score(batch, top_k)
+        ids, vals = (None, None) if top is None else (top.indices, top.logprobs)
+        identity = {"teacher_id": "t", "weight_version": "0", "fingerprint": "in-process"}
+        frame = score_answer(batch.response_lengths, logprobs, ids, vals, identity, self.engine.vocab_size)
+        return ScoreTensors.from_frame(wire.decode(frame.encode()))
 
 
 def step_record(engine, samples_per_prompt: int, plan: ExecutionPlan) -> ControlRecord:
@@ -222,7 +235,8 @@ def test_loss_point_is_refused_naming_its_field_or_trains(
     plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
     teachers = {t: InProcessTeacher(scorers[t]) for t in plan.teachers}
     weights = {r: dict(w) for r, w in cfg.routes.items()}
-    step = ShardStep(engine, teachers, plan, cfg.loss, weights, SoloGroup())
+    reference = build_reference(cfg, kind, engine) if plan.requires_reference else None
+    step = ShardStep(engine, teachers, plan, cfg.loss, weights, SoloGroup(), reference)
     before = [p.detach().clone() for p in engine.model.parameters()]
     outcome = asyncio.run(step.run(step_record(engine, cfg.data.samples_per_prompt, plan)))
     stats = outcome.stats
@@ -247,7 +261,7 @@ SHAPE_REFUSALS = [
     ("gpu-torch-tp2", LOCAL, ["cluster.group.gpus_per_node=2", "models.actor.tensor_parallel=2"],
      "models.actor.tensor_parallel"),
     ("gpu-hf-tp2-separated", LOCAL, ["cluster.group.gpus_per_node=3", "rollout.mode=separated",
-     "rollout.forked=false", "rollout.engines.tensor_parallel=2"], "rollout.engines.tensor_parallel"),
+     "rollout.engines.tensor_parallel=2"], "rollout.engines.tensor_parallel"),
     ("gpu-sglang", LOCAL, ["cluster.group.gpus_per_node=1", "rollout.backend=sglang"], "rollout.backend"),
     ("gpu-megatron-tp2", LOCAL, [*MEGATRON, "loss.estimator=sampled", "cluster.group.gpus_per_node=2",
      "models.actor.tensor_parallel=2"], "models.actor.tensor_parallel"),
@@ -345,14 +359,15 @@ def test_the_loss_axes_meet_the_declared_refusals() -> None:
                              "kl": False, "engine": "torch"} | kw)  # fmt: skip
         return run_check(point.overrides())[1]
 
-    assert fields() == [] and fields(estimator="topk", rl="loss") == [] and fields(rl="advantage") == []
-    assert fields(rl="loss", kl=True) == ["loss.kl_coefficient"]  # no role scores a reference model
-    assert fields(estimator="topk", rl="advantage") == ["loss.orm_alpha"]
+    topk = {"estimator": "topk", "correction": "none"}
+    assert fields() == [] and fields(**topk, rl="loss") == [] and fields(rl="advantage") == []
+    assert fields(rl="loss", kl=True) == []  # both engines score a reference model (engines/reference.py)
+    assert fields(estimator="topk") == ["loss.correction"]  # a per-token ratio corrects nothing with topk
+    assert fields(**topk, rl="advantage") == ["loss.orm_alpha"]
     assert fields(kl=True) == ["loss.kl_coefficient"]  # a config error: the KL penalty lives in L_RL
     assert fields(distill=False) == ["loss.distillation_coefficient"]  # nothing to train
-    assert fields(engine="megatron") == []
-    assert fields(engine="megatron", estimator="topk") == ["loss.estimator"]
-    assert fields(engine="megatron", rl="loss") == ["loss.rl_coefficient"]
+    assert fields(engine="megatron") == [] and fields(engine="megatron", **topk) == []
+    assert fields(engine="megatron", rl="loss") == [] and fields(engine="megatron", rl="loss", kl=True) == []
     ran = sum(1 for p in LOSS_POINTS if p.engine == "torch" and run_check(p.overrides())[0] == 0)
     assert ran >= 12, ran  # 21 today: 9 sampled with distillation, 6 topk, 6 c_rl alone
 
@@ -371,11 +386,12 @@ def test_the_roles_recheck_the_same_declarations_at_start(tmp_path: Path) -> Non
     from mopd_hpc.roles.env import RoleEnvError
     from mopd_hpc.roles.rollout import server_args
 
-    kl = load_run_config(LOCAL, [*BASE, "loss.rl_coefficient=0.5", "loss.kl_coefficient=0.1"])
-    (gap,) = job_gaps(kl)
-    with pytest.raises(RoleEnvError) as info:
-        check_actor_engine(kl, actor_role(tmp_path), {})
-    assert str(info.value).startswith(gap.render())
+    # a megatron actor on a GPU group passes --check; a child that sees no GPU refuses it by the same
+    # declaration (the megatron engine trains on GPU only), before it waits for any server
+    gpu = load_run_config(LOCAL, [*MEGATRON, "loss.estimator=sampled"])
+    assert job_gaps(gpu) == []
+    with pytest.raises(RoleEnvError, match=r"^models\.actor\.engine: the megatron engine trains on GPU only"):
+        check_actor_engine(gpu, actor_role(tmp_path), {})
     wide = load_run_config(LOCAL, ["cluster.group.gpus_per_node=2", "rollout.engines.tensor_parallel=2"])
     assert [g.path for g in job_gaps(wide)] == ["models.actor.engine", "rollout.engines.tensor_parallel"]
     with pytest.raises(

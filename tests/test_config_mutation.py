@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from transformers import Qwen3Config
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.inert import INERT, TOPK_OBJECTIVE, inert_warnings
+from mopd_hpc.config.inert import INERT, TOPK_NO_RATIO, inert_warnings
 from mopd_hpc.config.schema import strip, tag_of, union_members
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,8 +130,9 @@ def base_doc(name: str, files: SimpleNamespace) -> dict[str, Any]:
     """The documents the mutations start from: small copies of the shipped configs, paths to real files."""
     source = {"cpu": "local_cpu", "het": "slurm_het_cpu", "gpu": "local_gpu_colocated"}.get(name, "local_cpu")
     doc = _small(yaml.safe_load((CONFIGS / f"{source}.yaml").read_text()), files)
-    if name == "loss":  # the sampled estimator, RL-ready groups of 2; a short cosine-free run
+    if name == "loss":  # the sampled estimator, its correction resolved (truncate), RL-ready groups of 2
         doc["loss"].update(estimator="sampled")
+        doc["loss"].pop("correction", None)
         doc["data"]["samples_per_prompt"] = 2
     if name == "gpu":  # teachers of a size the memory plan shows (0.0 GiB for the micro model)
         doc["models"]["teachers"][0]["path"] = files.big
@@ -337,6 +338,8 @@ MUTATIONS: dict[str, M] = {
     "models.teachers[].engine": ("gpu", {}, {"models.teachers[0].engine": "torch"}, "dry_run"),
     "models.teachers[].dtype": ("gpu", {}, {"models.teachers[0].dtype": "float32"}, "dry_run"),
     "models.teachers[].tensor_parallel": ("gpu", GPU2, {"models.teachers[0].tensor_parallel": 2}, "plan"),
+    "models.teachers[].replicas": ("cpu", {}, {"models.teachers[0].replicas": 2}, "plan"),
+    "models.teachers[].residency": ("gpu", {}, {"models.teachers[0].residency": "never"}, "dry_run"),
     "models.tokenizer.path": ("cpu", {}, {"models.tokenizer.path": "@root/nothing"}, "warnings"),
     "routes": ("cpu", {}, {"routes.legs": {"chain": 1.0}}, "warnings"),
     "data.sources[]<reasoning_gym>.kind": (
@@ -503,6 +506,21 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
         C_D0,
         {"models.teachers[0].dtype": "float32"},
     ),
+    ("models.teachers[].replicas", "loss.distillation_coefficient is 0"): (
+        "cpu",
+        C_D0,
+        {"models.teachers[0].replicas": 2},
+    ),
+    ("models.teachers[].residency", "loss.distillation_coefficient is 0"): (
+        "gpu",
+        C_D0,
+        {"models.teachers[0].residency": "never"},
+    ),
+    ("models.teachers[].residency", "the teachers' group has no GPUs"): (
+        "cpu",
+        {},
+        {"models.teachers[0].residency": "never"},
+    ),
     ("routes", "loss.distillation_coefficient is 0"): ("loss", C_D0, {"routes.chain": {"chain": 2.0}}),
     ("loss.topk", "loss.estimator is 'sampled'"): ("loss", {}, {"loss.topk": 4}),
     ("cluster.max_requeues", "cluster.requeue is false"): (
@@ -527,11 +545,6 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
             ("orm_alpha", {}, 0.5),
         )
     },
-    ("loss.correction", "loss.estimator is 'topk'"): (
-        "loss",
-        {"loss.estimator": "topk"},
-        {"loss.correction": "mask"},
-    ),
     ("loss.ratio_cap", "loss.estimator is 'topk'"): (
         "loss",
         {"loss.estimator": "topk"},
@@ -539,12 +552,12 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
     ),
     ("loss.mask_low", "loss.estimator is 'topk'"): (
         "loss",
-        {"loss.estimator": "topk", "loss.correction": "mask"},
+        {"loss.estimator": "topk"},
         {"loss.mask_low": 0.9},
     ),
     ("loss.mask_high", "loss.estimator is 'topk'"): (
         "loss",
-        {"loss.estimator": "topk", "loss.correction": "mask"},
+        {"loss.estimator": "topk"},
         {"loss.mask_high": 1.1},
     ),
     ("loss.advantage_clip", "loss.estimator is 'topk'"): (
@@ -607,8 +620,22 @@ def test_inert_rows_name_fields_that_exist_and_have_a_witness() -> None:
             f"no witness for inert row {row.field} / {row.condition}"
         )
     assert set(WITNESSES) == {(r.field, r.condition) for r in INERT}
-    topk = {r.field for r in INERT if r.reason == TOPK_OBJECTIVE}
-    assert {"loss.correction", "loss.ratio_cap", "loss.mask_low", "loss.mask_high"} <= topk
+    # with topk the correction is refused, not inert (test_topk_refuses_a_correction); its knobs are inert
+    topk = {r.field for r in INERT if r.condition == "loss.estimator is 'topk'"}
+    assert topk == {"loss.ratio_cap", "loss.mask_low", "loss.mask_high", "loss.advantage_clip"}
+    assert {r.field for r in INERT if r.reason == TOPK_NO_RATIO} == topk - {"loss.advantage_clip"}
+
+
+@pytest.mark.parametrize("correction", ["truncate", "mask"])
+def test_topk_refuses_a_correction(correction: str, files: SimpleNamespace) -> None:
+    """estimator topk with correction truncate or mask: --check refuses it naming loss.correction (the
+    per-position reverse KL has no per-token ratio); unset, the correction resolves to 'none' there."""
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_dict(build(files, "loss", {"loss.estimator": "topk", "loss.correction": correction}))
+    (problem,) = [p for p in info.value.problems if p.path == "loss.correction"]
+    assert problem.got == correction and "correction: none" in problem.expected, problem.render()
+    assert RunConfig.from_dict(build(files, "loss", {"loss.estimator": "topk"})).loss.correction == "none"
+    assert RunConfig.from_dict(build(files, "loss", {})).loss.correction == "truncate"
 
 
 @pytest.mark.parametrize("field", sorted(MUTATIONS))

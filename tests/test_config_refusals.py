@@ -52,10 +52,10 @@ MEGATRON_2GPU = [
     "--set", "cluster.trainer.gpus_per_node=2", "--set", "cluster.rollout.gpus_per_node=1",
 ]  # fmt: skip
 NAMED = (
-    "models.actor.engine: the actor role runs the megatron engine on one process: data parallelism (dp 2 = "
-    "world 2 / (tensor_parallel·pipeline_parallel), world = cluster.trainer.nodes × gpus_per_node = 1 × 2) "
-    "needs ranks it does not start (got 'megatron'; one trainer slot (cluster.trainer.nodes: 1 and "
-    "gpus_per_node: 1), or engine: torch on CPU ranks)"
+    "models.actor.engine: the actor role runs the megatron engine at data-parallel size ≤ 1 on GPUs: the actor "
+    "has 2 trainer ranks (cluster.trainer.nodes × gpus_per_node = 1 × 2), dp 2 = world / "
+    "(tensor_parallel·pipeline_parallel) (got 'megatron'; one trainer slot (cluster.trainer.nodes × "
+    "gpus_per_node), or engine: torch on CPU ranks)"
 )
 
 
@@ -76,7 +76,8 @@ def test_megatron_trainer_group_wider_than_the_actor_role_is_named_and_refused(t
     )
     assert (
         rc == 2
-        and "models.actor.tensor_parallel: the actor role runs the megatron engine on one process" in err
+        and "models.actor.tensor_parallel: the actor role runs the megatron engine at tensor_parallel ≤ 1"
+        in err
     )
     # one trainer GPU is what the role starts: no gap
     rc, out, err = execute(config, "--check", *MEGATRON_2GPU, "--set", "cluster.trainer.gpus_per_node=1")

@@ -34,9 +34,9 @@ def mopd_submit(*args: str | Path, hub_cache: Path | None = None) -> subprocess.
 
 
 def test_check_refuses_what_the_roles_do_not_run() -> None:
-    proc = mopd_submit("--check", CONFIG)  # valid, but no role runs megatron TP 8 or sglang yet
+    proc = mopd_submit("--check", CONFIG)  # valid, but no role runs megatron TP 8, or AWEX into sglang, yet
     assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
-    assert "this config is valid but asks for what the job's roles do not run yet (4):" in proc.stderr
+    assert "this config is valid but asks for what the job's roles do not run yet (3):" in proc.stderr
     cfg = RunConfig.from_yaml(CONFIG)
     assert cfg.models.actor.engine == "megatron" and cfg.models.actor.tensor_parallel == 8
     assert (cfg.rollout.backend, cfg.rollout.engines.count, cfg.rollout.engines.tensor_parallel) == (
@@ -133,6 +133,6 @@ def test_production_engines_are_refused_at_submit_not_substituted(config: str, t
         in dry.stdout, dry.stderr  # fmt: skip
     run = mopd_submit(REPO / config, "--run-dir", tmp_path / "run", hub_cache=cache)
     assert run.returncode == 2
-    for field in ("models.actor.tensor_parallel", "rollout.backend", "weight_sync.backend"):
+    for field in ("models.actor.tensor_parallel", "weight_sync.backend"):
         assert f"{field}: " in run.stderr, run.stderr
     assert not (tmp_path / "run").exists()  # refused before the run directory is made

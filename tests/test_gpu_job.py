@@ -40,6 +40,8 @@ CASES = {
     "local_gpu_separated": ("local_gpu_separated", 2, {}),
     "colocated_topk": ("local_gpu_colocated", 1, {"loss.estimator": "topk", "loss.correction": "none"}),
     "colocated_rl": ("local_gpu_colocated", 1, {"loss.rl_coefficient": 0.5}),
+    # GRPO with a KL penalty to the reference model (engines/reference.py, the megatron scoring engine)
+    "colocated_rl_kl": ("local_gpu_colocated", 1, {"loss.rl_coefficient": 0.5, "loss.kl_coefficient": 0.05}),
 }
 
 
@@ -104,6 +106,8 @@ def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, case:
                 "kl_coefficient": cfg["loss"]["kl_coefficient"]}  # fmt: skip
     for key, value in loss.items():
         assert resolved[key.removeprefix("loss.")] == value, (key, resolved)
+    if resolved["kl_coefficient"] > 0:  # the reference model scored every step: KL(π_θ ‖ π_ref) ≥ 0, finite
+        assert all(math.isfinite(line["ref/kl"]) and line["ref/kl"] >= -1e-6 for line in lines), lines
     if keep:
         phases = {k: [line[k] for line in lines] for k in lines[0] if k.startswith("time/")}
         losses = {k: [line[k] for line in lines] for k in lines[0] if k.startswith(("loss/", "mopd/"))}

@@ -18,8 +18,9 @@ import torch
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.batch import TokenBatch
+from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
 from mopd_hpc.engines.teacher_server import ScoreResponse
-from mopd_hpc.engines.teacher_wire import LOGPROB_FLOOR, first_nan
+from mopd_hpc.engines.teacher_wire import LOGPROB_FLOOR, ScoreTensors, first_nan
 from mopd_hpc.mopd.loss import mopd_loss
 from mopd_hpc.mopd.routing import RoutedSample
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB, aggregate_teacher_targets
@@ -128,6 +129,9 @@ class FakeRollout:
             items.append({"text": "", "output_ids": ids, "meta_info": meta})
         return items
 
+    async def generate_batch(self, body: dict) -> GeneratedBatch:
+        return GeneratedBatch.from_sglang(await self.generate_raw(body))
+
 
 class Tok:
     def __call__(self, texts: list[str]) -> dict:
@@ -185,7 +189,31 @@ def test_empty_responses_among_others_are_masked() -> None:
 # ---------------------------------------------- empty responses and a route whose rows are all empty
 
 
-class FakeTeacher:
+def packed(answer: ScoreResponse) -> ScoreTensors:
+    """A stand-in's list answer as the binary transport's tensors (what `score_tensors` returns)."""
+    ids = vals = None
+    if answer.topk_ids is not None:
+        ids = torch.tensor([p for row in answer.topk_ids for p in row], dtype=torch.int32)
+        vals = torch.tensor([p for row in answer.topk_logprobs for p in row], dtype=torch.float32)
+    return ScoreTensors(
+        torch.tensor([len(r) for r in answer.logprobs], dtype=torch.int64),
+        torch.tensor([x for r in answer.logprobs for x in r], dtype=torch.float32),
+        ids,
+        vals,
+        "t",
+        answer.weight_version,
+        answer.fingerprint,
+    )
+
+
+class Tensors:
+    """`score_tensors` of a stand-in that answers `score` with lists."""
+
+    async def score_tensors(self, rows, starts, top_k):
+        return packed(await self.score(rows, starts, top_k))
+
+
+class FakeTeacher(Tensors):
     """A teacher client: log-prob −(t + 1)·scale at response position t; records what it was sent."""
 
     def __init__(self, scale: float) -> None:
@@ -262,7 +290,7 @@ def test_the_teacher_server_refuses_a_nan_forward_naming_row_and_position(tmp_pa
     assert answer.logprobs == [[LOGPROB_FLOOR]]
 
 
-class TopKTeacher:
+class TopKTeacher(Tensors):
     """Answers top-2 at each position, the second a refusal (the wire's floor)."""
 
     async def score(self, rows, starts, top_k):

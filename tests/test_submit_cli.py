@@ -47,7 +47,7 @@ def test_dry_run_prints_the_script_and_the_rank_map_without_slurm(tmp_path: Path
     assert first_other >= 3 and lines[first_other].startswith("rank map of 'qwen3-coder")
     assert out.index("72 children") < out.index("sbatch --parsable $SBATCH_SCRIPT")
     assert any(
-        w.startswith("# warning: not run by the job's roles yet: rollout.backend: ")
+        w.startswith("# warning: rollout.backend: the sglang backend has been tested with a stand-in")
         for w in lines[:first_other]
     )
     assert "#SBATCH hetjob" in out and "#SBATCH --gpus-per-node=8" in out and "#SBATCH --exclusive" in out

@@ -68,10 +68,9 @@ def teacher_gaps(cfg: RunConfig) -> list[str]:
 def test_megatron_teacher_at_tp1_is_no_gap() -> None:
     assert teacher_gaps(gpu_config(1)) == []
     assert teacher_gaps(gpu_config(1, engine="torch")) == []
-    # the rest of the production config is still refused, field by field (the actor at TP 8, SGLang)
+    # the rest of the production config is still refused, field by field (the actor at TP 8, AWEX into SGLang)
     assert {g.path for g in job_gaps(gpu_config(1))} == {
         "models.actor.tensor_parallel",
-        "rollout.backend",
         "weight_sync.backend",
     }
 

@@ -24,8 +24,11 @@ from pydantic import BaseModel
 from mopd_hpc.config.parallel import actor_world
 from mopd_hpc.config.problems import Problem
 
-#: The wording of the rows whose fate the objective issue (loss composition, helper E) settles.
-TOPK_OBJECTIVE = "inert with estimator topk (the objective issue settles it)"
+#: Why the per-token ratio's knobs have no effect with the top-k estimator (config/loss.py, mopd/objective.py).
+TOPK_NO_RATIO = (
+    "with topk the correction is 'none' (config/loss.py refuses 'truncate' and 'mask' there: the per-position "
+    "reverse KL does not depend on the sampled token), so no ratio is capped or masked"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,14 @@ INERT: tuple[InertField, ...] = (
         InertField(
             f"models.teachers[].{name}", "loss.distillation_coefficient is 0", _no_distillation, _NO_TEACHER
         )
-        for name in ("id", "path", "engine", "dtype")
+        for name in ("id", "path", "engine", "dtype", "replicas", "residency")
+    ),
+    InertField(
+        "models.teachers[].residency",
+        "the teachers' group has no GPUs",
+        lambda c: c.cluster.trainer_group.gpus_per_node == 0,
+        "no effect on a group without GPUs: nothing moves between phases on CPU (roles/residency.py "
+        "teachers_to_offload)",
     ),
     InertField("routes", "loss.distillation_coefficient is 0", _no_distillation, _NO_TEACHER),
     *(
@@ -111,8 +121,14 @@ INERT: tuple[InertField, ...] = (
         "the sampled estimator asks the teachers for token log-probs, no top-k (trainer/rank_step.py)",
     ),
     *(
-        InertField(f"loss.{name}", "loss.estimator is 'topk'", _topk, TOPK_OBJECTIVE)
-        for name in ("correction", "ratio_cap", "mask_low", "mask_high", "advantage_clip")
+        InertField(f"loss.{name}", "loss.estimator is 'topk'", _topk, TOPK_NO_RATIO)
+        for name in ("ratio_cap", "mask_low", "mask_high")
+    ),
+    InertField(
+        "loss.advantage_clip",
+        "loss.estimator is 'topk'",
+        _topk,
+        "the top-k estimator's reverse KL has no per-token advantage to clip (mopd/topk.py topk_reverse_kl)",
     ),
     InertField(
         "loss.ratio_cap",
@@ -155,8 +171,9 @@ def inert_fields(cfg: Any) -> list[tuple[InertField, str]]:
     return [(row, row.reason) for row in INERT if row.when(cfg)]
 
 
-def _leaves(node: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
-    """(concrete path, value, default or NO_DEFAULT) of every field below `node` (a model or a list of them)."""
+def _leaves(node: Any, path: str = "") -> Iterator[tuple[str, Any, Any, BaseModel, str]]:
+    """(concrete path, value, declared default or NO_DEFAULT, parent section, name) of every field below
+    `node` (a model or a list of them)."""
     items = node if isinstance(node, list) else []
     for i, item in enumerate(items):
         yield from _leaves(item, f"{path}[{i}]")
@@ -168,29 +185,41 @@ def _leaves(node: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
         if isinstance(value, BaseModel | list):
             yield from _leaves(value, here)
         else:
-            yield (
-                here,
-                value,
-                NO_DEFAULT if info.is_required() else info.get_default(call_default_factory=True),
-            )
+            default = NO_DEFAULT if info.is_required() else info.get_default(call_default_factory=True)
+            yield (here, value, default, node, name)
 
 
 #: A field without a default (required): whatever its value, nobody set it "instead of" a default.
 NO_DEFAULT: object = object()
 
 
+def resolved_default(section: BaseModel, name: str) -> Any:
+    """What field `name` of `section` is when left unset, the section's other fields as they are: a field
+    whose declared default is resolved from its neighbours (`loss.correction`: 'none' with estimator topk,
+    'truncate' with sampled) has that resolved value. The declared default when the section without the
+    field does not validate."""
+    try:
+        return getattr(type(section).model_validate(section.model_dump(exclude={name})), name)
+    except ValueError:  # pydantic's ValidationError: the declared default is what remains
+        info = type(section).model_fields[name]
+        return info.get_default(call_default_factory=True)
+
+
 def inert_warnings(cfg: Any) -> list[Problem]:
     """One problem per field that is set to another value than its default where its row's condition holds
     (the setting has no effect: the user learns it at --check); rows whose condition is 'always', and
-    required fields, are not warned (their value is a label, or implied by another field)."""
+    required fields, are not warned (their value is a label, or implied by another field). The default is
+    the resolved one (`resolved_default`): `loss.correction: none` with estimator topk is no setting."""
     live = [row for row in INERT if row.condition != "always" and row.when(cfg)]
     out = []
-    for concrete, value, default in _leaves(cfg):
+    for concrete, value, default, section, name in _leaves(cfg):
         if default is NO_DEFAULT or value == default:
             continue
         pattern = re.sub(r"\[\d+\]", "[]", concrete)
         for row in live:
             if row.matches(pattern) and _holds_for_its_group(row, cfg, concrete):
+                if value == resolved_default(section, name):
+                    break
                 out.append(
                     Problem(
                         concrete,

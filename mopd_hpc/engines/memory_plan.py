@@ -157,7 +157,8 @@ def _actor(
     reference: tuple[Holding, ...] = ()
     if cfg.loss.rl_coefficient > 0 and cfg.loss.kl_coefficient > 0:  # scored by the rank itself
         reference = tuple(
-            Holding(f"reference model {h.what}", h.bytes, "teacher") for h in _teacher(cfg, actor, shape)
+            Holding(f"reference model {h.what}", h.bytes, "teacher")
+            for h in _teacher(cfg, actor, shape, resident=False)  # offloaded between its uses
         )
     return (
         Holding("weights", state.weights),

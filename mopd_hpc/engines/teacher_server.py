@@ -167,7 +167,7 @@ class TeacherServer:
         self.fingerprint = checkpoint_fingerprint(model_path)
         self.weight_version = 1
         self.lock = asyncio.Lock()
-        self.peaks = PeakTracker(getattr(engine.residency, "device", None))
+        self.peaks = PeakTracker(getattr(getattr(engine, "residency", None), "device", None))
 
     def app(self) -> web.Application:
         track = peak_middleware(self.peaks, PHASE_OF_PATH)
