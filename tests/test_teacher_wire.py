@@ -36,7 +36,9 @@ def test_request_frame_builds_the_json_batch(as_tensors):
 
 
 class NonFiniteEngine:
-    """A stand-in scoring engine: seeded values with −inf and NaN at fixed places."""
+    """A stand-in scoring engine: seeded values with −inf, +inf and NaN at fixed places (a NaN sampled-token
+    log-prob is a broken forward the server refuses, tests/test_numerical_edges.py: here the sampled
+    log-probs carry ±inf only, the top-k a NaN too)."""
 
     vocab_size = VOCAB
     device = torch.device("cpu")
@@ -50,7 +52,7 @@ class NonFiniteEngine:
         g = torch.Generator().manual_seed(batch.batch_size)
         shape = (batch.batch_size, batch.response_width)
         lp = -torch.rand(shape, generator=g) * 5
-        lp[0, 1], lp[2, 0] = float("-inf"), float("nan")
+        lp[0, 1], lp[2, 0] = float("-inf"), float("inf")
         if k is None:
             return lp, None
         vals, ids = torch.rand(*shape, VOCAB, generator=g).log().topk(k, dim=-1)
