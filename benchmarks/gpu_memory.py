@@ -121,14 +121,20 @@ def plan_of(sets: list[str], capacity: float) -> dict[str, Any]:
     }
 
 
-def one_shape(shape: str, models: Path, steps: int, timeout_s: float, capacity: float, keep: Path) -> dict:
-    prompts, samples, new = (int(x) for x in shape.split("x"))
-    sets = [
+def job_sets(models: Path, steps: int, prompts: int, samples: int, new: int) -> list[str]:
+    """The `--set` overrides of a benchmark run of CONFIG: the models made in `models` (student/, teacher/),
+    `steps` steps with one checkpoint (the last), no evaluation, the step's shape."""
+    return [
         f"models.actor.path={models / 'student'}", f"models.tokenizer.path={models / 'student'}",
         f"models.teachers.0.path={models / 'teacher'}", f"steps={steps}", f"checkpoint_interval={steps}",
         "data.eval.size=0", f"data.batch_size={prompts}", f"data.samples_per_prompt={samples}",
         f"rollout.sampling.max_new_tokens={new}",
     ]  # fmt: skip
+
+
+def one_shape(shape: str, models: Path, steps: int, timeout_s: float, capacity: float, keep: Path) -> dict:
+    prompts, samples, new = (int(x) for x in shape.split("x"))
+    sets = job_sets(models, steps, prompts, samples, new)
     work = Path(tempfile.mkdtemp(prefix=f"gpu_memory_{shape}_"))
     run_dir = work / "run"
     keep.mkdir(parents=True, exist_ok=True)

@@ -260,6 +260,8 @@ def test_no_distillation_scores_no_teacher(micro_models, tmp_path):
             line["loss/rl"], abs=1e-6
         )
         assert line["train/response_tokens"] > 0
+        # every prompt counted once per sample (2 samples per prompt)
+        assert line["train/prompt_tokens"] > 0 and line["train/prompt_tokens"] % 2 == 0
     assert not (run_dir / "eval.json").exists()
 
 

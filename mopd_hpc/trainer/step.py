@@ -149,6 +149,7 @@ def step_metrics(
     values["train/grad_norm"] = stats.get("grad_norm", float("nan"))
     values["train/lr"] = stats.get("lr", float("nan"))
     values["train/response_tokens"] = float(rollouts.response_tokens)
+    values["train/prompt_tokens"] = float(sum(rollouts.starts))  # the rows' prompts (each sample's copy)
     if "mopd/teacher_refused_tokens" in stats:  # −inf teacher log-probs taken as the floor (mopd/targets.py)
         values["mopd/teacher_refused_tokens"] = stats["mopd/teacher_refused_tokens"]
     if loss.estimator == "topk" and "topk/teacher_mass" in stats:

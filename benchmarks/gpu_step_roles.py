@@ -1,0 +1,286 @@
+"""Seconds per phase of the job's step through its roles on one GPU, against each phase's floor (issue 22).
+
+    python benchmarks/gpu_step_roles.py --shapes 32x4x128@0.6b --steps 5    # one shape per device call
+    python benchmarks/gpu_step_roles.py --merge a.json b.json                # fold results files into --out
+
+A shape is PROMPTSxSAMPLESxNEW_TOKENS@SIZE (SIZE: 0.6b or 1.7b, random Qwen3 shapes). Each runs
+`mopd-submit configs/local_gpu_colocated.yaml --local` (the megatron actor and teacher, the HF rollout
+engine, AWEX colocate, all on GPU 0) with the overrides of `gpu_memory.job_sets` (`data.eval.size: 0`,
+`--steps` steps), the models made once per size under `--models-root` by `gpu_step.py --make-models`. From
+the run's metrics.jsonl, steps 2.. (step 1 is the warm-up): seconds per phase (`time/<phase>_s`, median),
+the step's tokens (`train/prompt_tokens`, `train/response_tokens`), peak reserved GiB per child and phase
+(`gpu_memory.child_peaks`, every step). Then, in this process, once the job has exited (the GPU its own
+again): the HBM bandwidth (a 4 GiB device-to-device copy, `weight_sync.copy_gbps`; HBM traffic is twice
+the bytes copied) and the bf16 matmul peak (8192³ GEMMs, `scoring_mfu.peak_bf16_tflops`). Floors per phase
+from those (`step_floors.py`), `phase_floor_ratio` per phase and `step_floor_ratio` (the step's seconds over
+the sum of its floors; issue 22 asks ≤ 10 at 32x4x128@0.6b, goal ≤ 5 and no phase above 10×).
+
+The results file (`--out`) keeps the shapes it has and replaces those run again (so one device call per
+shape builds it up); it is rewritten after each shape. A run stopped by `--deadline-s` reports the steps it
+finished. Prints one table per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_memory import CONFIG, child_peaks, job_sets, measured_totals, run_job  # noqa: E402
+from results_file import write_results  # noqa: E402
+from step_floors import PHASES, Device, ModelShape, StepTokens, floor_ratios, phase_floors  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SIZES = ("0.6b", "1.7b")
+DEFAULT_SHAPES = ("32x4x128@0.6b", "64x4x1024@0.6b", "32x4x128@1.7b", "64x4x1024@1.7b")
+#: Bytes of the device-to-device copy that measures the bandwidth, and seconds kept for it at the end.
+COPY_BYTES = 4 << 30
+MEASURE_RESERVE_S = 45.0  # the job's stop (SIGTERM 20 s, then SIGKILL 10 s) and the measurement
+_SHAPE = re.compile(r"^(\d+)x(\d+)x(\d+)@(\S+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One benchmark case: `prompts` × `samples` rows, `new_tokens` sampled per row, the model `size`."""
+
+    prompts: int
+    samples: int
+    new_tokens: int
+    size: str
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """From PROMPTSxSAMPLESxNEW@SIZE, e.g. 32x4x128@0.6b. Raises ValueError naming the text."""
+        m = _SHAPE.match(text.strip())
+        if not m:
+            raise ValueError(f"shape {text!r}: expected PROMPTSxSAMPLESxNEW_TOKENS@SIZE, e.g. 32x4x128@0.6b")
+        prompts, samples, new, size = int(m[1]), int(m[2]), int(m[3]), m[4].lower()
+        if size not in SIZES:
+            raise ValueError(f"shape {text!r}: size {size!r} is not one of {list(SIZES)}")
+        if min(prompts, samples, new) < 1:
+            raise ValueError(f"shape {text!r}: prompts, samples and new tokens must be ≥ 1")
+        return cls(prompts, samples, new, size)
+
+    @property
+    def name(self) -> str:
+        return f"{self.prompts}x{self.samples}x{self.new_tokens}@{self.size}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                   help="comma-separated PROMPTSxSAMPLESxNEW@SIZE (default: %(default)s)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=5, help="steps per run, step 1 the warm-up (≥ 2)")
+    p.add_argument("--models-root", type=Path, default=REPO / ".cache" / "models",
+                   help="the models of SIZE are ROOT/gpu_step_roles_SIZE/{student,teacher}, made when absent")  # fmt: skip
+    p.add_argument("--deadline-s", type=float, default=550.0,
+                   help="stop the job so that the whole call ends within this many seconds")  # fmt: skip
+    p.add_argument("--keep", type=Path, default=None, help="where each shape's submit log and logs/ go")
+    p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None,
+                   help="fold these results files' shapes into --out and exit (no GPU)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=RESULTS / "gpu_step_roles.json")
+    args = p.parse_args(argv)
+    try:
+        args.shapes = [Shape.parse(s) for s in args.shapes.split(",") if s.strip()]
+    except ValueError as err:
+        p.error(f"--shapes: {err}")
+    if args.steps < 2:
+        p.error(f"--steps: {args.steps}; expected ≥ 2 (step 1 is the warm-up, excluded)")
+    return args
+
+
+def commit_of(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def ensure_models(root: Path, size: str) -> Path:
+    """ROOT/gpu_step_roles_SIZE with student/ and teacher/ (gpu_step.py --make-models when absent)."""
+    models = root / f"gpu_step_roles_{size.replace('.', '_')}"
+    if not all((models / m / "config.json").exists() for m in ("student", "teacher")):
+        make = [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_step.py"),
+            "--make-models",
+            str(models),
+            "--size",
+            size,
+        ]
+        subprocess.run(make, check=True, cwd=REPO)
+    return models
+
+
+def measure_device() -> dict[str, Any]:
+    """This process's GPU 0: name, copy rate and HBM traffic (GB/s), bf16 matmul peak (TFLOP/s)."""
+    import torch
+    from scoring_mfu import peak_bf16_tflops
+    from weight_sync import copy_gbps
+
+    torch.cuda.set_device(0)
+    copy = copy_gbps(COPY_BYTES)
+    peak = peak_bf16_tflops()
+    torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "copy_gbps": round(copy, 1),
+            "hbm_gbps": round(2 * copy, 1), "peak_bf16_tflops": round(peak, 1)}  # fmt: skip
+
+
+def median_or_none(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(shape: Shape, lines: list[dict[str, Any]], student: ModelShape, teacher: ModelShape,
+              device: Device) -> dict[str, Any]:  # fmt: skip
+    """The figures of one run's metrics lines (module docstring); `measured` None when no step after the
+    first finished."""
+    measured = [x for x in lines if x["step"] >= 2]
+    out: dict[str, Any] = {
+        "steps_done": len(lines),
+        "measured_steps": [x["step"] for x in measured],
+        "seconds_per_phase_all_steps": {
+            ph: [round(x.get(f"time/{ph}_s", float("nan")), 4) for x in lines] for ph in PHASES
+        },  # fmt: skip
+        "peak_reserved_gib": child_peaks(lines),
+        "measured_gpu_gib_per_phase": measured_totals(lines),
+        "params": {"student": student.params, "teacher": teacher.params},
+        "measured": None,
+    }
+    if not measured:
+        return out
+    seconds = {ph: statistics.median(x.get(f"time/{ph}_s", 0.0) for x in measured) for ph in PHASES}
+    step_s = statistics.median(sum(x.get(f"time/{ph}_s", 0.0) for ph in PHASES) for x in measured)
+    tokens = StepTokens(
+        rows=shape.prompts * shape.samples, samples_per_prompt=shape.samples, new_tokens=shape.new_tokens,
+        prompt_tokens=round(statistics.median(x.get("train/prompt_tokens", 0.0) for x in measured)),
+        response_tokens=round(statistics.median(x.get("train/response_tokens", 0.0) for x in measured)),
+    )  # fmt: skip
+    floors = phase_floors(student, teacher, tokens, device)
+    ratios = floor_ratios(seconds, floors)
+    walls = [b["ts"] - a["ts"] for a, b in zip(lines, lines[1:], strict=False) if b["step"] >= 2]
+    out["measured"] = {
+        "seconds_per_phase": {ph: round(v, 4) for ph, v in seconds.items()},
+        "step_s": round(step_s, 4),
+        "step_wall_s": median_or_none(walls),
+        "floor_s": {ph: round(v, 6) for ph, v in floors.items()},
+        "phase_floor_ratio": {
+            ph: (round(r, 2) if r is not None else None) for ph, r in ratios["phase_floor_ratio"].items()
+        },  # fmt: skip
+        "step_floor_ratio": round(ratios["step_floor_ratio"], 2),
+        "prompt_tokens": tokens.prompt_tokens,
+        "response_tokens": tokens.response_tokens,
+        "response_tokens_per_s": round(tokens.response_tokens / step_s, 1) if step_s > 0 else None,
+    }
+    return out
+
+
+def one_shape(
+    shape: Shape, args: argparse.Namespace, t0: float, device_info: dict | None
+) -> tuple[dict, dict]:
+    models = ensure_models(args.models_root, shape.size)
+    sets = job_sets(models, args.steps, shape.prompts, shape.samples, shape.new_tokens)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"gpu_step_roles_{shape.name}_")) / "run"
+    keep = args.keep or run_dir.parent
+    keep.mkdir(parents=True, exist_ok=True)
+    left = args.deadline_s - (time.perf_counter() - t0) - MEASURE_RESERVE_S
+    code, wall = run_job(sets, run_dir, left, keep / f"{shape.name}_submit.log")
+    metrics = run_dir / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    if args.keep is not None and (run_dir / "logs").is_dir():
+        subprocess.run(["cp", "-r", str(run_dir / "logs"), str(keep / f"{shape.name}_logs")], check=False)
+    device_info = device_info or measure_device()
+    device = Device(hbm_gbps=device_info["hbm_gbps"], peak_tflops=device_info["peak_bf16_tflops"])
+    student, teacher = (ModelShape.from_hf_config(json.loads((models / m / "config.json").read_text()))
+                        for m in ("student", "teacher"))  # fmt: skip
+    record = {
+        "shape": {
+            "prompts": shape.prompts,
+            "samples_per_prompt": shape.samples,
+            "max_new_tokens": shape.new_tokens,
+            "size": shape.size,
+        },  # fmt: skip
+        "exit_code": code,
+        "stopped_at_deadline": code is None,
+        "job_wall_s": round(wall, 1),
+        "steps": args.steps,
+        **device_info,
+        "commit": commit_of(args.commit),
+        **summarize(shape, lines, student, teacher, device),
+    }
+    return record, device_info
+
+
+def table(name: str, r: dict[str, Any]) -> str:
+    rows = [f"{name}: exit {r['exit_code']}, {r['steps_done']} steps in {r['job_wall_s']} s; {r['device']}: "
+            f"{r['hbm_gbps']} GB/s HBM, {r['peak_bf16_tflops']} TFLOP/s bf16"]  # fmt: skip
+    m = r["measured"]
+    if m is None:
+        return "\n".join([*rows, "  no step after the warm-up finished"])
+    rows.append(f"  {'phase':8} {'s (median)':>11} {'floor s':>10} {'ratio':>8}")
+    for ph in PHASES:
+        ratio = m["phase_floor_ratio"][ph]
+        rows.append(f"  {ph:8} {m['seconds_per_phase'][ph]:11.4f} {m['floor_s'][ph]:10.5f} "
+                    f"{'-' if ratio is None else f'{ratio:.1f}':>8}")  # fmt: skip
+    rows.append(
+        f"  {'step':8} {m['step_s']:11.4f} {sum(m['floor_s'].values()):10.5f} {m['step_floor_ratio']:8.1f}"
+    )
+    rows.append(f"  {m['response_tokens']} response + {m['prompt_tokens']} prompt tokens per step, "
+                f"{m['response_tokens_per_s']} response tokens/s")  # fmt: skip
+    for child, phases in sorted(r["peak_reserved_gib"].items()):
+        cells = ", ".join(f"{ph} {v:.2f}" for ph, v in phases.items())
+        rows.append(f"  peak reserved GiB {child}: {cells}")
+    return "\n".join(rows)
+
+
+def merged(out: Path, more: dict[str, dict]) -> dict[str, Any]:
+    """The results of `out` (when present) with `more`'s shapes added or replaced."""
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result |= {"benchmark": "gpu_step_roles", "config": str(CONFIG.relative_to(REPO)),
+               "models": "random Qwen3 shapes (bf16, char tokenizer), student and teacher of one size",
+               "floors": "benchmarks/step_floors.py"}  # fmt: skip
+    result["shapes"] = {**result.get("shapes", {}), **more}
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.merge:
+        shapes: dict[str, dict] = {}
+        for path in args.merge:
+            shapes |= json.loads(path.read_text()).get("shapes", {})
+        return write_results(args.out, merged(args.out, shapes))
+    import torch
+
+    if torch.cuda.device_count() < 1:  # counts without a CUDA context: the job's children get the GPU alone
+        print("gpu_step_roles: needs a CUDA GPU (the job runs on GPU 0)", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    device_info = None
+    for shape in args.shapes:
+        record, device_info = one_shape(shape, args, t0, device_info)
+        print(table(shape.name, record), flush=True)
+        write_results(args.out, merged(args.out, {shape.name: record}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
