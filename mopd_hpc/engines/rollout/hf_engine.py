@@ -90,16 +90,36 @@ class HFRolloutEngine:
     """A transformers causal LM served for rollouts. Build with `HFRolloutEngine.load`."""
 
     def __init__(
-        self, model: Any, model_path: str, device: torch.device, dtype: torch.dtype, decoder: str = "auto"
+        self,
+        model: Any,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        decoder: str = "auto",
+        compile_decode: bool = False,
     ) -> None:
         """decoder: "auto" ("static" on CUDA, "loop" elsewhere), "loop" or "static" (see the module docstring).
 
+        compile_decode (CUDA, static decoder only; off by default, for benchmarks/hf_decode.py): the
+        one-token decode forward runs through torch.compile(mode="reduce-overhead") (CUDA graphs), the
+        StaticCache kept across batches of the same shape. If compiling or the first compiled call fails,
+        it is logged and the engine decodes eagerly from then on (`compile_active` says which).
+        Off by default: a CUDA graph holds the parameters' addresses, which an offload/onload moves.
         Raises:
-            ValueError: an unknown decoder.
+            ValueError: an unknown decoder, or compile_decode off CUDA or with the loop decoder.
         """
         if decoder not in DECODERS:
             raise ValueError(f"decoder={decoder!r}: expected one of {DECODERS}")
         self.decoder = ("static" if device.type == "cuda" else "loop") if decoder == "auto" else decoder
+        if compile_decode and (device.type != "cuda" or self.decoder != "static"):
+            raise ValueError(
+                f"compile_decode=True needs the static decoder on CUDA (device {device}, decoder "
+                f"{self.decoder!r})"
+            )
+        self.compile_decode = compile_decode
+        self.compile_active = False
+        self._compiled: Any = None
+        self._kept_cache: tuple[tuple[int, int], Any] | None = None
         self.model = model
         self.model_path = model_path
         self.device = device
@@ -119,11 +139,17 @@ class HFRolloutEngine:
 
     @classmethod
     def load(
-        cls, model_path: str, device: str = "cpu", dtype: str = "auto", decoder: str = "auto"
+        cls,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        decoder: str = "auto",
+        compile_decode: bool = False,
     ) -> HFRolloutEngine:
         """Load an HF checkpoint directory onto `device` ("cpu", "cuda", "cuda:N") in `dtype`.
 
-        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". decoder: see `__init__`.
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". decoder, compile_decode: see
+        `__init__`.
         Raises:
             ValueError: unknown dtype, device or decoder.
         """
@@ -141,7 +167,7 @@ class HFRolloutEngine:
         )
         model = model.to(dev).eval()
         model.requires_grad_(False)
-        return cls(model, model_path, dev, next(model.parameters()).dtype, decoder)
+        return cls(model, model_path, dev, next(model.parameters()).dtype, decoder, compile_decode)
 
     # ---- decoding -------------------------------------------------------------------------------
 
@@ -164,8 +190,38 @@ class HFRolloutEngine:
         with self.lock, torch.inference_mode():
             if not self.weights_on_device:
                 raise RuntimeError("model weights are released (POST /resume_memory_occupation first)")
+            if self.compile_decode and ids.shape[1] == 1:
+                out = self._compiled_forward(ids, mask4d, pos, kwargs)
+                if out is not None:
+                    return out
             out = self.model(input_ids=ids, attention_mask=mask4d, position_ids=pos, **kwargs).logits
             return out[:, -1]
+
+    def _compiled_forward(self, ids, mask4d, pos, kwargs) -> torch.Tensor | None:
+        """The decode forward through the compiled model; None (and compiling off) once it failed."""
+        try:
+            if self._compiled is None:
+                self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
+            torch.compiler.cudagraph_mark_step_begin()
+            out = self._compiled(input_ids=ids, attention_mask=mask4d, position_ids=pos, **kwargs).logits
+            self.compile_active = True
+            return out[:, -1].clone()  # the graph's output buffer is overwritten by the next replay
+        except Exception:  # noqa: BLE001 - any compile/capture failure: decode eagerly, say so
+            log.exception("compiled decode forward failed; decoding eagerly from now on")
+            self.compile_decode, self.compile_active, self._compiled = False, False, None
+            return None
+
+    def _static_cache(self, rows: int, length: int) -> Any:
+        """A StaticCache of `length` slots; with compile_decode, the last one again (reset) if its shape fits."""
+        from transformers import StaticCache
+
+        if self.compile_decode and self._kept_cache is not None and self._kept_cache[0] == (rows, length):
+            cache = self._kept_cache[1]
+            cache.reset()
+            return cache
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._kept_cache = ((rows, length), cache) if self.compile_decode else None
+        return cache
 
     def _static_mask(self):
         """What the model's attention takes for a boolean "may attend" mask; None: not supported."""
@@ -191,8 +247,6 @@ class HFRolloutEngine:
         return self._generate_loop(rows, gate)
 
     def _generate_static(self, rows: Sequence[RowRequest], gate: StepGate, mask_value) -> list[RowResult]:
-        from transformers import StaticCache
-
         from mopd_hpc.engines.rollout.static_decoder import StaticRow, cache_length, decode_static
 
         srows = [
@@ -208,7 +262,7 @@ class HFRolloutEngine:
             )
             for r in rows
         ]
-        cache = StaticCache(config=self.model.config, max_cache_len=cache_length(srows)[1])
+        cache = self._static_cache(len(srows), cache_length(srows)[1])
         outs = decode_static(srows, self._forward_static, cache, gate, self.device, mask_value)
         version = self.weight_version  # the version at completion, as SGLang reports it
         return [
@@ -362,6 +416,7 @@ class HFRolloutEngine:
     def release_cache(self) -> None:
         """Give the caching allocator's unused blocks (a finished batch's KV cache and logits) back to the
         device, so that a colocated child can have them until the next batch (no-op on CPU)."""
+        self._kept_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
