@@ -286,3 +286,26 @@ def test_counter_uniforms_are_the_documented_hash():
             assert u == (bits >> 8) / 2**24
     many = counter_rng.uniforms(counter_rng.row_keys(list(range(20000)), torch.device("cpu")), 3)
     assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many.std()) - 12**-0.5) < 0.01
+
+
+def test_compile_decode_is_refused_off_cuda(ckpt):
+    with pytest.raises(ValueError, match="compile_decode=True needs the static decoder on CUDA"):
+        HFRolloutEngine.load(str(ckpt), "cpu", "float32", decoder="static", compile_decode=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_compiled_decode_logprobs_equal_direct_forward(ckpt, oracle, temperature):
+    eng = HFRolloutEngine.load(str(ckpt), "cuda", "float32", decoder="static", compile_decode=True)
+    rows = [
+        row(p, seed=3 + i, max_new_tokens=24, temperature=temperature, ignore_eos=True)
+        for i, p in enumerate(PROMPTS)
+    ]
+    for _ in range(2):  # the second batch reuses the kept cache and the captured graphs
+        results = eng.generate(rows, Gate())
+        assert eng.compile_active, "the compiled decode forward fell back to eager (see the log)"
+        for r, res in zip(rows, results, strict=True):
+            ref = oracle_logp(oracle, list(r.prompt_ids) + res.output_ids, temperature)
+            n = len(r.prompt_ids)
+            expected = torch.tensor([float(ref[n - 1 + t, tok]) for t, tok in enumerate(res.output_ids)])
+            assert (torch.tensor(res.output_logprobs) - expected).abs().max() <= CUDA_FP32_TOL
