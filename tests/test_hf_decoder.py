@@ -309,3 +309,47 @@ def test_compiled_decode_logprobs_equal_direct_forward(ckpt, oracle, temperature
             n = len(r.prompt_ids)
             expected = torch.tensor([float(ref[n - 1 + t, tok]) for t, tok in enumerate(res.output_ids)])
             assert (torch.tensor(res.output_logprobs) - expected).abs().max() <= CUDA_FP32_TOL
+
+
+def test_static_full_width_masks_equal_written_only(ckpt):
+    """The CUDA-graph layout (every step attends over all C slots) decodes as the eager one (written slots)."""
+    from transformers import StaticCache
+
+    from mopd_hpc.engines.rollout.static_decoder import StaticRow, cache_length, decode_static, kv_view
+
+    eng = engine(ckpt, "static")
+    srows = [
+        StaticRow(p, 0.8, 1.0, -1, 20 + 5 * i, frozenset(), seed=i) for i, p in enumerate(PROMPTS)
+    ]  # fmt: skip
+    outs = []
+    for written_only in (False, True):
+        cache = StaticCache(config=eng.model.config, max_cache_len=cache_length(srows)[1])
+        forward = eng._forward_static
+        if written_only:
+            set_end = kv_view(cache)
+            assert set_end is not None
+
+            def forward(ids, mask4d, pos, cache, cache_position, set_end=set_end):
+                set_end(mask4d.shape[-1])
+                return eng._forward_static(ids, mask4d, pos, cache, cache_position)
+
+        outs.append(
+            decode_static(srows, forward, cache, Gate(), eng.device, eng._static_mask(), written_only)
+        )
+    for a, b in zip(*outs, strict=True):
+        assert a.output_ids == b.output_ids and a.finish == b.finish
+        assert (torch.tensor(a.output_logprobs) - torch.tensor(b.output_logprobs)).abs().max() <= TOL
+
+
+def test_static_on_eager_attention_equals_sdpa(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    eager = HFRolloutEngine(model, str(ckpt), torch.device("cpu"), torch.float32, decoder="static")
+    rows = [
+        row(p, seed=i, max_new_tokens=20, temperature=0.9, ignore_eos=True) for i, p in enumerate(PROMPTS)
+    ]
+    for a, b in zip(eager.generate(rows, Gate()), engine(ckpt, "static").generate(rows, Gate()), strict=True):
+        assert_same(a, b)

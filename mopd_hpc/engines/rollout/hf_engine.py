@@ -247,7 +247,7 @@ class HFRolloutEngine:
         return self._generate_loop(rows, gate)
 
     def _generate_static(self, rows: Sequence[RowRequest], gate: StepGate, mask_value) -> list[RowResult]:
-        from mopd_hpc.engines.rollout.static_decoder import StaticRow, cache_length, decode_static
+        from mopd_hpc.engines.rollout.static_decoder import StaticRow, cache_length, decode_static, kv_view
 
         srows = [
             StaticRow(
@@ -263,7 +263,15 @@ class HFRolloutEngine:
             for r in rows
         ]
         cache = self._static_cache(len(srows), cache_length(srows)[1])
-        outs = decode_static(srows, self._forward_static, cache, gate, self.device, mask_value)
+        forward, written_only = self._forward_static, False
+        if not self.compile_decode and (set_end := kv_view(cache)) is not None:
+            written_only = True
+
+            def forward(ids, mask4d, pos, cache, cache_position, set_end=set_end):
+                set_end(mask4d.shape[-1])
+                return self._forward_static(ids, mask4d, pos, cache, cache_position)
+
+        outs = decode_static(srows, forward, cache, gate, self.device, mask_value, written_only)
         version = self.weight_version  # the version at completion, as SGLang reports it
         return [
             RowResult(

@@ -7,7 +7,9 @@ Layout: prompts are padded on the left to W (a multiple of `BUCKET`, to limit di
 prompt of row b fills cache slots [W - len_b, W), its t-th new token slot W + t. The attention mask is a
 prepared 4D mask over all C slots (True/0 where the key is the row's real token at or before the query;
 a padded query sees only itself, so no row of the softmax is empty), so the model's own mask builder and
-its cache offsets are bypassed; position ids count real tokens only, as in the loop decoder.
+its cache offsets are bypassed; position ids count real tokens only, as in the loop decoder. Eagerly, the
+cache's layers return only the slots written so far (`kv_view`) and the mask spans those, so attention
+reads the real length; with CUDA graphs every step spans all C slots (one shape).
 
 Each step samples every row in one batched op: μ from `sampling.behavior_logprobs`, the draw from
 `sampling.sample_with_uniforms` with the uniform `counter_rng.uniforms(key(seed), t)`, so a row's tokens
@@ -31,6 +33,32 @@ from mopd_hpc.engines.rollout.sampling import behavior_logprobs, sample_with_uni
 BUCKET = 64
 CHECK_EVERY = 16
 ABORT = {"type": "abort", "message": "aborted by /pause_generation"}
+
+
+def kv_view(cache: Any) -> Callable[[int], None] | None:
+    """Make each layer of a StaticCache return only its first `n` slots from `update` (the slots written so
+    far), n set by the returned callable before each forward; the attention then reads the real length, not
+    all C slots. None where the cache has no `layers` (then use the full width)."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return None
+    end = [0]
+
+    def wrap(update):
+        def sliced(*args, **kwargs):
+            keys, values = update(*args, **kwargs)
+            return keys[:, :, : end[0]], values[:, :, : end[0]]
+
+        return sliced
+
+    for layer in layers:
+        layer.update = wrap(layer.update)
+
+    def set_end(n: int) -> None:
+        end[0] = n
+
+    return set_end
+
 
 # forward(input_ids [B, q], mask4d [B, 1, q, C], position_ids [B, q], cache, cache_position [q]) -> [B, V]
 StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor], torch.Tensor]
@@ -75,11 +103,15 @@ def decode_static(
     gate: Any,
     device: torch.device,
     mask_value: Callable[[torch.Tensor], torch.Tensor],
+    written_only: bool = False,
 ) -> list[StaticOut]:
     """Decode `rows` as one batch into `cache` (C = cache_length(rows)[1] slots); one result per row.
 
     mask_value maps the boolean "may attend" mask to what the attention implementation takes (itself for
     SDPA, 0/−inf-like additive floats for eager). gate.between_steps() is asked before every step.
+    written_only: the masks span only the slots written so far (W at the prefill, W + t + 1 at step t), for
+    a cache whose layers return only those slots (`kv_view`); False: all C slots (a fixed shape, for CUDA
+    graphs).
     """
     n = len(rows)
     width, clen = cache_length(rows)
@@ -118,6 +150,8 @@ def decode_static(
             real[:, None, :] | (slots[None, None, :] == q[None, :, None])
         )  # [B, W, C]
         pos = (q[None, :] - pad[:, None]).clamp(min=0)
+        if written_only:
+            see = see[:, :, :width]
         last = forward(ids, mask_value(see[:, None]), pos, cache, q)
         for t in range(steps):
             if not gate.between_steps():
@@ -136,7 +170,7 @@ def decode_static(
             if t + 1 == steps or ((t + 1) % CHECK_EVERY == 0 and bool(done.all())):
                 break
             slot = width + t
-            mask = real & (slots[None, :] <= slot)
+            mask = real[:, : slot + 1] if written_only else real & (slots[None, :] <= slot)
             last = forward(
                 out.token_ids[:, None],
                 mask_value(mask[:, None, None, :]),
