@@ -6,7 +6,8 @@ forward), on a random-weight Qwen3 shape, through `HFRolloutEngine.generate` as 
     python benchmarks/hf_decode.py --size tiny --device cpu --runs 8x16,16x32   # a CPU check of the script
 
 Each run is ROWS×NEW: ROWS rows of random prompts of --prompt-len tokens, temperature 1, distinct seeds,
-ignore_eos (every row decodes NEW tokens). Each decoder first decodes a short warm-up batch of the same shape.
+ignore_eos (every row decodes NEW tokens). Each decoder first decodes the same batch for 8 steps (then
+aborted: a warm-up of the same shapes, so a compiled forward is captured before the timing).
 
 The decode floor is the time to read, once per step, the weights and the KV cache of the real tokens from
 device memory:
@@ -41,8 +42,16 @@ SHAPES = {
 
 
 class OpenGate:
+    """Lets every step run (or the first `steps` only: a warm-up of the measured shapes)."""
+
+    def __init__(self, steps: int | None = None) -> None:
+        self.left = steps
+
     def between_steps(self) -> bool:
-        return True
+        if self.left is None:
+            return True
+        self.left -= 1
+        return self.left >= 0
 
 
 def make_checkpoint(shape: dict, directory: Path, dtype: torch.dtype) -> None:
@@ -51,7 +60,9 @@ def make_checkpoint(shape: dict, directory: Path, dtype: torch.dtype) -> None:
 
     torch.manual_seed(0)
     cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0)
-    Qwen3ForCausalLM(cfg).to(dtype).save_pretrained(str(directory))
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    model.save_pretrained(str(directory))
 
 
 def sync(device: torch.device) -> None:
@@ -96,9 +107,8 @@ def requests(rows: int, prompt_len: int, new: int, vocab: int):
 
 
 def time_decoder(engine, rows: int, prompt_len: int, new: int) -> tuple[float, int]:
-    vocab = engine.vocab_size
-    engine.generate(requests(rows, prompt_len, min(new, 8), vocab), OpenGate())  # warm-up, same rows
-    batch = requests(rows, prompt_len, new, vocab)
+    batch = requests(rows, prompt_len, new, engine.vocab_size)
+    engine.generate(batch, OpenGate(steps=8))  # warm-up: the same shapes (cache, masks), 8 steps, then abort
     sync(engine.device)
     t0 = time.perf_counter()
     results = engine.generate(batch, OpenGate())
@@ -144,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "model"
         make_checkpoint(SHAPES[args.size], ckpt, DTYPES[dtype_name])
-        engines = {}
-        for d in decoders:
-            engines[d] = HFRolloutEngine.load(
-                str(ckpt), str(device), dtype_name, decoder="static" if d == "compiled" else d,
+        first = HFRolloutEngine.load(str(ckpt), str(device), dtype_name, decoder="loop")
+        engines = {  # one model, shared (the runs are sequential)
+            d: HFRolloutEngine(
+                first.model, str(ckpt), first.device, first.dtype, decoder="static" if d == "compiled" else d,
                 compile_decode=d == "compiled",
-            )  # fmt: skip
+            )
+            for d in decoders
+        }  # fmt: skip
         for rows, new in runs:
             floor = floor_seconds(next(iter(engines.values())), rows, args.prompt_len, new, bw)
             for d, engine in engines.items():
