@@ -18,10 +18,12 @@ from mopd_hpc.engines.rollout.protocol import SamplingParams
 PROMPTS = [(1, 2, 3, 4), (5, 6), (7, 8, 9, 10, 11, 12), (3,)]
 TOL = 1e-5  # fp32 CPU: the same arithmetic up to reduction order
 CUDA_FP32_TOL = 1e-4  # fp32 CUDA engine vs fp32 CPU oracle: kernels differ in reduction order only
-# bf16 CUDA: logits are rounded to bf16 (8 significant bits) by both paths; the static path's SDPA over C
-# masked slots and the full forward's causal SDPA round differently, so a log-prob may move by a few bf16
-# ulps of the logits (here |logit| < 2, ulp <= 2**-7) amplified at most ~2x by the log-softmax: 0.05 nats.
-CUDA_BF16_TOL = 0.05
+# bf16 CUDA, against the same bf16 model's full forward: both round every activation and the logits to bf16
+# (8 significant bits), but with other kernels (one-token GEMMs and SDPA over the cache vs the full causal
+# pass), so a logit may differ by a few bf16 ulps. Here |logit| <= 4.3 (ulp 2**-5 = 0.031; measured: bf16 vs
+# fp32 of this checkpoint differ by <= 0.071 nats): the bound asserted is 3 ulps of the largest logit, 0.1
+# nats, on the log-softmax difference of the two bf16 paths.
+CUDA_BF16_TOL = 0.1
 
 DEVICES = [
     pytest.param("cpu", "float32", id="cpu-fp32"),
@@ -137,7 +139,9 @@ def test_static_top_p_top_k_logprobs_are_the_renormalized_distribution(ckpt, ora
                 kept.append(v)
                 before += float(p[v])
             assert tok in kept
-            assert abs(lp - float(torch.log(p[tok] / p[kept].sum()))) < 10 * CUDA_FP32_TOL
+            assert abs(lp - float(torch.log(p[tok] / p[kept].sum()))) < (
+                TOL if device == "cpu" else CUDA_FP32_TOL
+            )
 
 
 def test_static_row_is_the_same_alone_and_in_any_batch(ckpt):
