@@ -202,6 +202,10 @@ def test_static_stops_lengths_and_finish_reasons_are_the_loops(ckpt):
     assert got[0].finish == {"type": "length", "length": 40} and len(got[0].output_ids) == 40
     assert got[3].output_ids == [] and got[3].finish == {"type": "length", "length": 0}
     assert got[6].output_logprobs == [] and len(got[6].output_ids) <= 5
+    early, gate = rows[1:3], Gate()  # every row stops by step 10: the host notices at the 16-step poll
+    for a, b in zip(loop.generate(early, Gate()), static.generate(early, gate), strict=True):
+        assert_same(b, a)
+    assert gate.calls == 16
     zero = static.generate([rows[3]], Gate(abort_at=0))[0]  # no step: the gate is never asked
     assert zero.finish == {"type": "length", "length": 0}
 
