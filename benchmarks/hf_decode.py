@@ -106,17 +106,20 @@ def requests(rows: int, prompt_len: int, new: int, vocab: int):
     ]  # fmt: skip
 
 
-def time_decoder(engine, rows: int, prompt_len: int, new: int) -> tuple[float, int]:
+def time_decoder(engine, rows: int, prompt_len: int, new: int) -> tuple[float, int, float]:
+    """(seconds, tokens, warm-up seconds) of one batch; the warm-up includes any compilation."""
     batch = requests(rows, prompt_len, new, engine.vocab_size)
+    t0 = time.perf_counter()
     engine.generate(batch, OpenGate(steps=8))  # warm-up: the same shapes (cache, masks), 8 steps, then abort
     sync(engine.device)
+    warm = time.perf_counter() - t0
     t0 = time.perf_counter()
     results = engine.generate(batch, OpenGate())
     sync(engine.device)
     seconds = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in results)
     assert tokens == rows * new, (tokens, rows * new)
-    return seconds, tokens
+    return seconds, tokens, warm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,17 +170,18 @@ def main(argv: list[str] | None = None) -> int:
             for d, engine in engines.items():
                 if d == "loop" and rows * new > args.max_loop_tokens:
                     continue
-                seconds, tokens = time_decoder(engine, rows, args.prompt_len, new)
+                seconds, tokens, warm = time_decoder(engine, rows, args.prompt_len, new)
                 entry = {
                     "decoder": d, "rows": rows, "new_tokens": new, "prompt_len": args.prompt_len,
                     "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
                     "floor_s": round(floor, 5), "x_floor": round(seconds / floor, 2),
+                    "warmup_s": round(warm, 3),
                 }  # fmt: skip
                 if d == "compiled":
                     entry["compiled_active"] = engine.compile_active
                 table.append(entry)
                 print(f"{d:>9} {rows:>5}x{new:<5} {seconds:9.3f} s {tokens / seconds:12.1f} tok/s "
-                      f"floor {floor:8.4f} s  x{seconds / floor:8.1f}", flush=True)  # fmt: skip
+                      f"floor {floor:8.4f} s  x{seconds / floor:8.1f}  (warm-up {warm:.1f} s)", flush=True)  # fmt: skip
     result = {
         "benchmark": "hf_decode",
         "device": str(device),
