@@ -361,3 +361,26 @@ def test_static_on_eager_attention_equals_sdpa(ckpt):
     ]
     for a, b in zip(eager.generate(rows, Gate()), engine(ckpt, "static").generate(rows, Gate()), strict=True):
         assert_same(a, b)
+
+
+def test_failed_compiled_forward_falls_back_to_eager_with_the_same_result(ckpt, caplog):
+    """A compiled call that fails midway (here after advancing the cache's write offsets, as a failed CUDA-graph
+    recording may) is logged and redone eagerly; the batch decodes as the eager static decoder does."""
+    eng = engine(ckpt, "static")
+    rows = [
+        row(p, seed=i, max_new_tokens=20, temperature=0.9, ignore_eos=True) for i, p in enumerate(PROMPTS)
+    ]
+    expected = eng.generate(rows, Gate())
+
+    def failing(**kwargs):
+        for layer in kwargs[eng._cache_kw].layers:
+            layer.cumulative_length.add_(1)
+        raise RuntimeError("capture failed (test)")
+
+    eng.compile_decode, eng._compiled = True, failing  # as if torch.compile had returned `failing`
+    with caplog.at_level("ERROR"):
+        got = eng.generate(rows, Gate())
+    assert "compiled decode forward failed" in caplog.text
+    assert not eng.compile_decode and not eng.compile_active
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)

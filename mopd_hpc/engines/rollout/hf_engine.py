@@ -119,6 +119,7 @@ class HFRolloutEngine:
         self.compile_decode = compile_decode
         self.compile_active = False
         self._compiled: Any = None
+        self._compiled_calls = 0
         self._kept_cache: tuple[tuple[int, int], Any] | None = None
         self.model = model
         self.model_path = model_path
@@ -199,15 +200,29 @@ class HFRolloutEngine:
 
     def _compiled_forward(self, ids, mask4d, pos, kwargs) -> torch.Tensor | None:
         """The decode forward through the compiled model; None (and compiling off) once it failed."""
+        cache = kwargs[self._cache_kw]
+        # For the first calls (compilation, CUDA-graph warm-up and recording), snapshot the cache's write
+        # offsets (StaticLayer advances its own in place), so that an eager retry after a failure mid-call
+        # writes where this call should have.
+        offsets = None
+        if self._compiled_calls < 3:
+            offsets = [
+                (layer, layer.cumulative_length.clone())
+                for layer in getattr(cache, "layers", [])
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+            ]
         try:
             if self._compiled is None:
                 self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
             torch.compiler.cudagraph_mark_step_begin()
             out = self._compiled(input_ids=ids, attention_mask=mask4d, position_ids=pos, **kwargs).logits
             self.compile_active = True
+            self._compiled_calls += 1
             return out[:, -1].clone()  # the graph's output buffer is overwritten by the next replay
         except Exception:  # noqa: BLE001 - any compile/capture failure: decode eagerly, say so
             log.exception("compiled decode forward failed; decoding eagerly from now on")
+            for layer, offset in offsets or []:
+                layer.cumulative_length.copy_(offset)
             self.compile_decode, self.compile_active, self._compiled = False, False, None
             return None
 
