@@ -2,11 +2,19 @@
 
 Shape legend: B rows in the batch, L padded prompt length, V vocabulary size.
 
-Decoding is a plain loop over the model's forward with a KV cache (no `model.generate`), so that each
-row keeps its own sampling parameters, its own seed and its exact behavior log-probs (`sampling.py`).
-Prompts are padded on the left; the attention mask hides the pads and position ids count real tokens
-only, so a row's logits do not depend on the other rows beyond float rounding. Finished rows leave the
-batch (their cache rows are dropped).
+Decoding is a loop over the model's forward with a KV cache (no `model.generate`), so that each row keeps
+its own sampling parameters, its own seed and its exact behavior log-probs (`sampling.py`). Prompts are
+padded on the left; the attention mask hides the pads and position ids count real tokens only, so a row's
+logits do not depend on the other rows beyond float rounding. Two decoders (an engine-internal choice by
+device, not a config field):
+
+- "loop" (the CPU default): a growing DynamicCache, one `torch.Generator` per row, finished rows leave the
+  batch (their cache rows are dropped), one host sync per step.
+- "static" (the CUDA default): `static_decoder.py`, a preallocated StaticCache, one batched draw per step
+  from the counter hash of `counter_rng.py`, finished rows masked, the host polled every few steps. Its
+  draws differ from the loop's (another uniform per (seed, step)); μ is computed by the same code. Batches
+  with a row asking input log-probs (logprob_start_len >= 0) or top log-probs, or a model whose attention
+  is neither SDPA nor eager, run on the loop decoder.
 
 Thread model: `generate` runs in the scheduler's worker thread; every forward pass and every weight
 change holds `self.lock`, taken per decoding step, so weights can change between two steps of a batch
@@ -30,6 +38,7 @@ from mopd_hpc.engines.rollout.sampling import behavior_logprobs, sample_next
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODERS = ("auto", "loop", "static")
 
 
 class WeightLoadError(ValueError):
@@ -80,7 +89,38 @@ def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
 class HFRolloutEngine:
     """A transformers causal LM served for rollouts. Build with `HFRolloutEngine.load`."""
 
-    def __init__(self, model: Any, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: Any,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        decoder: str = "auto",
+        compile_decode: bool = False,
+    ) -> None:
+        """decoder: "auto" ("static" on CUDA, "loop" elsewhere), "loop" or "static" (see the module docstring).
+
+        compile_decode (CUDA, static decoder only; off by default, for benchmarks/hf_decode.py): the
+        one-token decode forward runs through torch.compile(mode="reduce-overhead") (CUDA graphs), the
+        StaticCache kept across batches of the same shape. If compiling or the first compiled call fails,
+        it is logged and the engine decodes eagerly from then on (`compile_active` says which).
+        Off by default: a CUDA graph holds the parameters' addresses, which an offload/onload moves.
+        Raises:
+            ValueError: an unknown decoder, or compile_decode off CUDA or with the loop decoder.
+        """
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder={decoder!r}: expected one of {DECODERS}")
+        self.decoder = ("static" if device.type == "cuda" else "loop") if decoder == "auto" else decoder
+        if compile_decode and (device.type != "cuda" or self.decoder != "static"):
+            raise ValueError(
+                f"compile_decode=True needs the static decoder on CUDA (device {device}, decoder "
+                f"{self.decoder!r})"
+            )
+        self.compile_decode = compile_decode
+        self.compile_active = False
+        self._compiled: Any = None
+        self._compiled_calls = 0
+        self._kept_cache: tuple[tuple[int, int], Any] | None = None
         self.model = model
         self.model_path = model_path
         self.device = device
@@ -91,6 +131,7 @@ class HFRolloutEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
+        self._has_cache_position = "cache_position" in params
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -98,13 +139,23 @@ class HFRolloutEngine:
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
 
     @classmethod
-    def load(cls, model_path: str, device: str = "cpu", dtype: str = "auto") -> HFRolloutEngine:
+    def load(
+        cls,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        decoder: str = "auto",
+        compile_decode: bool = False,
+    ) -> HFRolloutEngine:
         """Load an HF checkpoint directory onto `device` ("cpu", "cuda", "cuda:N") in `dtype`.
 
-        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". decoder, compile_decode: see
+        `__init__`.
         Raises:
-            ValueError: unknown dtype or device.
+            ValueError: unknown dtype, device or decoder.
         """
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder={decoder!r}: expected one of {DECODERS}")
         from transformers import AutoModelForCausalLM
 
         if dtype != "auto" and dtype not in DTYPES:
@@ -117,7 +168,7 @@ class HFRolloutEngine:
         )
         model = model.to(dev).eval()
         model.requires_grad_(False)
-        return cls(model, model_path, dev, next(model.parameters()).dtype)
+        return cls(model, model_path, dev, next(model.parameters()).dtype, decoder, compile_decode)
 
     # ---- decoding -------------------------------------------------------------------------------
 
@@ -130,8 +181,124 @@ class HFRolloutEngine:
                 raise RuntimeError("model weights are released (POST /resume_memory_occupation first)")
             return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs).logits
 
+    def _forward_static(self, ids, mask4d, pos, cache, cache_position) -> torch.Tensor:
+        """One forward into a StaticCache with a prepared 4D mask: the last position's logits [B, V]."""
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+        if self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        if self._has_cache_position:  # transformers versions whose StaticCache writes at cache_position
+            kwargs["cache_position"] = cache_position
+        with self.lock, torch.inference_mode():
+            if not self.weights_on_device:
+                raise RuntimeError("model weights are released (POST /resume_memory_occupation first)")
+            if self.compile_decode and ids.shape[1] == 1:
+                out = self._compiled_forward(ids, mask4d, pos, kwargs)
+                if out is not None:
+                    return out
+            out = self.model(input_ids=ids, attention_mask=mask4d, position_ids=pos, **kwargs).logits
+            return out[:, -1]
+
+    def _compiled_forward(self, ids, mask4d, pos, kwargs) -> torch.Tensor | None:
+        """The decode forward through the compiled model; None (and compiling off) once it failed."""
+        cache = kwargs[self._cache_kw]
+        # For the first calls (compilation, CUDA-graph warm-up and recording), snapshot the cache's write
+        # offsets (StaticLayer advances its own in place), so that an eager retry after a failure mid-call
+        # writes where this call should have.
+        offsets = None
+        if self._compiled_calls < 3:
+            offsets = [
+                (layer, layer.cumulative_length.clone())
+                for layer in getattr(cache, "layers", [])
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+            ]
+        try:
+            if self._compiled is None:
+                self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
+            torch.compiler.cudagraph_mark_step_begin()
+            out = self._compiled(input_ids=ids, attention_mask=mask4d, position_ids=pos, **kwargs).logits
+            self.compile_active = True
+            self._compiled_calls += 1
+            return out[:, -1].clone()  # the graph's output buffer is overwritten by the next replay
+        except Exception:  # noqa: BLE001 - any compile/capture failure: decode eagerly, say so
+            log.exception("compiled decode forward failed; decoding eagerly from now on")
+            for layer, offset in offsets or []:
+                layer.cumulative_length.copy_(offset)
+            self.compile_decode, self.compile_active, self._compiled = False, False, None
+            return None
+
+    def _static_cache(self, rows: int, length: int) -> Any:
+        """A StaticCache of `length` slots; with compile_decode, the last one again (reset) if its shape fits."""
+        from transformers import StaticCache
+
+        if self.compile_decode and self._kept_cache is not None and self._kept_cache[0] == (rows, length):
+            cache = self._kept_cache[1]
+            cache.reset()
+            return cache
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._kept_cache = ((rows, length), cache) if self.compile_decode else None
+        return cache
+
+    def _static_mask(self):
+        """What the model's attention takes for a boolean "may attend" mask; None: not supported."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl == "sdpa":
+            return lambda see: see
+        if impl == "eager":
+            low = torch.finfo(self.dtype).min
+            return lambda see: torch.zeros(see.shape, dtype=self.dtype, device=see.device).masked_fill(
+                ~see, low
+            )
+        return None
+
     def generate(self, rows: Sequence[RowRequest], gate: StepGate) -> list[RowResult]:
-        """Decode `rows` as one batch; returns one result per row, in order."""
+        """Decode `rows` as one batch on this engine's decoder; returns one result per row, in order."""
+        if self.decoder == "static" and rows:
+            wants_extra = any(
+                (r.return_logprob and r.logprob_start_len >= 0) or r.top_logprobs_num > 0 for r in rows
+            )
+            mask_value = self._static_mask()
+            if not wants_extra and mask_value is not None:
+                return self._generate_static(rows, gate, mask_value)
+        return self._generate_loop(rows, gate)
+
+    def _generate_static(self, rows: Sequence[RowRequest], gate: StepGate, mask_value) -> list[RowResult]:
+        from mopd_hpc.engines.rollout.static_decoder import StaticRow, cache_length, decode_static, kv_view
+
+        srows = [
+            StaticRow(
+                prompt_ids=tuple(r.prompt_ids),
+                temperature=r.sampling.temperature,
+                top_p=r.sampling.top_p,
+                top_k=r.sampling.top_k,
+                max_new_tokens=r.sampling.max_new_tokens,
+                stop_ids=frozenset(r.sampling.stop_token_ids)
+                | (frozenset() if r.sampling.ignore_eos else self.eos_token_ids),
+                seed=r.seed,
+            )
+            for r in rows
+        ]
+        cache = self._static_cache(len(srows), cache_length(srows)[1])
+        forward, written_only = self._forward_static, False
+        if not self.compile_decode and (set_end := kv_view(cache)) is not None:
+            written_only = True
+
+            def forward(ids, mask4d, pos, cache, cache_position, set_end=set_end):
+                set_end(mask4d.shape[-1])
+                return self._forward_static(ids, mask4d, pos, cache, cache_position)
+
+        outs = decode_static(srows, forward, cache, gate, self.device, mask_value, written_only)
+        version = self.weight_version  # the version at completion, as SGLang reports it
+        return [
+            RowResult(
+                output_ids=o.output_ids,
+                output_logprobs=o.output_logprobs if r.return_logprob else [],
+                finish=o.finish,
+                weight_version=version,
+            )
+            for r, o in zip(rows, outs, strict=True)
+        ]
+
+    def _generate_loop(self, rows: Sequence[RowRequest], gate: StepGate) -> list[RowResult]:
         from transformers import DynamicCache
 
         n, dev = len(rows), self.device
@@ -272,6 +439,7 @@ class HFRolloutEngine:
     def release_cache(self) -> None:
         """Give the caching allocator's unused blocks (a finished batch's KV cache and logits) back to the
         device, so that a colocated child can have them until the next batch (no-op on CPU)."""
+        self._kept_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

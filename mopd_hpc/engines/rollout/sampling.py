@@ -9,8 +9,9 @@ The behavior policy μ of a row is the exact distribution the token is drawn fro
              and rank(v) < top_k                                    is always kept)
     μ      = p · keep / Σ p · keep                                (renormalized)
 
-The token is drawn by inverse CDF with one uniform number from the row's own `torch.Generator`, so a row's
-tokens depend only on its seed and its logits. The returned log-prob is log μ(y_t). Where top_p = 1 and
+The token is drawn by inverse CDF with one uniform number from the row's own `torch.Generator` (the loop
+decoder) or from the counter hash of `counter_rng.py` (the static decoder), so a row's tokens depend only on
+its seed and its logits. The returned log-prob is log μ(y_t). Where top_p = 1 and
 top_k = -1 this equals log_softmax(logits / T)(y_t), which is what SGLang 0.5.23 returns
 (`output_token_logprobs` are log-probs of logits / T); with top-p/top-k SGLang reports the
 pre-truncation value, this module the truncated and renormalized one (the distribution really sampled
@@ -40,7 +41,11 @@ class SampleOut:
 
 
 def behavior_logprobs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    any_truncated: bool | None = None,
 ) -> torch.Tensor:
     """log μ for every token: [B, V] float32 (−inf outside the top-p/top-k support).
 
@@ -49,6 +54,8 @@ def behavior_logprobs(
         temperature: [B] float32; rows below 1e-6 are greedy and use T = 1, no truncation.
         top_p: [B] float32 in (0, 1].
         top_k: [B] int64, -1 = off.
+        any_truncated: whether some row truncates (top_p < 1 or top_k below V, not greedy); None asks the
+            tensors (one host sync). A caller that knows it from the request passes it: the values are the same.
     """
     logits = logits.float()
     greedy = (temperature < GREEDY_TEMPERATURE) | (top_k == 1)
@@ -58,7 +65,7 @@ def behavior_logprobs(
     k = torch.where((top_k <= 0) | greedy, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
     p = torch.where(greedy, torch.ones_like(top_p), top_p)
     truncate = (p < 1.0) | (k < vocab)
-    if not bool(truncate.any()):
+    if not (bool(truncate.any()) if any_truncated is None else any_truncated):
         return logp
     sorted_logp, order = logp.sort(dim=-1, descending=True)
     probs = sorted_logp.exp()
@@ -91,6 +98,19 @@ def sample_next(
     logp = behavior_logprobs(logits, temperature, top_p, top_k)
     device = logits.device
     u = torch.stack([torch.rand((), generator=g, device=device) for g in generators])
+    return sample_with_uniforms(logits, logp, temperature, top_k, u)
+
+
+def sample_with_uniforms(
+    logits: torch.Tensor, logp: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, u: torch.Tensor
+) -> SampleOut:
+    """The inverse-CDF draw of `sample_next` with given uniforms: row b takes the first token whose
+    cumulative μ exceeds u[b] · Σμ (greedy rows: the argmax of logits).
+
+    Args:
+        logits: [B, V]; logp: [B, V] float32, `behavior_logprobs` of the same logits; temperature: [B]
+            float32; top_k: [B] int64; u: [B] float32 in [0, 1).
+    """
     cdf = logp.exp().cumsum(dim=-1)
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
     drawn = drawn.clamp(max=logits.shape[-1] - 1)
