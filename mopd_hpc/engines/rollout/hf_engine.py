@@ -232,7 +232,8 @@ class HFRolloutEngine:
 
         if self.compile_decode and self._kept_cache is not None and self._kept_cache[0] == (rows, length):
             cache = self._kept_cache[1]
-            cache.reset()
+            with torch.inference_mode():  # its tensors were made by a forward under inference mode
+                cache.reset()
             return cache
         cache = StaticCache(config=self.model.config, max_cache_len=length)
         self._kept_cache = ((rows, length), cache) if self.compile_decode else None
@@ -458,6 +459,8 @@ class HFRolloutEngine:
         with self.lock:
             if self.device.type != "cpu":
                 self.model.to(self.device)
+                # the parameters have new addresses: a recorded CUDA graph would read the old ones
+                self._compiled, self._kept_cache = None, None
             self.weights_on_device = True
             return f"weights resident on {self.device}"
 
