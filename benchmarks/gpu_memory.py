@@ -5,7 +5,7 @@
 
 Each shape (prompts × samples × new tokens) runs `mopd-submit configs/local_gpu_colocated.yaml --local` (the
 megatron actor and teacher, the HF rollout engine, AWEX colocate, all on GPU 0; random Qwen3-0.6B-shape models
-made by `benchmarks/gpu_step.py --make-models`) for `--steps` steps with `data.eval.size: 0`, every knob of
+made by `benchmarks/gpu_models.py`) for `--steps` steps with `data.eval.size: 0`, every knob of
 memory at its default (micro_batch_tokens null: the engine derives its budget from the free memory;
 teacher residency auto). From its metrics.jsonl:
 
@@ -39,6 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from gpu_models import ensure_models  # noqa: E402
 from results_file import write_results  # noqa: E402
 
 from mopd_hpc.config import load_run_config  # noqa: E402
@@ -189,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", action="append", default=None, help="PROMPTSxSAMPLESxNEW (repeatable)")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument(
-        "--models", type=Path, default=None, help="made here when absent (gpu_step.py --make-models)"
-    )
+    p.add_argument("--models", type=Path, default=None, help="made here when absent (gpu_models.py)")
     p.add_argument("--deadline-s", type=float, default=540.0, help="stop the last shape at this many seconds")
     p.add_argument("--keep", type=Path, default=None, help="where each shape's submit log and logs/ go")
     p.add_argument("--out", type=Path, default=RESULTS / "gpu_memory.json")
@@ -199,16 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     shapes = args.shape or ["64x4x256", "64x4x1024"]
     models = args.models or Path(tempfile.mkdtemp(prefix="gpu_memory_models_"))
-    if not (models / "student" / "config.json").exists():
-        make = [
-            sys.executable,
-            str(REPO / "benchmarks" / "gpu_step.py"),
-            "--make-models",
-            str(models),
-            "--size",
-            "0.6b",
-        ]
-        subprocess.run(make, check=True, cwd=REPO)
+    ensure_models(models, "0.6b", timeout_s=None)  # in a child: no CUDA context in this process
     capacity = gpu_capacity_gib()
     keep = args.keep or Path(tempfile.mkdtemp(prefix="gpu_memory_logs_"))
     result: dict[str, Any] = {

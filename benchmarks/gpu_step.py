@@ -4,6 +4,7 @@
     python benchmarks/gpu_step.py --make-models DIR      # only write random Qwen3-1.7B-shape student/teacher
                                                          # checkpoints (+ a char tokenizer) for
                                                          # configs/qwen3_8gpu_colocated.yaml, then exit
+                                                         # (benchmarks/gpu_models.py)
 
 Each step runs the phases of DESIGN.md §3 with the real parts: ROLLOUT (POST /generate with log-probs: μ),
 TEACHER (the teacher's HF SDPA scoring engine on GPU 1), TRAIN (MegatronTrainEngine.train_step with the MOPD
@@ -30,30 +31,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from gpu_models import SHAPES, make_checkpoint, make_models  # noqa: E402
 from results_file import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPES = {
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-}  # fmt: skip
-
-
-def make_checkpoint(shape: dict, directory: Path, seed: int, tokenizer: bool = False) -> None:
-    """A random-initialized Qwen3 checkpoint (bf16 safetensors + config.json [+ the char tokenizer])."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(str(directory))
-    if tokenizer:
-        from mopd_hpc.data.tokenizer import build_char_tokenizer
-
-        build_char_tokenizer().save_pretrained(str(directory))
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict:
@@ -174,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.make_models is not None:
         size = args.size or "1.7b"
-        for name, seed in (("student", 0), ("teacher", 1)):
-            make_checkpoint(SHAPES[size], args.make_models / name, seed, tokenizer=True)
+        make_models(args.make_models, size)  # benchmarks/gpu_models.py
         print(f"wrote {args.make_models}/student and /teacher ({size} shape, random weights)")
         return 0
     args.size = args.size or "0.6b"

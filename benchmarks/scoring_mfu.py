@@ -30,16 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_models import SHAPES  # noqa: E402  (Qwen3-0.6B / 1.7B shapes)
 from results_file import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: Qwen3 dense shapes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-1.7B).
-SHAPES = {
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-}  # fmt: skip
 
 
 def cuda_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:

@@ -53,15 +53,11 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from gpu_models import SHAPES  # noqa: E402  (Qwen3-0.6B / 1.7B shapes)
+
 from mopd_hpc.atomic import atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPES = {
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-}  # fmt: skip
 
 
 def _bw_rank(rank: int, port: int, nbytes: int, repeats: int, out: mp.Queue) -> None:

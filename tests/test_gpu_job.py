@@ -1,6 +1,6 @@
 """The production engines through the job's own roles (issue 8): `mopd-submit <config> --local` → one guard →
 a Megatron actor (the controller), a Megatron teacher and an HF rollout engine; random Qwen3-0.6B-shape models
-(benchmarks/gpu_step.py --make-models). 3 steps, checkpoints at 2 and 3 (the last), the evaluation at start
+(benchmarks/gpu_models.py `ensure_models`). 3 steps, checkpoints at 2 and 3 (the last), the evaluation at start
 and end. Two configs:
 - configs/local_gpu_colocated.yaml, one GPU: the three children on GPU 0, weights by AWEX colocate mode;
 - configs/local_gpu_separated.yaml, two GPUs: actor and teacher on GPU 0, rollout on GPU 1, weights by AWEX
@@ -32,6 +32,9 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_models import ensure_models  # noqa: E402
+
 STEPS = 3
 
 
@@ -53,16 +56,7 @@ def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, case:
         pytest.skip(f"needs {gpus} CUDA device(s)")
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
     pytest.importorskip("awex", reason="awex is not installed")
-    models = tmp_path / "models"
-    make = [
-        sys.executable,
-        str(REPO / "benchmarks" / "gpu_step.py"),
-        "--make-models",
-        str(models),
-        "--size",
-        "0.6b",
-    ]
-    subprocess.run(make, check=True, timeout=300, cwd=REPO)
+    models = ensure_models(tmp_path / "models", "0.6b", timeout_s=300)  # benchmarks/gpu_models.py
     run_dir = tmp_path / "run"
     overrides = {
         "models.actor.path": models / "student",

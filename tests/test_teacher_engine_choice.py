@@ -1,8 +1,9 @@
 """Which scoring engine the teacher role builds (issue 8): torch or megatron (tensor parallel 1), chosen from
 `models.teachers[i]`; the errors that name the field (megatron without a GPU, tensor_parallel > 1); the
-job's gaps for TP 1 vs TP 2; and `MegatronScoringEngine.score` (top-k from the full logits, padding ids
-dropped) against `TorchScoringEngine` through a stand-in for GPTModel's call surface on the CPU (the real
-GPTModel needs CUDA: tests/test_megatron_teacher_gpu.py).
+job's gaps for TP 1 vs TP 2; and `MegatronScoringEngine.score` (top-k of the vocab-parallel logits, padding
+ids dropped) against `TorchScoringEngine` through a stand-in for GPTModel's call surface on the CPU, at TP 1
+and at TP 2 in two gloo processes, each stand-in answering its own vocabulary shard (the real GPTModel needs
+CUDA: tests/test_megatron_teacher_gpu.py, tests/test_megatron_teacher_tp_gpu.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -238,6 +242,22 @@ class StandInGPT(torch.nn.Module):
         return torch.cat([logits, padding], dim=-1)
 
 
+class ShardStandInGPT(StandInGPT):
+    """`StandInGPT` at tensor parallel `tp`: without labels, rank `rank`'s columns [rank·V'/tp, (rank+1)·V'/tp)
+    of the padded logits only (megatron's `parallel_output`); the labels path unchanged."""
+
+    def __init__(self, hf: torch.nn.Module, rank: int, tp: int) -> None:
+        super().__init__(hf)
+        self.rank, self.tp = rank, tp
+
+    def forward(self, ids, positions, attention_mask, labels=None):  # type: ignore[override]
+        out = super().forward(ids, positions, attention_mask, labels)
+        if labels is not None:
+            return out
+        width = out.shape[-1] // self.tp
+        return out[..., self.rank * width : (self.rank + 1) * width]
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
@@ -282,11 +302,6 @@ def test_megatron_score_errors(engines, monkeypatch: pytest.MonkeyPatch) -> None
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
     with pytest.raises(EngineError, match=r"^k=0: expected >= 1"):
         engine.score(batch, 0)
-    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (2, 0, None))
-    with pytest.raises(
-        EngineError, match=r"^top-k scoring at tensor_parallel=2: .*expected tensor_parallel 1"
-    ):
-        engine.score(batch, 4)
     with pytest.raises(EngineError, match=r"device='cpu': the megatron engine runs on CUDA only"):
         megatron_engine.MegatronScoringEngine.from_pretrained(engine.path, dtype="float32", device="cpu")
     with pytest.raises(EngineError, match=r"dtype='int8'"):
@@ -337,3 +352,77 @@ def test_scoring_rows_keep_one_chunk_of_logits_within_the_budget(tmp_path: Path)
     assert scoring_rows(big, str(tmp_path / "big")) == (4 << 30) // (1280 * 151936 * 4) == 5
     assert scoring_rows(big, str(tmp_path / "big"), budget_bytes=1) == 1  # never 0
     assert scoring_rows(big, str(tmp_path / "missing")) == 256  # unreadable config: the step's rows
+
+
+_TP2_SCORE = textwrap.dedent(
+    """
+    import json, sys
+    import torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[4])
+    from test_teacher_engine_choice import ROWS, STARTS, ShardStandInGPT
+    from mopd_hpc.engines.batch import TokenBatch
+    from mopd_hpc.engines.megatron import engine as megatron_engine
+    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    rank, path = int(sys.argv[1]), sys.argv[5]
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+    megatron_engine._tp_info = lambda: (2, rank, None)  # the TP group: this gloo world
+    hf = TorchScoringEngine.from_pretrained(path, dtype="float32", device="cpu").model
+    config = json.load(open(path + "/config.json"))
+    engine = megatron_engine.MegatronScoringEngine(ShardStandInGPT(hf, rank, 2), torch.device("cpu"), config,
+                                                   path=path, max_batch_rows=2)
+    batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
+    lp, top = engine.score(batch, 4)
+    whole = engine.topk(batch, 1000)
+    torch.save({"lp": lp, "ids": top.indices, "values": top.logprobs, "whole_ids": whole.indices,
+                "whole_values": whole.logprobs}, sys.argv[3])
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_megatron_score_at_tp2_in_two_gloo_ranks(
+    engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`MegatronScoringEngine.score` at tensor_parallel 2: two gloo processes, each with a stand-in answering
+    its half of the padded vocabulary V' = 48 (rank 1: ids 24..39 real, 8 padding columns holding the
+    largest logits). Both ranks give the TP 1 engine's answer (float32: 1e-6 absolute + 2 ulps; ids
+    identical) and the torch engine's (1e-5), no padding id; k > V gives the whole real vocabulary."""
+    megatron_engine, engine, reference = engines
+    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))
+    batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
+    mask = batch.response_mask
+    want_lp, want_top = engine.score(batch, 4)
+    want_whole = engine.topk(batch, 1000)
+    _, ref_top = reference.score(batch, 4)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _TP2_SCORE,
+                str(r),
+                str(tmp_path / "store"),
+                str(tmp_path / f"r{r}.pt"),
+                str(REPO / "tests"),
+                str(engine.path),
+            ],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+    tol = {"atol": 1e-6, "rtol": 2 * torch.finfo(torch.float32).eps}
+    for r in range(2):
+        got = torch.load(tmp_path / f"r{r}.pt")
+        torch.testing.assert_close(got["lp"], want_lp, **tol)
+        assert torch.all(got["lp"][~mask] == 0)
+        assert torch.equal(got["ids"][mask], want_top.indices[mask])
+        assert torch.equal(got["ids"][mask], ref_top.indices[mask])
+        torch.testing.assert_close(got["values"][mask], want_top.logprobs[mask], **tol)
+        assert (got["values"] - ref_top.logprobs)[mask].abs().max().item() < 1e-5
+        assert got["whole_ids"].shape[-1] == VOCAB and int(got["whole_ids"].max()) < VOCAB
+        torch.testing.assert_close(got["whole_values"][mask], want_whole.logprobs[mask], **tol)

@@ -6,6 +6,9 @@ a sum (or max) over the threads' tensors (a barrier in place of the collective);
 into its own columns, and the columns' gradients, put side by side, must equal the reference gradient of
 the full logits (0 on megatron's padding columns, ids ≥ V). Then the same with a real 2-process gloo group.
 Top-k across shards: per-shard top-k, then the top-k of the candidates, equals the full top-k.
+A vocab-parallel teacher's answer (`vocab_parallel_score`, what megatron's scoring engine calls): at one
+shard it is the engine's former arithmetic (float32 log-softmax of the full logits, then top-k; values
+within 1e-6, ids identical), and two gloo ranks holding vocabulary shards give the one-process answer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ import torch
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl, topk_reverse_kl_loss
-from mopd_hpc.mopd.vocab_parallel import VocabParallelLogprobs, merge_topk, shard_topk, vocab_parallel_topk
+from mopd_hpc.mopd.vocab_parallel import (
+    VocabParallelLogprobs,
+    merge_topk,
+    shard_topk,
+    vocab_parallel_score,
+    vocab_parallel_topk,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 B, T, V = 3, 5, 50
@@ -260,3 +269,111 @@ def test_no_float32_vocabulary_tensor_on_gpu() -> None:
     ref = torch.log_softmax(logits.detach()[0, :8].float(), -1).gather(-1, teachers["a"].indices[0, :8])
     torch.testing.assert_close(student(teachers["a"].indices)[0, :8].detach(), ref, atol=2e-3, rtol=0)
     assert peak < 3 * copy + 2 * 128 * 2**20, figures
+
+
+SCORE_K = 6
+SCORE_TOL = 1e-6  # float32, absolute
+#: plus 2 float32 ulps relative: a log-prob below −8 has an ulp ≥ 9.5e-7 (x − lse and log_softmax round apart)
+SCORE_RTOL = 2 * torch.finfo(torch.float32).eps
+
+
+def teacher_problem(dtype: torch.dtype = torch.float32, seed: int = 5, vocab: int = 64):
+    """Random teacher logits [B, T, vocab] (scale 3) and response token ids [B, T]."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (3.0 * torch.randn(B, T, vocab, generator=g)).to(dtype)
+    return logits, torch.randint(0, vocab, (B, T), generator=g)
+
+
+def former_engine_score(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """MegatronScoringEngine.score's arithmetic before the vocab-parallel path (one float32 log-softmax of the
+    full logits [B, T, V], the tokens' log-probs gathered from it, its top-k): (token lp, ids, values)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1), ids, values
+
+
+def assert_same_answer(got, want, tol: float = SCORE_TOL) -> None:
+    """Token log-probs and the sorted top-k log-probs within tol; ids identical at every rank of the top-k
+    whose value is apart from its neighbours (a tie may come in either order); returns nothing."""
+    (lp, ids, values), (want_lp, want_ids, want_values) = got, want
+    assert ids.shape == want_ids.shape and ids.dtype == torch.int64
+    torch.testing.assert_close(lp, want_lp, atol=tol, rtol=SCORE_RTOL)
+    torch.testing.assert_close(values, want_values, atol=tol, rtol=SCORE_RTOL)
+    gap = want_values[..., :-1] - want_values[..., 1:]
+    apart = torch.ones_like(want_ids, dtype=torch.bool)
+    apart[..., :-1] &= gap > 0
+    apart[..., 1:] &= gap > 0
+    assert torch.equal(ids[apart], want_ids[apart])
+    assert float(apart.float().mean()) > 0.5  # the comparison covers most of the top-k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_shard_score_is_the_former_engine_arithmetic(dtype: torch.dtype) -> None:
+    """TP = 1 (no collective): the same answer as the full float32 log-softmax (bf16: the same top-k ids and
+    values, since bf16 → float32 is exact and monotone), k ≤ V and k > V (the whole vocabulary)."""
+    logits, tokens = teacher_problem(dtype)
+    for k in (SCORE_K, 1, 64, 1000):
+        got = vocab_parallel_score(logits, 0, logits.shape[-1], tokens, k)
+        want = former_engine_score(logits, tokens, k)
+        assert got[1].shape[-1] == min(k, logits.shape[-1])
+        assert_same_answer(got, want)
+        if dtype == torch.float32:  # random float32 logits: no ties, every id identical
+            assert torch.equal(got[1], want[1])
+
+
+_GLOO_SCORE = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[4])
+    from test_vocab_parallel import teacher_problem, SCORE_K
+    from mopd_hpc.mopd.vocab_parallel import (process_group_all_gather, process_group_all_reduce,
+                                              vocab_parallel_score)
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+    out = {}
+    for name, width, pad in (("even", 32, 0), ("padded", 36, 8)):  # padded: V' = 72, rank 1 has 28 real ids
+        logits, tokens = teacher_problem()
+        full = torch.cat([logits, torch.full((*logits.shape[:-1], pad), 1e3)], -1)  # padding would win
+        local = full[..., rank * width:(rank + 1) * width].contiguous()
+        out[name] = vocab_parallel_score(local, rank * width, logits.shape[-1], tokens, SCORE_K,
+                                         process_group_all_gather(), process_group_all_reduce())
+    torch.save(out, sys.argv[3])
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_two_gloo_ranks_score_like_one_process(tmp_path: Path) -> None:
+    """Two gloo processes, each holding half of the vocabulary (then with megatron's padding on rank 1),
+    through `vocab_parallel_score` with the process-group collectives the engine uses: both ranks give the
+    one-process full-vocabulary answer (float32, 1e-6; every id identical: random float32 logits, no ties)."""
+    store = tmp_path / "store"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _GLOO_SCORE,
+                str(r),
+                str(store),
+                str(tmp_path / f"s{r}.pt"),
+                str(REPO / "tests"),
+            ],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+    logits, tokens = teacher_problem()
+    want = former_engine_score(logits, tokens, SCORE_K)
+    for r in range(2):
+        got = torch.load(tmp_path / f"s{r}.pt")
+        for name in ("even", "padded"):
+            assert_same_answer(got[name], want)
+            assert torch.equal(got[name][1], want[1]), (r, name)
+            assert int(got[name][1].max()) < logits.shape[-1]  # no padding id

@@ -8,7 +8,8 @@ refused and with what, and the way out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from mopd_hpc.config.capabilities import (
     ACTOR_ENGINES,
@@ -36,27 +37,31 @@ def _limits(table: dict, attr: str) -> Iterator[tuple[int, list[str]]]:
     yield from sorted(by.items())
 
 
-def refusal_rows() -> list[tuple[str, str, str]]:
+Row = tuple[str, str, str]
+
+
+def _lacking(
+    table: Mapping[str, Any], has: Callable[[Any], bool], field: str, when: str, way: str
+) -> list[Row]:
+    """One row (field, refused when, way out) naming the entries of `table` whose spec lacks `has`, or none
+    when every entry has it. `when` holds `{names}`, formatted as `_names` of those entries."""
+    names = [n for n, s in table.items() if not has(s)]
+    return [(field, when.format(names=_names(names)), way)] if names else []
+
+
+def refusal_rows() -> list[Row]:
     """(field, refused when, way out) for every refusal the declarations make, in the order job_gaps checks."""
-    rows: list[tuple[str, str, str]] = []
+    rows: list[Row] = []
     actor = ACTOR_ENGINES
     for device in DEVICES:
-        lacking = [n for n, s in actor.items() if device not in s.devices]
-        if lacking:
-            having = [n for n, s in actor.items() if device in s.devices]
-            rows.append(
-                (
-                    "models.actor.engine",
-                    f"{_names(lacking)} on a {device.upper()} group",
-                    f"engine {_names(having)}",
-                )
-            )
-    for limit, names in _limits(actor, "tensor_parallel"):
-        rows.append(("models.actor.tensor_parallel", f"> {limit} with engine {_names(names)}", f"≤ {limit}"))
-    for limit, names in _limits(actor, "pipeline_parallel"):
-        rows.append(
-            ("models.actor.pipeline_parallel", f"> {limit} with engine {_names(names)}", f"≤ {limit}")
-        )
+        having = [n for n, s in actor.items() if device in s.devices]
+        rows += _lacking(
+            actor, lambda s, d=device: d in s.devices, "models.actor.engine",
+            f"{{names}} on a {device.upper()} group", f"engine {_names(having)}",
+        )  # fmt: skip
+    for field, attr in (("tensor_parallel", "tensor_parallel"), ("pipeline_parallel", "pipeline_parallel")):
+        for limit, names in _limits(actor, attr):
+            rows.append((f"models.actor.{field}", f"> {limit} with engine {_names(names)}", f"≤ {limit}"))
     for device in DEVICES:
         by: dict[int, list[str]] = {}
         for name, spec in actor.items():
@@ -84,24 +89,18 @@ def refusal_rows() -> list[tuple[str, str, str]]:
                 )
             )
     for device in DEVICES:
-        lacking = [n for n, s in TEACHER_ENGINES.items() if device not in s.devices]
-        if lacking:
-            rows.append(
-                (
-                    "models.teachers[i].engine",
-                    f"{_names(lacking)} on a {device.upper()} group",
-                    "engine `torch`",
-                )
-            )
+        rows += _lacking(
+            TEACHER_ENGINES, lambda s, d=device: d in s.devices, "models.teachers[i].engine",
+            f"{{names}} on a {device.upper()} group", "engine `torch`",
+        )  # fmt: skip
     for limit, names in _limits(TEACHER_ENGINES, "tensor_parallel"):
         rows.append(
             ("models.teachers[i].tensor_parallel", f"> {limit} with engine {_names(names)}", f"≤ {limit}")
         )
-    no_topk = [n for n, s in TEACHER_ENGINES.items() if not s.topk]
-    if no_topk:
-        rows.append(
-            ("models.teachers[i].engine", f"{_names(no_topk)} with loss.estimator `topk`", "`sampled`")
-        )
+    rows += _lacking(
+        TEACHER_ENGINES, lambda s: s.topk, "models.teachers[i].engine",
+        "{names} with loss.estimator `topk`", "`sampled`",
+    )  # fmt: skip
     running = [n for n, s in ROLLOUT_BACKENDS.items() if s.runs_in_job]
     for name, spec in ROLLOUT_BACKENDS.items():
         if not spec.runs_in_job:
@@ -126,50 +125,30 @@ def refusal_rows() -> list[tuple[str, str, str]]:
                 )
             )
     for name, spec in WEIGHT_SYNCS.items():
-        engines = [e for e in actor if e not in spec.actor_engines]
-        if engines:
-            rows.append(
-                ("weight_sync.backend", f"`{name}` with models.actor.engine {_names(engines)}", "`torch`")
-            )
-        backends = [b for b in ROLLOUT_BACKENDS if b not in spec.rollout_backends]
-        if backends:
-            rows.append(
-                ("weight_sync.backend", f"`{name}` with rollout.backend {_names(backends)}", "`torch`")
-            )
-    for estimator in ESTIMATORS:
-        lacking = [n for n, s in actor.items() if estimator not in s.estimators]
-        if lacking:
-            rows.append(
-                (
-                    "loss.estimator",
-                    f"`{estimator}` with engine {_names(lacking)}",
-                    "the other estimator or engine",
-                )
-            )
-    lacking = [n for n, s in actor.items() if not s.loss_rl]
-    if lacking:
-        rows.append(
-            ("loss.rl_coefficient", f"> 0 with engine {_names(lacking)}", "0 (orm_alpha for rewards)")
-        )
-    for estimator in ESTIMATORS:
-        lacking = [n for n, s in actor.items() if estimator not in s.advantage_rl]
-        if lacking:
-            rows.append(
-                (
-                    "loss.orm_alpha",
-                    f"> 0 with loss.estimator `{estimator}` (engine {_names(lacking)})",
-                    "0 (rl_coefficient for rewards)",
-                )
-            )
-    lacking = [n for n, s in actor.items() if not s.reference]
-    if lacking:
-        rows.append(
-            (
-                "loss.kl_coefficient",
-                f"> 0 with rl_coefficient > 0 and engine {_names(lacking)} (no reference model is scored)",
-                "0",
-            )
-        )
+        for what, table, supported in (
+            ("models.actor.engine", actor, spec.actor_engines),
+            ("rollout.backend", ROLLOUT_BACKENDS, spec.rollout_backends),
+        ):
+            names = [n for n in table if n not in supported]
+            if names:
+                rows.append(("weight_sync.backend", f"`{name}` with {what} {_names(names)}", "`torch`"))
+    loss: list[tuple[Callable[[Any], bool], str, str, str]] = [
+        *(
+            (lambda s, e=e: e in s.estimators, "loss.estimator", f"`{e}` with engine {{names}}",
+             "the other estimator or engine")
+            for e in ESTIMATORS
+        ),
+        (lambda s: s.loss_rl, "loss.rl_coefficient", "> 0 with engine {names}", "0 (orm_alpha for rewards)"),
+        *(
+            (lambda s, e=e: e in s.advantage_rl, "loss.orm_alpha",
+             f"> 0 with loss.estimator `{e}` (engine {{names}})", "0 (rl_coefficient for rewards)")
+            for e in ESTIMATORS
+        ),
+        (lambda s: s.reference, "loss.kl_coefficient",
+         "> 0 with rl_coefficient > 0 and engine {names} (no reference model is scored)", "0"),
+    ]  # fmt: skip
+    for has, field, when, way in loss:  # in the order job_gaps checks the loss section
+        rows += _lacking(actor, has, field, when, way)
     return rows
 
 

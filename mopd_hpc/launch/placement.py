@@ -87,6 +87,26 @@ def _visibility(
     return [str(g) for g in slot_gpus], None
 
 
+def _child(
+    role: str,
+    index: int,
+    het_group: int,
+    node: int,
+    slot_gpus: list[int | None],
+    gpus_per_node: int,
+    colocated: bool,
+    ports: tuple[str, ...],
+    env: dict[str, str],
+) -> ChildSpec:
+    """The child of `role`[index] on node `node` of het group `het_group`, working on `slot_gpus` of that node
+    (`[None]` on a CPU group), with its GPU visibility (`_visibility`), named ports and env."""
+    gpus, device = _visibility(slot_gpus, gpus_per_node, colocated)
+    return ChildSpec.create(
+        role=role, index=index, het_group=het_group, node_index=node, gpus=gpus, device_index=device,
+        port_names=ports, env=env,
+    )  # fmt: skip
+
+
 def place_children(cfg: Any) -> JobPlan:
     """The JobPlan of a validated RunConfig.
 
@@ -126,18 +146,10 @@ def place_children(cfg: Any) -> JobPlan:
     actor_local = _local_ranks([n for n, _ in actor_slots])
     rank0_ports = ACTOR_MASTER_PORTS + (ACTOR_SYNC_PORTS if cfg.weight_sync.backend == "torch" else ())
     for rank, ((node, gpu), (lr, lw)) in enumerate(zip(actor_slots, actor_local, strict=True)):
-        gpus, device = _visibility([gpu], tg.gpus_per_node, colocated)
+        ports = rank0_ports if rank == 0 else ()
+        env = _rank_env(rank, world, lr, lw)
         children.append(
-            ChildSpec.create(
-                role="actor",
-                index=rank,
-                het_group=trainer_hg,
-                node_index=node,
-                gpus=gpus,
-                device_index=device,
-                port_names=rank0_ports if rank == 0 else (),
-                env=_rank_env(rank, world, lr, lw),
-            )
+            _child("actor", rank, trainer_hg, node, [gpu], tg.gpus_per_node, colocated, ports, env)
         )
     teachers = cfg.models.teachers if cfg.loss.distillation_coefficient > 0 else []
     if not tg.gpus_per_node:
@@ -158,36 +170,29 @@ def place_children(cfg: Any) -> JobPlan:
             )
         for r in range(replicas):
             for q, (node, gpu) in enumerate(actor_slots[r * ttp : (r + 1) * ttp]):
-                gpus, device = _visibility([gpu], tg.gpus_per_node, colocated)
                 ports = (("http", "master") if ttp > 1 else ("http",)) if q == 0 else ()
+                env = {**_rank_env(q, ttp, q, ttp), **_teacher_env(teacher.id, r)}
                 children.append(
-                    ChildSpec.create(
-                        role="teacher",
-                        index=index,
-                        het_group=trainer_hg,
-                        node_index=node,
-                        gpus=gpus,
-                        device_index=device,
-                        port_names=ports,
-                        env={**_rank_env(q, ttp, q, ttp), **_teacher_env(teacher.id, r)},
-                    )
+                    _child("teacher", index, trainer_hg, node, [gpu], tg.gpus_per_node, colocated, ports, env)
                 )
                 index += 1
     engine_local = _local_ranks([engine[0][0] for engine in engines])
     for e, (engine, (lr, lw)) in enumerate(zip(engines, engine_local, strict=True)):
         if len({n for n, _ in engine}) != 1:
             raise PlanError(f"rollout engine {e} would span nodes {sorted({n for n, _ in engine})}")
-        gpus, device = _visibility([g for _, g in engine], rg.gpus_per_node, colocated)
+        env = {**_rank_env(e, count, lr, lw), child_env.ROLLOUT_TP: str(tp)}
+        slot_gpus = [g for _, g in engine]
         children.append(
-            ChildSpec.create(
-                role="rollout",
-                index=e,
-                het_group=rollout_hg,
-                node_index=engine[0][0],
-                gpus=gpus,
-                device_index=device,
-                port_names=ROLLOUT_PORTS,
-                env={**_rank_env(e, count, lr, lw), child_env.ROLLOUT_TP: str(tp)},
+            _child(
+                "rollout",
+                e,
+                rollout_hg,
+                engine[0][0],
+                slot_gpus,
+                rg.gpus_per_node,
+                colocated,
+                ROLLOUT_PORTS,
+                env,
             )
         )
     children = _with_transfer_ranks(children, count, tp, cfg.weight_sync.backend == "awex", rollout.mode)
@@ -214,16 +219,8 @@ def _cpu_teachers(cfg: Any, teachers: Any, het_group: int, nodes: int) -> list[C
     out: list[ChildSpec] = []
     for teacher in teachers:
         for r in range(teacher_replicas(cfg, teacher)):
-            out.append(
-                ChildSpec.create(
-                    role="teacher",
-                    index=len(out),
-                    het_group=het_group,
-                    node_index=r % nodes,
-                    port_names=("http",),
-                    env={**_rank_env(0, 1, 0, 1), **_teacher_env(teacher.id, r)},
-                )
-            )
+            env = {**_rank_env(0, 1, 0, 1), **_teacher_env(teacher.id, r)}
+            out.append(_child("teacher", len(out), het_group, r % nodes, [None], 0, False, ("http",), env))
     return out
 
 

@@ -22,10 +22,14 @@ no float32 [N, V_r] tensor and nothing of size V.
 
 Top-k across shards (`shard_topk`, `merge_topk`): each rank's top-k of its real columns (global ids), the
 candidates gathered ([N, R·k]) and their top-k taken: the global top-k, since each of the k largest values
-is among its shard's k largest.
+is among its shard's k largest. The top-k is taken in the logits' own dtype (bf16 → float32 is exact and
+monotone: the same ids and values as a float32 top-k) and only the [N, k] result is cast: no float32
+[N, V_r] copy. `vocab_parallel_score` is what a vocab-parallel teacher answers (megatron's scoring engine
+calls it at every tensor_parallel): the sampled tokens' log-probs and the top-k, from one logsumexp.
 
 `AllReduce` is an in-place callable `(tensor, op)` with op "sum" or "max": `process_group_all_reduce(group)`
-wraps torch.distributed; None is the one-shard group (TP = 1: no collective). Shape legend: N positions
+wraps torch.distributed; `AllGather` is tensor → every rank's tensor of the same shape, in rank order
+(`process_group_all_gather(group)`). None is the one-shard group (TP = 1: no collective). Shape legend: N positions
 (any leading shape ... flattened), V_r local columns, K ids per position, R ranks.
 """
 
@@ -39,6 +43,7 @@ import torch
 from mopd_hpc.mopd.logprobs import DEFAULT_CHUNK_BYTES, LogprobError
 
 AllReduce = Callable[[torch.Tensor, Literal["sum", "max"]], None]
+AllGather = Callable[[torch.Tensor], list[torch.Tensor]]
 
 
 def process_group_all_reduce(group: Any = None) -> AllReduce:
@@ -51,6 +56,18 @@ def process_group_all_reduce(group: Any = None) -> AllReduce:
         dist.all_reduce(tensor, op=ops[op], group=group)
 
     return all_reduce
+
+
+def process_group_all_gather(group: Any = None) -> AllGather:
+    """An `AllGather` over a torch.distributed process group (None: WORLD): every rank's tensor, rank order."""
+    import torch.distributed as dist
+
+    def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return parts
+
+    return all_gather
 
 
 def _reduce(tensor: torch.Tensor, op: Literal["sum", "max"], all_reduce: AllReduce | None) -> torch.Tensor:
@@ -172,7 +189,10 @@ def shard_topk(
     while the group has k real columns."""
     width = min(k, local_logits.shape[-1])
     n_real = real_columns(local_logits.shape[-1], vocab_start, vocab_size)
-    values, idx = local_logits.detach()[..., :n_real].float().topk(min(width, n_real), dim=-1)
+    values, idx = local_logits.detach()[..., :n_real].topk(
+        min(width, n_real), dim=-1
+    )  # own dtype: no fp32 copy
+    values = values.float()
     if values.shape[-1] < width:
         fill = (*values.shape[:-1], width - values.shape[-1])
         values = torch.cat([values, values.new_full(fill, float("-inf"))], dim=-1)
@@ -192,21 +212,62 @@ def vocab_parallel_topk(
     vocab_start: int,
     vocab_size: int,
     k: int,
-    all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
+    all_gather: AllGather | None = None,
     all_reduce: AllReduce | None = None,
+    *,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(global top-k ids [..., K] int64, their float32 log π [..., K]) of vocab-parallel logits, no gradient.
+    """(global top-min(k, V) ids [..., K] int64, their float32 log π [..., K]) of vocab-parallel logits, no
+    gradient. Every rank of the group must make the same call (collectives); every rank gets the same result.
 
     Args:
-        all_gather: tensor → every rank's tensor of the same shape, in rank order (None: one shard); every
-            shard contributes [..., min(k, V_r)] (`shard_topk`).
+        all_gather: the group's `AllGather` (None: one shard); every shard contributes [..., min(k, V_r)]
+            (`shard_topk`).
         all_reduce: the group's `AllReduce`, for the global logsumexp.
+        lse: [...] the global logsumexp when the caller has it already (`VocabParallelLogprobs.lse`): then
+            no all-reduce here.
     """
+    k = min(k, vocab_size)  # never a padding column's −inf in the answer
     with torch.no_grad():
-        lse = VocabParallelLogprobs(local_logits.detach(), vocab_start, vocab_size, all_reduce).lse
+        if lse is None:
+            lse = VocabParallelLogprobs(local_logits.detach(), vocab_start, vocab_size, all_reduce).lse
         values, ids = shard_topk(local_logits, vocab_start, vocab_size, k)
         if all_gather is not None:
             values = torch.cat(all_gather(values.contiguous()), dim=-1)
             ids = torch.cat(all_gather(ids.contiguous()), dim=-1)
         top, top_ids = merge_topk(values, ids, k)
-        return top_ids, top - lse[..., None].float()
+        return top_ids, top - lse.detach()[..., None].float()
+
+
+def vocab_parallel_score(
+    local_logits: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    token_ids: torch.Tensor,
+    k: int,
+    all_gather: AllGather | None = None,
+    all_reduce: AllReduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A vocab-parallel teacher's answer, no gradient: (log π of `token_ids` [...] float32, top-min(k, V) ids
+    [..., K] int64, their log π [..., K] float32), all from one global logsumexp. What megatron's scoring
+    engine calls at every tensor_parallel (None, None: TP = 1, no collective).
+
+    Collectives, in order (every rank of the group makes the same call): all-reduce MAX [N] and SUM [N] (the
+    logsumexp), SUM [N, 1] (the tokens' logits on their owning ranks), two all-gathers [N, min(k, V_r)] (the
+    candidates' values and ids). Memory: the local logits (model dtype), one float32 block of rows, [N, R·k].
+
+    Args:
+        local_logits: [..., V_r] this rank's logits, any float dtype.
+        vocab_start, vocab_size: as `VocabParallelLogprobs`.
+        token_ids: [...] int64 ids in [0, V) (padded positions: any valid id; the caller masks them).
+
+    Raises:
+        LogprobError: as `VocabParallelLogprobs`.
+    """
+    with torch.no_grad():
+        logprobs = VocabParallelLogprobs(local_logits.detach(), vocab_start, vocab_size, all_reduce)
+        token = logprobs(token_ids[..., None]).squeeze(-1).float()
+        ids, values = vocab_parallel_topk(
+            local_logits, vocab_start, vocab_size, k, all_gather, all_reduce, lse=logprobs.lse
+        )
+        return token, ids, values

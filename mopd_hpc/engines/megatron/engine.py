@@ -12,7 +12,7 @@ vocab-parallel cross entropy (fp32), so tensor parallelism needs no full-vocabul
 labels_p = input_ids_{p+1}, the log-prob of response token t of row b sits at position
 response_start[b] + t − 1 (`TokenBatch.logit_positions`). Rows are right-padded: causal attention alone is exact.
 
-The teacher's forward-only engine, `MegatronScoringEngine` (top-k at tensor_parallel 1), lives in
+The teacher's forward-only engine, `MegatronScoringEngine` (top-k at any tensor_parallel), lives in
 `scoring.py` and is re-exported here (`engine.MegatronScoringEngine` resolves lazily: no import cycle).
 
 The train step (the loss section bound at construction as `mopd.objective.Objective`: either estimator,
@@ -62,6 +62,7 @@ from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.mopd.vocab_parallel import (
     AllReduce,
     VocabParallelLogprobs,
+    process_group_all_gather,
     process_group_all_reduce,
     vocab_parallel_topk,
 )
@@ -264,14 +265,7 @@ class MegatronTrainEngine:
         self.ddp.eval()
         logits = self.forward.response_logits(batch)
         tp, rank, group = _tp_info()
-        gather = None
-        if tp > 1:
-
-            def gather(t: torch.Tensor) -> list[torch.Tensor]:
-                parts = [torch.empty_like(t) for _ in range(tp)]
-                dist.all_gather(parts, t, group=group)
-                return parts
-
+        gather = None if tp == 1 else process_group_all_gather(group)
         ids, values = vocab_parallel_topk(
             logits, rank * logits.shape[-1], self.shape.vocab_size, k, gather, self._tp_all_reduce()
         )

@@ -6,10 +6,14 @@ The shared pieces (`initialize_parallel`, `build_from_hf`, `read_hf_checkpoint`,
 
 Log-probs: GPTModel's labels path (vocab-parallel cross entropy, any tensor_parallel; `engine.py`).
 
-Top-k (a teacher at tensor_parallel 1, `MegatronScoringEngine.score(batch, k)`): GPTModel's forward without
-labels gives the full [B, L, V'] logits; the response positions are gathered, ids ≥ V (megatron's vocabulary
-padding, if any) dropped, and the log-probs and the top-k come from one float32 log-softmax. At tensor
-parallel > 1 each rank holds a vocabulary shard only: top-k is refused there.
+Top-k (`MegatronScoringEngine.score(batch, k)`, any tensor_parallel): GPTModel's forward without labels gives
+this rank's vocab-parallel logits [B, L, V'/tp] (model dtype); at the response positions
+`mopd.vocab_parallel.vocab_parallel_score` takes the log-softmax normalizer (per-shard max and sum-exp
+all-reduced over the TP group), the response tokens' log-probs (each read on the rank owning the id), each
+shard's top-k with global ids (ids ≥ V, megatron's padding, excluded), then all-gathers the [B, T, tp·k]
+candidates and takes their top-k. TP = 1 is the same code with no collective. No rank holds a float32
+[B, T, V] tensor (the model-dtype logits, one float32 block of rows, [B, T, tp·k] candidates); every rank of
+the TP group makes the same call and gets the same answer (a TP replica's followers drop theirs).
 
 Shape legend: B rows, L prompt + response positions, T response positions, V vocabulary (V' padded), K top-k.
 """
@@ -31,6 +35,11 @@ from mopd_hpc.engines.megatron.model import DTYPES, load_mcore_state
 from mopd_hpc.engines.megatron.residency import scoring_residency
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.mopd.topk import TeacherTopK
+from mopd_hpc.mopd.vocab_parallel import (
+    process_group_all_gather,
+    process_group_all_reduce,
+    vocab_parallel_score,
+)
 
 
 class MegatronScoringEngine:
@@ -122,55 +131,43 @@ class MegatronScoringEngine:
             ]
             return torch.cat(parts, dim=0).float().cpu()
 
-    def _response_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """[B, T, V] float32 log-softmax at the positions predicting each response token (tensor_parallel 1:
-        GPTModel's forward without labels gives the full [B, L, V'] logits; padding ids ≥ V are dropped)."""
-        ids = batch.input_ids
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        logits = self.model(ids, positions, None)  # [B, L, V'] (megatron transposes [s, b] back)
-        index = batch.logit_positions[..., None].expand(-1, -1, logits.shape[-1])
-        logits = logits.gather(1, index)[..., : self.vocab_size]
-        return torch.log_softmax(logits.float(), dim=-1)
-
     def score(self, batch: TokenBatch, k: int | None = None) -> tuple[torch.Tensor, TeacherTopK | None]:
         """([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None), on the CPU.
 
-        Without k: the labels path (`logprobs`). With k (tensor_parallel 1 only): one forward without labels,
-        log-probs and top-k from the same float32 log-softmax (`TeacherTopK.from_logits`' arithmetic) at
-        the same response positions. Rows are scored `max_batch_rows` at a time.
+        Without k: the labels path (`logprobs`). With k: one forward without labels, then log-probs and top-k
+        from the vocab-parallel logits (`vocab_parallel_score`, module docstring: collectives over the TP
+        group at tensor_parallel > 1, which every rank of the group must enter for the same batch), 0 at
+        padded positions. Rows are scored `max_batch_rows` at a time.
 
         Raises:
-            EngineError: the weights are offloaded, k < 1, or k given at tensor_parallel > 1 (the logits
-                are vocab-parallel: no rank holds the full distribution).
+            EngineError: the weights are offloaded, or k < 1.
         """
         self._require_resident("score")
         if k is not None and k < 1:
             raise EngineError(f"k={k}: expected >= 1 (or None for no top-k)")
         if k is None:
             return self.logprobs(batch), None
-        tp = core._tp_info()[0]
-        if tp > 1:
-            raise EngineError(
-                f"top-k scoring at tensor_parallel={tp}: the megatron teacher's logits are vocab-parallel; "
-                "expected tensor_parallel 1, or loss.estimator: sampled (no top-k)"
-            )
+        tp, rank, group = core._tp_info()
+        gather = None if tp == 1 else process_group_all_gather(group)
+        reduce = None if tp == 1 else process_group_all_reduce(group)
         lps, ids, vals = [], [], []
         with self._device_scope(), torch.inference_mode():
             for start in range(0, batch.batch_size, self.max_batch_rows):
                 part = batch.rows(start, start + self.max_batch_rows).to(self.device)
-                logp = self._response_logprobs(part)
+                logits = self.forward.response_logits(part)  # [b, T, V'/tp] model dtype
                 mask = part.response_mask
                 token = torch.where(mask, part.response_ids, 0)
-                lp = logp.gather(-1, token[..., None]).squeeze(-1)
+                lp, top_ids, top_lp = vocab_parallel_score(
+                    logits, rank * logits.shape[-1], self.vocab_size, token, k, gather, reduce
+                )
                 lps.append(torch.where(mask, lp, 0.0).cpu())
-                values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
-                ids.append(indices.cpu())
-                vals.append(values.cpu())
-                del logp
+                ids.append(top_ids.cpu())
+                vals.append(top_lp.cpu())
+                del logits
         return torch.cat(lps), TeacherTopK(torch.cat(ids), torch.cat(vals))
 
     def topk(self, batch: TokenBatch, k: int) -> TeacherTopK:
-        """The teacher's top-k per response position (tensor_parallel 1; see `score`)."""
+        """The teacher's top-k per response position (any tensor_parallel; see `score`)."""
         top = self.score(batch, k)[1]
         assert top is not None
         return top
