@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_memory import CONFIG, child_peaks, job_sets, measured_totals, run_job  # noqa: E402
+from gpu_models import ensure_models  # noqa: E402
 from results_file import write_results  # noqa: E402
 from step_floors import PHASES, Device, ModelShape, StepTokens, floor_ratios, phase_floors  # noqa: E402
 
@@ -115,20 +116,9 @@ def commit_of(given: str | None) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
-def ensure_models(root: Path, size: str) -> Path:
-    """ROOT/gpu_step_roles_SIZE with student/ and teacher/ (gpu_step.py --make-models when absent)."""
-    models = root / f"gpu_step_roles_{size.replace('.', '_')}"
-    if not all((models / m / "config.json").exists() for m in ("student", "teacher")):
-        make = [
-            sys.executable,
-            str(REPO / "benchmarks" / "gpu_step.py"),
-            "--make-models",
-            str(models),
-            "--size",
-            size,
-        ]
-        subprocess.run(make, check=True, cwd=REPO)
-    return models
+def models_for(root: Path, size: str) -> Path:
+    """ROOT/gpu_step_roles_SIZE with student/ and teacher/ (made by gpu_models.py when absent)."""
+    return ensure_models(root / f"gpu_step_roles_{size.replace('.', '_')}", size, timeout_s=None)
 
 
 def measure_device() -> dict[str, Any]:
@@ -196,7 +186,7 @@ def summarize(shape: Shape, lines: list[dict[str, Any]], student: ModelShape, te
 def one_shape(
     shape: Shape, args: argparse.Namespace, t0: float, device_info: dict | None
 ) -> tuple[dict, dict]:
-    models = ensure_models(args.models_root, shape.size)
+    models = models_for(args.models_root, shape.size)
     sets = job_sets(models, args.steps, shape.prompts, shape.samples, shape.new_tokens)
     run_dir = Path(tempfile.mkdtemp(prefix=f"gpu_step_roles_{shape.name}_")) / "run"
     keep = args.keep or run_dir.parent
