@@ -125,7 +125,27 @@ def load_shards(directory: str | Path, plan: ShardPlan, mesh: Any = None) -> dic
         return {n: plan.split(n, t[: plan.tensors[n].hf_shape[0]], 0) for n, t in state.items()}
     if mesh is None:
         raise ConversionError(f"tensor_parallel={plan.tp}: load_shards needs the TP group's device mesh")
-    empty = {n: torch.empty(plan.tensors[n].piece_shape, dtype=dtypes[n]) for n in plan.tensors}
+    device = mesh.device_type  # "cpu" (gloo) or "cuda": the current device of each rank
+    empty = {
+        n: torch.empty(plan.tensors[n].piece_shape, dtype=dtypes[n], device=device) for n in plan.tensors
+    }
     state = as_dtensors(plan, empty, mesh)
     dcp.load(state, checkpoint_id=str(directory), process_group=mesh.get_group())
     return {n: t.to_local().clone() for n, t in state.items()}
+
+
+def save_engine_shards(engine: Any, step_dir: str | Path) -> Path | None:
+    """Rank side of a checkpoint of a TP engine (`engine.sharded_checkpoint`): the ranks of data-parallel rank
+    0's TP group write their pieces to `shards_dir(step_dir)` (a collective over that group); other DP ranks
+    write nothing (their weights are the same). Returns the directory, None where nothing was written."""
+    if not engine.sharded_checkpoint or engine.data_parallel.rank != 0:
+        return None
+    return save_shards(shards_dir(step_dir), engine.shard_plan, engine.shard_pieces(), engine.tp_mesh())
+
+
+def load_engine_shards(engine: Any, step_dir: str | Path) -> None:
+    """Every rank of a TP engine loads its pieces from `shards_dir(step_dir)` (a collective over its own TP
+    group). Raises ConversionError: the checkpoint does not fit the model (`load_shards`)."""
+    plan = engine.shard_plan
+    pieces = load_shards(shards_dir(step_dir), plan, engine.tp_mesh() if plan.tp > 1 else None)
+    engine.load_shard_pieces(pieces)

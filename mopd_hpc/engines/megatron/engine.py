@@ -452,16 +452,58 @@ class MegatronTrainEngine:
         and drop the tensors. Returns the number of HF tensors."""
         return sum(1 for _ in self.named_weights())
 
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """True at tensor_parallel > 1: each TP rank's weights differ, so a checkpoint holds every rank's
+        shards (trainer/sharded_checkpoint.py, from `shard_pieces`) and `state_dict` leaves the model out."""
+        return self.shard_plan.tp > 1
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    def shard_pieces(self) -> dict[str, torch.Tensor]:
+        """This TP rank's piece of every HF tensor (`ShardPlan.hf_pieces` of its GPTModel), on its device."""
+        self._require_resident("shard_pieces")
+        return self.shard_plan.hf_pieces(self._local_state())
+
+    def load_shard_pieces(self, pieces: Mapping[str, torch.Tensor]) -> None:
+        """Load this TP rank's pieces (from a sharded checkpoint, any TP size it was saved at) into the model,
+        and the optimizer's main (fp32) copies from them (`reload_model_params`), as Megatron-LM does after
+        loading weights without their optimizer state."""
+        self._require_resident("load_shard_pieces")
+        dtype = DTYPES[self.dtype]
+        state = {k: v.to(self.device, dtype) for k, v in self.shard_plan.mcore_shard(pieces).items()}
+        load_mcore_state(self.model, state)
+        reload = getattr(self.optimizer, "reload_model_params", None)
+        if reload is not None:
+            reload()
+
+    def tp_mesh(self) -> Any:
+        """The 1-D device mesh of this rank's TP group (what torch.distributed.checkpoint shards over)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(_tp_info()[2], self.device.type)
+
     def state_dict(self) -> dict[str, Any]:
+        """model (None when `sharded_checkpoint`: the shards are saved apart), the optimizer's state_dict
+        (megatron's distributed optimizer: its DP-independent part only), steps."""
         return {
-            "model": self.model.state_dict(),
+            "model": None if self.sharded_checkpoint else self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Inverse of `state_dict`; a None model (a sharded checkpoint) leaves the weights to
+        `load_shard_pieces`. Raises EngineError: a sharded checkpoint's state given to a TP 1 engine."""
         self._require_resident("load_state_dict")
-        load_mcore_state(self.model, dict(state["model"]))
+        if state["model"] is not None:
+            load_mcore_state(self.model, dict(state["model"]))
+        elif not self.sharded_checkpoint:
+            raise EngineError(
+                "the checkpoint's model was saved as TP shards (a tensor_parallel > 1 run); this engine runs at "
+                "tensor_parallel 1: load its shards with trainer/sharded_checkpoint.py, or resume at the saved TP"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state.get("steps", 0))
 
