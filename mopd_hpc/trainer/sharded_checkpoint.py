@@ -145,7 +145,10 @@ def save_engine_shards(engine: Any, step_dir: str | Path) -> Path | None:
 
 def load_engine_shards(engine: Any, step_dir: str | Path) -> None:
     """Every rank of a TP engine loads its pieces from `shards_dir(step_dir)` (a collective over its own TP
-    group). Raises ConversionError: the checkpoint does not fit the model (`load_shards`)."""
+    group); nothing unless `engine.sharded_checkpoint` (its state_dict holds the model then). Raises
+    ConversionError: the checkpoint does not fit the model (`load_shards`)."""
+    if not engine.sharded_checkpoint:
+        return
     plan = engine.shard_plan
     pieces = load_shards(shards_dir(step_dir), plan, engine.tp_mesh() if plan.tp > 1 else None)
     engine.load_shard_pieces(pieces)

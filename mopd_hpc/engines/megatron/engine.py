@@ -486,7 +486,8 @@ class MegatronTrainEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """model (None when `sharded_checkpoint`: the shards are saved apart), the optimizer's state_dict
-        (megatron's distributed optimizer: its DP-independent part only), steps."""
+        (megatron's distributed optimizer: its DP-independent part only — step count, lr; Adam's moments live
+        in its DP-sharded parameter state, which is not saved: a resumed run restarts the moments), steps."""
         return {
             "model": None if self.sharded_checkpoint else self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -497,14 +498,17 @@ class MegatronTrainEngine:
         """Inverse of `state_dict`; a None model (a sharded checkpoint) leaves the weights to
         `load_shard_pieces`. Raises EngineError: a sharded checkpoint's state given to a TP 1 engine."""
         self._require_resident("load_state_dict")
-        if state["model"] is not None:
-            load_mcore_state(self.model, dict(state["model"]))
-        elif not self.sharded_checkpoint:
+        if state["model"] is None and not self.sharded_checkpoint:
             raise EngineError(
                 "the checkpoint's model was saved as TP shards (a tensor_parallel > 1 run); this engine runs at "
                 "tensor_parallel 1: load its shards with trainer/sharded_checkpoint.py, or resume at the saved TP"
             )
         self.optimizer.load_state_dict(state["optimizer"])
+        if state["model"] is not None:
+            load_mcore_state(self.model, dict(state["model"]))
+            reload = getattr(self.optimizer, "reload_model_params", None)
+            if reload is not None:  # the optimizer's fp32 main copies from the loaded weights, as Megatron-LM
+                reload()
         self.steps = int(state.get("steps", 0))
 
     def save_pretrained(self, directory: str | Path) -> None:
