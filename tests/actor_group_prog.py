@@ -10,7 +10,10 @@ calling process: the DP = 1 reference.
 Scenarios (argv[1]): `steps` (3 steps, the end), `busy` (rank 0 sleeps `--busy-s` between the start and the
 first step: longer than the collective timeout), `rank1_dies` (rank 1 SIGKILLs itself after receiving
 step 2's record), `rank1_hangs` (rank 1 sleeps for an hour instead of step 2), `rank0_dies` (rank 0 exits
-after the start barrier), `rank0_freezes` (rank 0 SIGSTOPs itself there: its heartbeat stops too). Each rank writes
+after the start barrier), `rank0_freezes` (rank 0 SIGSTOPs itself there: its heartbeat stops too), `tp2` (the
+two ranks are one TP group of DP size 1: both train every row; after each step rank 0 announces a weight
+gather with a `weights` record and gathers the fake engine's two halves over gloo, which the follower
+joins; rank 0 also sums 1.0 over the group's data-parallel ranks). Each rank writes
 `<out>/rank<r>.json`: what it trained, asked the teachers, gathered, its final parameter, or its error.
 """
 
@@ -120,8 +123,30 @@ class FakeEngine:
         raise AssertionError("no checkpoint in these scenarios")
 
 
+class FakeTPEngine(FakeEngine):
+    """FakeEngine as one rank of a TP group of 2 (no DP reduction: both ranks hold the same rows); its
+    "weights" are w split in two halves, one per rank, gathered over gloo by `named_weights`."""
+
+    gathers_over_tp = True
+    sharded_checkpoint = False
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(distributed=False)
+        self.rank, self.joined = rank, 0
+
+    def named_weights(self):
+        piece = self.w.detach()[2 * self.rank : 2 * self.rank + 2].clone()
+        parts = [torch.empty_like(piece) for _ in range(2)]
+        dist.all_gather(parts, piece)
+        yield "w", torch.cat(parts)
+
+    def join_weight_gather(self) -> int:
+        self.joined += 1
+        return sum(1 for _ in self.named_weights())
+
+
 async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 0.0) -> dict:
-    engine = FakeEngine(distributed=world > 1)
+    engine = FakeTPEngine(rank) if scenario == "tp2" else FakeEngine(distributed=world > 1)
     teacher = FakeTeacher()
     step = ShardStep(engine, {"t": teacher}, PLAN, LOSS, ROUTE_WEIGHTS, group)
     out: dict = {"rank": rank}
@@ -143,7 +168,12 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
             await group.publish(record)
             outcome = await step.run(record, on_drained=drained)
             stats.append(dict(outcome.stats))
+            if scenario == "tp2":  # the controller's weight sync: announce, then gather
+                await group.publish(ControlRecord.weights(s, "sync"))
+                out.setdefault("gathered", []).append(dict(engine.named_weights())["w"].tolist())
         await group.publish(ControlRecord.stop(STEPS, "finished"))
+        if scenario == "tp2":  # the follower makes the same all-reduce on the stop record
+            out["dp_sum"] = group.all_reduce_sum([1.0])
         group.barrier("end")
         out |= {"stats": stats, "receipts": receipts}
     else:
@@ -159,8 +189,26 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
                 return await original(record, **kw)
 
             step.run = dying
+        if scenario == "tp2":
+            original_run = follower.run
+
+            async def run_with_the_sum():  # the all-reduce rank 0 makes after its stop record
+                original = group.receive
+
+                async def receive():
+                    record = await original()
+                    if record.kind == "stop":
+                        out["dp_sum"] = group.all_reduce_sum([1.0])
+                    return record
+
+                group.receive = receive
+                return await original_run()
+
+            follower.run = run_with_the_sum
         outcome = await follower.run()
         out |= {"outcome": [outcome.reason, outcome.step], "steps": follower.steps}
+        if scenario == "tp2":
+            out["joined"] = engine.joined
     out |= {"trained": engine.trained, "asked": teacher.asked, "w": engine.w.detach().tolist()}
     return out
 
@@ -176,7 +224,12 @@ def main() -> int:
     parser.add_argument("--busy-s", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    spec = GroupSpec(args.rank, args.world, args.rank, args.world, "gloo", "cpu", args.timeout_s, 60.0)
+    if args.scenario == "tp2":  # one TP group: DP rank 0 of size 1, TP rank = rank
+        spec = GroupSpec(
+            args.rank, args.world, 0, 1, "gloo", "cpu", args.timeout_s, 60.0, args.rank, args.world
+        )
+    else:
+        spec = GroupSpec(args.rank, args.world, args.rank, args.world, "gloo", "cpu", args.timeout_s, 60.0)
     t0 = time.monotonic()
     result: dict = {"rank": args.rank}
     try:

@@ -8,6 +8,7 @@ tests/test_megatron_convert.py, tests/test_awex_hf_gpu.py on the H200).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -25,6 +26,7 @@ from mopd_hpc.config import LossConfig, RunConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.torch_engine import TorchScoringEngine, TorchTrainEngine
@@ -322,6 +324,7 @@ def stand_in_actor(megatron_engine: Any, student: Path, monkeypatch: pytest.Monk
     )
     actor.forward = megatron_engine.MegatronForward(StandInGPT(hf), actor.device)
     actor.residency = SimpleNamespace(on_device=True)
+    actor.data_parallel = DataParallel.single()
     return actor
 
 
@@ -404,16 +407,16 @@ def test_controller_onloads_before_checkpoint_evaluation_and_save(
     sampling = SimpleNamespace(max_new_tokens=4)
     ctrl.cfg = SimpleNamespace(name="one-gpu", rollout=SimpleNamespace(sampling=sampling))
     ctrl.data = SimpleNamespace(dataset=SimpleNamespace(state_dict=lambda: {"position": 3}), eval_prompts={})
-    ctrl._checkpoint(2)
+    asyncio.run(ctrl._checkpoint(2))
     ctrl.engine.offload()
-    assert ctrl._student_accuracy({"r": []}) == {"r": 0.5} and evaluated == ["model"]
+    assert asyncio.run(ctrl._student_accuracy({"r": []})) == {"r": 0.5} and evaluated == ["model"]
     ctrl.engine.offload()
-    ctrl._finish()
+    asyncio.run(ctrl._finish())
     assert ctrl.engine.uses == [
         ("onload", False), ("state_dict", True),
         ("onload", False), ("evaluation_model", True),
         ("onload", False), ("save_pretrained", True),
     ]  # fmt: skip
     assert (tmp_path / "checkpoints" / "latest").exists()
-    ctrl._checkpoint(2)  # resident already: no onload
+    asyncio.run(ctrl._checkpoint(2))  # resident already: no onload
     assert ctrl.engine.uses[-1] == ("state_dict", True) and len(ctrl.engine.uses) == 7

@@ -136,3 +136,17 @@ def test_a_frozen_rank0_ends_the_followers_wait_after_the_timeout(tmp_path):
     _, r1 = run_world(tmp_path, "rank0_freezes", timeout_s=4.0, kill_after_s=0.5)
     assert r1["error"].startswith("PeerLostError: actor rank 1: rank 0's store did not answer for 4 s")
     assert r1["error"].endswith("rank 0 is frozen")
+
+
+def test_a_tp_group_joins_rank0s_weight_gathers_and_counts_once(tmp_path):
+    """TP 2 × DP 1: both ranks train every row (the DP = 1 parameters on both); after each step rank 0's
+    `weights` record makes the follower join its gather, which gives the whole parameter; a sum over the
+    data-parallel ranks counts the TP group once."""
+    r0, r1 = run_world(tmp_path, "tp2")
+    assert "error" not in r0 and "error" not in r1, (r0, r1, (tmp_path / "rank0.log").read_text()[-3000:])
+    ref = prog.reference()
+    assert r1["outcome"] == ["finished", 3] and r1["steps"] == [1, 2, 3] and r1["joined"] == 3
+    assert r0["w"] == pytest.approx(ref["w"], rel=1e-12, abs=1e-14) and r1["w"] == r0["w"]
+    assert r0["gathered"][-1] == r0["w"]  # the two halves, gathered: the whole parameter
+    assert len(r0["gathered"]) == 3
+    assert r0["dp_sum"] == r1["dp_sum"] == [1.0]

@@ -84,3 +84,16 @@ def test_inconsistent_and_malformed_records_are_refused():
         ControlRecord.from_bytes(data + b"\0")
     with pytest.raises(RecordError, match="not a control record"):
         ControlRecord.from_bytes(b"\x01")
+
+
+def test_weights_and_checkpoint_records_round_trip():
+    for record in (
+        ControlRecord.weights(3, "sync"),
+        ControlRecord.weights(0, "export"),
+        ControlRecord.checkpoint(4),
+    ):
+        back = ControlRecord.from_bytes(record.to_bytes())
+        assert back == record and back.rows == ()
+    assert ControlRecord.weights(3, "evaluate").kind == "weights"
+    with pytest.raises(RecordError, match="weights reason='train': expected one of"):
+        ControlRecord.weights(3, "train")

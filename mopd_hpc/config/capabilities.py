@@ -98,6 +98,11 @@ class WeightSyncSpec:
 
 # ---------------------------------------------------------------------------------------- the declarations
 
+#: The checkpoint architectures (config.json `architectures[0]`) the megatron engines load: the HF ⇄
+#: megatron converter (engines/megatron/convert.py) maps dense Qwen3 only; an MoE checkpoint
+#: (Qwen3MoeForCausalLM: Qwen3-Coder-30B-A3B, 480B-A35B) has expert weights it does not map.
+MEGATRON_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
 ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
     "torch": ActorEngineSpec(
         name="torch",

@@ -9,7 +9,9 @@
    `ExecutionPlan.teachers`) are checked (launch/model_files.py): a truncated tokenizer, a garbage
    config.json, a truncated safetensors file is refused naming the field and the file;
 3. when the files are sound, the compatibility rule the actor applies at start (mopd/compatibility.py: every
-   scored teacher shares the actor's tokenizer, the teachers one architecture) is applied here.
+   scored teacher shares the actor's tokenizer, the teachers one architecture) is applied here, and a
+   megatron actor or teacher must be an architecture the megatron converter maps (dense Qwen3,
+   `config.capabilities.MEGATRON_ARCHITECTURES`: an MoE checkpoint is refused naming its architecture).
 
 A directory that does not exist here is not this module's: launch/paths.py warns of it (a Slurm submit; the
 path may exist on the cluster alone) or refuses it (a local run). A path not read by this job (a declared
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd_hpc.config import ConfigError, RunConfig
+from mopd_hpc.config.capabilities import MEGATRON_ARCHITECTURES
 from mopd_hpc.config.problems import Problem
 from mopd_hpc.launch.hub_cache import (
     HubNotCachedError,
@@ -116,6 +119,7 @@ def file_problems(cfg: RunConfig, paths: list[ModelPath], base: Path | None = No
         problems += [
             Problem(field, text) for text in directory_problems(directory, tokenizer=True, weights=weights)
         ]
+    problems += architecture_problems(cfg, here)
     actor_field, tok_field = "models.actor.path", "models.tokenizer.path"
     teachers = [
         (mp.field, here.get(mp.field)) for mp in paths if mp.field.startswith("models.teachers") and mp.read
@@ -139,6 +143,44 @@ def file_problems(cfg: RunConfig, paths: list[ModelPath], base: Path | None = No
             Problem(field, str(error), expected="every scored teacher must use the actor's tokenizer")
         )
     return problems
+
+
+def _engine(cfg: RunConfig, field: str) -> str | None:
+    if field == "models.actor.path":
+        return cfg.models.actor.engine
+    if field.startswith("models.teachers["):
+        return cfg.models.teachers[int(field.split("[")[1].split("]")[0])].engine
+    return None
+
+
+def architecture_problems(cfg: RunConfig, here: dict[str, Path]) -> list[Problem]:
+    """A megatron actor or teacher whose checkpoint (config.json `architectures[0]`, read here) is not one the
+    megatron converter maps (`config.capabilities.MEGATRON_ARCHITECTURES`: dense Qwen3), naming the
+    architecture. An unreadable config.json is `directory_problems`' to report."""
+    import json
+
+    out = []
+    for field, directory in here.items():
+        if _engine(cfg, field) != "megatron":
+            continue
+        try:
+            archs = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures")
+        except (OSError, ValueError, AttributeError):
+            continue
+        arch = (archs or ["<none>"])[0]
+        if arch not in MEGATRON_ARCHITECTURES:
+            engine_field = field.removesuffix(".path") + ".engine"
+            out.append(
+                Problem(
+                    field,
+                    f"the megatron engine ({engine_field}) loads {', '.join(MEGATRON_ARCHITECTURES)} checkpoints "
+                    f"only (the HF ⇄ megatron converter maps dense Qwen3); {directory} is a {arch}"
+                    + (" (mixture of experts: its expert weights are not mapped)" if "Moe" in arch else ""),
+                    arch,
+                    f"a dense Qwen3 checkpoint, or {engine_field}: torch",
+                )
+            )
+    return out
 
 
 def _path(cfg: RunConfig, field: str) -> str:

@@ -22,9 +22,11 @@ ranks follow it (trainer/follower.py). In order, on every rank:
    checkpoint and sends the stop record), then `Follower.run()`.
 
 Engines: torch (transformers on the child's device `RoleEnv.device`: the GPU the plan gives it, else CPU;
-DDP over the actor group's gloo world on CPU at world > 1) or megatron (megatron-core on the child's GPU:
-tensor_parallel 1, world size 1 — a one-rank NCCL group, no port). The torch engine on more than one GPU rank
-is refused until it has run on GPUs. With weight_sync.backend awex, `main` puts the variables awex reads
+DDP over the actor group's gloo world on CPU at world > 1) or megatron (megatron-core on the child's GPU; at
+world 1 a one-rank NCCL group, no port; at world DP × TP the actor group's NCCL world, megatron's TP and DP
+groups derived from it, rank 0 the controller, the other ranks of its TP group joining its weight gathers).
+Several GPU ranks (torch DDP over NCCL; megatron at TP > 1 or DP > 1) are refused by `config/capabilities.py`
+alone until they have run on GPUs: the code path exists, the capability limit selects it. With weight_sync.backend awex, `main` puts the variables awex reads
 itself into os.environ before anything imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master
 address, DEVICE = the child's device index).
 
@@ -125,12 +127,20 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
 
 
 def build_train_engine(
-    cfg: RunConfig, kind: str, device: ChildDevice, data_parallel: DataParallel | None = None
+    cfg: RunConfig,
+    kind: str,
+    device: ChildDevice,
+    data_parallel: DataParallel | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Any:
     """The actor's train engine of `kind` (`check_actor_engine`), with the checkpoint loaded, on the child's
     `device` (`RoleEnv.device`): `TorchTrainEngine` (on `device.torch_name`: cuda:<index>, or cpu;
     `data_parallel` its rank of the actor group, default one rank) or `MegatronTrainEngine` (after
-    `initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=device.index)`).
+    `initialize_parallel(rank=rank, world_size=world_size, tensor_parallel=models.actor.tensor_parallel,
+    device_index=device.index)`: at world size > 1 on the actor group's NCCL world, which `join_group` has
+    initialized; megatron's TP and DP groups are derived from it, TP innermost as config/parallel.py orders
+    the ranks). Which shapes run is `config/capabilities.py`'s (`check_actor_engine`), nothing here.
 
     Raises:
         RoleEnvError: megatron-core does not import (naming models.actor.engine).
@@ -157,7 +167,12 @@ def build_train_engine(
             f"models.actor.engine='megatron' needs megatron-core, which does not import here ({err}); "
             "expected the megatron extra installed, or engine: torch"
         ) from None
-    cuda = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=device.index or 0)
+    cuda = initialize_parallel(
+        rank=rank,
+        world_size=world_size,
+        tensor_parallel=actor.tensor_parallel,
+        device_index=device.index or 0,
+    )
     hf_config = json.loads((Path(actor.path) / "config.json").read_text(encoding="utf-8"))
     model, shape = build_from_hf(actor.path, hf_config, actor.dtype, cuda)
     return MegatronTrainEngine(
@@ -220,7 +235,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
             f"servers ready: rollout {list(endpoints.rollout)}, teachers {dict(endpoints.teachers)}", file=out
         )
         dp = DataParallel(group.dp_rank, group.dp_size) if group.dp_size > 1 else DataParallel.single()
-        engine = build_train_engine(cfg, kind, role.device, dp)
+        engine = build_train_engine(cfg, kind, role.device, dp, group.rank, group.world_size)
         reference = build_reference(cfg, kind, engine) if plan.requires_reference else None
         async with contextlib.AsyncExitStack() as stack:
             teachers = {

@@ -3,7 +3,7 @@
 `join_group(role, cfg, environ)` is `SoloGroup()` for an actor world of one rank (no torch.distributed at
 all, as before the group existed) and otherwise `ActorGroup.join` (trainer/actor_group.py) with:
 
-- rank, world: MOPD_RANK / MOPD_WORLD_SIZE; dp rank and size from `ActorParallel` (config/parallel.py:
+- rank, world: MOPD_RANK / MOPD_WORLD_SIZE; dp and tp rank and size from `ActorParallel` (config/parallel.py:
   rank = tp_rank + tp·(dp_rank + dp·pp_rank));
 - backend and device: gloo on "cpu" when the child has no GPU, else nccl on its `RoleEnv.device` (the
   device the placement gave it among those it sees);
@@ -50,6 +50,8 @@ def group_spec(
         device=device,
         collective_timeout_s=cfg.models.actor.collective_timeout_s,
         rendezvous_timeout_s=rendezvous_timeout_s,
+        tp_rank=shape.tp_rank(role.rank),
+        tp_size=shape.tp,
     )
 
 

@@ -88,6 +88,8 @@ class GroupSpec:
         backend: "gloo" (CPU) or "nccl" (GPU). device: this rank's device ("cpu", "cuda:0").
         collective_timeout_s: the longest a collective waits for the other ranks, seconds.
         rendezvous_timeout_s: how long a rank > 0 waits for rank 0's rendezvous record, seconds.
+        tp_rank, tp_size: its tensor-parallel index and size (megatron at TP > 1; 0 and 1 otherwise). The
+            ranks of one TP group hold the same rows: only TP rank 0 counts in `all_reduce_sum`.
     """
 
     rank: int
@@ -98,8 +100,15 @@ class GroupSpec:
     device: str
     collective_timeout_s: float
     rendezvous_timeout_s: float
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size or self.world_size % (self.dp_size * self.tp_size):
+            raise ActorGroupError(
+                f"tp_rank={self.tp_rank}, tp_size={self.tp_size}, dp_size={self.dp_size} in a world of "
+                f"{self.world_size}: expected 0 <= tp_rank < tp_size and dp_size·tp_size dividing the world"
+            )
         if not 0 <= self.rank < self.world_size:
             raise ActorGroupError(
                 f"rank={self.rank}, world_size={self.world_size}: expected 0 <= rank < world"
@@ -129,6 +138,7 @@ class Group(Protocol):
     world_size: int
     dp_rank: int
     dp_size: int
+    tp_rank: int
 
     async def publish(self, record: ControlRecord) -> None: ...
 
@@ -152,6 +162,7 @@ class SoloGroup:
     world_size = 1
     dp_rank = 0
     dp_size = 1
+    tp_rank = 0
 
     async def publish(self, record: ControlRecord) -> None:
         del record
@@ -182,6 +193,7 @@ class ActorGroup:
         self.spec, self.store, self.control, self.run_dir = spec, store, control, run_dir
         self.rank, self.world_size = spec.rank, spec.world_size
         self.dp_rank, self.dp_size = spec.dp_rank, spec.dp_size
+        self.tp_rank = spec.tp_rank
         self._seq = 0
         self._acknowledged = 0  # keys below this sequence number every rank has been through
         self._stop = threading.Event()
@@ -358,8 +370,11 @@ class ActorGroup:
         return [(r, int(t[0]), int(t[1])) for r, t in enumerate(got)]
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
-        """The element-wise sum of `values` over the data-parallel ranks (float64)."""
+        """The element-wise sum of `values` over the data-parallel ranks (float64): every rank takes part,
+        TP ranks > 0 add zeros (the ranks of one TP group hold the same rows)."""
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        if self.tp_rank:
+            tensor.zero_()
         self._collective("the statistics all-reduce", dist.all_reduce, tensor)
         return tensor.tolist()
 

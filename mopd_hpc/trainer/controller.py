@@ -61,13 +61,20 @@ from mopd_hpc.records.run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE
 from mopd_hpc.runtime.signals import CheckpointRequest
 from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
-from mopd_hpc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
+from mopd_hpc.trainer.checkpoint import (
+    capture_rng_state,
+    load_latest,
+    restore_rng_state,
+    save_checkpoint,
+    step_dir_name,
+)
 from mopd_hpc.trainer.data_setup import RunData
 from mopd_hpc.trainer.intervals import checkpoint_due, metrics_due
 from mopd_hpc.trainer.phase_memory import PhaseMemory, server_peaks
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rank_step import Group, Receipts, ShardStep, make_resident
 from mopd_hpc.trainer.rollout_phase import step_rollouts
+from mopd_hpc.trainer.sharded_checkpoint import load_engine_shards, save_engine_shards
 from mopd_hpc.trainer.step import orm_advantages, step_metrics
 from mopd_hpc.trainer.step_record import ControlRecord
 from mopd_hpc.trainer.weight_sync import WeightSync
@@ -165,12 +172,17 @@ class Controller:
         """Resume or start, run the remaining steps, evaluate and save at the end (module docstring)."""
         start = self._resume()
         await self.group.publish(ControlRecord.start(start))
+        if start > 0 and getattr(
+            self.engine, "sharded_checkpoint", False
+        ):  # with the followers: a collective
+            load_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(start))
         self.group.barrier(f"after every rank loaded the state of step {start}")
         metrics = MetricsWriter.open(self.run_dir / METRICS_FILE, resume_step=start)
         with contextlib.closing(metrics):
             if start == 0 or evaluate.read_eval(self.run_dir) is None:
                 await self._evaluate_start()
             await self.sync.start(self.rollout)
+            await self._announce_gather(start, "sync")
             await self.sync.push(start, self.rollout)
             log.info("rollout engines hold the weights of step %d", start)
             with Progress(self.out, start, self.cfg.steps) as progress:
@@ -182,14 +194,21 @@ class Controller:
                         metrics.write(step, values)
                     progress.update(step, values)
                     if checkpoint_due(step, self.cfg):
-                        self._checkpoint(step)
+                        await self._checkpoint(step)
             if self._stop_requested():
                 return await self._stop_for_signal(None, start)
             with contextlib.suppress(Exception):
                 await self.sync.close(self.rollout)
+        await self._finish()  # before the stop record: a TP actor's export is a gather every TP rank joins
         await self._end_group("finished")
-        self._finish()
+        write_job_end(self.run_dir, self.job_id, "finished", self.step)
         return RunOutcome("finished", self.step, start)
+
+    async def _announce_gather(self, step: int, reason: str) -> None:
+        """The `weights` record before each HF-weight gather of a TP engine (`engine.gathers_over_tp`): the
+        other ranks of rank 0's TP group join it (trainer/follower.py). Nothing at TP 1."""
+        if getattr(self.engine, "gathers_over_tp", False):
+            await self.group.publish(ControlRecord.weights(step, reason))
 
     def _stop_requested(self) -> bool:
         return self.checkpoint_request is not None and self.checkpoint_request.requested
@@ -201,7 +220,7 @@ class Controller:
 
     async def _stop_for_signal(self, progress: Progress | None, start: int) -> RunOutcome:
         if self._saved_step != self.step:
-            self._checkpoint(self.step)
+            await self._checkpoint(self.step)
         await self._end_group("checkpoint_signal")
         message = f"checkpoint signal: saved step {self.step}; exiting (re-run the same command to resume)"
         if progress is not None:
@@ -246,6 +265,7 @@ class Controller:
             )
             self.machine.transition(Phase.SYNC)
             t0 = time.perf_counter()
+            await self._announce_gather(step, "sync")
             await self.sync.push(step, self.rollout)
             timings["sync"] = time.perf_counter() - t0
             self.machine.transition(Phase.ROLLOUT)
@@ -301,9 +321,10 @@ class Controller:
         print(f"resuming from {ckpt.path} (step {ckpt.step}){change}", file=self.out, flush=True)
         return ckpt.step
 
-    def _student_accuracy(self, prompts: Mapping[str, Any]) -> dict[str, float]:
+    async def _student_accuracy(self, prompts: Mapping[str, Any]) -> dict[str, float]:
         """route → greedy accuracy of the actor's current weights (`engine.evaluation_model()`, dropped after)."""
         make_resident(self.engine, "evaluation")
+        await self._announce_gather(self.step, "evaluate")
         model = self.engine.evaluation_model()
         try:
             return evaluate.student_accuracy(model, self.tokenizer, prompts, self._max_new_tokens())
@@ -311,8 +332,11 @@ class Controller:
             del model
             _empty_cuda_cache()
 
-    def _checkpoint(self, step: int) -> None:
+    async def _checkpoint(self, step: int) -> None:
         make_resident(self.engine, "checkpoint")
+        if getattr(self.engine, "sharded_checkpoint", False):  # every TP rank's shards first (a collective)
+            await self.group.publish(ControlRecord.checkpoint(step))
+            save_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(step))
         path = save_checkpoint(
             self.run_dir / CHECKPOINT_DIR,
             step,
@@ -339,25 +363,25 @@ class Controller:
         teachers = await evaluate.teacher_accuracy(
             generators, self.route_weights, self.tokenizer, prompts, self._max_new_tokens()
         )
-        start = self._student_accuracy(prompts)
+        start = await self._student_accuracy(prompts)
         counts = {r: len(p) for r, p in prompts.items()}
         record = evaluate.eval_record(teachers, start, None, counts)
         evaluate.write_eval(self.run_dir, record)
         print("evaluation at the start:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
 
-    def _finish(self) -> None:
+    async def _finish(self) -> None:
         prompts = self.data.eval_prompts
         if prompts:
             record = evaluate.read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
-            end = self._student_accuracy(prompts)
+            end = await self._student_accuracy(prompts)
             start = {r: v.get("student_start") for r, v in record["routes"].items()}
             counts = {r: len(p) for r, p in prompts.items()}
             record = evaluate.eval_record(record.get("teachers", {}), start, end, counts)
             evaluate.write_eval(self.run_dir, record)
             print("evaluation at the end:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
         make_resident(self.engine, "save")
+        await self._announce_gather(self.step, "export")
         self.engine.save_pretrained(self.run_dir / FINAL_DIR)
-        write_job_end(self.run_dir, self.job_id, "finished", self.step)
         print(
             f"done: {self.step} steps; student saved to {self.run_dir / FINAL_DIR}", file=self.out, flush=True
         )

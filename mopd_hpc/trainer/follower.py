@@ -1,9 +1,13 @@
 """A rank > 0 of the actor group: the same step as rank 0 (SPMD), without the step's I/O.
 
     start record   load the checkpoint rank 0 resumes from (the same directory: step_<N>, not `latest`,
-                   which rank 0 may rewrite later), restore its RNG; barrier
+                   which rank 0 may rewrite later; a TP engine's own shards from step_<N>.shards, with
+                   its TP group), restore its RNG; barrier
     step record    `ShardStep.run` on this rank's shard: its own rows' teacher scores straight from the
                    teacher servers, the drain gather, `train_step` (the gradient all-reduce)
+    weights record a TP rank of data-parallel rank 0's TP group joins rank 0's gather of the HF weights
+                   (weight sync, evaluation, export: `engine.join_weight_gather`); other ranks ignore it
+    checkpoint     a TP engine's rank writes its shards of the step (trainer/sharded_checkpoint.py)
     stop record    the last barrier; return
 
 Rank 0 decides everything else: when to checkpoint (a follower ignores SIGUSR2; the actor role sets it so),
@@ -21,6 +25,7 @@ from mopd_hpc.trainer.actor_group import ActorGroupError, Group
 from mopd_hpc.trainer.checkpoint import load_checkpoint, restore_rng_state, step_dir_name
 from mopd_hpc.trainer.controller import CHECKPOINT_DIR, RunOutcome
 from mopd_hpc.trainer.rank_step import ShardStep, make_resident
+from mopd_hpc.trainer.sharded_checkpoint import load_engine_shards, save_engine_shards
 
 log = logging.getLogger("mopd_hpc.trainer")
 
@@ -52,6 +57,8 @@ class Follower:
             ckpt = load_checkpoint(path)
             make_resident(self.engine, "checkpoint load")
             self.engine.load_state_dict(ckpt.engine_state)
+            if getattr(self.engine, "sharded_checkpoint", False):
+                load_engine_shards(self.engine, path)
             restore_rng_state(ckpt.rng_state)
             log.info("actor rank %d resumed from %s", self.group.rank, path)
         self.group.barrier(f"after every rank loaded the state of step {start.step}")
@@ -61,6 +68,15 @@ class Follower:
                 self.group.barrier(f"at the end of the run ({record.reason})")
                 log.info("actor rank %d: %s at step %d", self.group.rank, record.reason, record.step)
                 return RunOutcome(record.reason, record.step, start.step)
+            if record.kind == "weights":
+                if getattr(self.engine, "gathers_over_tp", False) and self.group.dp_rank == 0:
+                    make_resident(self.engine, f"weight gather ({record.reason})")
+                    self.engine.join_weight_gather()
+                continue
+            if record.kind == "checkpoint":
+                make_resident(self.engine, "checkpoint")
+                save_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(record.step))
+                continue
             if record.kind != "step":
                 raise ActorGroupError(f"actor rank {self.group.rank}: unexpected {record.kind!r} record")
             await self.shard_step.run(record, before_train=lambda: make_resident(self.engine, "train step"))

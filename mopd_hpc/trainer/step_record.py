@@ -10,6 +10,11 @@ Kinds (`ControlRecord.kind`):
             (group normalization needs every row, so rank 0 computes them; absent when no loss term reads
             them) and the pad id
     stop    the run ends: `step` = steps done, `reason` "finished" or "checkpoint_signal"
+    weights rank 0 is about to gather the actor's HF weights over its TP group (`reason` "sync", "evaluate"
+            or "export"; only sent when the engine's `gathers_over_tp`): the other ranks of that TP group
+            join the gather (trainer/follower.py)
+    checkpoint  rank 0 saves the checkpoint of `step`: every rank of its TP group writes its weight shards
+            (trainer/sharded_checkpoint.py; only sent when the engine's `sharded_checkpoint`)
 
 Wire format (DESIGN.md §7: tensors as raw bytes with a header, never JSON lists of floats): one frame of
 engines/wire.py (byte for byte a safetensors file) with the tensors `tokens` int32 (every row concatenated),
@@ -33,8 +38,9 @@ import torch
 from mopd_hpc.engines import wire
 from mopd_hpc.engines.batch import TokenBatch
 
-KINDS = ("start", "step", "stop")
+KINDS = ("start", "step", "stop", "weights", "checkpoint")
 STOP_REASONS = ("finished", "checkpoint_signal")
+WEIGHTS_REASONS = ("sync", "evaluate", "export")
 
 
 class RecordError(ValueError):
@@ -44,10 +50,10 @@ class RecordError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ControlRecord:
     """One control message of the actor group (module docstring). Build with `start`, `stop` or
-    `from_rows`; rows, starts, routes, mu and orm are empty for `start` and `stop`.
+    `from_rows` (or `weights`, `checkpoint`); rows, starts, routes, mu and orm are empty but for `step`.
 
     Attributes:
-        kind: "start" | "step" | "stop". step: the step (see kinds). reason: the stop's reason, else "".
+        kind: one of KINDS. step: the step (see kinds). reason: the stop's or the gather's reason, else "".
         rows: prompt + response token ids of each row. starts: index in row b where its response begins.
         routes: each row's route. mu: each row's behavior log-probs (float32 values), one per response token.
         orm: [B] A_ORM as float32 values, or None. pad_id: the padding token id.
@@ -70,6 +76,8 @@ class ControlRecord:
             raise RecordError(f"step={self.step}: expected >= 0")
         if self.kind == "stop" and self.reason not in STOP_REASONS:
             raise RecordError(f"stop reason={self.reason!r}: expected one of {STOP_REASONS}")
+        if self.kind == "weights" and self.reason not in WEIGHTS_REASONS:
+            raise RecordError(f"weights reason={self.reason!r}: expected one of {WEIGHTS_REASONS}")
         b = len(self.rows)
         if self.kind == "step" and b == 0:
             raise RecordError(f"step {self.step}: a step record needs at least one row")
@@ -96,6 +104,14 @@ class ControlRecord:
     @classmethod
     def stop(cls, step: int, reason: str) -> ControlRecord:
         return cls("stop", step, reason)
+
+    @classmethod
+    def weights(cls, step: int, reason: str) -> ControlRecord:
+        return cls("weights", step, reason)
+
+    @classmethod
+    def checkpoint(cls, step: int) -> ControlRecord:
+        return cls("checkpoint", step)
 
     @classmethod
     def from_rows(

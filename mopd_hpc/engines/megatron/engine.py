@@ -34,6 +34,11 @@ token-weighted means (`StepStats`); `micro_batch_tokens` null derives a budget f
 weights whose gradients differ per TP rank: q/k layernorm, each rank seeing its own heads; with only
 finish_grad_sync, TP ranks drifted apart after one step — seen on 2 H200s, issue 8.)
 (clipping to optimizer.grad_clip and the norm are the optimizer's: `clip_grad`, returned grad_norm).
+Data parallel (megatron's DP group, `megatron_data_parallel`): the denominator and token count are summed over
+the DP ranks, each rank backpropagates DP·L_r (megatron's DDP averages over DP), statistics are reduced as the
+torch engine's (engines/data_parallel.py). Tensor parallel > 1: `named_weights` (weight sync, evaluation, the
+HF export) gathers one HF tensor at a time over the TP group (`shard_plan.py`, `weight_sync/tp_gather.py`),
+a collective the other ranks of that TP group join (`join_weight_gather`).
 """
 
 from __future__ import annotations
@@ -50,12 +55,15 @@ import torch.distributed as dist
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
+from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
-from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, split_rows, step_budget
+from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
+from mopd_hpc.engines.weight_sync.tp_gather import gathered_hf_weights
 from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.objective import Objective, ObjectiveError
 from mopd_hpc.mopd.topk import TeacherTopK
@@ -150,6 +158,19 @@ def _tp_info() -> tuple[int, int, Any]:
     )
 
 
+def megatron_data_parallel() -> DataParallel:
+    """This rank's place in megatron's data-parallel group (the ranks holding the same TP shard, different
+    rows): `DataParallel.single()` at DP 1, else (rank, size, `parallel_state.get_data_parallel_group()`)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_data_parallel_world_size()
+    if size == 1:
+        return DataParallel.single()
+    return DataParallel(
+        parallel_state.get_data_parallel_rank(), size, parallel_state.get_data_parallel_group()
+    )
+
+
 def build_from_hf(
     path: str | Path | None, hf_config: Mapping[str, Any], dtype: str, device: torch.device
 ) -> tuple[torch.nn.Module, Qwen3Shape]:
@@ -236,6 +257,10 @@ class MegatronTrainEngine:
         self.forward = MegatronForward(self.ddp, device)
         self.residency = DDPResidency(self.ddp, self.optimizer, device)
         self.steps = 0
+        #: megatron's DP group: the step's token count and statistics are reduced over it (`train_step`).
+        self.data_parallel = megatron_data_parallel()
+        #: Which slice of each HF tensor this TP rank holds (weight sync and export gather per HF tensor).
+        self.shard_plan = ShardPlan.create(shape, _tp_info()[0])
         try:  # what the default micro-batch budget is estimated from (None: the whole batch in one)
             self.memory_shape: ModelShape | None = ModelShape.from_hf_config(hf_config)
         except MemoryModelError:
@@ -323,7 +348,9 @@ class MegatronTrainEngine:
         Returns floats: `loss`, `grad_norm` (the optimizer's, before clipping), `step_skipped`, `lr`,
         `tokens`, `micro_batches`, the loss's `mopd/*` statistics (combined over micro-batches), and what
         `observe` returns when given the step's detached [B, T] float32 log π_θ(y_t) (before the update; as
-        `TorchTrainEngine.train_step`).
+        `TorchTrainEngine.train_step`). At megatron data-parallel size > 1 (a collective over the DP group), the
+        token count is the whole step's and the statistics are reduced as `TorchTrainEngine.train_step`'s
+        (`DataParallel.all_reduce_stats`): the DP = n update is the DP = 1 update.
 
         Raises:
             EngineError: the actor is offloaded, or the batch lacks what a positive coefficient's term reads.
@@ -336,7 +363,12 @@ class MegatronTrainEngine:
         self.optimizer.zero_grad()
         batch = batch.to(self.device)
         mask = batch.tokens.response_mask
-        denominator = loss_denominator(mask, self.loss_config.normalizer)  # the whole step's, once
+        dp = self.data_parallel
+        local_tokens = mask.sum(dtype=torch.int64)
+        # the whole step's denominator (over the DP ranks' shards), once, given to every micro-batch's loss
+        counts = torch.stack([loss_denominator(mask, self.loss_config.normalizer), local_tokens])
+        dp.all_reduce_sum(counts)
+        denominator, tokens = counts[0], float(counts[1])
         parts = [None] if batch.batch_size == 0 else split_rows(batch, self._budget())
         full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         combined = StepStats()
@@ -345,7 +377,9 @@ class MegatronTrainEngine:
             sync = contextlib.nullcontext() if i == len(parts) - 1 else self.ddp.no_sync()
             with sync:
                 loss, logprobs, stats = self.compute_loss(rows, denominator)
-                loss.backward()
+                # megatron's DDP averages the DP ranks' gradients (gradient_scaling_factor 1/DP): backward on
+                # DP·L_r makes the reduced gradient ∇L of the whole step, the DP = 1 update
+                (loss * dp.size if dp.distributed else loss).backward()
             combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
             if part is not None:
                 full_logprobs[part.index, : logprobs.shape[1]] = logprobs.detach().float()
@@ -353,17 +387,18 @@ class MegatronTrainEngine:
         finalize_model_grads([self.ddp])
         ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
-        return (
-            combined.result()
-            | observed
-            | {
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "step_skipped": 0.0 if ok else 1.0,
-                "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "tokens": float(mask.sum()),
-                "micro_batches": float(len(parts)),
-            }
-        )
+        out = combined.result() | observed
+        if dp.distributed:  # as TorchTrainEngine: loss shares and counts summed, means token-weighted
+            sums = {k: v for k, v in out.items() if is_additive(k) and k not in observed}
+            means = {k: v for k, v in out.items() if k not in sums}
+            out = dp.all_reduce_stats(means, sums, float(local_tokens), self.device)
+        return out | {
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "step_skipped": 0.0 if ok else 1.0,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "tokens": tokens,
+            "micro_batches": float(len(parts)),
+        }
 
     def _budget(self) -> int | None:
         """This step's micro-batch budget (`micro_batch.step_budget`; the grad buffers exist already, Adam's
@@ -392,27 +427,90 @@ class MegatronTrainEngine:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every weight, for weight sync (a collective over the TP group)."""
         self._require_resident("named_weights")
-        yield from mcore_to_hf(self.full_mcore_state(), self.shape).items()
+        if self.shard_plan.tp == 1:
+            yield from mcore_to_hf(self.full_mcore_state(), self.shape).items()
+            return
+        # TP > 1: one HF tensor at a time over the TP group (engines/weight_sync/tp_gather.py); every rank of
+        # the group must iterate to the end (a follower does on rank 0's "weights" record)
+        local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        yield from gathered_hf_weights(self.shard_plan, local, _tp_info()[2])
+
+    @property
+    def gathers_over_tp(self) -> bool:
+        """True when `named_weights` is a collective over the TP group (tensor_parallel > 1): the other ranks
+        of rank 0's TP group must join every gather rank 0 makes (`join_weight_gather`)."""
+        return self.shard_plan.tp > 1
+
+    def join_weight_gather(self) -> int:
+        """A TP rank > 0's part in a gather rank 0 makes (sync, evaluation, export): iterate `named_weights`
+        and drop the tensors. Returns the number of HF tensors."""
+        return sum(1 for _ in self.named_weights())
+
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """True at tensor_parallel > 1: each TP rank's weights differ, so a checkpoint holds every rank's
+        shards (trainer/sharded_checkpoint.py, from `shard_pieces`) and `state_dict` leaves the model out."""
+        return self.shard_plan.tp > 1
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    def shard_pieces(self) -> dict[str, torch.Tensor]:
+        """This TP rank's piece of every HF tensor (`ShardPlan.hf_pieces` of its GPTModel), on its device."""
+        self._require_resident("shard_pieces")
+        return self.shard_plan.hf_pieces(self._local_state())
+
+    def load_shard_pieces(self, pieces: Mapping[str, torch.Tensor]) -> None:
+        """Load this TP rank's pieces (from a sharded checkpoint, any TP size it was saved at) into the model,
+        and the optimizer's main (fp32) copies from them (`reload_model_params`), as Megatron-LM does after
+        loading weights without their optimizer state."""
+        self._require_resident("load_shard_pieces")
+        dtype = DTYPES[self.dtype]
+        state = {k: v.to(self.device, dtype) for k, v in self.shard_plan.mcore_shard(pieces).items()}
+        load_mcore_state(self.model, state)
+        reload = getattr(self.optimizer, "reload_model_params", None)
+        if reload is not None:
+            reload()
+
+    def tp_mesh(self) -> Any:
+        """The 1-D device mesh of this rank's TP group (what torch.distributed.checkpoint shards over)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(_tp_info()[2], self.device.type)
 
     def state_dict(self) -> dict[str, Any]:
+        """model (None when `sharded_checkpoint`: the shards are saved apart), the optimizer's state_dict
+        (megatron's distributed optimizer: its DP-independent part only — step count, lr; Adam's moments live
+        in its DP-sharded parameter state, which is not saved: a resumed run restarts the moments), steps."""
         return {
-            "model": self.model.state_dict(),
+            "model": None if self.sharded_checkpoint else self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Inverse of `state_dict`; a None model (a sharded checkpoint) leaves the weights to
+        `load_shard_pieces`. Raises EngineError: a sharded checkpoint's state given to a TP 1 engine."""
         self._require_resident("load_state_dict")
-        load_mcore_state(self.model, dict(state["model"]))
+        if state["model"] is None and not self.sharded_checkpoint:
+            raise EngineError(
+                "the checkpoint's model was saved as TP shards (a tensor_parallel > 1 run); this engine runs at "
+                "tensor_parallel 1: load its shards with trainer/sharded_checkpoint.py, or resume at the saved TP"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
+        if state["model"] is not None:
+            load_mcore_state(self.model, dict(state["model"]))
+            reload = getattr(self.optimizer, "reload_model_params", None)
+            if reload is not None:  # the optimizer's fp32 main copies from the loaded weights, as Megatron-LM
+                reload()
         self.steps = int(state.get("steps", 0))
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """config.json + model.safetensors (HF names), written by TP rank 0."""
+        """config.json + model.safetensors (HF names), gathered over the TP group, written by global rank 0."""
         from safetensors.torch import save_file
 
         weights = {k: v.cpu().contiguous() for k, v in self.named_weights()}
-        if _tp_info()[1] == 0:
+        if not dist.is_initialized() or dist.get_rank() == 0:  # one writer, whatever the DP size
             out = Path(directory)
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(self.hf_config, indent=2))

@@ -1,0 +1,89 @@
+"""What `--check` keeps refusing of the megatron path (issue 18): pipeline_parallel > 1 (naming the field),
+megatron at tensor_parallel > 1 or data-parallel > 1 on GPUs until a multi-GPU run has passed (the capability
+limit alone), and an MoE checkpoint (configs/qwen3_coder_4node.yaml's Qwen3-Coder family) for a megatron
+actor or teacher, naming the architecture. Oracle: the refusals' field, value and message.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers_models import build_micro_models
+
+from mopd_hpc.config import ConfigError, load_run_config
+from mopd_hpc.config.capabilities import ACTOR_ENGINES
+from mopd_hpc.config.gaps import job_gaps
+from mopd_hpc.launch.model_check import prepare_models
+
+REPO = Path(__file__).resolve().parents[1]
+CODER = REPO / "configs" / "qwen3_coder_4node.yaml"
+
+
+def test_pipeline_parallel_above_1_is_refused_naming_the_field() -> None:
+    cfg = load_run_config(CODER, ["models.actor.pipeline_parallel=2"])
+    pp = [p for p in job_gaps(cfg) if p.path == "models.actor.pipeline_parallel"]
+    assert len(pp) == 1 and pp[0].got == 2
+    assert "pipeline_parallel ≤ 1" in pp[0].message and pp[0].expected == "expected ≤ 1"
+
+
+def test_megatron_tp_and_dp_stay_refused_by_the_capability_limit_only() -> None:
+    spec = ACTOR_ENGINES["megatron"]
+    assert (spec.tensor_parallel, spec.data_parallel_gpu) == (1, 1)  # until a run on 2+ GPUs has passed
+    gaps = job_gaps(load_run_config(CODER))  # TP 4 × DP 8 on 32 GPUs
+    fields = {p.path: p for p in gaps}
+    assert fields["models.actor.tensor_parallel"].got == 4
+    assert "data-parallel size ≤ 1" in fields["models.actor.engine"].message
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen3MoeForCausalLM (2 experts) with the micro student's tokenizer files."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("moe")
+    assert build_micro_models(root / "micro") == 0
+    student = root / "micro" / "student"
+    from transformers import AutoConfig
+
+    size = AutoConfig.from_pretrained(student).vocab_size
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=2,
+        num_experts_per_tok=1, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    out = root / "moe"
+    Qwen3MoeForCausalLM(cfg).save_pretrained(str(out))
+    for f in student.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_an_moe_checkpoint_is_refused_for_megatron_naming_the_architecture(moe_checkpoint: Path) -> None:
+    path = str(moe_checkpoint)
+    overrides = [
+        f"models.actor.path={path}",
+        f"models.tokenizer.path={path}",
+        f"models.teachers.0.path={path}",
+    ]
+    cfg = load_run_config(CODER, overrides)
+    with pytest.raises(ConfigError) as err:
+        prepare_models(cfg, str(CODER))
+    text = str(err.value)
+    assert "models.actor.path" in text and "models.teachers[0].path" in text
+    assert "is a Qwen3MoeForCausalLM (mixture of experts: its expert weights are not mapped)" in text
+    assert "models.actor.engine: torch" in text and "models.teachers[0].engine: torch" in text
+    # the torch engine loads any transformers causal LM: no architecture refusal
+    torch_cfg = load_run_config(
+        CODER,
+        [
+            *overrides,
+            "models.actor.engine=torch",
+            "models.teachers.0.engine=torch",
+            "weight_sync.backend=torch",
+        ],
+    )
+    prepare_models(torch_cfg, str(CODER))
