@@ -136,6 +136,21 @@ def refusal_rows() -> list[tuple[str, str, str]]:
             rows.append(
                 ("weight_sync.backend", f"`{name}` with rollout.backend {_names(backends)}", "`torch`")
             )
+        for mode, device in (
+            ("separated", "cpu"),
+            ("separated", "gpu"),
+            ("colocated", "cpu"),
+            ("colocated", "gpu"),
+        ):
+            if (mode, device) not in spec.layouts:
+                others = [n for n, s in WEIGHT_SYNCS.items() if (mode, device) in s.layouts]
+                rows.append(
+                    (
+                        "weight_sync.backend",
+                        f"`{name}` with rollout.mode `{mode}` on {device.upper()}",
+                        _names(others) if others else "another rollout.mode",
+                    )
+                )
     for estimator in ESTIMATORS:
         lacking = [n for n, s in actor.items() if estimator not in s.estimators]
         if lacking:
