@@ -31,7 +31,7 @@ from mopd_hpc.runtime.plan import ChildSpec, JobPlan
 #: What the ports column says about port numbers before the job runs.
 PORTS_NOTE = "assigned at start"
 #: weight_sync.backend values the rank map knows (config/rollout.py WeightSyncConfig.backend).
-SYNC_BACKENDS = ("awex", "torch")
+SYNC_BACKENDS = ("awex", "torch", "ipc")
 
 
 def compact_ranges(values: Sequence[int]) -> str:
@@ -64,6 +64,15 @@ def _sync_column(role: str, index: int, child: ChildSpec, backend: str) -> tuple
     """(row key, cell) of the weight-sync column of one child."""
     if backend == "awex":
         return "transfer_rank", compact_ranges(child.transfer_ranks)
+    if backend == "ipc":  # engines/weight_sync/ipc.py: trainer rank 0 shares its buffer with every engine
+        shared = (
+            {0: "buffer (source)"}.get(index, "-")
+            if role == "actor"
+            else "reader"
+            if role == "rollout"
+            else "-"
+        )
+        return "ipc", shared
     rank = broadcast_rank(role, index)
     if rank is None:
         return "broadcast_rank", "-"
@@ -109,7 +118,8 @@ def rank_map_rows(
             `pp_rank` when pp > 1) after `index` (`parallel_cells`); None: no such columns (a plan alone).
         sync_backend: `weight_sync.backend`. "awex": the last column is `transfer_rank` (the child's AWEX
             transfer ranks, compacted: "4-7"); "torch": it is `broadcast_rank` (trainer rank 0: "0 (source)",
-            rollout engine i: "1 + i", others "-"). Raises ValueError for any other value.
+            rollout engine i: "1 + i", others "-"); "ipc": it is `ipc` (trainer rank 0: "buffer (source)",
+            every rollout engine: "reader", others "-"). Raises ValueError for any other value.
     """
     _check_backend(sync_backend)
     rows = []
