@@ -160,3 +160,13 @@ def test_three_syncs_arrive_bitwise_mapped_once(models, tmp_path, device):
         asyncio.run(scenario())
     finally:
         assert stop_server(proc) == 0
+
+
+def test_rank_map_shows_the_buffer_owner_and_its_readers():
+    from mopd_hpc.launch.rankmap import ipc_cell
+
+    cells = [
+        ipc_cell(r, i)
+        for r, i in (("actor", 0), ("actor", 1), ("rollout", 0), ("rollout", 3), ("teacher", 0))
+    ]
+    assert cells == ["buffer (source)", "-", "reader", "reader", "-"]

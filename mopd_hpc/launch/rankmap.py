@@ -49,6 +49,14 @@ def compact_ranges(values: Sequence[int]) -> str:
     return ",".join(out)
 
 
+def ipc_cell(role: str, index: int) -> str:
+    """A child's part in the ipc weight sync (engines/weight_sync/ipc.py): trainer rank 0 owns the shared
+    buffer ("buffer (source)"), every rollout engine maps it ("reader"); "-" for the others."""
+    if role == "actor" and index == 0:
+        return "buffer (source)"
+    return "reader" if role == "rollout" else "-"
+
+
 def broadcast_rank(role: str, index: int) -> int | None:
     """A child's rank in the torch weight-sync broadcast group (engines/weight_sync/torch.py): trainer rank 0
     (`actor` index 0) is the source, rank 0; rollout engine i is rank 1 + i; every other child is outside it
@@ -166,6 +174,9 @@ def rank_map_table(
         sync = f"AWEX infer world {plan.infer_world} + train world {plan.train_world} = {plan.transfer_world}"
         sync += f" (awex_mode {awex_mode})" if awex_mode else ""
         column = "AWEX transfer rank"
+    elif sync_backend == "ipc":
+        sync = "ipc: trainer rank 0's shared buffer, mapped by every rollout engine on its node"
+        column = "ipc shared buffer"
     else:
         engines = {
             int(c.env_dict.get(child_env.PLAN_INDEX, c.index))
@@ -273,7 +284,9 @@ def probe_report_table(reports: Sequence[dict[str, Any]], sync_backend: str | No
         named = {r.get("weight_sync_backend") for r in reports} - {None}
         sync_backend = named.pop() if len(named) == 1 else "awex"
     _check_backend(sync_backend)
-    column = "AWEX transfer rank" if sync_backend == "awex" else "torch broadcast rank"
+    column = {"awex": "AWEX transfer rank", "ipc": "ipc shared buffer"}.get(
+        sync_backend, "torch broadcast rank"
+    )
     table = Table(title=f"what the {len(reports)} probe(s) reported", title_justify="left")
     for header in (
         "host",
@@ -296,6 +309,8 @@ def probe_report_table(reports: Sequence[dict[str, Any]], sync_backend: str | No
         )
         if sync_backend == "awex":
             sync = compact_ranges(r.get("transfer_ranks", []))
+        elif sync_backend == "ipc":
+            sync = ipc_cell(role, int(index))
         else:
             rank = broadcast_rank(role, int(index))
             sync = "-" if rank is None else "0 (source)" if rank == 0 else str(rank)
