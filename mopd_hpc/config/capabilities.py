@@ -454,7 +454,10 @@ def weight_sync_refusals(
             backend,
             f"models.actor.engine: {' / '.join(spec.actor_engines)}"
             + _others(
-                WEIGHT_SYNCS, "weight_sync.backend", lambda s: actor_engine in s.actor_engines, but=backend
+                WEIGHT_SYNCS,
+                "weight_sync.backend",
+                lambda s: actor_engine in s.actor_engines and (rollout_mode, device) in s.layouts,
+                but=backend,
             ),
         )
     if rollout_backend not in spec.rollout_backends:
@@ -467,7 +470,7 @@ def weight_sync_refusals(
             + _others(
                 WEIGHT_SYNCS,
                 "weight_sync.backend",
-                lambda s: rollout_backend in s.rollout_backends,
+                lambda s: rollout_backend in s.rollout_backends and (rollout_mode, device) in s.layouts,
                 but=backend,
             ),
         )
