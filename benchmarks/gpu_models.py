@@ -27,6 +27,9 @@ SHAPES = {
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    # a CPU smoke size (benchmarks/weight_sync.py's ipc method on a machine without a GPU)
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=8192, tie_word_embeddings=True),
 }  # fmt: skip
 #: (name, seed) of the checkpoints `make_models` writes.
 MODELS = (("student", 0), ("teacher", 1))

@@ -29,8 +29,16 @@ onload that the next train step needs (optimizer state and weights back from the
 `bandwidth_gbps`: a 2-process NCCL broadcast of a 1 GiB buffer GPU 0 → GPU 1 (median of 10).
 `copy_gbps` (colocate rows' floor): a 1 GiB device-to-device copy on GPU 0 (bytes copied per second).
 `sync_floor_ratio` = measured sync seconds / (bytes sent / bandwidth); goal ≤ 1.25.
+The awex rows carry `writer_spans_s` / `reader_spans_s`: the median seconds of each sub-phase of a sync
+(`engines/weight_sync/awex_spans.py`).
 
-    python benchmarks/weight_sync.py --methods awex_colocate      # one GPU is enough
+ipc (method "ipc", one GPU, weight_sync.backend ipc): the actor (this process, `IpcSync`) and an HF rollout
+server on GPU 0. One sync = the weights copied into the persistent buffer shared once by CUDA IPC, then POST
+/update_weights_from_ipc, where the server copies the buffer into its parameters: two device copies of
+`bytes`, so its ratio to one `copy_gbps` copy is ≥ 2 by construction. `spans_s`: export, fill, post, copy.
+
+    python benchmarks/weight_sync.py --methods awex_colocate,ipc --sizes 0.6b   # one GPU is enough
+    python benchmarks/weight_sync.py --device cpu --methods ipc --sizes tiny     # the same protocol on CPU
 """
 
 from __future__ import annotations
@@ -91,28 +99,37 @@ def nccl_broadcast_gbps(port: int, nbytes: int = 1 << 30, repeats: int = 10) -> 
     return gbps
 
 
-def copy_gbps(nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """GB/s of a device-to-device copy of `nbytes` on GPU 0 (bytes copied per second, median)."""
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
+def copy_gbps(nbytes: int = 1 << 30, repeats: int = 10, device: str = "cuda:0") -> float:
+    """GB/s of a copy of `nbytes` within `device` (GPU 0: device to device; cpu: memcpy), bytes copied per
+    second, median."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     times = []
     for i in range(repeats + 3):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize()
+        sync()
         if i >= 3:
             times.append(time.perf_counter() - t0)
     del src, dst
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return nbytes / statistics.median(times) / 1e9
 
 
-def write_checkpoint(shape: dict, directory: Path) -> torch.nn.Module:
+def _median_spans(spans: list[dict]) -> dict[str, float]:
+    """Per span name, the median seconds over the syncs that recorded it."""
+    names = sorted({k for s in spans for k in s})
+    return {k: round(statistics.median([s[k] for s in spans if k in s]), 4) for k in names}
+
+
+def write_checkpoint(shape: dict, directory: Path, device: str = "cuda:0") -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(**shape, max_position_embeddings=4096, torch_dtype="bfloat16")
-    with torch.device("cuda:0"):
+    with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(directory))
     return model
@@ -178,6 +195,67 @@ async def measure(size: str, http_port: int, group_port: int, repeats: int, bw: 
         torch.cuda.empty_cache()
 
 
+async def measure_ipc(size: str, http_port: int, repeats: int, cbw: float, tmp: Path, device: str) -> dict:
+    """weight_sync.backend ipc for one size: the actor (this process, `IpcSync`) and an HF rollout server on
+    the same device (GPU 0, as a colocated job's rank 0 and engine 0; or the CPU). One sync = copy the
+    weights into the persistent shared buffer + POST /update_weights_from_ipc (the server copies the buffer
+    into its parameters and synchronizes). The first sync (allocate, share, map) is `first_s`."""
+    from mopd_hpc.engines.rollout.client import RolloutClient
+    from mopd_hpc.runtime.http_auth import standalone_token
+    from mopd_hpc.trainer.weight_sync import IpcSync
+
+    ckpt = tmp / f"ipc_{size}"
+    model = write_checkpoint(SHAPES[size], ckpt, "cuda:0" if device == "cuda" else "cpu")
+    named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]  # tied: one copy
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+
+    class Actor:
+        def named_weights(self):
+            return iter(named)
+
+    ready = tmp / f"ipc_{size}.ready.json"
+    token, token_file = standalone_token(tmp / "token", None)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, "-m", "mopd_hpc.engines.rollout.hf_server", "--model", str(ckpt), "--port", str(http_port),
+           "--device", device, "--dtype", "bfloat16", "--ready-file", str(ready),
+           "--token-file", str(token_file)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        url = await _wait_ready(ready, proc)
+        async with RolloutClient(url, token=token) as client:
+            sync = IpcSync(Actor())
+            t0 = time.perf_counter()
+            await sync.push(0, [client])
+            first_s = time.perf_counter() - t0
+            times, spans = [], []
+            for step in range(1, repeats + 1):
+                t0 = time.perf_counter()
+                await sync.push(step, [client])
+                times.append(time.perf_counter() - t0)
+                spans.append(dict(sync.spans))
+            info = await client.model_info()
+            buffers = len(sync.buffers.handles)
+            await sync.close([client])
+        sync_s, floor_s = statistics.median(times), nbytes / (cbw * 1e9)
+        return {"method": "ipc", "device": device, "size": size, "bytes": nbytes, "buffers": buffers,
+                "sync_s": round(sync_s, 4), "floor_s": round(floor_s, 5), "sync_floor_ratio": round(sync_s / floor_s, 2),
+                "effective_gbps": round(nbytes / sync_s / 1e9, 1), "first_s": round(first_s, 3),
+                "spans_s": _median_spans(spans), "times_s": [round(t, 4) for t in times],
+                "weight_version": info.get("weight_version")}  # fmt: skip
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def _awex_role(role: str, run_dir: Path, port: int, repeats: int, mode: str) -> None:
     """One side of the AWEX benchmark (run in its own process, see `measure_awex`)."""
     from mopd_hpc.engines.weight_sync.awex import AwexJobConfig, read_meta_server_address
@@ -203,14 +281,17 @@ def _awex_role(role: str, run_dir: Path, port: int, repeats: int, mode: str) -> 
         publisher = AwexActorPublisher(cfg.with_meta_server(addr), actor)
         publisher.initialize()
         actor.onload()  # colocate: awex released the actor's memory (no-op when resident)
-        onload_s = []
+        onload_s, spans = [], []
         for step in steps:
             time.sleep(0.5)
             publisher.publish(step)
+            spans.append(publisher.last_spans)
             t0 = time.perf_counter()
             actor.onload()  # what the next train step needs in colocate mode
             onload_s.append(time.perf_counter() - t0)
-        (run_dir / "writer.json").write_text(json.dumps({"seconds": publisher.seconds, "onload_s": onload_s}))
+        (run_dir / "writer.json").write_text(
+            json.dumps({"seconds": publisher.seconds, "onload_s": onload_s, "spans": spans})
+        )
         while not (run_dir / "reader.json").exists():  # the MetaServer lives in this process
             time.sleep(0.2)
         return
@@ -221,14 +302,17 @@ def _awex_role(role: str, run_dir: Path, port: int, repeats: int, mode: str) -> 
     addr = read_meta_server_address(run_dir, timeout_s=300)
     awex_engine = hf_awex_engine(cfg.with_meta_server(addr).inference_config(engine_rank=0), engine)
     awex_engine.initialize()
-    seconds = []
+    seconds, spans = [], []
     for step in steps:
         awex_engine.set_global_step(step)
         t0 = time.perf_counter()
         awex_engine.update_weights()
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
-    (run_dir / "reader.json").write_text(json.dumps({"seconds": seconds, "version": engine.weight_version}))
+        spans.append(getattr(awex_engine, "last_spans", {}))
+    (run_dir / "reader.json").write_text(
+        json.dumps({"seconds": seconds, "version": engine.weight_version, "spans": spans})
+    )
 
 
 def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path, mode: str = "separate") -> dict:
@@ -272,6 +356,8 @@ def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path, mode:
     sync_s = statistics.median(writer[1:])
     floor_s = nbytes / (bw * 1e9)
     extra = {"onload_s": round(statistics.median(written["onload_s"][1:]), 4)} if mode == "colocate" else {}
+    extra |= {"writer_spans_s": _median_spans(written.get("spans", [])[1:]),
+              "reader_spans_s": _median_spans(reader.get("spans", [])[1:])}  # fmt: skip
     return extra | {"method": "awex" if mode == "separate" else "awex_colocate", "size": size, "bytes": nbytes, "sent_bytes": sent, "sync_s": round(sync_s, 4),
             "floor_s": round(floor_s, 4), "sync_floor_ratio": round(sync_s / floor_s, 3),
             "effective_gbps": round(nbytes / sync_s / 1e9, 1), "first_s": round(writer[0], 3),
@@ -290,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--methods",
         default=None,
-        help="comma list of torch, awex, awex_colocate (default: all that fit the GPUs)",
+        help="comma list of torch, awex, awex_colocate, ipc (default: all that fit the GPUs)",
+    )
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the ipc method only, on this CPU"
     )
     p.add_argument("--awex-role", choices=("writer", "reader"), default=None, help=argparse.SUPPRESS)
     p.add_argument(
@@ -301,21 +390,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.awex_role is not None:
         _awex_role(args.awex_role, args.run_dir, args.base_port, args.repeats, args.awex_mode)
         return 0
-    gpus = torch.cuda.device_count()
-    methods = (args.methods or ("torch,awex,awex_colocate" if gpus >= 2 else "awex_colocate")).split(",")
-    if gpus < 1 or (gpus < 2 and set(methods) - {"awex_colocate"}):
-        print(f"weight_sync: {gpus} CUDA GPU(s); torch and awex need 2, awex_colocate 1", file=sys.stderr)
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    one_gpu = "awex_colocate,ipc"
+    methods = (args.methods or ("torch,awex," + one_gpu if gpus >= 2 else one_gpu if gpus else "ipc")).split(
+        ","
+    )
+    if args.device == "cpu" and set(methods) != {"ipc"}:
+        print("weight_sync: --device cpu runs the ipc method only (--methods ipc)", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and (gpus < 1 or (gpus < 2 and set(methods) - set(one_gpu.split(",")))):
+        print(
+            f"weight_sync: {gpus} CUDA GPU(s); torch and awex need 2, awex_colocate and ipc 1",
+            file=sys.stderr,
+        )
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     bw = nccl_broadcast_gbps(args.base_port) if gpus >= 2 else None
-    cbw = copy_gbps()
-    print(f"measured NCCL broadcast GPU0->GPU1: {bw} GB/s; device copy on GPU 0: {cbw:.1f} GB/s", flush=True)
+    cbw = copy_gbps(device="cuda:0" if args.device == "cuda" else "cpu")
+    print(f"measured NCCL broadcast GPU0->GPU1: {bw} GB/s; copy on {args.device}: {cbw:.1f} GB/s", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
             for k, size in enumerate(args.sizes.split(",")):
                 try:
-                    if method == "awex_colocate":
+                    if method == "ipc":
+                        row = asyncio.run(
+                            measure_ipc(
+                                size, args.base_port + 30 + k, args.repeats, cbw, Path(tmp), args.device
+                            )
+                        )
+                    elif method == "awex_colocate":
                         row = measure_awex(
                             size, args.base_port + 20 + k, args.repeats, cbw, Path(tmp), "colocate"
                         )
@@ -342,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['method']:13} {r['size']:6} {r['bytes'] / 1e9:6.2f} {r['sync_s']:8.3f} {r['floor_s']:8.3f} "
                 f"{r['sync_floor_ratio']:6.2f} {r.get('onload_s', ''):>8}"
             )
-    result = {"benchmark": "weight_sync", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    result = {"benchmark": "weight_sync", "device": device, "torch": torch.__version__,
               "gpus": gpus, "bandwidth_gbps": bw and round(bw, 1), "copy_gbps": round(cbw, 1), "rows": rows}  # fmt: skip
     atomic_write_json(args.out, result)
     print(f"wrote {args.out}")

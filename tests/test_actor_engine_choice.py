@@ -206,14 +206,17 @@ def gaps(cfg: Any) -> list[str]:
 
 def test_one_gpu_megatron_awex_colocate_job_has_no_gap(student: Path) -> None:
     assert gaps(config(student)) == []
-    assert gaps(config(student, **{"weight_sync.backend": "torch", "weight_sync.awex_mode": None})) == []
+    assert gaps(config(student, **{"weight_sync.backend": "ipc", "weight_sync.awex_mode": None})) == []
+    # the torch broadcast cannot join the actor and the rollout engine on one GPU (NCCL)
+    (gap,) = job_gaps(config(student, **{"weight_sync.backend": "torch", "weight_sync.awex_mode": None}))
+    assert gap.path == "weight_sync.backend" and "weight_sync.backend: ipc / awex" in gap.render()
 
 
 def test_megatron_actor_at_tp2_is_a_gap(student: Path) -> None:
     cfg = config(
         student,
         **{"models.actor.tensor_parallel": 2, "cluster.group.gpus_per_node": 2},
-        **{"weight_sync.backend": "torch", "weight_sync.awex_mode": None},
+        **{"weight_sync.backend": "ipc", "weight_sync.awex_mode": None},
     )
     (gap,) = job_gaps(cfg)
     assert (gap.path, gap.got, gap.expected) == ("models.actor.tensor_parallel", 2, "expected ≤ 1")
@@ -236,7 +239,7 @@ def test_awex_separate_mode_has_no_gap_torch_actor_and_sglang_are_gaps(student: 
     )
     assert gaps(torch_actor) == [
         "weight_sync.backend: the awex writer needs the megatron actor; models.actor.engine is 'torch' (got "
-        "'awex'; models.actor.engine: megatron, or weight_sync.backend: torch)"
+        "'awex'; models.actor.engine: megatron, or weight_sync.backend: ipc)"  # torch: not on one GPU
     ]
     sglang = base.model_copy(update={"rollout": base.rollout.model_copy(update={"backend": "sglang"})})
     # the rollout role runs sglang (roles/rollout_sglang.py), but the job's AWEX reader is the hf server's

@@ -229,7 +229,9 @@ def test_more_cpu_ranks_than_cpus_warns() -> None:
 def test_cpu_torch_dp_runs_gpu_torch_and_megatron_beyond_one_process_are_gaps() -> None:
     for config in ("local_cpu_dp2.yaml", "slurm_het_cpu_dp2.yaml"):
         assert job_gaps(load_run_config(CONFIGS / config)) == []
-    megatron = load_run_config(LOCAL, [*SLURM_GPUS, "cluster.group.gpus_per_node=4"])
+    megatron = load_run_config(
+        LOCAL, [*SLURM_GPUS, "cluster.group.gpus_per_node=4", "weight_sync.backend=ipc"]
+    )
     assert [g.render() for g in job_gaps(megatron)] == [
         "models.actor.engine: the actor role runs the megatron engine at data-parallel size ≤ 1 on GPUs: the "
         "actor has 4 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 4), dp 4 = world / "
@@ -237,13 +239,21 @@ def test_cpu_torch_dp_runs_gpu_torch_and_megatron_beyond_one_process_are_gaps() 
         "gpus_per_node), or engine: torch on CPU ranks)"
     ]
     staged = load_run_config(
-        LOCAL, [*SLURM_GPUS, "cluster.group.gpus_per_node=2", "models.actor.pipeline_parallel=2"]
+        LOCAL,
+        [
+            *SLURM_GPUS,
+            "cluster.group.gpus_per_node=2",
+            "models.actor.pipeline_parallel=2",
+            "weight_sync.backend=ipc",
+        ],
     )
     assert [(g.path, g.got) for g in job_gaps(staged)] == [("models.actor.pipeline_parallel", 2)]  # dp 1
     torch_gpus = load_run_config(
         LOCAL, ["cluster.backend=slurm", "cluster.group.nodes=2", "cluster.group.gpus_per_node=1"]
     )
-    (gap,) = job_gaps(torch_gpus)
+    # and the torch broadcast cannot join the colocated rollout on an actor's GPU (NCCL: one rank per GPU)
+    gap, sync = job_gaps(torch_gpus)
+    assert sync.path == "weight_sync.backend"
     assert (
         gap.path == "models.actor.engine" and "(cluster.group.nodes × gpus_per_node = 2 × 1)" in gap.render()
     )

@@ -74,7 +74,9 @@ def test_awex_sync_rank_map_keeps_the_transfer_ranks_and_names_the_mode() -> Non
     assert "AWEX transfer rank" in text and "broadcast" not in text
     rows = rank_map_rows(place_children(load_run_config(AWEX)), "awex")
     assert [r["transfer_rank"] for r in rows if r["role"] == "rollout"] == [str(i) for i in range(8)]
-    with pytest.raises(ValueError, match=r"weight_sync backend='nccl': expected one of \('awex', 'torch'\)"):
+    with pytest.raises(
+        ValueError, match=r"weight_sync backend='nccl': expected one of \('awex', 'torch', 'ipc'\)"
+    ):
         rank_map_rows(place_children(load_run_config(AWEX)), "nccl")
 
 

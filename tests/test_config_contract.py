@@ -60,9 +60,10 @@ VOCAB = VOCAB_SIZE  # the tiny models' character tokenizer's (config.json must h
 #: Every loss point: two samples per prompt (GRPO's group needs them), k below the micro vocabulary, no warmup
 #: (the first step's lr is not 0).
 BASE = ["data.samples_per_prompt=2", "loss.topk=8", "models.actor.optimizer.warmup_ratio=0"]
-#: A one-GPU trainer group for the megatron actor (its constant lr, torch weight sync from it).
+#: A one-GPU trainer group for the megatron actor (its constant lr; the ipc weight sync: the rollout shares
+#: its GPU, where the torch broadcast cannot join both).
 MEGATRON = [
-    "cluster.group.gpus_per_node=1", "models.actor.engine=megatron", "weight_sync.backend=torch",
+    "cluster.group.gpus_per_node=1", "models.actor.engine=megatron", "weight_sync.backend=ipc",
     "models.actor.optimizer.schedule=constant", "models.actor.optimizer.warmup_ratio=0",
 ]  # fmt: skip
 
@@ -271,6 +272,10 @@ SHAPE_REFUSALS = [
      "models.teachers[0].tensor_parallel"),
     ("gpu-awex-sglang", REPO / "configs" / "local_gpu_colocated.yaml", ["rollout.backend=sglang"],
      "weight_sync.backend"),
+    # NCCL refuses two ranks of one communicator on one GPU: the colocated broadcast never joins
+    ("gpu-torch-broadcast-colocated", LOCAL, ["cluster.group.gpus_per_node=1"], "weight_sync.backend"),
+    ("ipc-separated", LOCAL, ["weight_sync.backend=ipc", "rollout.mode=separated"], "weight_sync.backend"),
+    ("ipc-two-nodes", LOCAL, ["weight_sync.backend=ipc", "cluster.group.nodes=2"], "cluster.group.nodes"),
 ]  # fmt: skip
 
 #: CPU-free shapes that pass --check: where they run (skipped here: no CUDA).
@@ -279,8 +284,9 @@ GPU_RUNS = [
      "runs in tests/test_gpu_job.py[local_gpu_colocated-1] on the H200"),
     ("gpu-megatron-awex-separate", REPO / "configs" / "local_gpu_separated.yaml", [],
      "runs in tests/test_gpu_job.py[local_gpu_separated-2] on two H200s"),
-    ("gpu-torch-1", LOCAL, ["cluster.group.gpus_per_node=1"],
-     "the torch train step ran on CUDA in tests/test_microbatch_gpu.py (H200); no whole job on one GPU yet"),
+    ("gpu-torch-1", LOCAL, ["cluster.group.gpus_per_node=1", "weight_sync.backend=ipc"],
+     "the torch train step ran on CUDA in tests/test_microbatch_gpu.py (H200), the ipc sync through CUDA IPC in "
+     "tests/test_weight_sync_ipc.py[cuda]; no whole job on one GPU yet"),
 ]  # fmt: skip
 
 
@@ -393,7 +399,11 @@ def test_the_roles_recheck_the_same_declarations_at_start(tmp_path: Path) -> Non
     with pytest.raises(RoleEnvError, match=r"^models\.actor\.engine: the megatron engine trains on GPU only"):
         check_actor_engine(gpu, actor_role(tmp_path), {})
     wide = load_run_config(LOCAL, ["cluster.group.gpus_per_node=2", "rollout.engines.tensor_parallel=2"])
-    assert [g.path for g in job_gaps(wide)] == ["models.actor.engine", "rollout.engines.tensor_parallel"]
+    assert [g.path for g in job_gaps(wide)] == [
+        "models.actor.engine",
+        "rollout.engines.tensor_parallel",
+        "weight_sync.backend",  # the torch broadcast does not join two ranks on one GPU
+    ]
     with pytest.raises(
         RoleEnvError, match=r"^rollout\.engines\.tensor_parallel: a hf rollout engine runs on one"
     ):

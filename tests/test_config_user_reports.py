@@ -53,7 +53,7 @@ def test_torch_actor_on_several_cpu_ranks_is_data_parallel() -> None:
 
 
 def test_torch_actor_on_several_gpus_is_a_job_gap() -> None:
-    cfg = load_run_config(LOCAL, ["cluster.group.gpus_per_node=2"])
+    cfg = load_run_config(LOCAL, ["cluster.group.gpus_per_node=2", "weight_sync.backend=ipc"])
     assert [g.render() for g in job_gaps(cfg)] == [
         "models.actor.engine: the actor role runs the torch engine at data-parallel size ≤ 1 on GPUs: the actor "
         "has 2 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 2), dp 2 = world / "

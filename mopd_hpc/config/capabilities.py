@@ -94,6 +94,15 @@ class WeightSyncSpec:
     name: str
     actor_engines: tuple[str, ...]
     rollout_backends: tuple[str, ...]
+    #: (rollout.mode, device) pairs it connects: the torch broadcast cannot join an actor and a rollout
+    #: engine on one GPU (NCCL refuses two ranks of a communicator on one device); ipc shares memory,
+    #: so it needs both on one node (colocated).
+    layouts: tuple[tuple[str, str], ...] = (
+        ("separated", "cpu"),
+        ("separated", "gpu"),
+        ("colocated", "cpu"),
+        ("colocated", "gpu"),
+    )
 
 
 # ---------------------------------------------------------------------------------------- the declarations
@@ -155,7 +164,20 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
 }
 
 WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
-    "torch": WeightSyncSpec("torch", actor_engines=("torch", "megatron"), rollout_backends=("hf", "sglang")),
+    "torch": WeightSyncSpec(
+        "torch",
+        actor_engines=("torch", "megatron"),
+        rollout_backends=("hf", "sglang"),
+        layouts=(("separated", "cpu"), ("separated", "gpu"), ("colocated", "cpu")),
+    ),
+    # engines/weight_sync/ipc.py: shared buffers (CUDA IPC / a /dev/shm file), read by the hf server's
+    # /update_weights_from_ipc
+    "ipc": WeightSyncSpec(
+        "ipc",
+        actor_engines=("torch", "megatron"),
+        rollout_backends=("hf",),
+        layouts=(("colocated", "cpu"), ("colocated", "gpu")),
+    ),
     # the job's AWEX reader is the hf rollout server's (/awex/init); the writer is the megatron actor's
     "awex": WeightSyncSpec("awex", actor_engines=("megatron",), rollout_backends=("hf",)),
 }
@@ -400,10 +422,35 @@ def rollout_refusals(backend: str, tensor_parallel: int) -> list[Problem]:
     return []
 
 
-def weight_sync_refusals(backend: str, actor_engine: str, rollout_backend: str) -> Iterator[Problem]:
+def weight_sync_refusals(
+    backend: str,
+    actor_engine: str,
+    rollout_backend: str,
+    rollout_mode: str = "separated",
+    device: str = "cpu",
+) -> Iterator[Problem]:
     """What the `backend` weight sync does not connect: the actor engine it writes from, the rollout it
-    reads into."""
+    reads into, the placement (rollout.mode on `device`) it crosses."""
     spec = WEIGHT_SYNCS[backend]
+    if (rollout_mode, device) not in spec.layouts:
+        modes = [m for m, d in spec.layouts if d == device]
+        yield Problem(
+            "weight_sync.backend",
+            f"the {backend} sync does not connect an actor and rollout engines {rollout_mode} on {device.upper()}"
+            + (" (NCCL refuses two ranks on one GPU)" if backend == "torch" else ""),
+            backend,
+            (f"rollout.mode: {' / '.join(modes)}" if modes else "another backend")
+            + _others(
+                WEIGHT_SYNCS,
+                "weight_sync.backend",
+                lambda s: (
+                    (rollout_mode, device) in s.layouts
+                    and actor_engine in s.actor_engines
+                    and rollout_backend in s.rollout_backends
+                ),
+                but=backend,
+            ),
+        )
     if actor_engine not in spec.actor_engines:
         yield Problem(
             "weight_sync.backend",
@@ -412,7 +459,10 @@ def weight_sync_refusals(backend: str, actor_engine: str, rollout_backend: str) 
             backend,
             f"models.actor.engine: {' / '.join(spec.actor_engines)}"
             + _others(
-                WEIGHT_SYNCS, "weight_sync.backend", lambda s: actor_engine in s.actor_engines, but=backend
+                WEIGHT_SYNCS,
+                "weight_sync.backend",
+                lambda s: actor_engine in s.actor_engines and (rollout_mode, device) in s.layouts,
+                but=backend,
             ),
         )
     if rollout_backend not in spec.rollout_backends:
@@ -425,7 +475,7 @@ def weight_sync_refusals(backend: str, actor_engine: str, rollout_backend: str) 
             + _others(
                 WEIGHT_SYNCS,
                 "weight_sync.backend",
-                lambda s: rollout_backend in s.rollout_backends,
+                lambda s: rollout_backend in s.rollout_backends and (rollout_mode, device) in s.layouts,
                 but=backend,
             ),
         )

@@ -48,7 +48,9 @@ def job_gaps(cfg: Any) -> list[Problem]:
         out += teacher_refusals(i, teacher.engine, device, teacher.tensor_parallel, estimator)
     out += rollout_refusals(cfg.rollout.backend, cfg.rollout.engines.tensor_parallel)
     out += _backend_package(cfg)
-    out += weight_sync_refusals(cfg.weight_sync.backend, actor.engine, cfg.rollout.backend)
+    out += weight_sync_refusals(
+        cfg.weight_sync.backend, actor.engine, cfg.rollout.backend, cfg.rollout.mode, device
+    )
     return out + loss_refusals(actor.engine, cfg.loss)
 
 

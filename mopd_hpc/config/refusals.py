@@ -132,6 +132,21 @@ def refusal_rows() -> list[Row]:
             names = [n for n in table if n not in supported]
             if names:
                 rows.append(("weight_sync.backend", f"`{name}` with {what} {_names(names)}", "`torch`"))
+        for mode, device in (
+            ("separated", "cpu"),
+            ("separated", "gpu"),
+            ("colocated", "cpu"),
+            ("colocated", "gpu"),
+        ):
+            if (mode, device) not in spec.layouts:
+                others = [n for n, s in WEIGHT_SYNCS.items() if (mode, device) in s.layouts]
+                rows.append(
+                    (
+                        "weight_sync.backend",
+                        f"`{name}` with rollout.mode `{mode}` on {device.upper()}",
+                        _names(others) if others else "another rollout.mode",
+                    )
+                )
     loss: list[tuple[Callable[[Any], bool], str, str, str]] = [
         *(
             (lambda s, e=e: e in s.estimators, "loss.estimator", f"`{e}` with engine {{names}}",

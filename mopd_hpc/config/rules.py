@@ -273,6 +273,20 @@ def _awex(c: Any) -> Iterator[Problem]:
         )
 
 
+@rule("weight_sync", "cluster")
+def _ipc_one_node(c: Any) -> Iterator[Problem]:
+    """The ipc sync shares memory between the actor's rank 0 and every rollout engine: all on one node
+    (rollout.mode colocated is `weight_sync_refusals`' problem)."""
+    group = c.cluster.rollout_group
+    if c.weight_sync.backend == "ipc" and group.nodes > 1:
+        yield Problem(
+            f"{_rollout_path(c.cluster)}.nodes",
+            "weight_sync.backend ipc shares the actor's memory with the rollout engines of its node only",
+            group.nodes,
+            "1, or weight_sync.backend: awex (colocate mode, megatron actor)",
+        )
+
+
 @rule("weight_sync", "rollout", "cluster")
 def _awex_colocate(c: Any) -> Iterator[Problem]:
     """AWEX colocate mode pairs every trainer rank with one rollout rank on the same GPU (its reader

@@ -31,7 +31,7 @@ from mopd_hpc.runtime.plan import ChildSpec, JobPlan
 #: What the ports column says about port numbers before the job runs.
 PORTS_NOTE = "assigned at start"
 #: weight_sync.backend values the rank map knows (config/rollout.py WeightSyncConfig.backend).
-SYNC_BACKENDS = ("awex", "torch")
+SYNC_BACKENDS = ("awex", "torch", "ipc")
 
 
 def compact_ranges(values: Sequence[int]) -> str:
@@ -49,6 +49,14 @@ def compact_ranges(values: Sequence[int]) -> str:
     return ",".join(out)
 
 
+def ipc_cell(role: str, index: int) -> str:
+    """A child's part in the ipc weight sync (engines/weight_sync/ipc.py): trainer rank 0 owns the shared
+    buffer ("buffer (source)"), every rollout engine maps it ("reader"); "-" for the others."""
+    if role == "actor" and index == 0:
+        return "buffer (source)"
+    return "reader" if role == "rollout" else "-"
+
+
 def broadcast_rank(role: str, index: int) -> int | None:
     """A child's rank in the torch weight-sync broadcast group (engines/weight_sync/torch.py): trainer rank 0
     (`actor` index 0) is the source, rank 0; rollout engine i is rank 1 + i; every other child is outside it
@@ -64,6 +72,15 @@ def _sync_column(role: str, index: int, child: ChildSpec, backend: str) -> tuple
     """(row key, cell) of the weight-sync column of one child."""
     if backend == "awex":
         return "transfer_rank", compact_ranges(child.transfer_ranks)
+    if backend == "ipc":  # engines/weight_sync/ipc.py: trainer rank 0 shares its buffer with every engine
+        shared = (
+            {0: "buffer (source)"}.get(index, "-")
+            if role == "actor"
+            else "reader"
+            if role == "rollout"
+            else "-"
+        )
+        return "ipc", shared
     rank = broadcast_rank(role, index)
     if rank is None:
         return "broadcast_rank", "-"
@@ -109,7 +126,8 @@ def rank_map_rows(
             `pp_rank` when pp > 1) after `index` (`parallel_cells`); None: no such columns (a plan alone).
         sync_backend: `weight_sync.backend`. "awex": the last column is `transfer_rank` (the child's AWEX
             transfer ranks, compacted: "4-7"); "torch": it is `broadcast_rank` (trainer rank 0: "0 (source)",
-            rollout engine i: "1 + i", others "-"). Raises ValueError for any other value.
+            rollout engine i: "1 + i", others "-"); "ipc": it is `ipc` (trainer rank 0: "buffer (source)",
+            every rollout engine: "reader", others "-"). Raises ValueError for any other value.
     """
     _check_backend(sync_backend)
     rows = []
@@ -156,6 +174,9 @@ def rank_map_table(
         sync = f"AWEX infer world {plan.infer_world} + train world {plan.train_world} = {plan.transfer_world}"
         sync += f" (awex_mode {awex_mode})" if awex_mode else ""
         column = "AWEX transfer rank"
+    elif sync_backend == "ipc":
+        sync = "ipc: trainer rank 0's shared buffer, mapped by every rollout engine on its node"
+        column = "ipc shared buffer"
     else:
         engines = {
             int(c.env_dict.get(child_env.PLAN_INDEX, c.index))
@@ -263,7 +284,9 @@ def probe_report_table(reports: Sequence[dict[str, Any]], sync_backend: str | No
         named = {r.get("weight_sync_backend") for r in reports} - {None}
         sync_backend = named.pop() if len(named) == 1 else "awex"
     _check_backend(sync_backend)
-    column = "AWEX transfer rank" if sync_backend == "awex" else "torch broadcast rank"
+    column = {"awex": "AWEX transfer rank", "ipc": "ipc shared buffer"}.get(
+        sync_backend, "torch broadcast rank"
+    )
     table = Table(title=f"what the {len(reports)} probe(s) reported", title_justify="left")
     for header in (
         "host",
@@ -286,6 +309,8 @@ def probe_report_table(reports: Sequence[dict[str, Any]], sync_backend: str | No
         )
         if sync_backend == "awex":
             sync = compact_ranges(r.get("transfer_ranks", []))
+        elif sync_backend == "ipc":
+            sync = ipc_cell(role, int(index))
         else:
             rank = broadcast_rank(role, int(index))
             sync = "-" if rank is None else "0 (source)" if rank == 0 else str(rank)

@@ -16,6 +16,7 @@ readers that do not know them):
 | `reward/<route>`, `accuracy/<route>` | mean reward / accuracy of the step's rollouts of one route |
 | `perf/tokens_per_s` | trained tokens per second of wall time |
 | `time/rollout_s`, `time/teacher_s`, `time/drain_s`, `time/train_s`, `time/sync_s` | seconds per phase |
+| `time/sync/<span>_s` (optional) | seconds of one sub-phase of the step's weight sync (part of `time/sync_s`; spans may nest): torch export, send; ipc export, fill, post, copy; awex publish, the writer's spans and `reader<i>_<span>` of each rollout engine (`engines/weight_sync/awex_spans.py`) |
 | `ref/kl`, `time/reference_s` | only with a KL penalty (loss.rl_coefficient > 0 and kl_coefficient > 0): the mean k3 KL(π_θ ‖ π_ref) over response tokens with the policy before the step's update (nats; 0 at step 1, where π_θ = π_ref), and rank 0's seconds of the reference model's scoring (part of `time/teacher_s`) |
 | `memory/<child>/<phase>/allocated_gib`, `memory/<child>/<phase>/reserved_gib` | peak GPU memory of one child during one phase of the step, GiB (2^30 bytes): torch's `max_memory_allocated` / `max_memory_reserved` since the phase began (the peak is reset at each phase start); only for children on CUDA (absent on CPU). `<child>` is `actor` (the controller's rank), `teacher/<id>` or `rollout/<i>` (hf engines; each server's requests of that phase, `engines/peak_memory.py`), `<phase>` a phase of the step (`rollout`, `teacher`, `drain`, `train`, `sync`), or for a server `held`: what it holds between its requests, read at the step's end |
 

@@ -268,6 +268,7 @@ class Controller:
             await self._announce_gather(step, "sync")
             await self.sync.push(step, self.rollout)
             timings["sync"] = time.perf_counter() - t0
+            sync_spans = dict(getattr(self.sync, "spans", {}))
             self.machine.transition(Phase.ROLLOUT)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -278,6 +279,7 @@ class Controller:
             outcome.stats, rollouts, timings | dict(outcome.timings), self.cfg.loss, self.routes
         )
         values["rollout/weight_version"] = _as_number(rollouts.weight_versions[0])
+        values |= {f"time/sync/{span}_s": seconds for span, seconds in sync_spans.items()}
         values |= self.phase_memory.take()
         if self.phase_memory.active:
             values |= await server_peaks(self.teachers, self.rollout, self.cfg.rollout.backend)

@@ -8,6 +8,16 @@
 group (gloo on CPU, NCCL on GPU) and every push broadcasts `engine.named_weights()` with
 weight_version = str(step).
 
+`IpcSync` (weight_sync.backend ipc; rollout.mode colocated, one node: `engines/weight_sync/ipc.py`): the
+first push allocates one persistent flat buffer per dtype of `engine.named_weights()` (HF names, bucketed
+past `bucket_bytes`) on the actor's device, shared by handle (CUDA IPC on GPU, a /dev/shm file on CPU);
+every push copies the weights into it and POSTs the layout (/update_weights_from_ipc) to every server,
+which maps the buffers once and copies them into its parameters.
+
+Every sync keeps `spans`: the sub-phase seconds of its last push (`time/sync/<span>_s` in the metrics
+line; torch: export, send; ipc: export, fill, post, copy (the slowest server's); awex: publish, the writer's
+sub-phases and reader<i>_<span> of each server's: `engines/weight_sync/awex_spans.py`).
+
 `AwexSync` (weight_sync.backend awex; awex 0.9.0, `engines/weight_sync/awex_actor.py`): start runs the
 MetaServer on this process (its address in run_dir/awex_meta_server.json), builds the actor's writer
 (`AwexActorPublisher`, then `initialize()`), and has every rollout server build its reader
@@ -27,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +50,7 @@ from mopd_hpc.engines.weight_sync.awex_actor import (
     start_run_meta_server,
     stop_run_meta_server,
 )
+from mopd_hpc.engines.weight_sync.ipc import DEFAULT_BUCKET_BYTES, SharedBuffers
 from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender, WeightSyncError
 
 if TYPE_CHECKING:
@@ -76,6 +88,9 @@ class WeightSync(Protocol):
 
     async def close(self, clients: Sequence[RolloutClient]) -> None: ...
 
+    #: Sub-phase seconds of the last push (module docstring).
+    spans: dict[str, float]
+
 
 # ----------------------------------------------------------------------------------------------- torch
 
@@ -94,6 +109,7 @@ class TorchSync:
         self.engine, self.settings, self.timeout_s = engine, settings, timeout_s
         self.ranks_per_server = ranks_per_server
         self.sender: TorchBroadcastSender | None = None
+        self.spans: dict[str, float] = {}
 
     async def start(self, clients: Sequence[RolloutClient]) -> None:
         """Every server joins the group after this process (rank 0), with its ranks_per_server ranks."""
@@ -115,12 +131,70 @@ class TorchSync:
         """
         if self.sender is None:
             raise WeightSyncError(f"step {step}: push before start: the torch broadcast group is not joined")
-        await self.sender.send(self.engine.named_weights(), list(clients), weight_version=str(step))
+        t0 = time.perf_counter()
+        weights = list(self.engine.named_weights())
+        t1 = time.perf_counter()
+        await self.sender.send(weights, list(clients), weight_version=str(step))
+        self.spans = {"export": t1 - t0, "send": time.perf_counter() - t1}
 
     async def close(self, clients: Sequence[RolloutClient]) -> None:
         """The servers leave the group, then this process does (no-op before start)."""
         if self.sender is not None:
             await self.sender.destroy(list(clients))
+
+
+# ------------------------------------------------------------------------------------------------- ipc
+
+
+class IpcSync:
+    """Shared buffers on one node (module docstring). `engine` gives `named_weights()` (HF names, on the
+    actor's device); bucket_bytes: the largest buffer."""
+
+    def __init__(self, engine: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.engine, self.bucket_bytes = engine, bucket_bytes
+        self.buffers: SharedBuffers | None = None
+        self.spans: dict[str, float] = {}
+        #: How many times the buffers were allocated (once, unless the weights' layout changes).
+        self.allocations = 0
+
+    async def start(self, clients: Sequence[RolloutClient]) -> None:
+        """Nothing to join: the buffers are allocated by the first push (the weights must be resident)."""
+        del clients
+
+    async def push(self, step: int, clients: Sequence[RolloutClient]) -> None:
+        """Copy the actor's weights into the shared buffers; every server loads them; weight_version str(step).
+
+        Raises:
+            WeightSyncError: a server refused the update (its message names the weight), naming the step.
+        """
+        t0 = time.perf_counter()
+        items = list(self.engine.named_weights())
+        t1 = time.perf_counter()
+        if self.buffers is None or not self.buffers.matches(items):
+            if self.buffers is not None:
+                self.buffers.close()
+            specs = [(n, t.dtype, tuple(t.shape)) for n, t in items]
+            self.buffers = SharedBuffers.allocate(specs, items[0][1].device, self.bucket_bytes)
+            self.allocations += 1
+            log.info("weight sync: %d shared buffer(s), %.3f GB", len(self.buffers.handles),
+                     self.buffers.nbytes / 1e9)  # fmt: skip
+        self.buffers.fill(items)
+        t2 = time.perf_counter()
+        body = self.buffers.request(str(step)).to_json()
+        calls = [c.update_weights_from_ipc(body) for c in clients]
+        try:
+            answers = await asyncio.gather(*calls)
+        except Exception as exc:
+            raise WeightSyncError(f"weight sync of step {step}: {type(exc).__name__}: {exc}") from exc
+        copy_s = max((float(a.get("seconds", {}).get("copy", 0.0)) for a in answers), default=0.0)
+        self.spans = {"export": t1 - t0, "fill": t2 - t1, "post": time.perf_counter() - t2, "copy": copy_s}
+
+    async def close(self, clients: Sequence[RolloutClient]) -> None:
+        """Free the buffers (the CPU files are unlinked)."""
+        del clients
+        if self.buffers is not None:
+            self.buffers.close()
+            self.buffers = None
 
 
 # ------------------------------------------------------------------------------------------------ awex
@@ -211,6 +285,7 @@ class AwexSync:
         self.config, self.engine, self.run_dir, self.host = config, engine, Path(run_dir), host
         self.address: str | None = None
         self.publisher: Any = None
+        self.spans: dict[str, float] = {}
 
     def _on_device(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """`fn` under `torch.cuda.device(engine.device)`: a new thread's current CUDA device is 0, not the
@@ -279,6 +354,9 @@ class AwexSync:
         ]
         results = await _together(f"AWEX sync of step {step}", labelled)
         log.info("AWEX step %d published in %.3f s", step, float(results[0]))
+        self.spans = {"publish": float(results[0])} | dict(getattr(publisher, "last_spans", {}))
+        for i, answer in enumerate(results[1:]):
+            self.spans |= {f"reader{i}_{k}": float(v) for k, v in (answer or {}).get("spans", {}).items()}
 
     async def close(self, clients: Sequence[RolloutClient]) -> None:
         """Stop the MetaServer this process started (no-op before start)."""
@@ -293,8 +371,8 @@ def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
 
 
 def build_sync(cfg: RunConfig, engine: Any, settings: SyncSettings, run_dir: str | Path) -> WeightSync:
-    """The sync weight_sync.backend names: `TorchSync(engine, settings)` or `AwexSync(awex_job_config(cfg),
-    engine, run_dir, host=settings.master_addr)`.
+    """The sync weight_sync.backend names: `TorchSync(engine, settings)`, `IpcSync(engine)` or
+    `AwexSync(awex_job_config(cfg), engine, run_dir, host=settings.master_addr)`.
 
     Raises:
         AwexConfigError: AWEX settings the job cannot have (`awex_job_config`).
@@ -302,6 +380,8 @@ def build_sync(cfg: RunConfig, engine: Any, settings: SyncSettings, run_dir: str
     backend = cfg.weight_sync.backend
     if backend == "torch":
         return TorchSync(engine, settings, ranks_per_server=cfg.rollout.engines.tensor_parallel)
+    if backend == "ipc":
+        return IpcSync(engine)
     if backend == "awex":
         return AwexSync(awex_job_config(cfg), engine, run_dir, settings.master_addr)
-    raise AwexConfigError(f"weight_sync.backend={backend!r}: expected 'torch' or 'awex'")
+    raise AwexConfigError(f"weight_sync.backend={backend!r}: expected 'torch', 'ipc' or 'awex'")

@@ -7,7 +7,8 @@
     POST /awex/update_weights  {"step": int >= 0}
         set_global_step(step), then update_weights() in a worker thread: it blocks until the actor's writer
         sends step `step` (awex_hf sets the engine's weight_version to str(step)) → 200 {"status": "ok",
-        "weight_version": "<step>", "seconds": <float, wall seconds of the update>}.
+        "weight_version": "<step>", "seconds": <float, wall seconds of the update>, "spans": {name: seconds}
+        (the reader's sub-phases, `awex_spans.py`)}.
 
 Errors (JSON in the server's shape {"success": false, "message", "error": {"message", "type", "code"}}):
 400 a bad body (field, value, expectation) or `AwexConfigError`; 409 an update before /awex/init succeeded,
@@ -165,21 +166,24 @@ class AwexRoutes:
             except BaseException:
                 self._update_lock.release()
                 raise
-            seconds = await future
+            seconds, spans = await future
         except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error; the server serves on
             return _failure(request, exc)
         version = str(self.engine.weight_version)
         log.info("AWEX update of step %d received in %.3f s (weight_version %s)", step, seconds, version)
-        return web.json_response({"status": "ok", "weight_version": version, "seconds": seconds})
+        return web.json_response(
+            {"status": "ok", "weight_version": version, "seconds": seconds, "spans": spans}
+        )
 
-    def _update_blocking(self, awex_engine: Any, step: int) -> float:
-        """set_global_step then update_weights (blocks until the writer sends); wall seconds. Frees the
-        update slot when done, also when the request that started it went away."""
+    def _update_blocking(self, awex_engine: Any, step: int) -> tuple[float, dict[str, float]]:
+        """set_global_step then update_weights (blocks until the writer sends); wall seconds and the
+        reader's sub-phase seconds (`awex_spans.py`; {} for an engine that keeps none). Frees the update
+        slot when done, also when the request that started it went away."""
         try:
             start = time.perf_counter()
             awex_engine.set_global_step(step)
             awex_engine.update_weights()
-            return time.perf_counter() - start
+            return time.perf_counter() - start, dict(getattr(awex_engine, "last_spans", {}))
         finally:
             self.updating = None
             self._update_lock.release()

@@ -255,6 +255,22 @@ class RolloutClient:
             body["weight_version"] = weight_version
         return await self.request("POST", "/update_weights_from_disk", body)
 
+    async def update_weights_from_ipc(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST /update_weights_from_ipc (`IpcUpdateRequest.to_json()`); returns after the server copied the
+        shared buffers into its weights: {"success", "weight_version", "seconds": {"map", "copy"}}.
+
+        Raises:
+            RolloutServerError: 400 a bad handle, or a weight the model does not have or of another shape
+                (named; nothing was loaded).
+        """
+        return await self.request("POST", "/update_weights_from_ipc", dict(body))
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """POST /get_weights_by_name: the first `truncate_size` elements of parameter `name`, flattened."""
+        return await self.request(
+            "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}
+        )
+
     async def memory_peaks(self) -> dict[str, Any]:
         """The engine's peak GPU memory per phase since the last call (`engines/peak_memory.py`; {} on CPU)."""
         return await self.request("POST", "/memory_peaks")

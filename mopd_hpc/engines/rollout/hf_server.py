@@ -19,6 +19,8 @@ directory) and logs its path. Endpoints (shapes: ../shared/reference/algo_awex.m
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weights_from_disk {model_path, weight_version?};  GET|POST /flush_cache
   POST /awex/init {inference_config}, /awex/update_weights {step}   AWEX reader (`awex_routes.py`)
+  POST /update_weights_from_ipc {buffers, tensors, weight_version}; /get_weights_by_name {name}
+                                     shared-buffer updates of a colocated actor (`ipc_routes.py`)
 
 Errors are JSON {"success": false, "message", "error": {"message", "type", "code"}}: 400 for a bad
 request (field, value, expectation), 409 when the engine is busy, 503 while weights are released, 500 for
@@ -40,6 +42,7 @@ from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.engines.rollout.awex_routes import AwexFactory, add_awex_routes
 from mopd_hpc.engines.rollout.control import MEMORY_TAGS
 from mopd_hpc.engines.rollout.http_app import RolloutServer
+from mopd_hpc.engines.rollout.ipc_routes import add_ipc_routes
 from mopd_hpc.engines.rollout.server_args import ServerArgs
 from mopd_hpc.engines.serving import start_app
 from mopd_hpc.runtime.http_auth import protect, standalone_token
@@ -64,10 +67,12 @@ def rollout_app(
     server: RolloutServer, token: str, *, awex_factory: AwexFactory | None = None
 ) -> web.Application:
     """The server's aiohttp app as it is served: SGLang's surface (`RolloutServer.app`) plus the AWEX reader's
-    routes (`awex_routes.add_awex_routes`; `awex_factory` None = awex_hf's engine, tests pass a fake), behind
+    routes (`awex_routes.add_awex_routes`; `awex_factory` None = awex_hf's engine, tests pass a fake) and the
+    shared-buffer routes (`ipc_routes.add_ipc_routes`), behind
     `token` (`http_auth.protect`)."""
     app = server.app()
     add_awex_routes(app, server.engine, factory=awex_factory)
+    add_ipc_routes(app, server.engine)
     return protect(app, token)
 
 

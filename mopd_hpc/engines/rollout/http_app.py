@@ -105,6 +105,7 @@ PHASE_OF_PATH = {
             "/update_weights_from_distributed",
             "/update_weights_from_disk",
             "/awex/update_weights",
+            "/update_weights_from_ipc",
         )
     },
 }

@@ -55,6 +55,7 @@ from mopd_hpc.engines.weight_sync.awex_latency import (
     freeze_long_lived_objects,
     young_gc_in_separate_steps,
 )
+from mopd_hpc.engines.weight_sync.awex_spans import Spans, time_colocate_writer
 
 log = logging.getLogger(__name__)
 
@@ -182,16 +183,23 @@ def _megatron_engine_class() -> type:
         part: awex releases the optimizer, resumes the weights for its copy, then releases them."""
 
         residency: Any = None
+        spans: Any = None  # awex_spans.Spans: actor_offload_<parts> / actor_onload_<parts> seconds
 
         def release_memory_occupation(self, tags: list[str] | None = None) -> None:
             parts = residency_parts(tags)
             if self.residency is not None and self.enable_colocate_mode and parts:
+                t0 = time.perf_counter()
                 self.residency.offload(parts)
+                if self.spans is not None:
+                    self.spans.add(f"actor_offload_{'+'.join(parts)}", time.perf_counter() - t0)
 
         def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
             parts = residency_parts(tags)
             if self.residency is not None and self.enable_colocate_mode and parts:
+                t0 = time.perf_counter()
                 self.residency.onload(parts)
+                if self.spans is not None:
+                    self.spans.add(f"actor_onload_{'+'.join(parts)}", time.perf_counter() - t0)
 
         def release_grad_memory(self, empty_cache: bool = True) -> None:
             return None
@@ -222,6 +230,10 @@ class AwexActorPublisher:
         if cfg.colocate:
             protect_parameter_storage(actor.model)
         self.seconds: list[float] = []
+        #: Sub-phase seconds of the running publish (`awex_spans.py`); `last_spans`: the last finished one's.
+        self.spans = Spans()
+        self.engine.spans = self.spans
+        self.last_spans: dict[str, float] = {}
 
     def initialize(self) -> None:
         """Build awex's writer (its real set-up happens in the first publish, with the readers). In colocate
@@ -230,6 +242,8 @@ class AwexActorPublisher:
         self.engine.initialize()
         if self.cfg.colocate:
             patch_colocate_writer(self.engine.weights_exchange_writer, self.cfg.ipc_backend)
+            time_colocate_writer(self.engine.weights_exchange_writer, self.spans)
+        self.spans.take()  # initialize()'s own offloads are not a publish's
 
     def publish(self, step: int) -> float:
         """Send the actor's weights as step `step` (blocks until every reader got its shards; the device is
@@ -241,5 +255,6 @@ class AwexActorPublisher:
         self.engine.write_weights()
         torch.cuda.synchronize()
         self.seconds.append(time.perf_counter() - t0)
+        self.last_spans = self.spans.take()
         freeze_long_lived_objects()  # gap 11 (awex_latency.py): acts once, after the first sync
         return self.seconds[-1]

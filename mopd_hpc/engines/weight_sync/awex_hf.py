@@ -47,6 +47,7 @@ weights (`onload_weights`), copies from the IPC buffers into its parameters and 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,6 +62,7 @@ from mopd_hpc.engines.weight_sync.awex_latency import (
     freeze_long_lived_objects,
     young_gc_in_separate_steps,
 )
+from mopd_hpc.engines.weight_sync.awex_spans import Spans
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +267,9 @@ def _engine_class() -> type:
             self.model_context = hf_model_context(cfg, gpu if gpu is not None else 0)
             self.released_tags: set[str] = set()
             self.weights_exchange_reader: Any = None
+            #: Sub-phase seconds of the running update (`awex_spans.py`); last_spans: the last finished one's.
+            self.spans = Spans()
+            self.last_spans: dict[str, float] = {}
 
         @property
         def engine_name(self) -> str:
@@ -302,7 +307,10 @@ def _engine_class() -> type:
             engine's weight_version becomes str(global_step)."""
             if self.weights_exchange_reader is None:
                 raise AwexConfigError("update_weights before initialize(): the AWEX reader is not built")
+            t0 = time.perf_counter()
             self.weights_exchange_reader.update_weights(step_id=self.global_step, **kwargs)
+            self.spans.add("reader_update", time.perf_counter() - t0)
+            self.last_spans = self.spans.take()
             self.engine.weight_version = str(self.global_step)
             freeze_long_lived_objects()  # gap 11 (awex_latency.py): acts once, after the first update
 
@@ -312,13 +320,13 @@ def _engine_class() -> type:
         def release_memory_occupation(self, tags: list[str] | None = None) -> None:
             tags = [tags] if isinstance(tags, str) else list(tags or ["kv_cache", "weights"])
             if "weights" in tags and "weights" not in self.released_tags:
-                self.engine.offload_weights()
+                self.spans.timed("engine_offload", self.engine.offload_weights)()
             self.released_tags |= set(tags)
 
         def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
             tags = [tags] if isinstance(tags, str) else list(tags or ["kv_cache", "weights"])
             if "weights" in tags and "weights" in self.released_tags:
-                self.engine.onload_weights()
+                self.spans.timed("engine_onload", self.engine.onload_weights)()
             self.released_tags -= set(tags)
 
     _CLASS.append(HFAwexEngine)
