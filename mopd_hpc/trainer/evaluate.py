@@ -101,7 +101,7 @@ async def engine_greedy(
         return samples
 
     blocks = engine_blocks(len(prompt_ids), len(clients))
-    parts = await asyncio.gather(*(one(c, b) for c, b in zip(clients, blocks, strict=False) if b))
+    parts = await asyncio.gather(*(one(c, b) for c, b in zip(clients, blocks, strict=True) if b))
     return [s for part in parts for s in part]
 
 
