@@ -364,7 +364,8 @@ def test_megatron_train_step_observes_its_own_logprobs(
 
 
 class OffloadedActor:
-    """An engine whose residency starts offloaded; each use records whether it was resident."""
+    """An engine whose residency starts offloaded; each use records whether it was resident (no
+    `evaluation_model`: the controller must not ask for one)."""
 
     def __init__(self) -> None:
         self.residency = SimpleNamespace(on_device=False)
@@ -379,10 +380,6 @@ class OffloadedActor:
         self.uses.append(("state_dict", self.residency.on_device))
         return {"model": {"w": torch.zeros(2)}, "optimizer": {}, "steps": 2}
 
-    def evaluation_model(self) -> Any:
-        self.uses.append(("evaluation_model", self.residency.on_device))
-        return "model"
-
     def save_pretrained(self, directory: Path) -> None:
         self.uses.append(("save_pretrained", self.residency.on_device))
 
@@ -390,36 +387,41 @@ class OffloadedActor:
         self.residency.on_device = False
 
 
-def test_controller_onloads_before_checkpoint_evaluation_and_save(
+def test_controller_onloads_before_checkpoint_and_save_and_evaluates_on_the_engines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The evaluation uses no actor model (it generates on the rollout engines): it neither onloads the actor
+    nor asks it for a model; checkpoint and save onload it first."""
     import io
 
     from mopd_hpc.trainer import controller as controller_module
     from mopd_hpc.trainer.actor_group import SoloGroup
+    from mopd_hpc.trainer.evaluate import EngineEval
 
-    evaluated: list[Any] = []
-    monkeypatch.setattr(
-        controller_module.evaluate,
-        "student_accuracy",
-        lambda model, *a: evaluated.append(model) or {"r": 0.5},
-    )
+    asked: list[Any] = []
+
+    async def on_engines(clients, tokenizer, prompts, max_new_tokens):
+        asked.append((clients, max_new_tokens))
+        return EngineEval({"r": 0.5}, {"r": ("a",)}, ("2",))
+
+    monkeypatch.setattr(controller_module.evaluate, "student_accuracy_on_engines", on_engines)
     ctrl = object.__new__(controller_module.Controller)  # only what these three phases read
     ctrl.engine, ctrl.run_dir, ctrl.job_id, ctrl.step = OffloadedActor(), tmp_path, "local-1", 2
-    ctrl.out, ctrl.tokenizer, ctrl.group = io.StringIO(), None, SoloGroup()
+    ctrl.out, ctrl.tokenizer, ctrl.group, ctrl.rollout = io.StringIO(), None, SoloGroup(), ["engine-0"]
     sampling = SimpleNamespace(max_new_tokens=4)
     ctrl.cfg = SimpleNamespace(name="one-gpu", rollout=SimpleNamespace(sampling=sampling))
     ctrl.data = SimpleNamespace(dataset=SimpleNamespace(state_dict=lambda: {"position": 3}), eval_prompts={})
     asyncio.run(ctrl._checkpoint(2))
     ctrl.engine.offload()
-    assert asyncio.run(ctrl._student_accuracy({"r": []})) == {"r": 0.5} and evaluated == ["model"]
-    ctrl.engine.offload()
+    assert asyncio.run(ctrl._student_accuracy({"r": []}, 2)) == ({"r": 0.5}, "2")
+    assert asked == [(["engine-0"], 4)] and ctrl.out.getvalue() == ""  # version "2" is step 2's: no remark
+    assert asyncio.run(ctrl._student_accuracy({"r": []}, 3)) == ({"r": 0.5}, "2")
+    assert "weight_version '2', expected '3'" in ctrl.out.getvalue()
     asyncio.run(ctrl._finish())
     assert ctrl.engine.uses == [
         ("onload", False), ("state_dict", True),
-        ("onload", False), ("evaluation_model", True),
         ("onload", False), ("save_pretrained", True),
     ]  # fmt: skip
     assert (tmp_path / "checkpoints" / "latest").exists()
     asyncio.run(ctrl._checkpoint(2))  # resident already: no onload
-    assert ctrl.engine.uses[-1] == ("state_dict", True) and len(ctrl.engine.uses) == 7
+    assert ctrl.engine.uses[-1] == ("state_dict", True) and len(ctrl.engine.uses) == 5

@@ -2,7 +2,8 @@
 subprocesses (the environment a guard would give them), micro models built in seconds.
 
 Checks: 3 steps write metrics lines for exactly steps 1..3 with finite contract values; checkpoints and the
-final student exist; eval.json has its schema; the rollout's weight version advances every step (step s was
+final student exist; eval.json has its schema, and the student was evaluated on the rollout engines with
+the weights of step 0 and of the last step; the rollout's weight version advances every step (step s was
 sampled with the weights of step s-1); the servers stop on the end-of-job marker; c_d = 0 scores no teacher
 (no TEACHER phase, no teacher client); the metrics writer rolls back exactly the lines after a checkpoint.
 """
@@ -231,6 +232,9 @@ def test_three_steps_with_teachers(micro_models, tmp_path):
         assert set(route) == {"teacher", "student_start", "student_end", "n"}
         assert route["n"] == 8
         assert all(0.0 <= route[k] <= 1.0 for k in ("teacher", "student_start", "student_end"))
+    # the student was evaluated on the rollout engines after the first and after the last weight sync
+    assert record["student_weights"] == {"start": "0", "end": "3"}
+    assert "weight_version" not in out  # the engines answered with the expected versions: no remark
     assert (run_dir / "student_final" / "config.json").is_file()
     assert (run_dir / "student_final" / "tokenizer.json").is_file()
     assert json.loads((run_dir / "state" / "job_end.json").read_text())["reason"] == "finished"

@@ -13,7 +13,8 @@ engine, estimator, rl_coefficient and kl_coefficient, go to MOPD_GPU_JOB_OUT/<ca
 
 Asserted: exit 0; one metrics line per step with a finite loss, every phase timed, and the rollouts of step s
 sampled by the weights of step s − 1 (weight_version); checkpoints and the final HF student written; the
-teacher scored (non-zero teacher time). The metrics of the run are copied to MOPD_GPU_JOB_OUT/<config stem>
+teacher scored (non-zero teacher time); the student evaluated on the rollout engine with the weights of step 0
+and of the last step (eval.json `student_weights`). The metrics of the run are copied to MOPD_GPU_JOB_OUT/<config stem>
 when set (the device run keeps them for the closing note).
 """
 
@@ -116,4 +117,7 @@ def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, case:
         "step_000003",
     ]
     assert (run_dir / "student_final" / "config.json").is_file()
-    assert json.loads((run_dir / "eval.json").read_text())["routes"]["chain"]["n"] == 16
+    record = json.loads((run_dir / "eval.json").read_text())
+    assert record["routes"]["chain"]["n"] == 16
+    # the student evaluated on the rollout engine after the first (step 0) and the last weight sync
+    assert record["student_weights"] == {"start": "0", "end": str(STEPS)}, record

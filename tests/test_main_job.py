@@ -57,6 +57,7 @@ def test_local_smoke_through_mopd_submit(micro_models, tmp_path):
     assert {r: sorted(v) for r, v in record["routes"].items()} == {
         r: ["n", "student_end", "student_start", "teacher"] for r in ("chain", "legs")
     }
+    assert record["student_weights"] == {"start": "0", "end": "3"}  # evaluated on the rollout engine
     assert (run_dir / "student_final" / "model.safetensors").is_file()
     events = [json.loads(x) for f in (run_dir / "events").glob("*.jsonl") for x in f.read_text().splitlines()]
     exits = {(e["role"], e["index"]): e.get("exit_code") for e in events if e.get("event") == "exit"}

@@ -114,6 +114,21 @@ def test_a_null_budget_with_the_gpus_memory_known_is_the_one_the_engine_derives(
     assert same == gpus and detected[0].capacity_gib is None
 
 
+@pytest.mark.parametrize(("mode", "phase"), [("colocated", "rollout"), ("separated", None)])
+def test_a_colocated_sglang_engine_holds_its_gpu_in_the_rollout_only(mode: str, phase: str | None) -> None:
+    """It releases weights and KV pool when the step leaves ROLLOUT (trainer/rollout_memory.py)."""
+    sets = ["rollout.backend=sglang", "weight_sync.backend=torch", "weight_sync.awex_mode=null"]
+    sets += ["cluster.group.gpu_memory_gb=140"]
+    if mode == "separated":
+        sets += ["rollout.mode=separated", "cluster.group.gpus_per_node=2"]
+    cfg, gpus = plan_of(sets)
+    rollout = [h for gpu in gpus for c in gpu.children if c.label == "rollout 0" for h in c.holdings]
+    assert [h.what.split(" (")[0] for h in rollout] == ["weights", "KV pool"]
+    assert all(h.phase == phase for h in rollout)
+    weights, pool = rollout
+    assert weights.bytes + pool.bytes == int(mp.SGLANG_MEM_FRACTION * 140 * GIB)
+
+
 def test_unreadable_models_and_cpu_jobs() -> None:
     cfg, gpus = plan_of([], read=lambda path: None)
     assert mp.format_memory_plan(gpus)[1] == "#   cluster.group node 0 GPU 0: not planned"

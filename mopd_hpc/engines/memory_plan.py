@@ -21,7 +21,8 @@ Each child's holdings are either resident through the step, or held in one phase
   over the engines: one batch) and the sampling buffers, in `rollout` (the engine gives them back after each
   batch and allocates with expandable segments, `roles/rollout.py`, so that its growing cache does not
   fragment: without them the H200 measured 4× the KV cache reserved; with them `HF_KV_GROWTH`); sglang: weights and KV pool are the static
-  `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`).
+  `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`), resident when
+  separated, in `rollout` only when colocated (released at the end of the rollout: trainer/rollout_memory.py).
 A GPU's plan is its largest phase: Σ resident + Σ held in that phase (phases rollout, teacher, train). A child
 over several GPUs (a rollout engine's tensor parallelism) puts 1/its GPUs on each. A model whose config.json
 cannot be read here (a Slurm path that exists on the cluster only) is left out, with a note.
@@ -190,10 +191,15 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
     b = dtype_bytes(cfg.models.actor.dtype)
     weights = Holding("weights", shape.params * b // share)
     if cfg.rollout.backend == "sglang":
+        # colocated: released when the step leaves ROLLOUT (trainer/rollout_memory.py); resumed for the
+        # weight sync (its weights only: less than the rollout phase's) and the next rollout
+        phase = "rollout" if cfg.rollout.mode == "colocated" else None
+        weights = Holding("weights", weights.bytes, phase)
         if capacity_gib is None:
             return (weights,)
         pool = int(SGLANG_MEM_FRACTION * capacity_gib * GIB) - weights.bytes
-        return weights, Holding(f"KV pool (mem_fraction_static {SGLANG_MEM_FRACTION})", max(0, pool))
+        label = f"KV pool (mem_fraction_static {SGLANG_MEM_FRACTION})"
+        return weights, Holding(label, max(0, pool), phase)
     rows = -(-cfg.data.batch_size * cfg.data.samples_per_prompt // cfg.rollout.engines.count)
     length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     kv = int(HF_KV_GROWTH * rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b) // share

@@ -104,8 +104,9 @@ class TrainEngine(ScoringEngine, Protocol):
         ...
 
     def evaluation_model(self) -> torch.nn.Module:
-        """A transformers causal LM with the current weights, for greedy evaluation (the engine's own model
-        or a copy the caller drops after use)."""
+        """A transformers causal LM with the current weights, for in-process greedy evaluation (the engine's
+        own model or a copy the caller drops after use). The run does not call it: the student is evaluated
+        on the rollout engines (trainer/evaluate.py); benchmarks/fidelity.py and tests do."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -21,7 +21,8 @@ readers that do not know them):
 | `memory/<child>/<phase>/allocated_gib`, `memory/<child>/<phase>/reserved_gib` | peak GPU memory of one child during one phase of the step, GiB (2^30 bytes): torch's `max_memory_allocated` / `max_memory_reserved` since the phase began (the peak is reset at each phase start); only for children on CUDA (absent on CPU). `<child>` is `actor` (the controller's rank), `teacher/<id>` or `rollout/<i>` (hf engines; each server's requests of that phase, `engines/peak_memory.py`), `<phase>` a phase of the step (`rollout`, `teacher`, `drain`, `train`, `sync`), or for a server `held`: what it holds between its requests, read at the step's end |
 
 Evaluation (`run_dir/eval.json`): `{"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc,
-"n": prompts}}}`.
+"n": prompts}}, "teachers": {ROUTE: {TEACHER_ID: acc}}, "student_weights": {"start": version, "end": version}}`
+(`trainer/evaluate.py`: the student evaluated on the rollout engines; `version` their weight_version).
 """
 
 from __future__ import annotations

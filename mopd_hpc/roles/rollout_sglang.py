@@ -14,12 +14,16 @@ From the guard-given environment and the run's config (roles/rollout.py reads bo
     environment  `check_environment` refuses SGLANG_RETURN_ORIGINAL_LOGPROB=1 (μ would be T = 1 log-probs)
                  and expandable_segments (the memory saver would be off)
 
+Memory: with `rollout.mode: colocated` the controller has the engine release kv_cache, weights and cuda_graph
+when the step leaves ROLLOUT and resume weights before, kv_cache and cuda_graph after the weight sync
+(trainer/rollout_memory.py, through the server's /release_memory_occupation and /resume_memory_occupation).
+
 Readiness: once our server listens, the role probes `readiness_path` with the job's token until it answers
 200, and only then writes the endpoint record (roles/rollout_record.py). It serves until SIGTERM/SIGINT or the
 end of the job, then removes the record and shuts the Engine down.
 
-Tested with a stand-in that has sglang.Engine's Python API (tests/test_rollout_role_sglang.py): no real SGLang
-has run here (it pins torch 2.9.1; the machines here have 2.11+).
+Tested with a stand-in that has sglang.Engine's Python API (tests/test_rollout_role_sglang.py; the memory
+calls over three controller steps: tests/test_sglang_phase_memory.py): no real SGLang has run here (it pins torch 2.9.1; the machines here have 2.11+).
 """
 
 from __future__ import annotations

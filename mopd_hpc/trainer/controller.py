@@ -5,7 +5,8 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
     ROLLOUT  draw data.batch_size prompts from the routed stream; the rollout engines sample
              samples_per_prompt responses each with behavior log-probs μ; rewards by each source's scorer;
              A_ORM over the whole step (GRPO groups need every row); the step record goes to every rank
-             of the actor group (`trainer/step_record.py`)
+             of the actor group (`trainer/step_record.py`); a colocated sglang engine then releases its
+             memory (kv_cache, weights, cuda_graph: `trainer/rollout_memory.py`)
     TEACHER  every rank (this one too) has the teachers score its own shard of the rows
              (`trainer/rank_step.py`): only the rows of routes that weight a teacher go to it; with a KL
              penalty (c_rl > 0, β > 0) every rank's reference model scores its shard too, even when c_d = 0
@@ -14,7 +15,8 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
              others stay resident; nothing to do on CPU
     TRAIN    one `train_step` of the engine on every rank's shard (the loss normalized over the whole step)
     SYNC     weights → rollout engines from this rank only: one copy per engine (`trainer/weight_sync.py`,
-             weight_sync.backend: torch broadcast, gloo on CPU; or AWEX); weight_version = str(step)
+             weight_sync.backend: torch broadcast, gloo on CPU; or AWEX); weight_version = str(step); a
+             released sglang engine resumes its weights before and its kv_cache and cuda_graph after
 
 then one metrics line every `log_interval` steps and at the last (`records/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
 checkpoint under run_dir/checkpoints, written by this rank only: the DDP state is replicated (every rank
@@ -29,13 +31,17 @@ rollout. SIGUSR2 (`CheckpointRequest`, this rank's only: the others ignore it) i
 checkpoint now, send the stop record, announce the end, return. At the end: the stop record, evaluation,
 the student as an HF checkpoint in run_dir/student_final, and the end of the job announced to the servers (`records/job_end.py`).
 
+Evaluation (`trainer/evaluate.py`): the student generates greedily on the rollout engines, the teachers on
+their servers; the actor process loads no model for it. At the start it runs after the first weight sync
+(the engines hold the weights of the start step: the initial ones, or the resumed checkpoint's), at the end
+after the last step's sync (the engines hold the final weights, the ones saved in student_final); the
+engines' weight_version is checked against that step and kept in eval.json.
+
 Collaborators are given, not built here (`roles/actor.py` builds them): the engine (`engines.protocol.
 TrainEngine`), the rollout and teacher clients (opened by the caller), the weight sync, the actor group.
 
 Residency: the actor is made resident (`engine.onload()` when `engine.residency.on_device` is False) before
-every train step, checkpoint, evaluation and save: AWEX's colocate mode releases the actor's memory after
-each publish. Evaluation generates with `engine.evaluation_model()` (the torch engine's own model; for
-megatron a transformers copy built for the call and dropped after it).
+every train step, checkpoint and save: AWEX's colocate mode releases the actor's memory after each publish.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ from mopd_hpc.trainer.intervals import checkpoint_due, metrics_due
 from mopd_hpc.trainer.phase_memory import PhaseMemory, server_peaks
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rank_step import Group, Receipts, ShardStep, make_resident
+from mopd_hpc.trainer.rollout_memory import RolloutMemory
 from mopd_hpc.trainer.rollout_phase import step_rollouts
 from mopd_hpc.trainer.sharded_checkpoint import load_engine_shards, save_engine_shards
 from mopd_hpc.trainer.step import orm_advantages, step_metrics
@@ -104,8 +111,8 @@ class Controller:
 
     Args:
         cfg: the run config (absolute paths). plan: its ExecutionPlan.
-        engine: the actor's train engine (`TrainEngine`: the loss bound, `residency`, `onload`,
-            `evaluation_model`). tokenizer: the shared tokenizer.
+        engine: the actor's train engine (`TrainEngine`: the loss bound, `residency`, `onload`).
+            tokenizer: the shared tokenizer.
         data: the routed stream, its scorers and the held-out prompts.
         rollout: a client per rollout engine, in engine order. teachers: teacher id → client (every
             teacher the plan scores). Both opened (and closed) by the caller.
@@ -152,6 +159,8 @@ class Controller:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.gpu = any(g.gpus_per_node > 0 for g in cfg.cluster.groups().values())
         self.moving = moving_teachers(self.teachers, self.gpu, offload_teachers)
+        #: The rollout engines' memory at the phase boundaries (active: colocated sglang).
+        self.rollout_memory = RolloutMemory.from_config(cfg)
         self.shard_step = ShardStep(
             engine, self.teachers, plan, cfg.loss, self.route_weights, self.group, reference
         )
@@ -179,12 +188,12 @@ class Controller:
         self.group.barrier(f"after every rank loaded the state of step {start}")
         metrics = MetricsWriter.open(self.run_dir / METRICS_FILE, resume_step=start)
         with contextlib.closing(metrics):
-            if start == 0 or evaluate.read_eval(self.run_dir) is None:
-                await self._evaluate_start()
             await self.sync.start(self.rollout)
             await self._announce_gather(start, "sync")
             await self.sync.push(start, self.rollout)
             log.info("rollout engines hold the weights of step %d", start)
+            if start == 0 or evaluate.read_eval(self.run_dir) is None:
+                await self._evaluate_start(start)
             with Progress(self.out, start, self.cfg.steps) as progress:
                 for step in range(start + 1, self.cfg.steps + 1):
                     if self._stop_requested():
@@ -199,6 +208,7 @@ class Controller:
                 return await self._stop_for_signal(None, start)
             with contextlib.suppress(Exception):
                 await self.sync.close(self.rollout)
+        await self._evaluate_end()  # on the rollout engines, which hold the last step's weights
         await self._finish()  # before the stop record: a TP actor's export is a gather every TP rank joins
         await self._end_group("finished")
         write_job_end(self.run_dir, self.job_id, "finished", self.step)
@@ -241,6 +251,7 @@ class Controller:
             rollouts = await step_rollouts(
                 self.cfg, self.data, self.rollout, self.tokenizer, step, self.pad_id
             )
+            await self.rollout_memory.release(self.rollout)  # every row is back: the engines are idle
             record = ControlRecord.from_rows(
                 step,
                 rollouts.rows,
@@ -265,8 +276,10 @@ class Controller:
             )
             self.machine.transition(Phase.SYNC)
             t0 = time.perf_counter()
+            await self.rollout_memory.resume_weights(self.rollout)
             await self._announce_gather(step, "sync")
             await self.sync.push(step, self.rollout)
+            await self.rollout_memory.resume_cache(self.rollout)
             timings["sync"] = time.perf_counter() - t0
             sync_spans = dict(getattr(self.sync, "spans", {}))
             self.machine.transition(Phase.ROLLOUT)
@@ -323,16 +336,23 @@ class Controller:
         print(f"resuming from {ckpt.path} (step {ckpt.step}){change}", file=self.out, flush=True)
         return ckpt.step
 
-    async def _student_accuracy(self, prompts: Mapping[str, Any]) -> dict[str, float]:
-        """route → greedy accuracy of the actor's current weights (`engine.evaluation_model()`, dropped after)."""
-        make_resident(self.engine, "evaluation")
-        await self._announce_gather(self.step, "evaluate")
-        model = self.engine.evaluation_model()
-        try:
-            return evaluate.student_accuracy(model, self.tokenizer, prompts, self._max_new_tokens())
-        finally:
-            del model
-            _empty_cuda_cache()
+    async def _student_accuracy(
+        self, prompts: Mapping[str, Any], step: int
+    ) -> tuple[dict[str, float], str | None]:
+        """route → greedy accuracy of the weights the rollout engines hold (those of `step`: called after its
+        weight sync), and the weight_version they answered with; a version other than str(step) is said on
+        the run's output (the evaluation is then of other weights than the step's)."""
+        result = await evaluate.student_accuracy_on_engines(
+            self.rollout, self.tokenizer, prompts, self._max_new_tokens()
+        )
+        if result.weight_versions and result.weight_versions != (str(step),):
+            message = (
+                f"evaluation: the rollout engines answered with weight_version {result.weight_version!r}, "
+                f"expected {str(step)!r} (the weights of step {step}, synced before the evaluation)"
+            )
+            log.warning("%s", message)
+            print(message, file=self.out, flush=True)
+        return result.accuracy, result.weight_version
 
     async def _checkpoint(self, step: int) -> None:
         make_resident(self.engine, "checkpoint")
@@ -357,7 +377,8 @@ class Controller:
     def _max_new_tokens(self) -> int:
         return self.cfg.rollout.sampling.max_new_tokens
 
-    async def _evaluate_start(self) -> None:
+    async def _evaluate_start(self, step: int) -> None:
+        """The teachers on their servers, the student on the rollout engines (holding the weights of `step`)."""
         prompts = self.data.eval_prompts
         if not prompts:
             return
@@ -365,22 +386,27 @@ class Controller:
         teachers = await evaluate.teacher_accuracy(
             generators, self.route_weights, self.tokenizer, prompts, self._max_new_tokens()
         )
-        start = await self._student_accuracy(prompts)
+        start, version = await self._student_accuracy(prompts, step)
         counts = {r: len(p) for r, p in prompts.items()}
-        record = evaluate.eval_record(teachers, start, None, counts)
+        record = evaluate.eval_record(teachers, start, None, counts, {"start": version})
         evaluate.write_eval(self.run_dir, record)
         print("evaluation at the start:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
 
-    async def _finish(self) -> None:
+    async def _evaluate_end(self) -> None:
+        """The student on the rollout engines, which hold the weights of the last step (synced at its end)."""
         prompts = self.data.eval_prompts
-        if prompts:
-            record = evaluate.read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
-            end = await self._student_accuracy(prompts)
-            start = {r: v.get("student_start") for r, v in record["routes"].items()}
-            counts = {r: len(p) for r, p in prompts.items()}
-            record = evaluate.eval_record(record.get("teachers", {}), start, end, counts)
-            evaluate.write_eval(self.run_dir, record)
-            print("evaluation at the end:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
+        if not prompts:
+            return
+        record = evaluate.read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
+        end, version = await self._student_accuracy(prompts, self.step)
+        start = {r: v.get("student_start") for r, v in record["routes"].items()}
+        counts = {r: len(p) for r, p in prompts.items()}
+        weights = {"start": (record.get("student_weights") or {}).get("start"), "end": version}
+        record = evaluate.eval_record(record.get("teachers", {}), start, end, counts, weights)
+        evaluate.write_eval(self.run_dir, record)
+        print("evaluation at the end:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
+
+    async def _finish(self) -> None:
         make_resident(self.engine, "save")
         await self._announce_gather(self.step, "export")
         self.engine.save_pretrained(self.run_dir / FINAL_DIR)
@@ -397,14 +423,6 @@ def moving_teachers(
     if not gpu:
         return {}
     return {t: c for t, c in teachers.items() if offload is None or t in offload}
-
-
-def _empty_cuda_cache() -> None:
-    """Give the cached blocks of a dropped evaluation model back to the device (no-op without CUDA)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def _as_number(version: str) -> float:

@@ -2,22 +2,38 @@
 
 Accuracy = share of held-out prompts whose greedy completion (at most `rollout.sampling.max_new_tokens`
 tokens) scores exactly 1 with the dataset's own reward (`mopd_hpc.data.evaluation`). The held-out prompts
-are `trainer/data_setup.eval_prompts`. A route's `teacher` accuracy is the best over the teachers the route
-gives a positive weight; each teacher generates on its own server, once, at the start (its accuracy does not
-change during the run; it is kept in eval.json, so a resumed run does not ask again).
+are `trainer/data_setup.eval_prompts`. Every model generates where it is served: the actor process loads no
+model for the evaluation, not even a copy of its own.
+
+- The student: greedy generation on the rollout engines (`student_accuracy_on_engines`: temperature 0,
+  the rows spread over the engines in contiguous blocks as a rollout step's), with the weights the engines
+  hold then: the controller evaluates after the weight sync, so at the start the weights of the start step
+  (the initial weights, or a resumed checkpoint's) and at the end the weights of the last step. The engines'
+  `weight_version` of every row is kept in eval.json (`student_weights`) as the proof of which weights
+  answered. Greedy on the hf engine is the argmax of the same forward as `data.evaluation.greedy_complete`'s
+  `model.generate(do_sample=False)`, so on the same weights and dtype the answers equal the in-process
+  evaluation's (tests/test_student_eval_engines.py).
+- A route's `teacher` accuracy is the best over the teachers the route gives a positive weight; each teacher
+  generates on its own server, once, at the start (its accuracy does not change during the run; it is kept
+  in eval.json, so a resumed run does not ask again).
 
 `run_dir/eval.json` (written atomically):
 
     {"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc | null, "n": prompts}},
-     "teachers": {ROUTE: {TEACHER_ID: acc}}}
+     "teachers": {ROUTE: {TEACHER_ID: acc}},
+     "student_weights": {"start": VERSION | null, "end": VERSION | null}}
 
-Accuracies are fractions in [0, 1]; `student_end` is null until the run ends.
+Accuracies are fractions in [0, 1]; `student_end` is null until the run ends. VERSION is the rollout engines'
+weight_version of the evaluated rows (str(step) after a weight sync of that step; several versions joined by
+"," if the engines disagreed, which the controller reports).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,19 +41,99 @@ from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.data import Prompt
 from mopd_hpc.data.evaluation import evaluate_prompts
 from mopd_hpc.data.rewards import is_correct, score_completion
+from mopd_hpc.engines.rollout.client import RolloutClient
+from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
 from mopd_hpc.records.run_dir import EVAL_FILE
+from mopd_hpc.trainer.rollout_phase import engine_blocks
 
 
 def student_accuracy(
     model: Any, tokenizer: Any, prompts: Mapping[str, Sequence[Prompt]], max_new_tokens: int
 ) -> dict[str, float]:
-    """route → greedy accuracy of `model` on the route's held-out prompts."""
+    """route → greedy accuracy of an in-process `model` on the route's held-out prompts (the reference the
+    served evaluation is tested against, and benchmarks/fidelity.py's curve; the run does not call it)."""
     return {
         route: evaluate_prompts(
             model, tokenizer, list(p), source=route, max_new_tokens=max_new_tokens
         ).accuracy
         for route, p in prompts.items()
     }
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEval:
+    """The student's greedy evaluation on the rollout engines.
+
+    Attributes:
+        accuracy: route → share of its prompts answered with reward exactly 1.
+        completions: route → the decoded completion of each prompt, in prompt order (special tokens skipped).
+        weight_versions: the distinct weight_version the engines answered with, sorted.
+    """
+
+    accuracy: dict[str, float]
+    completions: dict[str, tuple[str, ...]]
+    weight_versions: tuple[str, ...]
+
+    @property
+    def weight_version(self) -> str | None:
+        """The one version, or the versions joined by ","; None when nothing was generated."""
+        return ",".join(self.weight_versions) if self.weight_versions else None
+
+
+async def engine_greedy(
+    clients: Sequence[RolloutClient], prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int
+) -> list[GeneratedSample]:
+    """Greedy completions (temperature 0, stop at `eos_id` and the engine's own EOS ids, no log-probs) of
+    `prompt_ids`, spread over the engines in contiguous blocks as a rollout step's (`engine_blocks`);
+    one sample per prompt, in prompt order.
+
+    Raises:
+        RolloutServerError / RolloutUnavailableError: an engine failed; ValueError: an engine answered
+            another number of samples than it was given prompts (naming it).
+    """
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(eos_id,))
+
+    async def one(client: RolloutClient, block: range) -> list[GeneratedSample]:
+        ids = [prompt_ids[i] for i in block]
+        samples = await client.generate(ids, sampling, return_logprob=False)
+        if len(samples) != len(ids):
+            raise ValueError(f"{client.base_url} answered {len(samples)} samples for {len(ids)} prompts")
+        return samples
+
+    blocks = engine_blocks(len(prompt_ids), len(clients))
+    parts = await asyncio.gather(*(one(c, b) for c, b in zip(clients, blocks, strict=True) if b))
+    return [s for part in parts for s in part]
+
+
+async def student_accuracy_on_engines(
+    clients: Sequence[RolloutClient],
+    tokenizer: Any,
+    prompts: Mapping[str, Sequence[Prompt]],
+    max_new_tokens: int,
+) -> EngineEval:
+    """route → greedy accuracy of the weights the rollout engines hold now (module docstring).
+
+    Prompts are encoded as `data.evaluation.greedy_complete` encodes them (the tokenizer's special tokens)
+    and the new tokens decoded the same way (special tokens skipped). Raises as `engine_greedy`.
+    """
+    accuracy: dict[str, float] = {}
+    completions: dict[str, tuple[str, ...]] = {}
+    versions: set[str] = set()
+    for route, items in prompts.items():
+        if not items:
+            continue
+        ids = [tokenizer(p.text)["input_ids"] for p in items]
+        samples = await engine_greedy(clients, ids, max_new_tokens, tokenizer.eos_token_id)
+        texts = tuple(tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in samples)
+        accuracy[route] = _accuracy(items, texts)
+        completions[route] = texts
+        versions.update(s.weight_version for s in samples)
+    return EngineEval(accuracy, completions, tuple(sorted(versions)))
+
+
+def _accuracy(items: Sequence[Prompt], completions: Sequence[str]) -> float:
+    rewards = [score_completion(p, c) for p, c in zip(items, completions, strict=True)]
+    return sum(is_correct(r) for r in rewards) / len(rewards)
 
 
 #: A teacher's greedy generation where it is served: (prompt ids [B rows], max_new_tokens, eos id, pad id)
@@ -67,9 +163,7 @@ async def teacher_accuracy(
             if weight <= 0 or teacher not in generators or not items:
                 continue
             rows = await generators[teacher](ids, max_new_tokens, eos, pad)
-            completions = tokenizer.batch_decode(rows, skip_special_tokens=True)
-            rewards = [score_completion(p, c) for p, c in zip(items, completions, strict=True)]
-            out[route][teacher] = sum(is_correct(r) for r in rewards) / len(rewards)
+            out[route][teacher] = _accuracy(items, tokenizer.batch_decode(rows, skip_special_tokens=True))
     return out
 
 
@@ -86,8 +180,9 @@ def eval_record(
     student_start: Mapping[str, float],
     student_end: Mapping[str, float] | None,
     counts: Mapping[str, int],
+    student_weights: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
-    """The eval.json object (module docstring)."""
+    """The eval.json object (module docstring); `student_weights`: {"start": version, "end": version}."""
     routes = {}
     for route, n in counts.items():
         best = max(teachers.get(route, {}).values(), default=None)
@@ -97,7 +192,12 @@ def eval_record(
             "student_end": None if student_end is None else student_end.get(route),
             "n": n,
         }
-    return {"routes": routes, "teachers": {r: dict(t) for r, t in teachers.items()}}
+    weights = {"start": None, "end": None} | dict(student_weights or {})
+    return {
+        "routes": routes,
+        "teachers": {r: dict(t) for r, t in teachers.items()},
+        "student_weights": weights,
+    }
 
 
 def write_eval(run_dir: Path, record: Mapping[str, Any]) -> Path:

@@ -95,6 +95,13 @@ def encode_prompts(tokenizer: Any, draws: Sequence[RoutedSample], max_prompt_tok
     return [list(ids) for ids in encoded]
 
 
+def engine_blocks(rows: int, engines: int) -> list[range]:
+    """The contiguous block of prompt positions each engine gets (engine e: the e-th block of ⌈rows/engines⌉;
+    the last ones may be short or empty), in engine order."""
+    per = -(-rows // engines)
+    return [range(e * per, min(rows, (e + 1) * per)) for e in range(engines)]
+
+
 async def generate(
     clients: Sequence[RolloutClient],
     prompt_ids: Sequence[Sequence[int]],
@@ -103,10 +110,8 @@ async def generate(
     seeds: Sequence[int],
 ) -> list[GeneratedSample]:
     """Sample n responses per prompt, prompts split over the engines in contiguous blocks (order kept)."""
-    per = -(-len(prompt_ids) // len(clients))
     calls = []
-    for e, client in enumerate(clients):
-        block = list(range(e * per, min(len(prompt_ids), (e + 1) * per)))
+    for client, block in zip(clients, engine_blocks(len(prompt_ids), len(clients)), strict=True):
         if not block:
             continue
         params = [

@@ -10,11 +10,16 @@ The launch and mapping rules (named ports, environment, readiness, request and r
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weights_from_disk {model_path, weight_version?}
 
-The weight routes call the Engine's Python methods of the same names (SGLang 0.5.23, algo_awex.md §3.2) in a
-worker thread, so a broadcast that waits for the trainer does not stop the server answering; the engine's
-TP workers join the torch weight-sync group as ranks rank_offset … rank_offset + tp_size − 1 (the trainer
-gives each server tp_size ranks: engines/weight_sync/torch.py `ranks_per_server`). Every route but the bare
-liveness probe requires the job's token (`sglang_app`, runtime/http_auth.py).
+The weight and memory routes call the Engine's Python methods of the same names (SGLang 0.5.23, algo_awex.md
+§3.2) in a worker thread: a broadcast that waits for the trainer does not stop the server answering, and the
+Engine's synchronous methods (`self.loop.run_until_complete(...)` in SGLang 0.5.23) cannot run on the thread
+of the server's running loop. The engine's TP workers join the torch weight-sync group as ranks rank_offset …
+rank_offset + tp_size − 1 (the trainer gives each server tp_size ranks: engines/weight_sync/torch.py
+`ranks_per_server`).
+
+Memory: when a colocated step leaves ROLLOUT the trainer releases kv_cache, weights and cuda_graph, and
+resumes weights before the weight sync and kv_cache and cuda_graph after it (trainer/rollout_memory.py); a
+repeated release, or a resume of what is held, touches nothing here (SGLang itself raises on both). Every route but the bare liveness probe requires the job's token (`sglang_app`, runtime/http_auth.py).
 """
 
 from __future__ import annotations
@@ -118,8 +123,8 @@ class SGLangRolloutServer:
     async def release(self, request: web.Request) -> web.Response:
         tags = MemoryTagsRequest.from_json(await _json(request)).tags
         todo = [t for t in tags if t not in self.released]  # idempotent: SGLang raises on a repeated tag
-        if todo:
-            self.engine.release_memory_occupation(tags=todo)
+        if todo:  # in a worker thread: the Engine's sync methods run its own event loop to completion
+            await asyncio.to_thread(self.engine.release_memory_occupation, tags=todo)
             self.released.update(todo)
         return web.json_response({"success": True, "released": sorted(self.released)})
 
@@ -127,12 +132,12 @@ class SGLangRolloutServer:
         tags = MemoryTagsRequest.from_json(await _json(request)).tags
         todo = [t for t in tags if t in self.released]
         if todo:
-            self.engine.resume_memory_occupation(tags=todo)
+            await asyncio.to_thread(self.engine.resume_memory_occupation, tags=todo)
             self.released.difference_update(todo)
         return web.json_response({"success": True, "released": sorted(self.released)})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        self.engine.flush_cache()
+        await asyncio.to_thread(self.engine.flush_cache)
         return web.json_response({"success": True})
 
     # ---- weights ------------------------------------------------------------------------------------
