@@ -141,7 +141,7 @@ async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[s
     import aiohttp
 
     from mopd_hpc.engines.buffer_pool import BufferPool
-    from mopd_hpc.engines.teacher_server import TeacherClient
+    from mopd_hpc.engines.teacher_client import TeacherClient
     from mopd_hpc.engines.wire_http import read_frame
 
     ids, starts = request_rows(rows)
