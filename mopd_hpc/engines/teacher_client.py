@@ -18,7 +18,7 @@ from mopd_hpc.engines.buffer_pool import BufferPool
 from mopd_hpc.engines.teacher_generate import greedy_body
 from mopd_hpc.engines.teacher_wire import ScoreTensors, encode_score_request
 from mopd_hpc.engines.wire import DEFAULT_MAX_BODY_BYTES, WireError
-from mopd_hpc.engines.wire_http import FRAME_HEADERS, is_frame, read_frame
+from mopd_hpc.engines.wire_http import FRAME_HEADERS, READ_BUFSIZE, is_frame, read_frame
 from mopd_hpc.runtime.http_auth import auth_headers
 
 #: Default client timeout of one request, in seconds (scoring a large batch on CPU can take a while).
@@ -159,7 +159,10 @@ class TeacherClient:
         if self._session is None:
             raise RuntimeError("TeacherClient used outside `async with` (no session)")
         body = encode_score_request(input_ids, response_start, top_k)
-        async with self._session.post(self.url + "/score", data=body, headers=FRAME_HEADERS) as resp:
+        post = self._session.post(
+            self.url + "/score", data=body, headers=FRAME_HEADERS, read_bufsize=READ_BUFSIZE
+        )
+        async with post as resp:
             if resp.status == 200 and is_frame(resp):
                 try:
                     frame = await read_frame(resp, self.max_body_bytes, self.buffers)
