@@ -7,23 +7,28 @@ A real `TeacherServer` (aiohttp, its own process) over a stand-in engine that re
 - binary: `TeacherClient.score_tensors`        frame request, frame answer, packed tensors
 - bytes:  the answer's byte count as one uint8 tensor through the same `send_frame` / `read_frame`: what
           the transport alone costs on this host (no per-row parts, no dtype conversion, no request)
+- socket: the same byte count sent by one `sendall` from a thread of the server process and received by
+          `recv_into` into one reused buffer, no HTTP: the loopback ceiling of this host, measured right
+          after each binary case (same load); the JSON's `ceiling` gives binary / socket per shape
 
 The production step is 256 rows x 4,096 response tokens (prompts of 512), top-k 64: ~67 M id/value pairs
 per teacher. A fraction f sends 256·f rows of that shape. Payload = the answer's information at the binary
 dtypes (log-probs f32 + top-k ids i32 + top-k values f32 = 4 + 8·K bytes per response token), the same for
-both encodings; payload GB/s = payload / round-trip seconds (request encode → answer decoded, best of
-`--repeats`). Bytes on the wire = request + answer bodies (HTTP headers excluded). cpu srv / cpu cli = CPU
-seconds of the server's handler and of the client's call (all threads, kernel time included); cpu-bound
+both encodings; payload GB/s = payload / round-trip seconds (request encode → answer decoded, the median
+of `--repeats`; `payload_GBps_best` the fastest). Bytes on the wire = request + answer bodies (HTTP
+headers excluded). cpu srv / cpu cli = CPU seconds of the server's handler and of the client's call (all threads, kernel time included); cpu-bound
 GB/s = payload / the busier side's CPU seconds: the rate when the two sides overlap on cores of their own
-(on a shared host the wall clock also counts other processes' turns).
+(on a shared host the wall clock also counts other processes' turns). Server CPU and seconds are medians
+too, read from the server after each timed call.
 
 Binary answers are checked bit for bit against the engine's tensors (rows 0 and B−1 regenerated here),
 JSON against binary at the smallest fraction. Each process runs torch with `--threads` threads (default 1:
 two processes on a 2-core host). The host's memory copy rates (into fresh and into reused memory) are
-measured after the runs, for context: every byte of the answer is copied at least twice in user space
-(into the frame's pieces, out of the socket into the client's buffer) and twice by the kernel.
+measured after the runs, for context: the answer's float32 rows leave the server from the engine's memory
+and land in the client's buffer with no copy in user space (the kernel copies twice); its int64 top-k ids
+are cast into int32 pieces (one copy).
 
-    .venv/bin/python benchmarks/transport.py [--binary 1/64,1/16,1/4,1] [--json 1/64,1/16] [--repeats 3]
+    .venv/bin/python benchmarks/transport.py [--binary 1/64,1/16,1/4,1] [--json 1/64,1/16] [--repeats 7]
 
 Prints a table and writes benchmarks/results/transport.json.
 """
@@ -223,7 +228,12 @@ async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[s
         async def raw_socket(_ids: Any, _starts: Any, _k: int) -> Any:
             return sock.fetch(payload if len(_ids) == rows else 8)
 
-        calls = {"json": client.score, "binary": client.score_tensors, "bytes": raw_bytes, "socket": raw_socket}
+        calls = {
+            "json": client.score,
+            "binary": client.score_tensors,
+            "bytes": raw_bytes,
+            "socket": raw_socket,
+        }
         call = calls[encoding]
         await call(ids[:1], starts[:1], TOP_K)  # warm the connection
         build = {"bytes": raw_bytes, "socket": raw_socket}.get(encoding, binary.score_tensors)
@@ -356,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--binary", default="1/64,1/16,1/4,1", help="fractions of the production step, binary")
     p.add_argument("--json", default="1/64,1/16", help="fractions of the production step, JSON")
     p.add_argument("--bytes", default="1/4,1", help="fractions of the production step, transport alone")
-    p.add_argument("--repeats", type=int, default=7, help="timed round trips per binary case (median is kept)")
+    p.add_argument(
+        "--repeats", type=int, default=7, help="timed round trips per binary case (median is kept)"
+    )
     p.add_argument("--json-repeats", type=int, default=1, help="timed round trips per JSON case")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each process (server, client)")
     p.add_argument("--out", type=Path, default=RESULTS / "transport.json")

@@ -3,6 +3,13 @@
 A client that wants a frame back sends `Accept: application/x-mopd-tensors` (`ACCEPT_HEADERS`); a client
 that sends one sets `Content-Type: application/x-mopd-tensors` (`FRAME_HEADERS`). A server answers a frame
 only when asked and JSON otherwise (errors are always JSON), so outside callers keep their JSON shapes.
+
+A large frame skips asyncio's buffers, which (before Python 3.12) copy whatever part of a write the socket
+does not take at once, deliver reads 256 KiB at a time, and wake the event loop for each: the server sends
+the body by blocking `sendall`s in one worker thread on a duplicate of the connection's socket, from the
+tensors' own memory where they already hold the frame's bytes (`send_frame`); the client receives a large
+answer by `recv_into` straight into its buffer, then closes that connection (`read_frame`). Where the socket
+is not a plain TCP or Unix one (TLS) both fall back to aiohttp's reads and writes.
 """
 
 from __future__ import annotations
