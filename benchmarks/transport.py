@@ -7,23 +7,28 @@ A real `TeacherServer` (aiohttp, its own process) over a stand-in engine that re
 - binary: `TeacherClient.score_tensors`        frame request, frame answer, packed tensors
 - bytes:  the answer's byte count as one uint8 tensor through the same `send_frame` / `read_frame`: what
           the transport alone costs on this host (no per-row parts, no dtype conversion, no request)
+- socket: the same byte count sent by one `sendall` from a thread of the server process and received by
+          `recv_into` into one reused buffer, no HTTP: the loopback ceiling of this host, measured right
+          after each binary case (same load); the JSON's `ceiling` gives binary / socket per shape
 
 The production step is 256 rows x 4,096 response tokens (prompts of 512), top-k 64: ~67 M id/value pairs
 per teacher. A fraction f sends 256·f rows of that shape. Payload = the answer's information at the binary
 dtypes (log-probs f32 + top-k ids i32 + top-k values f32 = 4 + 8·K bytes per response token), the same for
-both encodings; payload GB/s = payload / round-trip seconds (request encode → answer decoded, best of
-`--repeats`). Bytes on the wire = request + answer bodies (HTTP headers excluded). cpu srv / cpu cli = CPU
-seconds of the server's handler and of the client's call (all threads, kernel time included); cpu-bound
+both encodings; payload GB/s = payload / round-trip seconds (request encode → answer decoded, the median
+of `--repeats`; `payload_GBps_best` the fastest). Bytes on the wire = request + answer bodies (HTTP
+headers excluded). cpu srv / cpu cli = CPU seconds of the server's handler and of the client's call (all threads, kernel time included); cpu-bound
 GB/s = payload / the busier side's CPU seconds: the rate when the two sides overlap on cores of their own
-(on a shared host the wall clock also counts other processes' turns).
+(on a shared host the wall clock also counts other processes' turns). Server CPU and seconds are medians
+too, read from the server after each timed call.
 
 Binary answers are checked bit for bit against the engine's tensors (rows 0 and B−1 regenerated here),
 JSON against binary at the smallest fraction. Each process runs torch with `--threads` threads (default 1:
 two processes on a 2-core host). The host's memory copy rates (into fresh and into reused memory) are
-measured after the runs, for context: every byte of the answer is copied at least twice in user space
-(into the frame's pieces, out of the socket into the client's buffer) and twice by the kernel.
+measured after the runs, for context: the answer's float32 rows leave the server from the engine's memory
+and land in the client's buffer with no copy in user space (the kernel copies twice); its int64 top-k ids
+are cast into int32 pieces (one copy).
 
-    .venv/bin/python benchmarks/transport.py [--binary 1/64,1/16,1/4,1] [--json 1/64,1/16] [--repeats 3]
+    .venv/bin/python benchmarks/transport.py [--binary 1/64,1/16,1/4,1] [--json 1/64,1/16] [--repeats 7]
 
 Prints a table and writes benchmarks/results/transport.json.
 """
@@ -36,9 +41,12 @@ import json
 import os
 import platform
 import resource
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -50,6 +58,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS, RESPONSE, PROMPT, TOP_K, VOCAB = 256, 4096, 512, 64, 151_936
 GOAL_GBPS = 1.0
+#: The job token of the benchmark's server (every server of a job requires one: runtime/http_auth.py).
+TOKEN = "transport-bench"
 
 
 def fake_row(b: int, width: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,6 +103,7 @@ async def serve(port_file: Path) -> None:
     from mopd_hpc.engines.teacher_server import TeacherServer
     from mopd_hpc.engines.wire import layout
     from mopd_hpc.engines.wire_http import send_frame
+    from mopd_hpc.runtime.http_auth import protect
 
     model = Path(tempfile.mkdtemp(prefix="transport-"))
     (model / "config.json").write_text("{}")
@@ -121,14 +132,64 @@ async def serve(port_file: Path) -> None:
             raw[n] = torch.randint(0, 256, (n,), dtype=torch.uint8)
         return await send_frame(request, layout({"raw": raw[n]}))
 
-    app = server.app()
+    async def socket_port(request: web.Request) -> web.Response:
+        return web.json_response({"port": sink_port})
+
+    sink_port = raw_socket_server()
+    app = protect(server.app(), TOKEN)
     app.middlewares.append(sizes)
     app.router.add_get("/sizes", report)
     app.router.add_post("/bytes", raw_bytes)
+    app.router.add_get("/socket", socket_port)
     runner, port, stop = await start_app(app, "127.0.0.1", 0)
     port_file.write_text(str(port))
     await stop.wait()
     await runner.cleanup()
+
+
+def raw_socket_server() -> int:
+    """A thread of the server process that answers each 8-byte count n on a plain TCP connection with n
+    bytes, one `sendall` of a prebuilt buffer (no HTTP, no framing, no copy in user space): the loopback
+    ceiling of this host in the same run. Returns its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent: dict[int, memoryview] = {}
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            while (ask := conn.recv(8, socket.MSG_WAITALL)) and len(ask) == 8:
+                n = int.from_bytes(ask, "little")
+                if n not in sent:
+                    sent.clear()
+                    sent[n] = memoryview(torch.randint(0, 256, (n,), dtype=torch.uint8).numpy())
+                conn.sendall(sent[n])
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
+class RawSocket:
+    """The client of `raw_socket_server`: `fetch(n)` receives n bytes into one reused buffer (`recv_into`)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.buffer = memoryview(bytearray())
+
+    def fetch(self, n: int) -> memoryview:
+        if self.buffer.nbytes < n:
+            self.buffer = memoryview(bytearray(n))
+        self.sock.sendall(n.to_bytes(8, "little"))
+        pos = 0
+        while pos < n:
+            got = self.sock.recv_into(self.buffer[pos:n], min(n - pos, 4 << 20))
+            if not got:
+                raise ConnectionError(f"raw socket closed after {pos} of {n} bytes")
+            pos += got
+        return self.buffer[:n]
 
 
 def request_rows(rows: int) -> tuple[list[list[int]], list[int]]:
@@ -141,8 +202,9 @@ async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[s
     import aiohttp
 
     from mopd_hpc.engines.buffer_pool import BufferPool
-    from mopd_hpc.engines.teacher_server import TeacherClient
+    from mopd_hpc.engines.teacher_client import TeacherClient
     from mopd_hpc.engines.wire_http import read_frame
+    from mopd_hpc.runtime.http_auth import auth_headers
 
     ids, starts = request_rows(rows)
     times, cpus, answer = [], [], None
@@ -150,9 +212,9 @@ async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[s
     payload = tokens * (4 + 8 * TOP_K)
     pool = BufferPool(keep=1)  # as TeacherClient's
     async with (
-        TeacherClient(url, binary=encoding != "json") as client,
-        TeacherClient(url) as binary,
-        aiohttp.ClientSession() as http,
+        TeacherClient(url, binary=encoding != "json", token=TOKEN) as client,
+        TeacherClient(url, token=TOKEN) as binary,
+        aiohttp.ClientSession(headers=auth_headers(TOKEN)) as http,
     ):
 
         async def raw_bytes(_ids: Any, _starts: Any, _k: int) -> Any:
@@ -160,36 +222,59 @@ async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[s
             async with http.post(url + "/bytes", json={"n": n}) as resp:
                 return await read_frame(resp, pool=pool)
 
-        call = {"json": client.score, "binary": client.score_tensors, "bytes": raw_bytes}[encoding]
+        async with http.get(url + "/socket") as resp:
+            sock = RawSocket(int((await resp.json())["port"]))
+
+        async def raw_socket(_ids: Any, _starts: Any, _k: int) -> Any:
+            return sock.fetch(payload if len(_ids) == rows else 8)
+
+        calls = {
+            "json": client.score,
+            "binary": client.score_tensors,
+            "bytes": raw_bytes,
+            "socket": raw_socket,
+        }
+        call = calls[encoding]
         await call(ids[:1], starts[:1], TOP_K)  # warm the connection
-        build = raw_bytes if encoding == "bytes" else binary.score_tensors
+        build = {"bytes": raw_bytes, "socket": raw_socket}.get(encoding, binary.score_tensors)
         await build(ids, starts, TOP_K)  # the server builds its fixed answer for this shape: not timed
+        server: list[dict[str, Any]] = []
         for _ in range(repeats):
             answer = None
             start, cpu = time.perf_counter(), time.process_time()
             answer = await call(ids, starts, TOP_K)
             times.append(time.perf_counter() - start)
             cpus.append(time.process_time() - cpu)
-        async with http.get(url + "/sizes") as resp:
-            sizes = await resp.json()
+            async with http.get(url + "/sizes") as resp:  # after the timed call
+                server.append(await resp.json())
     check = verify(answer, rows) if encoding == "binary" else None
-    best = min(times)
+    median = statistics.median(times)
+    if encoding == "socket":  # no HTTP: the server's handler does not see it
+        sizes: dict[str, Any] = {"request_bytes": 8, "answer_bytes": payload, "peak_rss_bytes": None}
+        server_s = server_cpu = None
+    else:
+        sizes = server[-1]
+        server_s = statistics.median(x["server_s"] for x in server)
+        server_cpu = statistics.median(x["server_cpu_s"] for x in server)
+    client_cpu = statistics.median(cpus)
     return {
         "encoding": encoding,
         "rows": rows,
         "fraction": str(Fraction(rows, ROWS)),
         "pairs_millions": tokens * TOP_K / 1e6,
-        "seconds": best,
+        "seconds": median,
+        "seconds_best": min(times),
         "seconds_all": times,
-        "server_s": sizes["server_s"],
-        "client_cpu_s": min(cpus),
-        "server_cpu_s": sizes["server_cpu_s"],
+        "server_s": server_s,
+        "client_cpu_s": client_cpu,
+        "server_cpu_s": server_cpu,
         "request_bytes": sizes["request_bytes"],
         "answer_bytes": sizes["answer_bytes"],
         "wire_bytes": sizes["request_bytes"] + sizes["answer_bytes"],
         "payload_bytes": payload,
-        "payload_GBps": payload / best / 1e9,
-        "payload_GBps_cpu_bound": payload / max(min(cpus), sizes["server_cpu_s"]) / 1e9,
+        "payload_GBps": payload / median / 1e9,
+        "payload_GBps_best": payload / min(times) / 1e9,
+        "payload_GBps_cpu_bound": payload / max(client_cpu, server_cpu or 0.0) / 1e9,
         "server_peak_rss_bytes": sizes["peak_rss_bytes"],
         "client_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "bitwise_checked": check,
@@ -245,7 +330,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         url = f"http://127.0.0.1:{port_file.read_text()}"
         out = []
         cases = [("json", r, args.json_repeats) for r in fractions(args.json)]  # first: peak RSS is JSON's
-        cases += [("binary", r, args.repeats) for r in fractions(args.binary)]
+        for r in fractions(args.binary):  # each binary case next to the ceiling at its size (same load)
+            cases += [("binary", r, args.repeats), ("socket", r, args.repeats)]
         cases += [("bytes", r, args.repeats) for r in fractions(args.bytes)]
         for encoding, rows, repeats in cases:
             out.append(await round_trip(url, encoding, rows, repeats))
@@ -280,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--binary", default="1/64,1/16,1/4,1", help="fractions of the production step, binary")
     p.add_argument("--json", default="1/64,1/16", help="fractions of the production step, JSON")
     p.add_argument("--bytes", default="1/4,1", help="fractions of the production step, transport alone")
-    p.add_argument("--repeats", type=int, default=3, help="timed round trips per binary case (best is kept)")
+    p.add_argument(
+        "--repeats", type=int, default=7, help="timed round trips per binary case (median is kept)"
+    )
     p.add_argument("--json-repeats", type=int, default=1, help="timed round trips per JSON case")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each process (server, client)")
     p.add_argument("--out", type=Path, default=RESULTS / "transport.json")
@@ -302,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'cpu cli':>8} {'wire MB':>9} {'payload MB':>10} {'payload GB/s':>12} {'cpu-bound GB/s':>14}")  # fmt: skip
     for r in rows:
         print(f"{r['encoding']:8} {r['fraction']:>8} {r['rows']:>5} {r['pairs_millions']:>8.1f} "
-              f"{r['seconds']:>8.3f} {r['server_cpu_s']:>8.3f} {r['client_cpu_s']:>8.3f} "
+              f"{r['seconds']:>8.3f} {r['server_cpu_s'] or float('nan'):>8.3f} {r['client_cpu_s']:>8.3f} "
               f"{r['wire_bytes'] / 1e6:>9.1f} {r['payload_bytes'] / 1e6:>10.1f} {r['payload_GBps']:>12.3f} "
               f"{r['payload_GBps_cpu_bound']:>14.3f}")  # fmt: skip
     scaling = {}
@@ -325,6 +413,19 @@ def main(argv: list[str] | None = None) -> int:
                     scaling[enc][f"full_step_{side}_rss_bytes_linear"] = per_pair * ROWS * RESPONSE * TOP_K
     binary_best = max((r["payload_GBps"] for r in rows if r["encoding"] == "binary"), default=0.0)
     binary_cpu = max((r["payload_GBps_cpu_bound"] for r in rows if r["encoding"] == "binary"), default=0.0)
+    ceiling = {}
+    for r in rows:
+        if r["encoding"] == "binary":
+            sock = next((c for c in rows if c["encoding"] == "socket" and c["rows"] == r["rows"]), None)
+            if sock is not None:
+                ceiling[r["fraction"]] = {
+                    "binary_payload_GBps": r["payload_GBps"],
+                    "socket_GBps": sock["payload_GBps"],
+                    "ratio": r["payload_GBps"] / sock["payload_GBps"],
+                }
+    for frac, c in ceiling.items():
+        print(f"{frac:>5}: binary {c['binary_payload_GBps']:.3f} GB/s = {c['ratio']:.0%} of a raw socket's "
+              f"{c['socket_GBps']:.3f} GB/s (median of the same run)")  # fmt: skip
     for enc, s in scaling.items():
         print(f"{enc}: {s['seconds_per_million_pairs']:.3f} s per M pairs, {s['wire_bytes_per_pair']:.1f} wire "
               f"bytes per pair -> full step ~{s['full_step_seconds_linear']:.1f} s, "
@@ -335,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(server) + ~{j['full_step_client_rss_bytes_linear'] / 2**30:.1f} GiB (client) of memory")  # fmt: skip
     print(f"JSON == binary bit for bit at 1/64: {json_equal}")
     print(f"goal binary >= {GOAL_GBPS} GB/s payload: {'met' if binary_best >= GOAL_GBPS else 'NOT met'} "
-          f"(best {binary_best:.2f} GB/s wall clock, {binary_cpu:.2f} GB/s CPU-bound)")  # fmt: skip
+          f"(best shape {binary_best:.2f} GB/s wall clock, median of {args.repeats}; {binary_cpu:.2f} GB/s CPU-bound)")  # fmt: skip
     result = {
         "benchmark": "transport",
         "shape": {
@@ -358,9 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         "goal_met": binary_best >= GOAL_GBPS,
         "binary_best_payload_GBps": binary_best,
         "binary_best_payload_GBps_cpu_bound": binary_cpu,
+        "ceiling": ceiling,
         "payload_GBps": {
             enc: {r["fraction"]: r["payload_GBps"] for r in rows if r["encoding"] == enc}
-            for enc in ("binary", "json", "bytes")
+            for enc in ("binary", "json", "bytes", "socket")
         },
         "json_equals_binary_bitwise": json_equal,
         "scaling": scaling,

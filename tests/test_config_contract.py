@@ -42,7 +42,7 @@ from mopd_hpc.config.refusals import embedded_table, refusals_table
 from mopd_hpc.data.tokenizer import VOCAB_SIZE, build_char_tokenizer, save_char_tokenizer
 from mopd_hpc.engines import wire
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_server import ScoreResponse
+from mopd_hpc.engines.teacher_client import ScoreResponse
 from mopd_hpc.engines.teacher_wire import ScoreTensors, score_answer
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
 from mopd_hpc.mopd.plan import ExecutionPlan

@@ -105,7 +105,7 @@ def wait_for_endpoint(proc: subprocess.Popen, endpoint: Path, log_path: Path) ->
 
 async def exercise(url: str, ckpt: Path) -> dict:
     """Score, offload (503 while offloaded), onload, score, reload a changed checkpoint, score."""
-    from mopd_hpc.engines.teacher_server import TeacherClient, TeacherClientError
+    from mopd_hpc.engines.teacher_client import TeacherClient, TeacherClientError
 
     out: dict = {}
     async with TeacherClient(url, timeout_s=120, token=TOKEN) as client:

@@ -19,7 +19,7 @@ import torch
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
-from mopd_hpc.engines.teacher_server import ScoreResponse
+from mopd_hpc.engines.teacher_client import ScoreResponse
 from mopd_hpc.engines.teacher_wire import LOGPROB_FLOOR, ScoreTensors, first_nan
 from mopd_hpc.mopd.loss import mopd_loss
 from mopd_hpc.mopd.routing import RoutedSample
@@ -269,7 +269,8 @@ class NanEngine:
 def test_the_teacher_server_refuses_a_nan_forward_naming_row_and_position(tmp_path, binary: bool) -> None:
     from aiohttp.test_utils import TestServer
 
-    from mopd_hpc.engines.teacher_server import TeacherClient, TeacherClientError, TeacherServer
+    from mopd_hpc.engines.teacher_client import TeacherClient, TeacherClientError
+    from mopd_hpc.engines.teacher_server import TeacherServer
 
     (tmp_path / "config.json").write_text("{}")
     server = TeacherServer(NanEngine(), "legs", str(tmp_path))

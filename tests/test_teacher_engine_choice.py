@@ -311,8 +311,9 @@ def test_megatron_score_errors(engines, monkeypatch: pytest.MonkeyPatch) -> None
 def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """The HTTP surface over the megatron engine: /score with top_k through the controller's client."""
     from mopd_hpc.engines.serving import start_app
+    from mopd_hpc.engines.teacher_client import TeacherClient
     from mopd_hpc.engines.teacher_serve import teacher_app
-    from mopd_hpc.engines.teacher_server import TeacherClient, TeacherServer
+    from mopd_hpc.engines.teacher_server import TeacherServer
 
     megatron_engine, engine, _ = engines
     monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))

@@ -18,9 +18,10 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.data.evaluation import evaluate_prompts, greedy_complete
 from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.serving import start_app
+from mopd_hpc.engines.teacher_client import TeacherClient, TeacherClientError
 from mopd_hpc.engines.teacher_generate import GreedyRequest, greedy_ids
 from mopd_hpc.engines.teacher_serve import teacher_app
-from mopd_hpc.engines.teacher_server import TeacherClient, TeacherClientError, TeacherServer
+from mopd_hpc.engines.teacher_server import TeacherServer
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
 from mopd_hpc.trainer.data_setup import build_run_data
 from mopd_hpc.trainer.evaluate import teacher_accuracy

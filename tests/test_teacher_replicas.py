@@ -20,9 +20,10 @@ from rich.console import Console
 
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.engines.serving import start_app
+from mopd_hpc.engines.teacher_client import TeacherClient
 from mopd_hpc.engines.teacher_pool import TeacherPool, TeacherPoolError, merge_answers, split_rows
 from mopd_hpc.engines.teacher_serve import teacher_app
-from mopd_hpc.engines.teacher_server import TeacherClient, TeacherServer
+from mopd_hpc.engines.teacher_server import TeacherServer
 from mopd_hpc.engines.teacher_wire import ScoreTensors
 from mopd_hpc.engines.torch_scoring import TorchScoringEngine
 from mopd_hpc.launch.placement import place_children

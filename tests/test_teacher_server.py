@@ -23,8 +23,9 @@ import torch
 from helpers_auth import AUTH, TOKEN, write_run_dir_token
 from helpers_models import save_micro_qwen3
 
+from mopd_hpc.engines.teacher_client import TeacherClient, TeacherClientError
 from mopd_hpc.engines.teacher_serve import endpoint_path
-from mopd_hpc.engines.teacher_server import TeacherClient, TeacherClientError, checkpoint_fingerprint
+from mopd_hpc.engines.teacher_server import checkpoint_fingerprint
 from mopd_hpc.roles.teacher import args_from_argv
 
 VOCAB = 32

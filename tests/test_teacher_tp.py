@@ -23,7 +23,7 @@ from helpers_auth import TOKEN
 from teacher_tp_prog import VOCAB, FakeTPEngine
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_server import TeacherClient
+from mopd_hpc.engines.teacher_client import TeacherClient
 
 PROG = Path(__file__).with_name("teacher_tp_prog.py")
 WORLD = 3

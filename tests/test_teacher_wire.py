@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_server import TeacherClient, TeacherServer
+from mopd_hpc.engines.teacher_client import TeacherClient
+from mopd_hpc.engines.teacher_server import TeacherServer
 from mopd_hpc.engines.teacher_wire import LOGPROB_FLOOR, decode_score_request, encode_score_request
 from mopd_hpc.engines.wire import WireError, decode
 from mopd_hpc.mopd.topk import TeacherTopK

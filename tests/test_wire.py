@@ -280,3 +280,91 @@ def test_http_round_trip_and_body_limits_over_a_real_socket():
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_large_answers_go_socket_to_buffer_and_equal_one_encoded_buffer(monkeypatch):
+    """A large answer leaves the server from the tensors' own memory and lands in the client's buffer
+    straight from the socket (`send_frame` / `read_frame` direct paths): its bytes equal `encode`'s, the
+    next request on the session gets a new connection, a small answer comes through aiohttp and keeps its
+    connection, and an answer cut short is refused naming both counts."""
+    from mopd_hpc.engines import wire_http
+    from mopd_hpc.engines.buffer_pool import BufferPool
+
+    g = torch.Generator().manual_seed(3)
+    vals = torch.randn(3, 1500, 64, generator=g)  # 384 KB per row and tensor
+    vals[1, 5, 7] = float("-inf")  # row 1 needs the floor: copied; rows 0 and 2 sent as they are
+    ids = torch.randint(0, 151_936, (3, 1500, 64), generator=g)  # int64 -> int32: copied
+    lengths = [1500, 1400, 1500]
+
+    def tensors(rows: list[int]) -> dict[str, torch.Tensor | wire.Packed]:
+        return {
+            "vals": wire.Packed(tuple(vals[b, : lengths[b]] for b in rows), torch.float32, -1e30),
+            "ids": wire.Packed(tuple(ids[b, : lengths[b]] for b in rows), torch.int32),
+            "plain": vals[rows[0]].reshape(-1),
+        }
+
+    calls = {"send": 0, "recv": 0}
+    real_send, real_recv = wire_http._send_all, wire_http._recv_into
+
+    def send(sock, batches):
+        calls["send"] += 1
+        real_send(sock, batches)
+
+    def recv(sock, out, pos):
+        calls["recv"] += 1
+        return real_recv(sock, out, pos)
+
+    monkeypatch.setattr(wire_http, "_send_all", send)
+    monkeypatch.setattr(wire_http, "_recv_into", recv)
+    connections: list[int] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        connections.append(id(request.transport))
+        if "small" in request.query:
+            return await send_frame(request, wire.layout({"x": torch.arange(10, dtype=torch.int64)}))
+        rows = [int(r) for r in request.query["rows"].split(",")]
+        frame = wire.layout(tensors(rows), {"rows": rows})
+        if "cut" in request.query:  # a server that dies mid-answer: declares the size, sends half
+            resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
+            resp.content_length = frame.size
+            await resp.prepare(request)
+            await resp.write(bytes(frame.encode())[: frame.size // 2])
+            request.transport.close()
+            return resp
+        return await send_frame(request, frame)
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_get("/a", answer)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url, pool = f"http://127.0.0.1:{port}/a", BufferPool(keep=1)
+        try:
+            async with aiohttp.ClientSession() as session:
+                for rows in ([0, 1, 2], [2, 0], [1]):
+                    async with session.get(url, params={"rows": ",".join(map(str, rows))}) as resp:
+                        assert resp.content_length >= wire_http.DIRECT_MIN_BYTES
+                        got = await read_frame(resp, pool=pool)
+                    want = decode(bytes(wire.layout(tensors(rows), {"rows": rows}).encode()))
+                    assert got.meta == {"rows": rows} and set(got.tensors) == set(want.tensors)
+                    for name, t in want.tensors.items():
+                        assert bits(got.tensors[name]) == bits(t), (rows, name)
+                    assert (float(got.tensors["vals"].min()) < -1e29) == (1 in rows)
+                    del got
+                for _ in range(2):  # below DIRECT_MIN_BYTES: through aiohttp, the connection kept
+                    async with session.get(url, params={"small": "1"}) as resp:
+                        assert (await read_frame(resp)).tensors["x"].tolist() == list(range(10))
+                with pytest.raises(
+                    WireError, match=r"truncated body: \d+ bytes arrived; Content-Length declared"
+                ):
+                    async with session.get(url, params={"rows": "0,1,2", "cut": "1"}) as resp:
+                        await read_frame(resp)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    assert calls == {"send": 5, "recv": 4}  # every full answer through the duplicated sockets
+    assert len(set(connections[:3])) == 3  # a direct read closes its connection
+    assert connections[3] == connections[4]  # small answers keep theirs

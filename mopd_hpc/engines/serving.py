@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
+from mopd_hpc.engines.wire_http import READ_BUFSIZE
 from mopd_hpc.runtime.http_auth import is_protected
 
 
@@ -33,7 +34,7 @@ async def start_app(
             "the app has no token check: every server of the job requires the job's token; "
             "build it with mopd_hpc.runtime.http_auth.protect(app, token)"
         )
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, read_bufsize=READ_BUFSIZE)  # large frame bodies: few pauses
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

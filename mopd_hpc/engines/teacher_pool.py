@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mopd_hpc.engines.teacher_server import ScoreResponse, TeacherClient
+from mopd_hpc.engines.teacher_client import ScoreResponse, TeacherClient
 from mopd_hpc.engines.teacher_wire import ScoreTensors
 
 

@@ -216,7 +216,9 @@ def score_answer(
     vocab_size: int,
 ) -> FrameLayout:
     """The answer frame's layout from an engine's padded output (module docstring for the packed layout):
-    `.encode()` or `wire_http.send_frame` copies each value once, from the engine's tensors to the frame.
+    `.encode()` copies each value once, from the engine's tensors to the frame; `wire_http.send_frame`
+    sends rows already in the frame's bytes (contiguous float32 CPU rows with no non-finite value) from
+    the engine's memory and copies only the others (the int64 → int32 top-k ids, floored rows).
 
     Args:
         lengths: [B] int, |response_b| (the real positions of row b are 0 .. |response_b| − 1).

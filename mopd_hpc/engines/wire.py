@@ -12,10 +12,12 @@ writes:
                 the data's start; no holes, no overlap, nothing after the last tensor)
 
 Tensors are laid out largest element first (8-byte, then 4-, 2-, 1-byte dtypes), so each one starts aligned
-to its element size and `decode` returns views into the body (`torch.frombuffer`, no copy). Writing copies
-each value once, from the caller's tensors into the frame (a `Packed` tensor: its parts, concatenated and
-cast on the way, with no intermediate): into one buffer (`encode`), or piece by piece into small reused
-ones that a server streams as it fills them (`layout(...).chunks()`). `meta` carries the control fields (ids,
+to its element size and `decode` returns views into the body (`torch.frombuffer`, no copy). `encode` copies
+each value once, from the caller's tensors into one buffer (a `Packed` tensor: its parts, concatenated and
+cast on the way, with no intermediate). A server streams a frame instead (`layout(...).chunks()`): a tensor
+already in the frame's bytes (contiguous CPU parts of its dtype) goes to the socket as views of the caller's
+memory, with no copy; any other (cast, on a GPU, non-finite values to replace) is copied piece by piece into
+small reused buffers. `meta` carries the control fields (ids,
 versions, counts): JSON values, not tensors.
 
 The HTTP content type of a frame is `CONTENT_TYPE`; `wire_http.py` reads and writes frames on aiohttp.
@@ -148,6 +150,18 @@ class _Entry:
         if self.nonfinite is not None and not math.isfinite(float(dst.sum())):  # one pass, no temporary
             dst.nan_to_num_(nan=self.nonfinite, posinf=self.nonfinite, neginf=self.nonfinite)
 
+    def as_is(self) -> bool:
+        """True when the frame's bytes of this tensor are its parts' own bytes: every part a contiguous
+        CPU tensor of the frame's dtype, and free of non-finite values when `nonfinite` asks to replace
+        them (a sum is non-finite when any term is: one read pass, no temporary). Then `chunks` sends
+        views of the parts, with no copy."""
+        for p in self.parts:
+            if p.device.type != "cpu" or p.dtype != self.dtype or not p.is_contiguous():
+                return False
+        if self.nonfinite is not None:
+            return all(math.isfinite(float(p.sum())) for p in self.parts if p.numel())
+        return True
+
 
 @dataclass(frozen=True, slots=True)
 class FrameLayout:
@@ -168,19 +182,38 @@ class FrameLayout:
                 e.fill(buffer[e.begin : e.begin + e.numel * e.dtype.itemsize].view(e.dtype), 0)
         return out
 
-    def chunks(self, chunk_bytes: int = 4 << 20, pool: BufferPool | None = None) -> Iterator[memoryview]:
-        """The frame as consecutive pieces: the header, then each tensor in slices of <= chunk_bytes (at
-        least one element). Each piece is its own buffer, lent by `pool` (reused once the piece is
-        dropped; a new pool of 2 when None), so a transport may hold pieces until they are sent."""
+    def chunks(self, chunk_bytes: int = 1 << 20, pool: BufferPool | None = None) -> Iterator[memoryview]:
+        """The frame as consecutive pieces of <= chunk_bytes (at least one element): `batches` flattened."""
+        for batch in self.batches(chunk_bytes, pool):
+            yield from batch
+
+    def batches(
+        self, chunk_bytes: int = 1 << 20, pool: BufferPool | None = None
+    ) -> Iterator[list[memoryview]]:
+        """The frame as consecutive pieces, in batches that each cost one step of work: the header; then,
+        per tensor, either all of its pieces at once as read-only views of the caller's tensors (no copy:
+        `_Entry.as_is`, contiguous CPU parts of the frame's dtype, finite where non-finite values are
+        replaced; do not modify them until the frame is sent), or one piece at a time, each copied (cast,
+        packed, non-finite values replaced) into a buffer lent by `pool` (reused once the piece is dropped;
+        a new pool of 2 when None), so a transport may hold pieces until they are sent. Pieces hold
+        <= chunk_bytes (at least one element). A streaming writer runs each `next` off its event loop."""
         pool = BufferPool(keep=2) if pool is None else pool
-        yield memoryview(self.head)
+        yield [memoryview(self.head)]
         for e in self.entries:
+            if e.as_is():
+                views = []
+                for part in e.parts:
+                    if part.numel():
+                        raw = memoryview(part.view(torch.uint8).numpy()).toreadonly()
+                        views += [raw[at : at + chunk_bytes] for at in range(0, raw.nbytes, chunk_bytes)]
+                yield views
+                continue
             step = max(1, chunk_bytes // e.dtype.itemsize)
             for first in range(0, e.numel, step):
                 n = min(step, e.numel - first)
                 piece = pool.lend(n * e.dtype.itemsize)
                 e.fill(torch.frombuffer(piece, dtype=e.dtype), first)
-                yield piece
+                yield [piece]
 
 
 def layout(
