@@ -90,6 +90,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=550.0,
                    help="stop the job so that the whole call ends within this many seconds")  # fmt: skip
     p.add_argument("--keep", type=Path, default=None, help="where each shape's submit log and logs/ go")
+    p.add_argument("--set", dest="extra_sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further `mopd-submit --set` for every shape (e.g. weight_sync.backend=ipc), recorded")  # fmt: skip
     p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
     p.add_argument("--merge", type=Path, nargs="+", default=None,
                    help="fold these results files' shapes into --out and exit (no GPU)")  # fmt: skip
@@ -187,7 +189,7 @@ def one_shape(
     shape: Shape, args: argparse.Namespace, t0: float, device_info: dict | None
 ) -> tuple[dict, dict]:
     models = models_for(args.models_root, shape.size)
-    sets = job_sets(models, args.steps, shape.prompts, shape.samples, shape.new_tokens)
+    sets = job_sets(models, args.steps, shape.prompts, shape.samples, shape.new_tokens) + args.extra_sets
     run_dir = Path(tempfile.mkdtemp(prefix=f"gpu_step_roles_{shape.name}_")) / "run"
     keep = args.keep or run_dir.parent
     keep.mkdir(parents=True, exist_ok=True)
@@ -208,6 +210,7 @@ def one_shape(
             "max_new_tokens": shape.new_tokens,
             "size": shape.size,
         },  # fmt: skip
+        "extra_sets": list(args.extra_sets),
         "exit_code": code,
         "stopped_at_deadline": code is None,
         "job_wall_s": round(wall, 1),
