@@ -3,7 +3,8 @@
 megatron's DistributedOptimizer needs CUDA, so the optimizer here is a stand-in with its API and its
 semantics: a bf16 model, fp32 main params stepped by a real torch Adam (megatron's fallback without
 Transformer Engine), `state_dict` = the DP-independent part (param groups with lr and step),
-`load_state_dict` allocating the moments as megatron's does (empty tensors plus a tensor "step"),
+`load_state_dict` allocating the moments as megatron's does (empty tensors plus ONE tensor "step" shared
+by every parameter, which torch Adam keeps shared: `optimizer_state.separate_steps`),
 `get_parameter_state_dp_zero` / `load_parameter_state_from_dp_zero` with megatron's dict layout and its
 copy of every tensor of a parameter's optimizer state (`_set_main_param_and_optimizer_states`: a KeyError
 on "step" unless it is hidden). The engine is `MegatronTrainEngine` itself (its state_dict/load_state_dict),
@@ -34,60 +35,71 @@ DTYPE_KEY = (torch.bfloat16, torch.float32)  # megatron's (param dtype, grad dty
 
 
 class StandInDistOpt:
-    """megatron's DistributedOptimizer at DP 1 over one grad buffer (module docstring)."""
+    """megatron's DistributedOptimizer at DP 1 over one grad buffer (module docstring): one fp32 main param
+    per model param, the dp_zero dict holds them (and their moments) concatenated."""
 
     def __init__(self, model: torch.nn.Module, lr: float = 1e-2) -> None:
         self.model = model
-        self.main = torch.nn.Parameter(self._flat_model())
-        self.optimizer = torch.optim.Adam([self.main], lr=lr)
-        self.buffers = [SimpleNamespace(numel_unpadded=self.main.numel())]
+        self.mains = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+        self.optimizer = torch.optim.Adam(self.mains, lr=lr)
+        self.buffers = [SimpleNamespace(numel_unpadded=sum(m.numel() for m in self.mains))]
         self.data_parallel_group = SimpleNamespace(rank=lambda: 0, size=lambda: 1)
         self.param_groups = self.optimizer.param_groups
 
-    def _flat_model(self) -> torch.Tensor:
-        return torch.cat([p.detach().float().reshape(-1) for p in self.model.parameters()])
-
     def step(self) -> None:
-        self.main.grad = torch.cat([p.grad.float().reshape(-1) for p in self.model.parameters()])
+        for main, p in zip(self.mains, self.model.parameters(), strict=True):
+            main.grad = p.grad.float()
         self.optimizer.step()
-        offset = 0
         with torch.no_grad():
-            for p in self.model.parameters():
-                p.copy_(self.main[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for main, p in zip(self.mains, self.model.parameters(), strict=True):
+                p.copy_(main)
 
     def state_dict(self) -> dict[str, Any]:
         inner = self.optimizer.state_dict()
         steps = {s["step"].item() for s in inner["state"].values()}
+        assert len(steps) == 1
+        step = steps.pop()
         groups = [
-            {k: v for k, v in g.items() if k != "params"} | {"step": steps.pop()}
-            for g in inner["param_groups"]
+            {k: v for k, v in g.items() if k != "params"} | {"step": step} for g in inner["param_groups"]
         ]
         return {"optimizer": {"param_groups": groups}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        groups = [dict(g, params=[0]) for g in state["optimizer"]["param_groups"]]
+        """megatron's no-TE path: empty moments and ONE step tensor given to every param."""
+        groups = [dict(g, params=list(range(len(self.mains)))) for g in state["optimizer"]["param_groups"]]
         step = torch.tensor(groups[0].pop("step"), dtype=torch.float)
-        n = self.main.numel()
-        inner = {0: {"exp_avg": torch.empty(n), "exp_avg_sq": torch.empty(n), "step": step}}
+        inner = {i: {"exp_avg": torch.empty(m.numel()).view_as(m), "exp_avg_sq": torch.empty(m.numel()).view_as(m),
+                     "step": step} for i, m in enumerate(self.mains)}  # fmt: skip
         self.optimizer.load_state_dict({"state": inner, "param_groups": groups})
 
     def reload_model_params(self) -> None:
         with torch.no_grad():
-            self.main.copy_(self._flat_model())
+            for main, p in zip(self.mains, self.model.parameters(), strict=True):
+                main.copy_(p)
+
+    def _flat(self, key: str) -> torch.Tensor:
+        if key == "param":
+            return torch.cat([m.detach().reshape(-1) for m in self.mains])
+        return torch.cat([self.optimizer.state[m][key].reshape(-1) for m in self.mains])
 
     def get_parameter_state_dp_zero(self) -> dict[Any, Any]:
-        s = self.optimizer.state[self.main]
-        part = {"param": self.main.detach().clone(), "exp_avg": s["exp_avg"].clone(),
-                "exp_avg_sq": s["exp_avg_sq"].clone(), "numel_unpadded": self.main.numel()}  # fmt: skip
+        part: dict[str, Any] = {k: self._flat(k).clone() for k in ("param", "exp_avg", "exp_avg_sq")}
+        part["numel_unpadded"] = self.buffers[0].numel_unpadded
         return {"buckets_coalesced": True, 0: {DTYPE_KEY: part}}
 
     def load_parameter_state_from_dp_zero(self, state: dict[Any, Any]) -> None:
-        tensors = {k: state[0][DTYPE_KEY][k] for k in ("param", "exp_avg", "exp_avg_sq")}
-        dst = {"param": self.main, **self.optimizer.state[self.main]}  # megatron-core 0.16.1's copy
-        with torch.no_grad():
-            for key in dst:
-                dst[key].copy_(tensors[key])
+        offset = 0
+        for main in self.mains:
+            n = main.numel()
+            tensors = {
+                k: state[0][DTYPE_KEY][k][offset : offset + n].view_as(main)
+                for k in ("param", "exp_avg", "exp_avg_sq")
+            }
+            dst = {"param": main, **self.optimizer.state[main]}  # megatron-core 0.16.1's copy
+            with torch.no_grad():
+                for key in dst:
+                    dst[key].copy_(tensors[key])
+            offset += n
 
 
 def _engine(seed: int) -> megatron_engine.MegatronTrainEngine:
@@ -113,9 +125,8 @@ def _step(engine: megatron_engine.MegatronTrainEngine, k: int) -> None:
 
 def _moments(engine: megatron_engine.MegatronTrainEngine) -> dict[str, torch.Tensor]:
     opt = engine.optimizer
-    return {k: opt.optimizer.state[opt.main][k] for k in ("exp_avg", "exp_avg_sq")} | {
-        "main": opt.main.detach()
-    }
+    steps = torch.stack([opt.optimizer.state[m]["step"] for m in opt.mains])
+    return {k: opt._flat(k) for k in ("param", "exp_avg", "exp_avg_sq")} | {"steps": steps}
 
 
 def _resumed(root: Path, drop_param_state: bool = False) -> megatron_engine.MegatronTrainEngine:
@@ -169,7 +180,7 @@ def test_megatron_copy_needs_the_step_hidden() -> None:
     with pytest.raises(KeyError, match="step"):  # what megatron's own load does with torch Adam's state
         engine.optimizer.load_parameter_state_from_dp_zero(state)
     optimizer_state.scatter(engine.optimizer, [state])
-    assert set(engine.optimizer.optimizer.state[engine.optimizer.main]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in engine.optimizer.optimizer.state.values())
 
 
 def test_a_state_that_does_not_fit_is_refused_before_loading(tmp_path: Path) -> None:
@@ -179,10 +190,10 @@ def test_a_state_that_does_not_fit_is_refused_before_loading(tmp_path: Path) -> 
     part = state[optimizer_state.PARAM_STATE_KEY][0][0][DTYPE_KEY]
     part["exp_avg"] = part["exp_avg"][:-1]
     fresh = _engine(1)
-    before = fresh.optimizer.main.detach().clone()
+    before = fresh.optimizer._flat("param")
     with pytest.raises(EngineError, match="'exp_avg': 27 elements, this optimizer's buffer holds 28"):
         fresh.load_state_dict(state)
-    assert torch.equal(fresh.optimizer.main.detach(), before)
+    assert torch.equal(fresh.optimizer._flat("param"), before)
     with pytest.raises(optimizer_state.OptimizerStateError, match="holds 2 distributed optimizers"):
         optimizer_state.scatter(fresh.optimizer, [state[optimizer_state.PARAM_STATE_KEY][0]] * 2)
 
@@ -215,3 +226,15 @@ def test_chained_optimizers_are_walked_in_order() -> None:
     chain = SimpleNamespace(chained_optimizers=[a, SimpleNamespace(chained_optimizers=[b, c])])
     assert optimizer_state.distributed_optimizers(chain) == [a, b, c]
     assert optimizer_state.distributed_optimizers(a) == [a]
+
+
+def test_the_step_tensor_megatron_shares_is_separated() -> None:
+    saved = _engine(0)
+    _step(saved, 1)
+    fresh = _engine(1)
+    fresh.optimizer.load_state_dict(saved.optimizer.state_dict())
+    weight, bias = fresh.optimizer.optimizer.state.values()
+    assert weight["step"] is bias["step"]  # one tensor: each Adam step would add 2 to it
+    assert optimizer_state.separate_steps(fresh.optimizer) == 1
+    assert weight["step"] is not bias["step"] and weight["step"].item() == bias["step"].item() == 1.0
+    assert optimizer_state.separate_steps(fresh.optimizer) == 0

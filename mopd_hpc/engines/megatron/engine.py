@@ -509,8 +509,9 @@ class MegatronTrainEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Inverse of `state_dict`; a None model (a sharded checkpoint) leaves the weights to
         `load_shard_pieces`. With a saved parameter state (tensor_parallel 1) a collective over the DP
-        group: every DP rank calls it with the same checkpoint. Order: optimizer state_dict, weights and
-        `reload_model_params`, then the exact fp32 main params and moments (optimizer_state.py).
+        group: every DP rank calls it with the same checkpoint. Order: optimizer state_dict (each parameter's
+        step tensor then made its own, `optimizer_state.separate_steps`), weights and `reload_model_params`,
+        then the exact fp32 main params and moments (optimizer_state.py).
 
         Raises:
             EngineError: a sharded checkpoint's state given to a TP 1 engine; the saved parameter state does
@@ -528,6 +529,7 @@ class MegatronTrainEngine:
         except optimizer_state.OptimizerStateError as err:
             raise EngineError(f"the checkpoint's optimizer state: {err}") from None
         self.optimizer.load_state_dict(state["optimizer"])
+        optimizer_state.separate_steps(self.optimizer)  # torch Adam's shared "step" after megatron's load
         if state["model"] is not None:
             load_mcore_state(self.model, dict(state["model"]))
             reload = getattr(self.optimizer, "reload_model_params", None)

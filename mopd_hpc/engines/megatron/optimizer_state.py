@@ -22,6 +22,11 @@ megatron's dp_zero load copies every tensor of a parameter's optimizer state fro
 Adam (megatron's fallback without Transformer Engine or Apex) keeps a tensor "step" there too, which the
 dp_zero dict does not hold (a KeyError in both versions). `scatter` hides those extra entries during the
 load and puts them back (the step count is the param groups', restored by `load_state_dict`).
+
+On that same path megatron's `load_state_dict` hands ONE step tensor to every parameter's state, and torch
+Adam keeps it as given (`_process_value_according_to_param_policy`: a non-fused, non-capturable "step" is
+not copied), so each optimizer step would add 1 to it once per parameter: the bias corrections of the
+resumed run would be wrong from its first step. `separate_steps` gives each parameter its own copy.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+import torch
 
 #: The engine state's key for the gathered parameter state (None: not saved, e.g. tensor_parallel > 1).
 PARAM_STATE_KEY = "optimizer_param_state"
@@ -87,6 +94,22 @@ def _without_extra_state(states: Mapping[Any, dict[str, Any]]) -> Iterator[None]
     finally:
         for p, extra in hidden.items():
             states[p].update(extra)
+
+
+def separate_steps(optimizer: Any) -> int:
+    """Give each parameter its own copy of a shared tensor "step" (module docstring); returns the copies
+    made. Call right after `optimizer.load_state_dict`."""
+    copies = 0
+    for opt in distributed_optimizers(optimizer):
+        seen: set[int] = set()
+        for state in opt.optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.clone()
+                    copies += 1
+                seen.add(id(step))
+    return copies
 
 
 def check(optimizer: Any, states: list[Mapping[Any, Any]] | None) -> None:
