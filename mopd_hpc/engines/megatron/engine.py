@@ -527,7 +527,10 @@ class MegatronTrainEngine:
         try:  # before anything is loaded: a state that does not fit leaves the engine as it was
             optimizer_state.check(self.optimizer, param_state)
         except optimizer_state.OptimizerStateError as err:
-            raise EngineError(f"the checkpoint's optimizer state: {err}") from None
+            raise EngineError(
+                f"the checkpoint's optimizer state ({optimizer_state.PARAM_STATE_KEY}): {err}; resume with the "
+                "model the checkpoint was saved with"
+            ) from None
         self.optimizer.load_state_dict(state["optimizer"])
         optimizer_state.separate_steps(self.optimizer)  # torch Adam's shared "step" after megatron's load
         if state["model"] is not None:
