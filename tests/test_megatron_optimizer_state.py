@@ -68,7 +68,8 @@ class StandInDistOpt:
         """megatron's no-TE path: empty moments and ONE step tensor given to every param."""
         groups = [dict(g, params=list(range(len(self.mains)))) for g in state["optimizer"]["param_groups"]]
         step = torch.tensor(groups[0].pop("step"), dtype=torch.float)
-        inner = {i: {"exp_avg": torch.empty(m.numel()).view_as(m), "exp_avg_sq": torch.empty(m.numel()).view_as(m),
+        garbage = float("nan")  # megatron allocates with torch.empty: whatever the memory held
+        inner = {i: {"exp_avg": torch.full_like(m, garbage), "exp_avg_sq": torch.full_like(m, garbage),
                      "step": step} for i, m in enumerate(self.mains)}  # fmt: skip
         self.optimizer.load_state_dict({"state": inner, "param_groups": groups})
 
@@ -169,7 +170,10 @@ def test_without_the_parameter_state_the_resume_differs(tmp_path: Path) -> None:
     for k in (1, 2, 3):
         _step(straight, k)
     resumed = _resumed(tmp_path / "ck", drop_param_state=True)
+    moments = _moments(resumed)
+    assert not moments["exp_avg"].any() and not moments["exp_avg_sq"].any()  # restarted at 0, not garbage
     _step(resumed, 3)
+    assert torch.isfinite(resumed.model.weight).all()
     assert not torch.equal(straight.model.weight, resumed.model.weight)
 
 

@@ -511,7 +511,8 @@ class MegatronTrainEngine:
         `load_shard_pieces`. With a saved parameter state (tensor_parallel 1) a collective over the DP
         group: every DP rank calls it with the same checkpoint. Order: optimizer state_dict (each parameter's
         step tensor then made its own, `optimizer_state.separate_steps`), weights and `reload_model_params`,
-        then the exact fp32 main params and moments (optimizer_state.py).
+        then the exact fp32 main params and moments (optimizer_state.py); without a saved parameter state
+        (an older checkpoint, tensor_parallel > 1) the moments are set to 0 (`optimizer_state.zero_moments`).
 
         Raises:
             EngineError: a sharded checkpoint's state given to a TP 1 engine; the saved parameter state does
@@ -540,6 +541,8 @@ class MegatronTrainEngine:
                 reload()
         if param_state is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
             optimizer_state.scatter(self.optimizer, param_state)
+        else:  # no saved moments (an older checkpoint, or TP > 1): Adam restarts from 0, not torch.empty's bytes
+            optimizer_state.zero_moments(self.optimizer)
         self.steps = int(state.get("steps", 0))
 
     def save_pretrained(self, directory: str | Path) -> None:

@@ -112,6 +112,20 @@ def separate_steps(optimizer: Any) -> int:
     return copies
 
 
+def zero_moments(optimizer: Any) -> int:
+    """Set every Adam moment (exp_avg, exp_avg_sq) to 0: what a load WITHOUT a parameter state (a checkpoint
+    written before it was saved, or at tensor_parallel > 1) must do, since megatron's `load_state_dict`
+    allocates them with `torch.empty` (uninitialized memory). Returns the tensors zeroed."""
+    zeroed = 0
+    for opt in distributed_optimizers(optimizer):
+        for state in opt.optimizer.state.values():
+            for key in TENSOR_KEYS[1:]:
+                if isinstance(state.get(key), torch.Tensor):
+                    state[key].zero_()
+                    zeroed += 1
+    return zeroed
+
+
 def check(optimizer: Any, states: list[Mapping[Any, Any]] | None) -> None:
     """Refuse a gathered state (`gather`'s result; None: nothing to check) that does not fit `optimizer`.
 
