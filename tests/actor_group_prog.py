@@ -13,7 +13,9 @@ step 2's record), `rank1_hangs` (rank 1 sleeps for an hour instead of step 2), `
 after the start barrier), `rank0_freezes` (rank 0 SIGSTOPs itself there: its heartbeat stops too), `tp2` (the
 two ranks are one TP group of DP size 1: both train every row; after each step rank 0 announces a weight
 gather with a `weights` record and gathers the fake engine's two halves over gloo, which the follower
-joins; rank 0 also sums 1.0 over the group's data-parallel ranks). Each rank writes
+joins; rank 0 also sums 1.0 over the group's data-parallel ranks), `dp_checkpoint` (DP 2 with an engine
+whose state_dict is a collective, as megatron's distributed optimizer gathering its shards: after step 2
+rank 0 publishes a `checkpoint` record and calls state_dict, which the follower joins). Each rank writes
 `<out>/rank<r>.json`: what it trained, asked the teachers, gathered, its final parameter, or its error.
 """
 
@@ -145,8 +147,35 @@ class FakeTPEngine(FakeEngine):
         return sum(1 for _ in self.named_weights())
 
 
+class FakeShardedStateEngine(FakeEngine):
+    """FakeEngine whose optimizer state is DP-sharded: `state_dict` gathers every rank's shard (here the
+    rank's index + 1 and its parameter) over the group, a collective the other ranks join (`join_state_dict`)."""
+
+    collective_state_dict = True
+    sharded_checkpoint = False
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(distributed=True)
+        self.rank, self.joined = rank, 0
+
+    def state_dict(self) -> dict:
+        shard = torch.cat([torch.tensor([self.rank + 1.0], dtype=torch.float64), self.w.detach()])
+        parts = [torch.empty_like(shard) for _ in range(2)]
+        dist.all_gather(parts, shard)
+        return {"shards": [p.tolist() for p in parts]}
+
+    def join_state_dict(self) -> None:
+        self.joined += 1
+        self.state_dict()
+
+
 async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 0.0) -> dict:
-    engine = FakeTPEngine(rank) if scenario == "tp2" else FakeEngine(distributed=world > 1)
+    if scenario == "tp2":
+        engine = FakeTPEngine(rank)
+    elif scenario == "dp_checkpoint":
+        engine = FakeShardedStateEngine(rank)
+    else:
+        engine = FakeEngine(distributed=world > 1)
     teacher = FakeTeacher()
     step = ShardStep(engine, {"t": teacher}, PLAN, LOSS, ROUTE_WEIGHTS, group)
     out: dict = {"rank": rank}
@@ -171,6 +200,9 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
             if scenario == "tp2":  # the controller's weight sync: announce, then gather
                 await group.publish(ControlRecord.weights(s, "sync"))
                 out.setdefault("gathered", []).append(dict(engine.named_weights())["w"].tolist())
+            if scenario == "dp_checkpoint" and s == 2:  # the controller's checkpoint: announce, then gather
+                await group.publish(ControlRecord.checkpoint(s))
+                out["state"] = engine.state_dict()
         await group.publish(ControlRecord.stop(STEPS, "finished"))
         if scenario == "tp2":  # the follower makes the same all-reduce on the stop record
             out["dp_sum"] = group.all_reduce_sum([1.0])
@@ -207,7 +239,7 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
             follower.run = run_with_the_sum
         outcome = await follower.run()
         out |= {"outcome": [outcome.reason, outcome.step], "steps": follower.steps}
-        if scenario == "tp2":
+        if scenario in ("tp2", "dp_checkpoint"):
             out["joined"] = engine.joined
     out |= {"trained": engine.trained, "asked": teacher.asked, "w": engine.w.detach().tolist()}
     return out

@@ -150,3 +150,16 @@ def test_a_tp_group_joins_rank0s_weight_gathers_and_counts_once(tmp_path):
     assert r0["gathered"][-1] == r0["w"]  # the two halves, gathered: the whole parameter
     assert len(r0["gathered"]) == 3
     assert r0["dp_sum"] == r1["dp_sum"] == [1.0]
+
+
+def test_followers_join_a_collective_state_dict_at_a_checkpoint(tmp_path):
+    """DP 2 with an engine whose optimizer state is DP-sharded (`collective_state_dict`, megatron's distributed
+    optimizer): rank 0's `checkpoint` record makes the follower join rank 0's state_dict gather once, so
+    rank 0's checkpoint holds both ranks' shards, and the run goes on to the end."""
+    r0, r1 = run_world(tmp_path, "dp_checkpoint")
+    assert "error" not in r0 and "error" not in r1, (r0, r1, (tmp_path / "rank0.log").read_text()[-3000:])
+    assert r1["outcome"] == ["finished", 3] and r1["steps"] == [1, 2, 3] and r1["joined"] == 1
+    shards = r0["state"]["shards"]
+    assert [s[0] for s in shards] == [1.0, 2.0]  # one shard from each rank
+    assert shards[0][1:] == shards[1][1:]  # the replicas' parameters after step 2 agree
+    assert r0["w"] == pytest.approx(prog.reference()["w"], rel=1e-12, abs=1e-14) and r1["w"] == r0["w"]

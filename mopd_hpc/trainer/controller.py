@@ -21,7 +21,9 @@ Per step (DESIGN.md ยง3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; ย
 then one metrics line every `log_interval` steps and at the last (`records/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
 checkpoint under run_dir/checkpoints, written by this rank only: the DDP state is replicated (every rank
 holds the same weights and optimizer state after each step), so one copy is every rank's; it records the
-actor world size (model, optimizer, data-stream position, RNG, step, world size).
+actor world size (model, optimizer, data-stream position, RNG, step, world size). An engine whose optimizer
+state is DP-sharded (megatron's distributed optimizer, `collective_state_dict`) gathers it into rank 0's
+state_dict: the checkpoint record brings the other ranks into that gather first (trainer/follower.py).
 
 Resume: the newest checkpoint (if any) restores engine, stream and RNG; its step goes to every rank in the
 start record and each loads the same checkpoint. At another world size the replicated state is valid as
@@ -356,8 +358,10 @@ class Controller:
 
     async def _checkpoint(self, step: int) -> None:
         make_resident(self.engine, "checkpoint")
-        if getattr(self.engine, "sharded_checkpoint", False):  # every TP rank's shards first (a collective)
+        sharded = getattr(self.engine, "sharded_checkpoint", False)
+        if sharded or getattr(self.engine, "collective_state_dict", False):  # the other ranks join
             await self.group.publish(ControlRecord.checkpoint(step))
+        if sharded:  # every TP rank's shards first (a collective)
             save_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(step))
         path = save_checkpoint(
             self.run_dir / CHECKPOINT_DIR,

@@ -7,7 +7,9 @@
                    teacher servers, the drain gather, `train_step` (the gradient all-reduce)
     weights record a TP rank of data-parallel rank 0's TP group joins rank 0's gather of the HF weights
                    (weight sync, evaluation, export: `engine.join_weight_gather`); other ranks ignore it
-    checkpoint     a TP engine's rank writes its shards of the step (trainer/sharded_checkpoint.py)
+    checkpoint     a TP engine's rank writes its shards of the step (trainer/sharded_checkpoint.py); an engine
+                   whose state_dict is a collective (`collective_state_dict`: megatron's distributed
+                   optimizer at DP > 1 gathers its parameter state) joins rank 0's (`join_state_dict`)
     stop record    the last barrier; return
 
 Rank 0 decides everything else: when to checkpoint (a follower ignores SIGUSR2; the actor role sets it so),
@@ -76,6 +78,8 @@ class Follower:
             if record.kind == "checkpoint":
                 make_resident(self.engine, "checkpoint")
                 save_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(record.step))
+                if getattr(self.engine, "collective_state_dict", False):  # its shard of rank 0's state_dict
+                    self.engine.join_state_dict()
                 continue
             if record.kind != "step":
                 raise ActorGroupError(f"actor rank {self.group.rank}: unexpected {record.kind!r} record")

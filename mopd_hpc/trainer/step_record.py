@@ -14,7 +14,8 @@ Kinds (`ControlRecord.kind`):
             or "export"; only sent when the engine's `gathers_over_tp`): the other ranks of that TP group
             join the gather (trainer/follower.py)
     checkpoint  rank 0 saves the checkpoint of `step`: every rank of its TP group writes its weight shards
-            (trainer/sharded_checkpoint.py; only sent when the engine's `sharded_checkpoint`)
+            (trainer/sharded_checkpoint.py; sent when the engine's `sharded_checkpoint`) and/or every
+            rank joins rank 0's `state_dict` gather (sent when the engine's `collective_state_dict`)
 
 Wire format (DESIGN.md §7: tensors as raw bytes with a header, never JSON lists of floats): one frame of
 engines/wire.py (byte for byte a safetensors file) with the tensors `tokens` int32 (every row concatenated),

@@ -56,6 +56,7 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
+from mopd_hpc.engines.megatron import optimizer_state
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
@@ -478,31 +479,70 @@ class MegatronTrainEngine:
 
         return DeviceMesh.from_group(_tp_info()[2], self.device.type)
 
+    @property
+    def collective_state_dict(self) -> bool:
+        """True when `state_dict` is a collective the other DP ranks must join (`join_state_dict`): at
+        tensor_parallel 1 and DP > 1, the optimizer's parameter state is gathered over the DP group."""
+        return self.shard_plan.tp == 1 and self.data_parallel.size > 1
+
+    def join_state_dict(self) -> None:
+        """A DP rank > 0's part in rank 0's `state_dict` (its optimizer shard); nothing to write."""
+        if self.collective_state_dict:
+            self.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
-        """model (None when `sharded_checkpoint`: the shards are saved apart), the optimizer's state_dict
-        (megatron's distributed optimizer: its DP-independent part only — step count, lr; Adam's moments live
-        in its DP-sharded parameter state, which is not saved: a resumed run restarts the moments), steps."""
+        """model (None when `sharded_checkpoint`: the shards are saved apart), the optimizer's state_dict (the
+        distributed optimizer's DP-independent part: step count, lr), `optimizer_state.PARAM_STATE_KEY`: the
+        fp32 main params and Adam's exp_avg/exp_avg_sq gathered from every DP rank (`optimizer_state.gather`,
+        a collective over the DP group: every DP rank calls it, `join_state_dict`; None on DP ranks > 0 and
+        at tensor_parallel > 1, where each TP rank's shard differs and is not saved: a TP resume restarts
+        the moments), steps."""
+        self._require_resident("state_dict")
+        param_state = optimizer_state.gather(self.optimizer) if self.shard_plan.tp == 1 else None
         return {
             "model": None if self.sharded_checkpoint else self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            optimizer_state.PARAM_STATE_KEY: param_state,
             "steps": self.steps,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Inverse of `state_dict`; a None model (a sharded checkpoint) leaves the weights to
-        `load_shard_pieces`. Raises EngineError: a sharded checkpoint's state given to a TP 1 engine."""
+        `load_shard_pieces`. With a saved parameter state (tensor_parallel 1) a collective over the DP
+        group: every DP rank calls it with the same checkpoint. Order: optimizer state_dict (each parameter's
+        step tensor then made its own, `optimizer_state.separate_steps`), weights and `reload_model_params`,
+        then the exact fp32 main params and moments (optimizer_state.py); without a saved parameter state
+        (an older checkpoint, tensor_parallel > 1) the moments are set to 0 (`optimizer_state.zero_moments`).
+
+        Raises:
+            EngineError: a sharded checkpoint's state given to a TP 1 engine; the saved parameter state does
+                not fit this optimizer (optimizer_state.OptimizerStateError's message).
+        """
         self._require_resident("load_state_dict")
         if state["model"] is None and not self.sharded_checkpoint:
             raise EngineError(
                 "the checkpoint's model was saved as TP shards (a tensor_parallel > 1 run); this engine runs at "
                 "tensor_parallel 1: load its shards with trainer/sharded_checkpoint.py, or resume at the saved TP"
             )
+        param_state = state.get(optimizer_state.PARAM_STATE_KEY)
+        try:  # before anything is loaded: a state that does not fit leaves the engine as it was
+            optimizer_state.check(self.optimizer, param_state)
+        except optimizer_state.OptimizerStateError as err:
+            raise EngineError(
+                f"the checkpoint's optimizer state ({optimizer_state.PARAM_STATE_KEY}): {err}; resume with the "
+                "model the checkpoint was saved with"
+            ) from None
         self.optimizer.load_state_dict(state["optimizer"])
+        optimizer_state.separate_steps(self.optimizer)  # torch Adam's shared "step" after megatron's load
         if state["model"] is not None:
             load_mcore_state(self.model, dict(state["model"]))
             reload = getattr(self.optimizer, "reload_model_params", None)
             if reload is not None:  # the optimizer's fp32 main copies from the loaded weights, as Megatron-LM
                 reload()
+        if param_state is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
+            optimizer_state.scatter(self.optimizer, param_state)
+        else:  # no saved moments (an older checkpoint, or TP > 1): Adam restarts from 0, not torch.empty's bytes
+            optimizer_state.zero_moments(self.optimizer)
         self.steps = int(state.get("steps", 0))
 
     def save_pretrained(self, directory: str | Path) -> None:
