@@ -18,6 +18,7 @@ from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.mopd.targets import TeacherTargets
@@ -75,6 +76,7 @@ def make_actor(engine_module: Any, student: Path, monkeypatch, normalizer: str, 
     )
     actor.forward = engine_module.MegatronForward(StandInGPT(hf), actor.device)
     actor.residency = SimpleNamespace(on_device=True)
+    actor.data_parallel = DataParallel.single()  # DP 1: the step's own token count is the whole step's
     actor.calls, actor.hf = calls, hf
     return actor
 

@@ -37,6 +37,9 @@ from mopd_hpc.launch.hub_cache import (
 )
 from mopd_hpc.launch.model_files import directory_problems
 
+#: The causal-LM class transformers picks for a config.json without `architectures`, by its model_type.
+MODEL_TYPE_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
 
 @dataclass(frozen=True, slots=True)
 class ModelPath:
@@ -164,10 +167,12 @@ def architecture_problems(cfg: RunConfig, here: dict[str, Path]) -> list[Problem
         if _engine(cfg, field) != "megatron":
             continue
         try:
-            archs = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures")
+            hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+            archs, model_type = hf.get("architectures"), hf.get("model_type")
         except (OSError, ValueError, AttributeError):
             continue
-        arch = (archs or ["<none>"])[0]
+        # without `architectures`, transformers resolves the class from model_type: the same here
+        arch = archs[0] if archs else MODEL_TYPE_ARCHITECTURES.get(model_type, f"model_type {model_type!r}")
         if arch not in MEGATRON_ARCHITECTURES:
             engine_field = field.removesuffix(".path") + ".engine"
             out.append(
