@@ -30,19 +30,25 @@ SHAPES = {
     # a CPU smoke size (benchmarks/weight_sync.py's ipc method on a machine without a GPU)
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=8192, tie_word_embeddings=True),
+    # benchmarks/hf_decode.py's CPU size (its README figures: 64 x 128 rows x tokens on one thread)
+    "decode-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
 }  # fmt: skip
 #: (name, seed) of the checkpoints `make_models` writes.
 MODELS = (("student", 0), ("teacher", 1))
 
 
-def make_checkpoint(shape: dict, directory: Path, seed: int, tokenizer: bool = False) -> None:
-    """A random-initialized Qwen3 checkpoint (bf16 safetensors + config.json [+ the char tokenizer])."""
+def make_checkpoint(
+    shape: dict, directory: Path, seed: int, tokenizer: bool = False, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """A random-initialized Qwen3 checkpoint (safetensors in `dtype` + config.json [+ the char tokenizer]);
+    initialized in float32 under `torch.manual_seed(seed)` (on the GPU when there is one), then cast."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        model = Qwen3ForCausalLM(cfg).to(dtype)
     model.save_pretrained(str(directory))
     if tokenizer:
         from mopd_hpc.data.tokenizer import build_char_tokenizer

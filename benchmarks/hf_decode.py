@@ -3,10 +3,11 @@ forward), on a random-weight Qwen3 shape, through `HFRolloutEngine.generate` as 
 
     python benchmarks/hf_decode.py --size 0.6b --runs 128x128,256x1024          # GPU (bf16); writes
                                                                               # benchmarks/results/hf_decode.json
-    python benchmarks/hf_decode.py --size tiny --device cpu --runs 8x16,16x32   # a CPU check of the script
+    python benchmarks/hf_decode.py --size decode-tiny --device cpu --runs 8x16,16x32   # a CPU check
 
-Each run is ROWS×NEW: ROWS rows of random prompts of --prompt-len tokens, temperature 1, distinct seeds,
-ignore_eos (every row decodes NEW tokens). Each decoder first decodes the same batch for 8 steps (then
+The shapes and the checkpoint are `benchmarks/gpu_models.py`'s (SHAPES; make_checkpoint, seed 0, in the run's
+dtype). Each run is ROWS×NEW: ROWS rows of random prompts of --prompt-len tokens, temperature 1, distinct
+seeds, ignore_eos (every row decodes NEW tokens). Each decoder first decodes the same batch for 8 steps (then
 aborted: a warm-up of the same shapes, so a compiled forward is captured before the timing).
 
 The decode floor is the time to read, once per step, the weights and the KV cache of the real tokens from
@@ -30,15 +31,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from gpu_models import SHAPES, make_checkpoint  # noqa: E402  (one home for the random Qwen3 checkpoints)
 from results_file import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-}  # fmt: skip
 
 
 class OpenGate:
@@ -52,17 +48,6 @@ class OpenGate:
             return True
         self.left -= 1
         return self.left >= 0
-
-
-def make_checkpoint(shape: dict, directory: Path, dtype: torch.dtype) -> None:
-    """A random-initialized Qwen3 checkpoint (as benchmarks/gpu_step.py makes them), in `dtype`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
-    model.save_pretrained(str(directory))
 
 
 def sync(device: torch.device) -> None:
@@ -156,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "model"
-        make_checkpoint(SHAPES[args.size], ckpt, DTYPES[dtype_name])
+        make_checkpoint(SHAPES[args.size], ckpt, seed=0, dtype=DTYPES[dtype_name])
         first = HFRolloutEngine.load(str(ckpt), str(device), dtype_name, decoder="loop")
         engines = {  # one model, shared (the runs are sequential)
             d: HFRolloutEngine(

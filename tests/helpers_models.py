@@ -108,7 +108,8 @@ def write_hub_snapshot(cache: Path, repo_id: str, source: Path, revision: str = 
 
 def write_stub_checkpoint(path: Path, config: dict) -> Path:
     """A checkpoint directory that passes `mopd-submit --check`'s file checks without real weights: the given
-    config.json (e.g. a production model's shape, for the memory plan; model_type qwen3 unless it names one),
+    config.json (e.g. a production model's shape, for the memory plan; model_type qwen3 and architectures
+    [Qwen3ForCausalLM] unless it names them: the megatron engine's check reads the architecture),
     the tiny tokenizer's files and a one-tensor model.safetensors (its header consistent with its size)."""
     import json
 
@@ -118,7 +119,8 @@ def write_stub_checkpoint(path: Path, config: dict) -> Path:
     from mopd_hpc.data.tokenizer import build_char_tokenizer, save_char_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
+    base = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    (path / "config.json").write_text(json.dumps({**base, **config}))
     save_char_tokenizer(build_char_tokenizer(), path)
     save_file({"stub": np.zeros(4, dtype=np.float32)}, str(path / "model.safetensors"))
     return path

@@ -131,9 +131,22 @@ def test_a_colocated_sglang_engine_holds_its_gpu_in_the_rollout_only(mode: str, 
 
 def test_unreadable_models_and_cpu_jobs() -> None:
     cfg, gpus = plan_of([], read=lambda path: None)
-    assert mp.format_memory_plan(gpus)[1] == "#   cluster.group node 0 GPU 0: not planned"
-    assert "config.json not readable here: not planned" in mp.format_memory_plan(gpus)[2]
+    assert mp.format_memory_plan(gpus) == [
+        "# memory plan: not planned — .cache/models/gpu_0_6b/student/config.json (actor 0, rollout 0) and "
+        ".cache/models/gpu_0_6b/teacher/config.json (teacher teacher) are not readable here; it is made where "
+        "they are: in the job, or with --local"
+    ]
+    assert all("not readable here: not planned" in c.note for c in gpus[0].children)  # residency's reason
     assert mp.memory_warnings(gpus) == []
+    # Only the teacher's config.json unreadable: the GPU's plan without it, the teacher named once.
+    _, part = plan_of([], read=lambda path: None if "teacher" in path else QWEN3_0_6B)
+    lines = mp.format_memory_plan(part)
+    assert lines[1].endswith("at most (in train; without 1 child not planned)")
+    assert [line.split(":")[0] for line in lines[2:4]] == ["#     actor 0", "#     rollout 0"]
+    assert lines[4:] == [
+        "# memory plan: left out — .cache/models/gpu_0_6b/teacher/config.json (teacher teacher) is not "
+        "readable here; it is made where it is: in the job, or with --local"
+    ]
     cpu = load_run_config(str(REPO / "configs" / "local_cpu.yaml"), [], False)
     assert mp.memory_plan(cpu, place_children(cpu)) == ()
     assert mp.format_memory_plan(()) == ["# memory plan: no GPU in this job"]
@@ -174,3 +187,194 @@ def test_dry_run_prints_the_plan_and_check_warns(tmp_path: Path) -> None:
     check = mopd_submit(str(CONFIG), "--check", *flags, cwd=tmp_path)
     assert check.returncode == 0, check.stderr
     assert "# warning: cluster.group.gpu_memory_gb: the memory plan" in check.stdout
+
+
+# --- weight_sync.backend: ipc (engines/weight_sync/ipc.py) --------------------------------------------------
+
+IPC = ["weight_sync.backend=ipc", "weight_sync.awex_mode=null"]
+FIXED = "models.actor.micro_batch_tokens=16384"
+
+
+def _own(child: mp.ChildMemory) -> int:
+    return sum(h.bytes for h in child.holdings if not h.what.startswith("activations"))
+
+
+def test_the_ipc_buffer_is_resident_on_actor_rank_0_as_measured() -> None:
+    """With ipc the actor's GPU holds exactly the buffer more than with AWEX on the same config, in every
+    phase; its size is the one the H200 measured for Qwen3-0.6B bf16 (benchmarks/results/weight_sync_ipc.json:
+    the megatron converter's HF weights, tied head once)."""
+    import json
+
+    measured = json.loads((REPO / "benchmarks" / "results" / "weight_sync_ipc.json").read_text())
+    (ipc_row,) = [r for r in measured["rows"] if r["method"] == "ipc" and r["size"] == "0.6b"]
+    _, awex = plan_of([*OOM, FIXED])
+    _, ipc = plan_of([*OOM, FIXED, *IPC])
+    buffer = holdings(ipc[0])["actor 0", "ipc weight-sync buffer"]
+    assert buffer == mp.Holding("ipc weight-sync buffer", ipc_row["bytes"])  # resident: phase None
+    assert buffer.bytes == 1_192_099_840
+    a, b = awex[0].children[0], ipc[0].children[0]
+    assert all(b.in_phase(ph) - a.in_phase(ph) == buffer.bytes for ph in mp.PHASES)
+    assert [c.in_phase(ph) for c in awex[0].children[1:] for ph in mp.PHASES] == [
+        c.in_phase(ph) for c in ipc[0].children[1:] for ph in mp.PHASES
+    ]
+    assert ipc[0].peak()[0] - awex[0].peak()[0] == buffer.bytes
+    assert "ipc weight-sync buffer 1.1;" in "\n".join(mp.format_memory_plan(ipc))
+    # A null budget derived from the GPU's memory: the buffer is part of what the train phase leaves out.
+    _, awex140 = plan_of([*OOM, "cluster.group.gpu_memory_gb=140"])
+    _, ipc140 = plan_of([*OOM, "cluster.group.gpu_memory_gb=140", *IPC])
+    assert _own(ipc140[0].children[0]) - _own(awex140[0].children[0]) == buffer.bytes
+    act = {
+        name: holdings(g[0])["actor 0", "activations"].bytes
+        for name, g in (("awex", awex140), ("ipc", ipc140))
+    }
+    assert act["ipc"] < act["awex"] and ipc140[0].peak()[0] <= 140 * GIB
+
+
+def test_the_ipc_buffer_warns_and_moves_the_teacher_out() -> None:
+    """--check's over-capacity warning and the residency decision count the buffer: a GPU sized between the
+    AWEX plan and the ipc plan warns with ipc only, and a teacher that stays with AWEX leaves with ipc."""
+    from mopd_hpc.engines.residency_plan import planned_residency
+
+    _, awex = plan_of([*OOM, FIXED])
+    (gpu,) = awex
+    buffer = mp.ipc_buffer_bytes(ModelShape.from_hf_config(QWEN3_0_6B), "bfloat16", "megatron")
+    between = (gpu.peak()[0] + buffer // 2) / GIB
+    sets = [*OOM, FIXED, f"cluster.group.gpu_memory_gb={between}"]
+    assert mp.memory_warnings(plan_of(sets)[1]) == []
+    (warning,) = mp.memory_warnings(plan_of([*sets, *IPC])[1])
+    assert "in the train phase, more than the GPU's" in warning
+    # The teacher resident in every phase: fits with AWEX, not with the buffer too.
+    from mopd_hpc.engines.residency_plan import gpu_bytes
+
+    need, _ = gpu_bytes(gpu, frozenset({"teacher"}))
+    room = (need + buffer // 2) / GIB
+    decisions = {}
+    for name, extra in (("awex", []), ("ipc", IPC)):
+        cfg = load_run_config(str(CONFIG), [*OOM, FIXED, *extra], False)
+        decision, _ = planned_residency(cfg, place_children(cfg), lambda path: QWEN3_0_6B, capacity_gib=room)
+        decisions[name] = decision
+    assert (
+        decisions["awex"].offload == frozenset()
+        and "teacher teacher: resident" in decisions["awex"].reasons[0]
+    )
+    assert (
+        decisions["ipc"].offload == {"teacher"} and "offloaded between phases" in decisions["ipc"].reasons[0]
+    )
+
+
+def test_other_syncs_and_cpu_jobs_hold_no_ipc_buffer() -> None:
+    sep = load_run_config(str(REPO / "configs" / "local_gpu_separated.yaml"), [], False)
+    gpus = mp.memory_plan(sep, place_children(sep), lambda path: QWEN3_0_6B)
+    assert len(gpus) == 2 and not any(
+        h.what.startswith("ipc") for g in gpus for c in g.children for h in c.holdings
+    )
+    _, torch_sync = plan_of(
+        ["rollout.backend=sglang", "weight_sync.backend=torch", "weight_sync.awex_mode=null"]
+    )
+    assert not any(h.what.startswith("ipc") for c in torch_sync[0].children for h in c.holdings)
+    cpu = load_run_config(str(REPO / "configs" / "local_cpu.yaml"), ["weight_sync.backend=ipc"], False)
+    assert mp.memory_plan(cpu, place_children(cpu)) == ()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("engine", ["torch", "megatron"])
+def test_ipc_buffer_bytes_is_what_the_sync_allocates(tmp_path: Path, engine: str, tied: bool) -> None:
+    """The oracle: `SharedBuffers.allocate` (what IpcSync allocates on its first push) over the engine's
+    `named_weights()` of a real micro Qwen3 — the torch engine's own; megatron's at TP 1 is
+    `mcore_to_hf(full_mcore_state())`, here of the checkpoint through `hf_to_mcore` with a padded vocabulary."""
+    pytest.importorskip("torch")
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mopd_hpc.config import LossConfig
+    from mopd_hpc.config.models import OptimizerConfig
+    from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore, mcore_to_hf, pad_vocab_size
+    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.weight_sync.ipc import SharedBuffers
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied)  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(str(tmp_path / "model"))
+    hf_config = config.to_dict()
+    if engine == "torch":
+        actor = TorchTrainEngine.from_pretrained(
+            tmp_path / "model",
+            dtype="bfloat16",
+            device="cpu",
+            optimizer=OptimizerConfig(lr=1e-3),
+            loss=LossConfig(),
+        )
+        named = list(actor.named_weights())
+    else:
+        model = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.bfloat16)
+        shape = Qwen3Shape.from_hf_config(hf_config, pad_vocab_size(40, 1))
+        assert shape.padded_vocab_size > 40  # padded rows exist, and are dropped again
+        named = list(mcore_to_hf(hf_to_mcore(model.state_dict(), shape), shape).items())
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in named]
+    buffers = SharedBuffers.allocate(specs, "cpu", shm_dir=str(tmp_path))
+    try:
+        assert {t.dtype for _, t in named} == {torch.bfloat16}
+        assert buffers.nbytes == mp.ipc_buffer_bytes(ModelShape.from_hf_config(hf_config), "bfloat16", engine)
+    finally:
+        buffers.close()
+
+
+# --- the 8-GPU colocated config (configs/qwen3_8gpu_colocated.yaml) -----------------------------------------
+
+GPU8 = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
+QWEN3_1_7B = {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144}
+
+
+def test_a_colocated_child_is_planned_on_the_gpu_it_computes_on() -> None:
+    """Colocated children see all 8 GPUs (CUDA_VISIBLE_DEVICES); each is planned on its own device only
+    (`ChildSpec.compute_gpus`): GPU r holds actor r, one teacher rank and rollout engine r; an engine of
+    TP 2 puts half of its weights on each of its two GPUs."""
+    cfg = load_run_config(str(GPU8), [], False)
+    gpus = mp.memory_plan(cfg, place_children(cfg), lambda path: QWEN3_1_7B)
+    assert [g.gpu for g in gpus] == [str(i) for i in range(8)]
+    assert [[c.child for c in g.children] for g in gpus] == [
+        [f"actor {i}", f"teacher {i}", f"rollout {i}"] for i in range(8)
+    ]
+    weights = ModelShape.from_hf_config(QWEN3_1_7B).params * 2
+    assert holdings(gpus[0])["rollout 0", "weights"].bytes == weights
+    tp2 = load_run_config(str(GPU8), ["rollout.engines.count=4", "rollout.engines.tensor_parallel=2"], False)
+    gpus2 = mp.memory_plan(tp2, place_children(tp2), lambda path: QWEN3_1_7B)
+    engines = [[c.child for c in g.children if c.child.startswith("rollout")] for g in gpus2]
+    assert engines == [[f"rollout {i // 2}"] for i in range(8)]
+    assert holdings(gpus2[1])["rollout 0", "weights"].bytes == weights // 2
+
+
+def _models(tmp_path: Path) -> None:
+    for name in ("student", "teacher"):
+        write_stub_checkpoint(tmp_path / "models" / "qwen3_8gpu" / name, QWEN3_1_7B)
+
+
+@pytest.mark.parametrize("readable", [False, True])
+def test_dry_run_of_the_8_gpu_config(tmp_path: Path, readable: bool) -> None:
+    """Its models are not readable on the submit host (paths relative to the working directory): one summary
+    line naming each config.json once with its children, no per-GPU or per-child line. Readable (stub
+    checkpoints of the 1.7B shape where the config points): the per-GPU plan, one line per GPU and child."""
+    if readable:
+        _models(tmp_path)
+    dry = mopd_submit(str(GPU8), "--dry-run", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    plan = [line for line in lines if line.startswith("# memory plan") or line.startswith("#   cluster.")]
+    children = [line for line in lines if line.startswith("#     ")]
+    if not readable:
+        assert plan == [
+            "# memory plan: not planned — models/qwen3_8gpu/student/config.json (actor ×8, rollout ×8) and "
+            "models/qwen3_8gpu/teacher/config.json (teacher ×8) are not readable here; it is made where they "
+            "are: in the job, or with --local"
+        ]
+        assert children == [] and dry.stdout.count("not readable here") == 1
+        return
+    assert plan[0] == "# memory plan per GPU (estimates, GiB; engines/memory_model.py):"
+    assert [line.split(":")[0] for line in plan[1:]] == [
+        f"#   cluster.group node 0 GPU {i}" for i in range(8)
+    ]
+    assert [line.split(":")[0] for line in children] == [
+        f"#     {who}" for i in range(8) for who in (f"actor {i}", "teacher teacher", f"rollout {i}")
+    ]
+    assert "not readable" not in dry.stdout and "not planned" not in dry.stdout

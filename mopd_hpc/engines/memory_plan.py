@@ -22,10 +22,14 @@ Each child's holdings are either resident through the step, or held in one phase
   batch and allocates with expandable segments, `roles/rollout.py`, so that its growing cache does not
   fragment: without them the H200 measured 4× the KV cache reserved; with them `HF_KV_GROWTH`); sglang: weights and KV pool are the static
   `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`), resident when
-  separated, in `rollout` only when colocated (released at the end of the rollout: trainer/rollout_memory.py).
+  separated, in `rollout` only when colocated (released at the end of the rollout: trainer/rollout_memory.py);
+- with `weight_sync.backend: ipc`, actor rank 0 (the sync's source) also holds the shared buffer of the HF
+  weights (`engines/weight_sync/ipc.py`), resident from the first sync on: `ipc_buffer_bytes`.
 A GPU's plan is its largest phase: Σ resident + Σ held in that phase (phases rollout, teacher, train). A child
+is planned on the GPUs it computes on (`ChildSpec.compute_gpus`: a colocated child sees all of its node's); one
 over several GPUs (a rollout engine's tensor parallelism) puts 1/its GPUs on each. A model whose config.json
-cannot be read here (a Slurm path that exists on the cluster only) is left out, with a note.
+cannot be read here (a Slurm path that exists on the cluster only) is left out, with a note; `--dry-run` then
+names each such file once, with the children it concerns.
 
 `--dry-run` prints the plan (`format_memory_plan`); `--check`, `--dry-run` and every submit warn where a plan
 exceeds `cluster.<group>.gpu_memory_gb` (`memory_warnings`). The figures are what torch's caching allocator
@@ -91,6 +95,8 @@ class ChildMemory:
     holdings: tuple[Holding, ...]
     note: str = ""
     teacher: str | None = None  # the teacher id of a teacher child
+    child: str = ""  # the rank map's role and index ("teacher 3"; `label` names a teacher by its id)
+    unread: str = ""  # the config.json that is not readable here (then no holdings)
 
     def holding(self, what: str) -> Holding | None:
         """The holding whose `what` starts with `what` (e.g. "weights"), or None."""
@@ -126,20 +132,35 @@ def read_model_config(path: str) -> Mapping[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _shape(path: str, read: ConfigReader) -> tuple[ModelShape | None, str]:
+def _shape(path: str, read: ConfigReader) -> tuple[ModelShape | None, str, str]:
+    """(shape, note, the config.json path when it is not readable here, else "")."""
     config = read(path)
     if config is None:
-        return None, f"{path}/config.json not readable here: not planned"
+        return None, f"{path}/config.json not readable here: not planned", f"{path}/config.json"
     try:
-        return ModelShape.from_hf_config(config), ""
+        return ModelShape.from_hf_config(config), "", ""
     except MemoryModelError as err:
-        return None, f"{path}: {err}: not planned"
+        return None, f"{path}: {err}: not planned", ""
+
+
+def ipc_buffer_bytes(shape: ModelShape, dtype: str, engine: str) -> int:
+    """Bytes of the ipc weight sync's shared buffers on actor rank 0's GPU (`engines/weight_sync/ipc.py`
+    `plan_layout`: every tensor of the engine's `named_weights()` end to end in its dtype, the actor's; the
+    4 GiB buckets split it, they add nothing): the HF weights (`ModelShape.params`), the tied LM head once
+    more with the torch engine (its state_dict names the embedding under both names; megatron's converter
+    leaves `lm_head.weight` out when tied and drops the padded vocabulary rows).
+
+    Raises:
+        MemoryModelError: an unknown dtype.
+    """
+    head = shape.vocab * shape.hidden if shape.tied and engine == "torch" else 0
+    return (shape.params + head) * dtype_bytes(dtype)
 
 
 def _actor(
-    cfg: Any, shape: ModelShape, parallel: ActorParallel, free: int | None = None
+    cfg: Any, shape: ModelShape, parallel: ActorParallel, rank: int, free: int | None = None
 ) -> tuple[Holding, ...]:
-    """The actor's holdings; `free`: bytes the train phase leaves free for activations (null budget only)."""
+    """Actor `rank`'s holdings; `free`: bytes the train phase leaves free for activations (null budget only)."""
     actor = cfg.models.actor
     state = train_state(shape, actor.dtype, actor.engine, parallel.tp, parallel.dp)
     rows = -(-cfg.data.batch_size * cfg.data.samples_per_prompt // parallel.dp)
@@ -161,10 +182,14 @@ def _actor(
             Holding(f"reference model {h.what}", h.bytes, "teacher")
             for h in _teacher(cfg, actor, shape, resident=False)  # offloaded between its uses
         )
+    ipc: tuple[Holding, ...] = ()
+    if cfg.weight_sync.backend == "ipc" and rank == 0:  # the sync's source: its buffer persists
+        ipc = (Holding("ipc weight-sync buffer", ipc_buffer_bytes(shape, actor.dtype, actor.engine)),)
     return (
         Holding("weights", state.weights),
         Holding("gradients", state.gradients, grads_phase),
         Holding("optimizer", state.optimizer),
+        *ipc,
         Holding(f"activations ({positions:,} positions a micro-batch)", act, "train"),
         *reference,
     )
@@ -220,21 +245,23 @@ def _child(
 ) -> ChildMemory:
     label = f"{child.role} {child.index}"
     if child.role == "actor":
-        shape, note = _shape(cfg.models.actor.path, read)
+        shape, note, unread = _shape(cfg.models.actor.path, read)
         if shape and cfg.models.actor.micro_batch_tokens is None and capacity is None:
             note = "micro_batch_tokens null: the whole shard; on a GPU the run caps it by the free memory"
-        return ChildMemory(label, _actor(cfg, shape, parallel) if shape else (), note)
+        holdings = _actor(cfg, shape, parallel, child.index) if shape else ()
+        return ChildMemory(label, holdings, note, child=label, unread=unread)
     if child.role == "teacher":
         teacher = cfg.models.teacher(dict(child.env)[child_env.TEACHER_ID])
-        shape, note = _shape(teacher.path, read)
+        shape, note, unread = _shape(teacher.path, read)
         resident = teacher.id in resident_teachers
         holdings = _teacher(cfg, teacher, shape, resident) if shape else ()
-        return ChildMemory(f"teacher {teacher.id}", holdings, note, teacher.id)
+        return ChildMemory(f"teacher {teacher.id}", holdings, note, teacher.id, label, unread)
     if child.role == "rollout":
-        shape, note = _shape(cfg.models.actor.path, read)
-        holdings = _rollout(cfg, shape, capacity, len(child.gpus)) if shape else ()
-        return ChildMemory(label, holdings, note)
-    return ChildMemory(label, (), f"role {child.role!r}: not planned")
+        shape, note, unread = _shape(cfg.models.actor.path, read)
+        share = len(child.compute_gpus(cfg.rollout.engines.tensor_parallel))
+        holdings = _rollout(cfg, shape, capacity, share) if shape else ()
+        return ChildMemory(label, holdings, note, child=label, unread=unread)
+    return ChildMemory(label, (), f"role {child.role!r}: not planned", child=label)
 
 
 def memory_plan(
@@ -261,7 +288,7 @@ def memory_plan(
             continue
         capacity = groups[child.het_group][1].gpu_memory_gb or capacity_gib
         memory = _child(cfg, child, parallel, capacity, read, resident_teachers)
-        for gpu in child.gpus:
+        for gpu in child.compute_gpus(cfg.rollout.engines.tensor_parallel):
             per_gpu.setdefault((child.het_group, child.node_index, gpu), []).append((child, memory))
     out = []
     for (g, node, gpu), pairs in sorted(per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2]))):
@@ -290,9 +317,10 @@ def _derived_budget(
     others = sum(c.in_phase("train") for c in children if c is not memory)
     own = sum(h.bytes for h in memory.holdings if not h.what.startswith("activations"))
     free = int(capacity * GIB) - others - own - CUDA_CONTEXT_BYTES * len(children)
-    shape, _ = _shape(cfg.models.actor.path, read)
+    shape, _, _ = _shape(cfg.models.actor.path, read)
     assert shape is not None  # holdings exist, so the shape was read
-    return ChildMemory(memory.label, _actor(cfg, shape, parallel, max(0, free)), memory.note, memory.teacher)
+    holdings = _actor(cfg, shape, parallel, spec.index, max(0, free))
+    return ChildMemory(memory.label, holdings, memory.note, memory.teacher, memory.child, memory.unread)
 
 
 def _gib(n: int) -> str:
@@ -301,27 +329,70 @@ def _gib(n: int) -> str:
 
 def format_memory_plan(gpus: tuple[GpuMemory, ...]) -> list[str]:
     """The plan as `# ` lines for --dry-run: per GPU its largest phase (and the group's memory), then per
-    child each holding in GiB (a phase-only holding marks its phase)."""
+    child each holding in GiB (a phase-only holding marks its phase). A child that is not planned is not
+    listed per GPU: each reason is printed once with the children it concerns (`_unplanned_lines`), a GPU
+    where nothing is planned is left out, and a plan where nothing is planned is that one line."""
     if not gpus:
         return ["# memory plan: no GPU in this job"]
-    out = ["# memory plan per GPU (estimates, GiB; engines/memory_model.py):"]
-    for gpu in gpus:
+    planned = [gpu for gpu in gpus if any(c.holdings for c in gpu.children)]
+    out = ["# memory plan per GPU (estimates, GiB; engines/memory_model.py):"] if planned else []
+    for gpu in planned:
         peak, phase = gpu.peak()
         cap = f" of {gpu.capacity_gib:g}" if gpu.capacity_gib is not None else ""
-        total = (
-            f"{_gib(peak)}{cap} at most (in {phase})"
-            if any(c.holdings for c in gpu.children)
-            else "not planned"
+        left_out = sum(1 for c in gpu.children if not c.holdings)
+        without = (
+            f"; without {left_out} {'child' if left_out == 1 else 'children'} not planned" if left_out else ""
         )
-        out.append(f"#   cluster.{gpu.group} node {gpu.node} GPU {gpu.gpu}: {total}")
+        out.append(
+            f"#   cluster.{gpu.group} node {gpu.node} GPU {gpu.gpu}: {_gib(peak)}{cap} at most (in {phase}{without})"
+        )
         for child in gpu.children:
+            if not child.holdings:
+                continue
             items = "; ".join(
                 f"{h.what} {_gib(h.bytes)}" + (f" ({h.phase})" if h.phase else "") for h in child.holdings
             )
-            out.append(
-                f"#     {child.label}: {items or child.note}"
-                + (f" [{child.note}]" if items and child.note else "")
-            )
+            out.append(f"#     {child.label}: {items}" + (f" [{child.note}]" if child.note else ""))
+    return out + _unplanned_lines(gpus, whole=not planned)
+
+
+def _children(keys: list[tuple[str, str]]) -> str:
+    """'actor ×8, rollout ×8' of (child key, label) pairs: per role its count, or the label of a role's only
+    child ('teacher gsm8k')."""
+    by_role: dict[str, list[str]] = {}
+    for key, label in dict.fromkeys(keys):
+        by_role.setdefault(key.split(" ")[0], []).append(label)
+    return ", ".join(
+        labels[0] if len(labels) == 1 else f"{role} ×{len(labels)}" for role, labels in by_role.items()
+    )
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _unplanned_lines(gpus: tuple[GpuMemory, ...], whole: bool) -> list[str]:
+    """The children not planned, once each over all GPUs: the config.json files not readable here in one
+    line (each file with the children that read it), then one line per other reason; `whole`: nothing on any
+    GPU is planned."""
+    unread: dict[str, list[tuple[str, str]]] = {}
+    other: dict[str, list[tuple[str, str]]] = {}
+    for gpu in gpus:
+        for c in gpu.children:
+            if not c.holdings:
+                (unread.setdefault(c.unread, []) if c.unread else other.setdefault(c.note, [])).append(
+                    (c.child or c.label, c.label)
+                )
+    head = "# memory plan: not planned — " if whole else "# memory plan: left out — "
+    out = []
+    if unread:
+        files = _and([f"{path} ({_children(keys)})" for path, keys in unread.items()])
+        verb, they = ("is", "it is") if len(unread) == 1 else ("are", "they are")
+        out.append(
+            f"{head}{files} {verb} not readable here; it is made where {they}: in the job, or with --local"
+        )
+    for note, keys in other.items():
+        out.append(f"{head}{_children(keys)}: {note}")
     return out
 
 

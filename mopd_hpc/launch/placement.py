@@ -256,12 +256,7 @@ def _with_transfer_ranks(
 
 def _used(child: ChildSpec, tp: int) -> list[str]:
     """GPU ordinals (of its node) a child computes on."""
-    if not child.gpus:
-        return []
-    base = child.device_index or 0
-    if child.role == "rollout":
-        return list(child.gpus[base : base + tp])
-    return [child.gpus[base]]
+    return list(child.compute_gpus(tp))
 
 
 def _check_gpu_sharing(children: list[ChildSpec], mode: str, tp: int) -> None:

@@ -125,6 +125,14 @@ class ChildSpec:
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
 
+    def compute_gpus(self, rollout_tp: int = 1) -> tuple[str, ...]:
+        """The node GPU ordinals it computes on (a subset of `gpus`, which colocated children see whole): a
+        rollout engine's `rollout_tp` GPUs from its `device_index`, any other child's one device; () on CPU."""
+        if not self.gpus:
+            return ()
+        base = self.device_index or 0
+        return self.gpus[base : base + rollout_tp] if self.role == "rollout" else (self.gpus[base],)
+
     @property
     def label(self) -> str:
         """`actor[3]`, or `probe[5] (actor[3])` for a probe standing in for another role."""

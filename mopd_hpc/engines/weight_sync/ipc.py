@@ -14,7 +14,8 @@ Handles (`BufferHandle`, JSON): on CUDA the fields of torch's CUDA IPC reduction
 any process of the node that sees the device); on CPU a file under /dev/shm mapped by both sides
 (`torch.from_file(shared=True)`). No pickle crosses the boundary: the handle is bytes (hex) and integers.
 The sender owns the memory (files are unlinked by `close`); the receiver keeps its mapping until the buffer
-id changes. Memory: the buffers stay allocated on the actor's device (one copy of the HF weights).
+id changes. Memory: the buffers stay allocated on the actor's device (one copy of the HF weights; the memory plan
+counts them: `engines/memory_plan.py` ipc_buffer_bytes).
 """
 
 from __future__ import annotations
