@@ -3,8 +3,9 @@ state (fp32 main params, Adam's exp_avg and exp_avg_sq; engines/megatron/optimiz
 
 A random tiny Qwen3 (bf16, TP 1 × DP 1), four actors in one process on recorded steps (random rows, behavior
 and teacher targets fixed per step):
-- A: steps 1, 2, the checkpoint of step 2 (`save_checkpoint` with the engine's state_dict: model.pt and its
-  manifest), step 3;
+- A: steps 1, 2, the checkpoint of step 2 (`save_checkpoint` with the engine's state_dict: model.pt, the
+  parameter state in its own file optimizer_param_state.pt, read back memory-mapped, and the manifest of
+  both), step 3;
 - B: steps 1-3 straight, the same as A: is the step deterministic run to run? (its step-3 weights must equal
   A's bitwise: the comparison below is then bitwise, no tolerance);
 - R: a fresh actor built from OTHER random weights loads A's step-2 checkpoint (`load_latest`, verified),
@@ -109,6 +110,12 @@ stats["b"].append(b.train_step(batch(3)))
 r["deterministic"] = same(weights(a), weights(b)) and eq(stats["a"], stats["b"])
 loaded = load_latest(ck)
 r["has_param_state"] = loaded.engine_state.get(optimizer_state.PARAM_STATE_KEY) is not None
+step_dir = os.path.join(ck, "step_000002")
+r["param_state_own_file"] = [  # its own file, in the manifest; model.pt holds only its layout
+    os.path.isfile(os.path.join(step_dir, optimizer_state.PARAM_STATE_FILE)),
+    optimizer_state.PARAM_STATE_FILE in json.load(open(os.path.join(step_dir, "manifest.json")))["files"],
+    optimizer_state.PARAM_STATE_KEY in torch.load(os.path.join(step_dir, "model.pt"), weights_only=True),
+]
 fresh = actor("other")
 r["fresh_differs"] = not same(weights(fresh), b_two["weights"])
 fresh.load_state_dict(loaded.engine_state)
@@ -124,7 +131,7 @@ r["step3_weights_equal"] = same(weights(fresh), weights(b))
 r["step3_opt_state_equal"] = same_states(opt_state(fresh), opt_state(b))
 r["step3_optimizer_sd_equal"] = eq(fresh.optimizer.state_dict(), b.optimizer.state_dict())
 no_state = dict(loaded.engine_state)
-no_state[optimizer_state.PARAM_STATE_KEY] = None
+no_state[optimizer_state.PARAM_STATE_KEY] = no_state[optimizer_state.PARAM_LAYOUT_KEY] = None
 n = actor("other")
 n.load_state_dict(no_state)
 n.train_step(batch(3))
@@ -153,6 +160,7 @@ def test_megatron_resume_equals_the_straight_run_bitwise(tmp_path: Path) -> None
     print(json.dumps(r))  # for the record (-s)
     assert r["deterministic"] is True  # two straight runs agree bitwise: no tolerance is needed below
     assert r["has_param_state"] is True
+    assert r["param_state_own_file"] == [True, True, False]
     assert r["fresh_differs"] is True  # the resumed actor starts elsewhere: all it has is the checkpoint
     assert r["loaded_weights_equal"] is True
     assert r["loaded_opt_state_equal"] is True  # fp32 main params, exp_avg, exp_avg_sq after step 2

@@ -2,17 +2,24 @@
 
 Layout under a checkpoint root:
 
-    root/step_000050/model.pt        engine state (`TrainEngine.state_dict()`: model, optimizer, ...)
+    root/step_000050/model.pt        engine state (`TrainEngine.state_dict()`: model, optimizer, ...) except
+                                     the entries kept in own files
+    root/step_000050/<own>.pt        an engine-state entry the engine wrapped in `OwnFile` (engines/own_file.py),
+                                     e.g. optimizer_param_state.pt: the megatron actor's optimizer parameter
+                                     state, which only data-parallel rank 0 reads
     root/step_000050/rng.pt          RNG states (python, numpy if present, torch CPU, every CUDA device)
-    root/step_000050/state.json      {"step", "data_state", "extra", "format"} (JSON-serializable)
-    root/step_000050/manifest.json   sizes and SHA-256 of the three files: written last (checkpoint_verify.py)
+    root/step_000050/state.json      {"step", "data_state", "extra", "format", "files": {entry key: own file}}
+    root/step_000050/manifest.json   sizes and SHA-256 of every file above: written last (checkpoint_verify.py)
     root/latest                      "step_000050\\n": the newest complete checkpoint
 
 A save writes every file (each through `mopd_hpc.atomic`: temp file, fsync, rename) into a hidden
 `root/.step_000050.tmp-<pid>/`, renames that directory to `step_000050` (atomic on POSIX), and only then
 rewrites `latest` atomically. A crash at any point leaves `latest` naming the previous complete checkpoint;
 a half-written temp directory is ignored by `load_latest` and removed by the next save. Loading uses
-`torch.load(weights_only=True)`: a checkpoint never executes pickled code.
+`torch.load(weights_only=True)`: a checkpoint never executes pickled code. An own file is not read at load:
+its entry in `Checkpoint.engine_state` is a `FileRef` (the path), which the engine reads where it needs it
+(`own_file.resolve`); a checkpoint without "files" in state.json (older: every entry in model.pt) loads as
+it always did.
 
 Loading verifies (trainer/checkpoint_verify.py: sizes and SHA-256 against the manifest): a damaged newest
 checkpoint (a truncated model.pt, an empty state.json, an empty or garbage `latest`) is logged, naming the
@@ -37,6 +44,7 @@ from typing import Any
 import torch
 
 from mopd_hpc.atomic import atomic_open, atomic_write_json, atomic_write_text
+from mopd_hpc.engines.own_file import FileRef, OwnFile
 from mopd_hpc.records.run_dir import LATEST
 from mopd_hpc.trainer import checkpoint_verify as verify
 
@@ -58,7 +66,8 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """A loaded checkpoint: `step`, its directory, the engine state, the data-stream state, RNG states and
-    `extra` (JSON), as given to `save_checkpoint`. Tensors are on the CPU. `skipped`: one line per newer
+    `extra` (JSON), as given to `save_checkpoint`. Tensors are on the CPU; an entry saved as an `OwnFile`
+    is a `FileRef` (not read). `skipped`: one line per newer
     checkpoint `load_latest` passed over as damaged (the file and what is wrong), newest first."""
 
     step: int
@@ -135,7 +144,8 @@ def save_checkpoint(
     Args:
         root: checkpoint root (created if absent).
         step: the number of completed training steps, ≥ 0.
-        engine_state: `TrainEngine.state_dict()` (tensors on any device).
+        engine_state: `TrainEngine.state_dict()` (tensors on any device); each top-level `OwnFile` entry is
+            written to its own file (module docstring).
         data_state: where the data stream continues (JSON-serializable).
         rng_state: `capture_rng_state()` by default.
         extra: anything else JSON-serializable (e.g. the metrics line count, the config hash).
@@ -145,18 +155,22 @@ def save_checkpoint(
         the checkpoint directory.
 
     Raises:
-        CheckpointError: step < 0, keep_last < 1, or data_state/extra not JSON-serializable (nothing is
-            written). OSError: the disk write failed; `latest` still names the previous checkpoint.
+        CheckpointError: step < 0, keep_last < 1, data_state/extra not JSON-serializable, or an own file's
+            name not a plain `.pt` name, a reserved one or used twice (nothing is written). OSError: the
+            disk write failed; `latest` still names the previous checkpoint.
     """
     if step < 0:
         raise CheckpointError(f"step is {step}; expected >= 0")
     if keep_last < 1:
         raise CheckpointError(f"keep_last is {keep_last}; expected >= 1")
+    own = {key: entry for key, entry in engine_state.items() if isinstance(entry, OwnFile)}
+    _check_own_names(step, own)
     state = {
         "step": step,
         "data_state": dict(data_state or {}),
         "extra": dict(extra or {}),
         "format": FORMAT_VERSION,
+        "files": {key: entry.name for key, entry in own.items()},
     }
     try:
         json.dumps(state)
@@ -170,10 +184,13 @@ def save_checkpoint(
     tmp = base / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     try:
-        _torch_save(dict(engine_state), tmp / "model.pt")
+        _torch_save({k: v for k, v in engine_state.items() if k not in own}, tmp / "model.pt")
+        for entry in own.values():
+            _torch_save(entry.value, tmp / entry.name)
         _torch_save(dict(rng_state if rng_state is not None else capture_rng_state()), tmp / "rng.pt")
         atomic_write_json(tmp / "state.json", state)
-        atomic_write_json(tmp / verify.MANIFEST, verify.manifest_for(tmp))  # last: the completeness marker
+        manifest = verify.manifest_for(tmp, tuple(e.name for e in own.values()))
+        atomic_write_json(tmp / verify.MANIFEST, manifest)  # last: the completeness marker
         if final.exists():  # re-saving a step (after a resume): retire the old copy first
             retired = base / f".{final.name}.tmp-old-{os.getpid()}"
             final.rename(retired)
@@ -187,6 +204,17 @@ def save_checkpoint(
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _check_own_names(step: int, own: Mapping[str, OwnFile]) -> None:
+    names = [entry.name for entry in own.values()]
+    reserved = {*verify.FILES, verify.MANIFEST}
+    for key, entry in own.items():
+        if not verify.OWN_FILE_RE.match(entry.name) or entry.name in reserved or names.count(entry.name) > 1:
+            raise CheckpointError(
+                f"engine-state entry {key!r} of step {step}: own file name {entry.name!r}; expected a plain "
+                f"'.pt' name (pattern {verify.OWN_FILE_RE.pattern}), none of {sorted(reserved)}, used once"
+            )
 
 
 #: What torch.load and the state parsing raise on a damaged file that the verification let through.
@@ -223,8 +251,14 @@ def load_latest(root: str | Path, map_location: str | torch.device = "cpu") -> C
     )
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", *, verify_own_files: bool = True
+) -> Checkpoint:
     """Load one checkpoint directory, verified first (checkpoint_verify.problems, deep).
+
+    Own files are verified too unless `verify_own_files` is False: then they are not opened at all (a
+    follower rank that never reads them, loading the checkpoint rank 0's `load_latest` verified); their
+    entries are `FileRef`s either way.
 
     Raises:
         CheckpointError: the directory is missing, a file is missing, truncated, damaged or does not load;
@@ -233,15 +267,23 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(verify.missing_dir(directory))
-    found = verify.problems(directory, deep=True)
+    found = verify.problems(directory, deep=True, own=verify_own_files)
     if found:
         raise CheckpointError("; ".join(found))
     try:
         state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
+        engine_state = torch.load(directory / "model.pt", map_location=map_location, weights_only=True)
+        files = state.get("files", {})  # absent: an older checkpoint, every entry in model.pt
+        if not isinstance(files, dict):
+            raise ValueError(f"state.json's 'files' is {type(files).__name__}; expected an object")
+        for key, name in files.items():
+            if not isinstance(name, str) or not verify.OWN_FILE_RE.match(name):
+                raise ValueError(f"state.json's own file {name!r} for {key!r} is not a plain '.pt' name")
+            engine_state[key] = FileRef(directory / name)
         ckpt = Checkpoint(
             step=int(state["step"]),
             path=directory,
-            engine_state=torch.load(directory / "model.pt", map_location=map_location, weights_only=True),
+            engine_state=engine_state,
             data_state=state["data_state"],
             rng_state=torch.load(directory / "rng.pt", map_location="cpu", weights_only=True),
             extra=state["extra"],

@@ -2,7 +2,11 @@
 
 `save_checkpoint` (trainer/checkpoint.py) writes `manifest.json` last, atomically, into the directory before
 it is renamed into place: `{"format": 1, "files": {"model.pt": {"bytes": N, "sha256": HEX}, ...}}`. A
-directory without it is incomplete (or was written before manifests existed: see `LEGACY_NOTE`).
+directory without it is incomplete (or was written before manifests existed: see `LEGACY_NOTE`). Besides
+`FILES`, the manifest lists the checkpoint's own files (engine-state entries written apart from model.pt,
+engines/own_file.py: e.g. optimizer_param_state.pt), which state.json names under "files"; they are checked
+as model.pt is, unless a caller that never reads them says so (`own_files=False`: a follower rank, whose
+rank 0 verified them before naming the checkpoint).
 
 Two depths (no torch here, so `mopd-submit` can check at submit time without importing it):
 
@@ -33,6 +37,8 @@ from mopd_hpc.records.run_dir import LATEST
 MANIFEST = "manifest.json"
 #: The files of a checkpoint (trainer/checkpoint.py's layout; the pointer is records/run_dir.LATEST).
 FILES = ("model.pt", "rng.pt", "state.json")
+#: What an own file's name must be: a plain `.pt` name in the step directory (no path, not hidden).
+OWN_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.pt$")
 #: Layout version in state.json and the manifest.
 FORMAT_VERSION = 1
 #: What a checkpoint without a manifest gets: accepted when its files load (written before manifests).
@@ -51,19 +57,35 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def manifest_for(directory: Path) -> dict[str, Any]:
-    """The manifest of the files `FILES` in `directory` (their sizes and SHA-256)."""
+def manifest_for(directory: Path, own: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The manifest of the files `FILES` and the own files `own` in `directory` (their sizes and SHA-256)."""
     files = {
         name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_of(directory / name)}
-        for name in FILES
+        for name in (*FILES, *own)
     }
     return {"format": FORMAT_VERSION, "files": files}
 
 
-def problems(directory: Path, deep: bool) -> list[str]:
+def own_files(directory: Path, manifest: dict[str, Any] | None = None) -> list[str]:
+    """The own files of a checkpoint directory: those state.json names under "files" and those the manifest
+    lists beyond `FILES`, in that order, each once ([] for an unreadable state.json and no manifest)."""
+    names: list[str] = []
+    try:
+        state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        state = None
+    if isinstance(state, dict) and isinstance(state.get("files"), dict):
+        names.extend(str(n) for n in state["files"].values())
+    if manifest is not None:
+        names.extend(n for n in manifest["files"] if n not in FILES)
+    return [n for n in dict.fromkeys(names) if n not in FILES]
+
+
+def problems(directory: Path, deep: bool, own: bool = True) -> list[str]:
     """What is wrong with one checkpoint directory, one line each naming the file; [] when it is whole.
 
     A directory without a manifest gets no line for that alone (see `legacy`): it is checked on its files.
+    `own` False: the own files (`own_files`) are left alone, not even opened.
     """
     found: list[str] = []
     manifest: dict[str, Any] | None = None
@@ -78,6 +100,15 @@ def problems(directory: Path, deep: bool) -> list[str]:
         found.extend(
             _file_problems(directory / name, manifest["files"].get(name, {}) if manifest else {}, deep)
         )
+    for name in own_files(directory, manifest) if own else ():
+        if not OWN_FILE_RE.match(name):
+            found.append(f"{directory / 'state.json'}: own file {name!r} is not a plain name like 'x.pt'")
+        elif manifest is not None and name not in manifest["files"]:
+            found.append(
+                f"{directory / name}: state.json names it, the manifest does not (not this checkpoint's)"
+            )
+        else:
+            found.extend(_file_problems(directory / name, manifest["files"][name] if manifest else {}, deep))
     return found
 
 

@@ -2,7 +2,8 @@
 
     start record   load the checkpoint rank 0 resumes from (the same directory: step_<N>, not `latest`,
                    which rank 0 may rewrite later; a TP engine's own shards from step_<N>.shards, with
-                   its TP group), restore its RNG; barrier
+                   its TP group; not its own files, which rank 0 verified and reads), restore its RNG;
+                   barrier
     step record    `ShardStep.run` on this rank's shard: its own rows' teacher scores straight from the
                    teacher servers, the drain gather, `train_step` (the gradient all-reduce)
     weights record a TP rank of data-parallel rank 0's TP group joins rank 0's gather of the HF weights
@@ -56,7 +57,9 @@ class Follower:
             raise ActorGroupError(f"actor rank {self.group.rank}: first control record is {start.kind!r}")
         if start.step > 0:
             path = self.run_dir / CHECKPOINT_DIR / step_dir_name(start.step)
-            ckpt = load_checkpoint(path)
+            # its own files (the optimizer parameter state, which DP rank 0 alone reads: rank 0 here) are
+            # not opened: rank 0's load_latest verified them before naming this checkpoint
+            ckpt = load_checkpoint(path, verify_own_files=False)
             make_resident(self.engine, "checkpoint load")
             self.engine.load_state_dict(ckpt.engine_state)
             if getattr(self.engine, "sharded_checkpoint", False):

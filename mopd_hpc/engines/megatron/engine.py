@@ -63,6 +63,8 @@ from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
 from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
+from mopd_hpc.engines.own_file import OwnFile, OwnFileError
+from mopd_hpc.engines.own_file import resolve as resolve_own_file
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.weight_sync.tp_gather import gathered_hf_weights
 from mopd_hpc.mopd.normalize import loss_denominator
@@ -494,15 +496,19 @@ class MegatronTrainEngine:
         """model (None when `sharded_checkpoint`: the shards are saved apart), the optimizer's state_dict (the
         distributed optimizer's DP-independent part: step count, lr), `optimizer_state.PARAM_STATE_KEY`: the
         fp32 main params and Adam's exp_avg/exp_avg_sq gathered from every DP rank (`optimizer_state.gather`,
-        a collective over the DP group: every DP rank calls it, `join_state_dict`; None on DP ranks > 0 and
-        at tensor_parallel > 1, where each TP rank's shard differs and is not saved: a TP resume restarts
-        the moments), steps."""
+        a collective over the DP group: every DP rank calls it, `join_state_dict`), as an `OwnFile`
+        (`optimizer_state.PARAM_STATE_FILE`: the checkpoint writes it apart from model.pt, engines/own_file.py),
+        and `optimizer_state.PARAM_LAYOUT_KEY`: its sizes (both None on DP ranks > 0 and at tensor_parallel
+        > 1, where each TP rank's shard differs and is not saved: a TP resume restarts the moments), steps."""
         self._require_resident("state_dict")
         param_state = optimizer_state.gather(self.optimizer) if self.shard_plan.tp == 1 else None
         return {
             "model": None if self.sharded_checkpoint else self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            optimizer_state.PARAM_STATE_KEY: param_state,
+            optimizer_state.PARAM_STATE_KEY: (
+                None if param_state is None else OwnFile(optimizer_state.PARAM_STATE_FILE, param_state)
+            ),
+            optimizer_state.PARAM_LAYOUT_KEY: optimizer_state.layout(param_state),
             "steps": self.steps,
         }
 
@@ -514,9 +520,16 @@ class MegatronTrainEngine:
         then the exact fp32 main params and moments (optimizer_state.py); without a saved parameter state
         (an older checkpoint, tensor_parallel > 1) the moments are set to 0 (`optimizer_state.zero_moments`).
 
+        The parameter state's entry is a `FileRef` for a checkpoint that wrote it to its own file: only DP
+        rank 0 reads it (`optimizer_state.reads_saved_state`, `own_file.resolve`: memory-mapped), the other
+        DP ranks check its layout (`optimizer_state.PARAM_LAYOUT_KEY`) and join the scatter without opening
+        it. An `OwnFile` (straight from `state_dict`) or the state itself (an older checkpoint's model.pt)
+        is used on every rank, as it is.
+
         Raises:
             EngineError: a sharded checkpoint's state given to a TP 1 engine; the saved parameter state does
-                not fit this optimizer (optimizer_state.OptimizerStateError's message).
+                not fit this optimizer (optimizer_state.OptimizerStateError's message) or its file does not
+                load (own_file.OwnFileError's).
         """
         self._require_resident("load_state_dict")
         if state["model"] is None and not self.sharded_checkpoint:
@@ -524,9 +537,18 @@ class MegatronTrainEngine:
                 "the checkpoint's model was saved as TP shards (a tensor_parallel > 1 run); this engine runs at "
                 "tensor_parallel 1: load its shards with trainer/sharded_checkpoint.py, or resume at the saved TP"
             )
-        param_state = state.get(optimizer_state.PARAM_STATE_KEY)
+        entry = state.get(optimizer_state.PARAM_STATE_KEY)
+        read = entry is not None and optimizer_state.reads_saved_state(self.optimizer)
+        try:  # a FileRef: read (mmap) on DP rank 0 alone
+            param_state = resolve_own_file(entry, read=read)
+        except OwnFileError as err:
+            raise EngineError(
+                f"the checkpoint's optimizer state: {err}; the file changed after the checkpoint was verified: "
+                "remove that checkpoint directory to resume from the previous one"
+            ) from None
+        saved = param_state if param_state is not None else state.get(optimizer_state.PARAM_LAYOUT_KEY)
         try:  # before anything is loaded: a state that does not fit leaves the engine as it was
-            optimizer_state.check(self.optimizer, param_state)
+            optimizer_state.check(self.optimizer, saved)
         except optimizer_state.OptimizerStateError as err:
             raise EngineError(
                 f"the checkpoint's optimizer state ({optimizer_state.PARAM_STATE_KEY}): {err}; resume with the "
@@ -539,7 +561,7 @@ class MegatronTrainEngine:
             reload = getattr(self.optimizer, "reload_model_params", None)
             if reload is not None:  # the optimizer's fp32 main copies from the loaded weights, as Megatron-LM
                 reload()
-        if param_state is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
+        if entry is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
             optimizer_state.scatter(self.optimizer, param_state)
         else:  # no saved moments (an older checkpoint, or TP > 1): Adam restarts from 0, not torch.empty's bytes
             optimizer_state.zero_moments(self.optimizer)

@@ -9,10 +9,15 @@ rank's shard): both exist with these meanings in megatron-core 0.16.1 and 0.19.x
 
 The gathered state (on DP rank 0; None elsewhere) is, per grad buffer index and (param dtype, grad dtype):
 `{"param" | "exp_avg" | "exp_avg_sq": float32 [numel_unpadded] CPU, "numel_unpadded": int}`, plus
-`"buckets_coalesced": True`. It goes into the engine's `state_dict()` under `PARAM_STATE_KEY`, i.e. into
-the checkpoint's model.pt, whose size and SHA-256 the manifest holds (trainer/checkpoint_verify.py): a
-truncated or damaged copy is refused with the rest of model.pt. `torch.load(weights_only=True)` reads it
-(dtype tuple keys included).
+`"buckets_coalesced": True`: 12 bytes per parameter (~96 GB for an 8B model). It goes into the engine's
+`state_dict()` under `PARAM_STATE_KEY` as an `OwnFile` (engines/own_file.py): the checkpoint writes it to
+its own file, `PARAM_STATE_FILE` in the step directory, whose size and SHA-256 the manifest holds
+(trainer/checkpoint_verify.py: a truncated or damaged copy is refused, and the previous good checkpoint
+used). At load only DP rank 0 reads it (`reads_saved_state`; `torch.load(weights_only=True, mmap=True)`,
+dtype tuple keys included); the other DP ranks take part in the scatter without opening it, so their host
+memory never holds it. Every rank still checks that the saved state fits its optimizer before any
+collective (`check`), from `layout(state)`: the sizes alone, saved in model.pt under `PARAM_LAYOUT_KEY`.
+An older checkpoint holds the state itself inside model.pt (every rank loads it, as before) or none.
 
 Loading order matters: `optimizer.load_state_dict` first (allocates the moment tensors, restores step and
 lr), the model weights and `reload_model_params` next (main params from bf16 weights: rounded), the
@@ -39,6 +44,10 @@ import torch
 
 #: The engine state's key for the gathered parameter state (None: not saved, e.g. tensor_parallel > 1).
 PARAM_STATE_KEY = "optimizer_param_state"
+#: The checkpoint file it is written to (an own file of the step directory, trainer/checkpoint.py).
+PARAM_STATE_FILE = "optimizer_param_state.pt"
+#: The engine state's key for its `layout` (in model.pt: what every DP rank checks; None with no state).
+PARAM_LAYOUT_KEY = "optimizer_param_layout"
 #: The per-parameter tensors the dp_zero dict carries for Adam.
 TENSOR_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -64,8 +73,39 @@ def gather(optimizer: Any) -> list[dict[Any, Any]] | None:
     return states if all(s is not None for s in states) else None
 
 
+def reads_saved_state(optimizer: Any) -> bool:
+    """True on the rank that holds `gather`'s result and reads a saved one for `scatter`: data-parallel rank 0
+    of every distributed optimizer (DP size 1 included)."""
+    return all(opt.data_parallel_group.rank() == 0 for opt in distributed_optimizers(optimizer))
+
+
+def layout(states: list[Mapping[Any, Any]] | None) -> list[dict[int, dict[Any, dict[str, int]]]] | None:
+    """The sizes of a gathered state (`gather`'s result), without its tensors: per distributed optimizer,
+    `{buffer index: {(param dtype, grad dtype): {"param" | "exp_avg" | "exp_avg_sq": numel}}}`; None for
+    None. `check` accepts it in place of the state."""
+    if states is None:
+        return None
+    return [
+        {
+            i: {
+                dtype: {k: part[k].numel() for k in TENSOR_KEYS if k in part}
+                for dtype, part in state[i].items()
+            }
+            for i in state
+            if isinstance(i, int)
+        }
+        for state in states
+    ]
+
+
+def _numel(entry: Any) -> int:
+    """A tensor's element count, or a `layout`'s (already a count)."""
+    return entry if isinstance(entry, int) else entry.numel()
+
+
 def problems(state: Mapping[Any, Any], optimizer: Any) -> list[str]:
-    """What in a gathered `state` does not fit `optimizer` (its `buffers[i].numel_unpadded`); [] when it fits."""
+    """What in a gathered `state` (or its `layout`: element counts for tensors) does not fit `optimizer`
+    (its `buffers[i].numel_unpadded`); [] when it fits."""
     found: list[str] = []
     buffers = list(getattr(optimizer, "buffers", []))
     indices = sorted(k for k in state if isinstance(k, int))
@@ -76,9 +116,9 @@ def problems(state: Mapping[Any, Any], optimizer: Any) -> list[str]:
             for key in TENSOR_KEYS:
                 if key not in part:
                     found.append(f"grad buffer {i} {dtype}: no {key!r}")
-                elif part[key].numel() != buffer.numel_unpadded:
+                elif (n := _numel(part[key])) != buffer.numel_unpadded:
                     found.append(
-                        f"grad buffer {i} {dtype} {key!r}: {part[key].numel()} elements, this optimizer's "
+                        f"grad buffer {i} {dtype} {key!r}: {n} elements, this optimizer's "
                         f"buffer holds {buffer.numel_unpadded} (another model or layout)"
                     )
     return found
@@ -127,7 +167,8 @@ def zero_moments(optimizer: Any) -> int:
 
 
 def check(optimizer: Any, states: list[Mapping[Any, Any]] | None) -> None:
-    """Refuse a gathered state (`gather`'s result; None: nothing to check) that does not fit `optimizer`.
+    """Refuse a gathered state (`gather`'s result, or its `layout`; None: nothing to check) that does not fit
+    `optimizer`.
 
     Raises:
         OptimizerStateError: another count of distributed optimizers, missing parts or other sizes
