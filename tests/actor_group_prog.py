@@ -11,23 +11,31 @@ Scenarios (argv[1]): `steps` (3 steps, the end), `busy` (rank 0 sleeps `--busy-s
 first step: longer than the collective timeout), `rank1_dies` (rank 1 SIGKILLs itself after receiving
 step 2's record), `rank1_hangs` (rank 1 sleeps for an hour instead of step 2), `rank0_dies` (rank 0 exits
 after the start barrier), `rank0_freezes` (rank 0 SIGSTOPs itself there: its heartbeat stops too), `tp2` (the
-two ranks are one TP group of DP size 1: both train every row; after each step rank 0 announces a weight
+two ranks are one TP group of DP size 1: both train every row, rank 0 alone asks the teacher and broadcasts
+the scores to rank 1; after each step rank 0 announces a weight
 gather with a `weights` record and gathers the fake engine's two halves over gloo, which the follower
 joins; rank 0 also sums 1.0 over the group's data-parallel ranks), `dp_checkpoint` (DP 2 with an engine
 whose state_dict is a collective, as megatron's distributed optimizer gathering its shards: after step 2
-rank 0 publishes a `checkpoint` record and calls state_dict, which the follower joins). Each rank writes
-`<out>/rank<r>.json`: what it trained, asked the teachers, gathered, its final parameter, or its error.
+rank 0 publishes a `checkpoint` record and calls state_dict, which the follower joins), `tp2dp2` (world 4:
+two replicas of a TP group of 2; each replica's TP rank 0 asks the teacher for its shard and broadcasts the
+scores to its TP rank 1; the engine reduces over the DP groups {0, 2}, {1, 3}), `tp2_nccl` (tp2's steps on two GPUs: the world and
+the TP group on NCCL, the scores broadcast through the devices; no weight gather). Each rank writes
+`<out>/rank<r>.json`: what it trained (and a bitwise digest of each batch), asked the teachers (the rows, and
+the rows of each request), gathered, its final parameter, or its error.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import hashlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -40,6 +48,8 @@ from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.trainer.actor_group import ActorGroup, GroupSpec, SoloGroup
 from mopd_hpc.trainer.follower import Follower
 from mopd_hpc.trainer.rank_step import ShardStep
+from mopd_hpc.trainer.shards import shard_rows
+from mopd_hpc.trainer.step import shard_batch
 from mopd_hpc.trainer.step_record import ControlRecord
 
 STEPS = 3
@@ -64,14 +74,30 @@ def step_record(step: int) -> ControlRecord:
     return ControlRecord.from_rows(step, rows, starts, ["a", "b", "a", "b", "a"], mu, orm, pad_id=0)
 
 
+def digest(value) -> object:
+    """A JSON-able fingerprint of a batch, bit for bit: each tensor's dtype, shape and SHA-256 of its bytes;
+    dataclasses and mappings field by field, in order (mapping order included)."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().numpy().tobytes()
+        return [str(value.dtype), list(value.shape), hashlib.sha256(data).hexdigest()]
+    if dataclasses.is_dataclass(value):
+        return {f.name: digest(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return [[k, digest(v)] for k, v in value.items()]
+    return repr(value)
+
+
 class FakeTeacher:
-    """A teacher client that answers from the token ids and records the rows it is asked for."""
+    """A teacher client that answers from the token ids and records the rows it is asked for (`asked`) and
+    the rows of each request (`requests`: one entry per call)."""
 
     def __init__(self) -> None:
         self.asked: list[list[int]] = []
+        self.requests: list[int] = []
 
     async def score_tensors(self, input_ids, response_start, top_k=None) -> ScoreTensors:
         self.asked += [list(r) for r in input_ids]
+        self.requests.append(len(input_ids))
         flat = [int(t) for row, s in zip(input_ids, response_start, strict=True) for t in row[s:]]
         lengths = [len(row) - s for row, s in zip(input_ids, response_start, strict=True)]
         y = torch.tensor(flat, dtype=torch.int64)
@@ -97,6 +123,7 @@ class FakeEngine:
         self.distributed = distributed
         self.residency = Residency(torch.nn.Linear(1, 1), torch.device("cpu"))
         self.trained: list[list[list[int]]] = []
+        self.batches: list[object] = []  # `digest` of each step's batch
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -106,6 +133,7 @@ class FakeEngine:
     def train_step(self, batch, observe=None):
         tokens = batch.tokens
         self.trained.append(tokens.input_ids.tolist())
+        self.batches.append(digest(batch))
         mask = tokens.response_mask
         pred = self.w[tokens.response_ids % 4]
         target = batch.teacher_topk["t"].logprobs[..., 0].double() + 0.01 * batch.behavior_logprobs.double()
@@ -147,6 +175,21 @@ class FakeTPEngine(FakeEngine):
         return sum(1 for _ in self.named_weights())
 
 
+class FakeTPDPEngine(FakeEngine):
+    """FakeEngine as one rank of TP 2 × DP 2 (world 4, rank = tp_rank + 2·dp_rank): its sums run over its
+    data-parallel group (ranks {0, 2} or {1, 3}), whose ranks hold different rows; the TP ranks of a replica
+    hold the same rows and reduce nothing between them."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(distributed=True)
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both, in order
+        self.dp_group = groups[rank % 2]
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.dp_group)
+        return t
+
+
 class FakeShardedStateEngine(FakeEngine):
     """FakeEngine whose optimizer state is DP-sharded: `state_dict` gathers every rank's shard (here the
     rank's index + 1 and its parameter) over the group, a collective the other ranks join (`join_state_dict`)."""
@@ -174,6 +217,10 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
         engine = FakeTPEngine(rank)
     elif scenario == "dp_checkpoint":
         engine = FakeShardedStateEngine(rank)
+    elif scenario == "tp2dp2":
+        engine = FakeTPDPEngine(rank)
+    elif scenario == "tp2_nccl":  # both ranks hold every row: nothing to reduce between them
+        engine = FakeEngine(distributed=False)
     else:
         engine = FakeEngine(distributed=world > 1)
     teacher = FakeTeacher()
@@ -241,7 +288,8 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
         out |= {"outcome": [outcome.reason, outcome.step], "steps": follower.steps}
         if scenario in ("tp2", "dp_checkpoint"):
             out["joined"] = engine.joined
-    out |= {"trained": engine.trained, "asked": teacher.asked, "w": engine.w.detach().tolist()}
+    out |= {"trained": engine.trained, "asked": teacher.asked, "requests": teacher.requests}
+    out |= {"batches": engine.batches, "w": engine.w.detach().tolist()}
     return out
 
 
@@ -259,6 +307,23 @@ def main() -> int:
     if args.scenario == "tp2":  # one TP group: DP rank 0 of size 1, TP rank = rank
         spec = GroupSpec(
             args.rank, args.world, 0, 1, "gloo", "cpu", args.timeout_s, 60.0, args.rank, args.world
+        )
+    elif args.scenario == "tp2_nccl":  # tp2's TP group on NCCL, rank r on cuda:r
+        spec = GroupSpec(
+            args.rank,
+            args.world,
+            0,
+            1,
+            "nccl",
+            f"cuda:{args.rank}",
+            args.timeout_s,
+            60.0,
+            args.rank,
+            args.world,
+        )
+    elif args.scenario == "tp2dp2":  # rank = tp_rank + 2·dp_rank (config/parallel.py)
+        spec = GroupSpec(
+            args.rank, args.world, args.rank // 2, 2, "gloo", "cpu", args.timeout_s, 60.0, args.rank % 2, 2
         )
     else:
         spec = GroupSpec(args.rank, args.world, args.rank, args.world, "gloo", "cpu", args.timeout_s, 60.0)
@@ -280,6 +345,19 @@ def main() -> int:
 def reference() -> dict:
     """The DP = 1 run of the same steps, in this process."""
     return asyncio.run(run_rank("steps", 0, 1, SoloGroup()))
+
+
+def shard_batches(dp: int) -> list[list[object]]:
+    """[DP rank][step − 1] → `digest` of that rank's batch at TP 1 (its shard, scored by its own teacher
+    client), built in this process."""
+    step = ShardStep(FakeEngine(False), {"t": FakeTeacher()}, PLAN, LOSS, ROUTE_WEIGHTS, SoloGroup())
+    out: list[list[object]] = [[] for _ in range(dp)]
+    for s in range(1, STEPS + 1):
+        record = step_record(s)
+        for shard in shard_rows(record.response_lengths, dp):
+            scores = asyncio.run(step.score(record, shard))
+            out[shard.rank].append(digest(shard_batch(record, shard, scores)))
+    return out
 
 
 if __name__ == "__main__":

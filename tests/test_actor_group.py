@@ -1,6 +1,7 @@
 """The actor group's step protocol on a real 2-process gloo world (tests/actor_group_prog.py): rendezvous
 through the run directory, the start/step/stop records through rank 0's store, each rank's own shard (its
-rows asked of the teachers by itself, nothing else), the drain receipts gathered at rank 0, the gradient
+rows asked of the teachers by itself, nothing else; at TP 2 by TP rank 0 alone, which broadcasts the scores),
+the drain receipts gathered at rank 0, the gradient
 all-reduce giving the DP = 1 parameters, the ratio statistics summed over the ranks; a follower outlives a
 rank 0 busier than the collective timeout; a dead rank ends its peer's wait at once with PeerLostError."""
 
@@ -30,15 +31,20 @@ def free_port() -> int:
 
 
 def run_world(
-    tmp_path: Path, scenario: str, timeout_s: float = 20.0, busy_s: float = 0.0, kill_after_s: float = 0.0
+    tmp_path: Path,
+    scenario: str,
+    timeout_s: float = 20.0,
+    busy_s: float = 0.0,
+    kill_after_s: float = 0.0,
+    world: int = 2,
 ) -> list[dict]:
-    """Both ranks as subprocesses; with kill_after_s, SIGKILL what is left that long after rank 0 or rank 1
+    """Every rank as a subprocess; with kill_after_s, SIGKILL what is left that long after rank 0 or rank 1
     wrote its result (a hung or frozen peer)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     env.pop("GLOO_SOCKET_IFNAME", None)
     procs = []
-    for rank in (1, 0):  # the follower first: it waits for the rendezvous record
+    for rank in reversed(range(world)):  # the followers first: they wait for the rendezvous record
         argv = [
             sys.executable,
             str(HERE / "actor_group_prog.py"),
@@ -46,7 +52,7 @@ def run_world(
             "--rank",
             str(rank),
             "--world",
-            "2",
+            str(world),
         ]
         argv += ["--run-dir", str(tmp_path), "--port", str(port), "--timeout-s", str(timeout_s)]
         argv += ["--busy-s", str(busy_s)]
@@ -60,7 +66,7 @@ def run_world(
     for proc in procs:
         proc.wait(timeout=120)
     out = []
-    for rank in (0, 1):
+    for rank in range(world):
         path = tmp_path / f"rank{rank}.json"
         out.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "missing": True})
     return out
@@ -139,17 +145,62 @@ def test_a_frozen_rank0_ends_the_followers_wait_after_the_timeout(tmp_path):
 
 
 def test_a_tp_group_joins_rank0s_weight_gathers_and_counts_once(tmp_path):
-    """TP 2 × DP 1: both ranks train every row (the DP = 1 parameters on both); after each step rank 0's
-    `weights` record makes the follower join its gather, which gives the whole parameter; a sum over the
-    data-parallel ranks counts the TP group once."""
+    """TP 2 × DP 1: both ranks train every row (the DP = 1 parameters on both); only TP rank 0 asks the
+    teacher, once a step, and broadcasts the scores: both ranks train on batches equal bit for bit to the
+    TP 1 run's; after each step rank 0's `weights` record makes the follower join its gather, which gives
+    the whole parameter; a sum over the data-parallel ranks counts the TP group once."""
     r0, r1 = run_world(tmp_path, "tp2")
     assert "error" not in r0 and "error" not in r1, (r0, r1, (tmp_path / "rank0.log").read_text()[-3000:])
     ref = prog.reference()
     assert r1["outcome"] == ["finished", 3] and r1["steps"] == [1, 2, 3] and r1["joined"] == 3
+    # one request per replica per step, from TP rank 0, holding the step's rows; none from TP rank 1
+    assert r0["requests"] == [5, 5, 5] and r1["requests"] == [] and r1["asked"] == []
+    assert r0["asked"] == [list(r) for s in range(1, 4) for r in prog.step_record(s).rows]
+    # TP rank 1's batches (its scores broadcast from TP rank 0) = TP rank 0's = the TP 1 run's, bit for bit
+    assert len(ref["batches"]) == 3 and r0["batches"] == ref["batches"] and r1["batches"] == ref["batches"]
     assert r0["w"] == pytest.approx(ref["w"], rel=1e-12, abs=1e-14) and r1["w"] == r0["w"]
     assert r0["gathered"][-1] == r0["w"]  # the two halves, gathered: the whole parameter
     assert len(r0["gathered"]) == 3
     assert r0["dp_sum"] == r1["dp_sum"] == [1.0]
+
+
+@pytest.mark.gpu
+def test_tp2_on_nccl_broadcasts_the_scores_through_the_gpus(tmp_path):
+    """TP 2 × DP 1 on two GPUs (NCCL world and TP group; gloo control group): TP rank 0 alone asks the
+    teacher, and TP rank 1's batches, received through the devices, equal the TP 1 run's bit for bit."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices (NCCL refuses two ranks on one GPU)")
+    r0, r1 = run_world(tmp_path, "tp2_nccl", timeout_s=120.0)
+    assert "error" not in r0 and "error" not in r1, (r0, r1, (tmp_path / "rank0.log").read_text()[-3000:])
+    ref = prog.reference()
+    assert r1["outcome"] == ["finished", 3] and r1["steps"] == [1, 2, 3]
+    assert r0["requests"] == [5, 5, 5] and r1["requests"] == []
+    assert r0["batches"] == ref["batches"] and r1["batches"] == ref["batches"]
+    assert r0["w"] == pytest.approx(ref["w"], rel=1e-12, abs=1e-14) and r1["w"] == r0["w"]
+
+
+def test_tp2_dp2_each_replica_asks_the_teacher_once_a_step_and_shares_it(tmp_path):
+    """TP 2 × DP 2 (world 4): each replica's TP rank 0 (ranks 0 and 2) asks the teacher once a step for its
+    shard's rows and broadcasts the scores over its TP group; every rank trains on the batch of its shard
+    at TP 1, bit for bit, and the DP = 1 parameters come out on all four."""
+    results = run_world(tmp_path, "tp2dp2", world=4)
+    logs = (tmp_path / "rank0.log").read_text()[-3000:]
+    assert all("error" not in r and "missing" not in r for r in results), (results, logs)
+    expected = prog.shard_batches(2)
+    for rank, result in enumerate(results):
+        tp_rank, dp_rank = rank % 2, rank // 2
+        if rank:
+            assert result["outcome"] == ["finished", 3] and result["steps"] == [1, 2, 3]
+        shards = [shard_rows(prog.step_record(s).response_lengths, 2)[dp_rank] for s in range(1, 4)]
+        assert result["requests"] == ([s.rows for s in shards] if tp_rank == 0 else []), rank
+        assert result["batches"] == expected[dp_rank], rank
+    ref = prog.reference()
+    assert results[0]["w"] == pytest.approx(ref["w"], rel=1e-12, abs=1e-14)
+    assert all(r["w"] == results[0]["w"] for r in results)
+    # rank 0 gathered a receipt from each of the 4 ranks: the rows of its replica's shard
+    assert [len(got) for got in results[0]["receipts"]] == [4, 4, 4]
 
 
 def test_followers_join_a_collective_state_dict_at_a_checkpoint(tmp_path):

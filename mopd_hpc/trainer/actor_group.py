@@ -25,6 +25,11 @@ Collectives (`gather_receipts`, `all_reduce_sum`, `barrier`) run on the control 
 collective timeout, or at once when a peer's connection closes; either raises `PeerLostError` with gloo's
 message (`logs/causes.py` reads it as a consequence: the summarizer names the rank that failed first).
 
+TP groups (tp_size > 1): the ranks of one tensor-parallel group, consecutive (rank = tp_rank + tp·(dp_rank +
+dp·pp_rank), config/parallel.py), hold the same rows; `tp_broadcast` sends TP rank 0's tensors to the others
+of its group over the group's own process group (the world's backend: gloo on CPU, NCCL on GPU), which
+`join` creates on every rank, one per TP group, in rank order. At TP 1 no such group exists.
+
 `SoloGroup` is the one-rank group (world size 1): no torch.distributed at all, the same interface.
 """
 
@@ -127,6 +132,21 @@ class GroupSpec:
             )
 
 
+def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
+    """The world ranks of each TP group (consecutive blocks of tp_size, config/parallel.py); [] at TP 1.
+
+    Raises:
+        ActorGroupError: tp_size < 1 or not dividing the world.
+    """
+    if tp_size < 1 or world_size % tp_size:
+        raise ActorGroupError(
+            f"tp_size={tp_size} in a world of {world_size}: expected a divisor of the world"
+        )
+    if tp_size == 1:
+        return []
+    return [list(range(k, k + tp_size)) for k in range(0, world_size, tp_size)]
+
+
 #: (rank, step, rows scored) of each rank, at rank 0.
 Receipts = list[tuple[int, int, int]]
 
@@ -139,6 +159,7 @@ class Group(Protocol):
     dp_rank: int
     dp_size: int
     tp_rank: int
+    tp_size: int
 
     async def publish(self, record: ControlRecord) -> None: ...
 
@@ -149,6 +170,8 @@ class Group(Protocol):
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]: ...
 
     def barrier(self, what: str) -> None: ...
+
+    def tp_broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]: ...
 
     def forget_read_records(self) -> None: ...
 
@@ -163,6 +186,7 @@ class SoloGroup:
     dp_rank = 0
     dp_size = 1
     tp_rank = 0
+    tp_size = 1
 
     async def publish(self, record: ControlRecord) -> None:
         del record
@@ -179,6 +203,10 @@ class SoloGroup:
     def barrier(self, what: str) -> None:
         del what
 
+    def tp_broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        del what
+        return list(tensors)
+
     def forget_read_records(self) -> None:
         pass
 
@@ -189,11 +217,15 @@ class SoloGroup:
 class ActorGroup:
     """One rank's membership of the actor world. Build with `ActorGroup.join`."""
 
-    def __init__(self, spec: GroupSpec, store: Any, control: Any, run_dir: Path) -> None:
+    def __init__(
+        self, spec: GroupSpec, store: Any, control: Any, run_dir: Path, tp_group: Any = None
+    ) -> None:
         self.spec, self.store, self.control, self.run_dir = spec, store, control, run_dir
         self.rank, self.world_size = spec.rank, spec.world_size
         self.dp_rank, self.dp_size = spec.dp_rank, spec.dp_size
-        self.tp_rank = spec.tp_rank
+        self.tp_rank, self.tp_size = spec.tp_rank, spec.tp_size
+        #: This rank's TP group's process group (None at TP 1), and the world rank of its TP rank 0.
+        self.tp_group, self.tp_source = tp_group, spec.rank - spec.tp_rank
         self._seq = 0
         self._acknowledged = 0  # keys below this sequence number every rank has been through
         self._stop = threading.Event()
@@ -243,13 +275,18 @@ class ActorGroup:
         control = (
             dist.new_group(backend="gloo", timeout=timeout) if spec.backend == "nccl" else dist.group.WORLD
         )
-        group = cls(spec, store, control, run_dir)
+        tp_group = None
+        for ranks in tp_groups(spec.world_size, spec.tp_size):  # every rank creates every TP group, in order
+            made = dist.new_group(ranks, backend=spec.backend, timeout=timeout)
+            if spec.rank in ranks:
+                tp_group = made
+        group = cls(spec, store, control, run_dir, tp_group)
         if spec.rank == 0:
             group._start_heartbeat(record)
         log.info(
-            "actor group: rank %d/%d (dp %d/%d, %s on %s), store %s:%d",
-            spec.rank, spec.world_size, spec.dp_rank, spec.dp_size, spec.backend, spec.device,
-            record.host, record.port,
+            "actor group: rank %d/%d (dp %d/%d, tp %d/%d, %s on %s), store %s:%d",
+            spec.rank, spec.world_size, spec.dp_rank, spec.dp_size, spec.tp_rank, spec.tp_size, spec.backend,
+            spec.device, record.host, record.port,
         )  # fmt: skip
         return group
 
@@ -357,6 +394,38 @@ class ActorGroup:
         except RuntimeError as exc:
             raise PeerLostError(f"actor rank {self.rank}: {what} failed: {exc}") from exc
         self.forget_read_records()
+        return out
+
+    def tp_broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """TP rank 0's `tensors` on every rank of its TP group (CPU tensors in, CPU tensors out).
+
+        At TP rank 0 each tensor is sent and returned as given; at the other TP ranks each is a buffer of the
+        sender's shape and dtype (its values unused) and the received tensors are returned, new CPU tensors
+        equal bit for bit to the sender's. On NCCL the tensors travel through this rank's device. A no-op at
+        TP 1. Every rank of the TP group calls it with the same shapes and dtypes, in the same order. Unlike
+        the control collectives it does not forget the read control records: the other TP groups' ranks
+        take no part in it.
+
+        Raises:
+            PeerLostError: a rank of the TP group failed or stayed away for the collective timeout (`what`
+                names the broadcast in the message).
+        """
+        if self.tp_size == 1:
+            return list(tensors)
+        device = torch.device(self.spec.device)
+        out = []
+        try:
+            for tensor in tensors:
+                if tensor.numel() == 0:  # nothing to send: the shape (agreed) is the whole message
+                    out.append(tensor)
+                    continue
+                buffer = tensor.contiguous().to(device)
+                dist.broadcast(buffer, src=self.tp_source, group=self.tp_group)
+                out.append(tensor if self.tp_rank == 0 else buffer.cpu())
+        except RuntimeError as exc:
+            raise PeerLostError(
+                f"actor rank {self.rank}: the TP broadcast of {what} from rank {self.tp_source} failed: {exc}"
+            ) from exc
         return out
 
     def gather_receipts(self, step: int, rows: int) -> Receipts | None:

@@ -5,7 +5,8 @@
                    its TP group; not its own files, which rank 0 verified and reads), restore its RNG;
                    barrier
     step record    `ShardStep.run` on this rank's shard: its own rows' teacher scores straight from the
-                   teacher servers, the drain gather, `train_step` (the gradient all-reduce)
+                   teacher servers (at TP > 1 TP rank 0's, broadcast over its TP group: only TP rank 0
+                   asks), the drain gather, `train_step` (the gradient all-reduce)
     weights record a TP rank of data-parallel rank 0's TP group joins rank 0's gather of the HF weights
                    (weight sync, evaluation, export: `engine.join_weight_gather`); other ranks ignore it
     checkpoint     a TP engine's rank writes its shards of the step (trainer/sharded_checkpoint.py); an engine

@@ -3,9 +3,11 @@
 Given the step record rank 0 sent (`trainer/step_record.py`) and this rank's shard (`trainer/shards.py`):
 
     TEACHER  this rank's rows go to the teacher servers straight from this rank (`score_teachers` on the
-             shard): no rank receives, or re-sends, another rank's top-k targets; with a KL penalty the
-             rank's own reference model (`engines/reference.py`) scores the same rows, then gives its
-             device memory back
+             shard): no rank receives, or re-sends, another DP rank's top-k targets. At TP > 1 only TP rank 0
+             of the replica asks the teachers and broadcasts the scores to the other ranks of its TP group,
+             which train on the same rows (`trainer/tp_share.py`): one request per replica, not per rank.
+             With a KL penalty the rank's own reference model (`engines/reference.py`) scores the same rows,
+             then gives its device memory back
     DRAIN    the answers now live in this rank's tensors only (its reference offloaded); its receipt (step,
              rows scored) is gathered at rank 0, which may then release the teachers (the controller's
              `on_drained`); a barrier keeps every rank from training before that release (on GPU the
@@ -40,6 +42,7 @@ from mopd_hpc.trainer.shards import Shard, shard_rows
 from mopd_hpc.trainer.step import RATIO_KEYS, ratio_means, ratio_sums, shard_batch
 from mopd_hpc.trainer.step_record import ControlRecord
 from mopd_hpc.trainer.teacher_phase import TeacherScores, score_teachers
+from mopd_hpc.trainer.tp_share import share_scores
 
 log = logging.getLogger("mopd_hpc.trainer")
 #: Metric: (row, position, teacher) entries of the step a teacher refused (−inf log-prob; mopd/targets.py).
@@ -122,7 +125,9 @@ class ShardStep:
         if self.plan.scores_before_train:
             t0 = time.perf_counter()
             if self.plan.requires_teacher_scoring:
-                scores = await self.score(record, shard)
+                scores = await self.score(record, shard) if self.group.tp_rank == 0 else None
+                if self.group.tp_size > 1:
+                    scores = share_scores(scores, list(self.teachers), self.group, record.step)
             if self.reference is not None:
                 ref_logprobs = self.reference.logprobs(record.tokens(shard.start, shard.stop))
                 timings["reference"] = self.reference.last_seconds
