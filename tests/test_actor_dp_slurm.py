@@ -82,7 +82,9 @@ def test_dp2_on_two_trainer_nodes_completes_with_its_evaluation(
         assert spawns["actor", 0] != spawns["actor", 1]
         assert spawns["teacher", 0] == spawns["teacher", 1] == spawns["actor", 0]
         rank1_err = (run_dir / "logs" / spawns["actor", 1] / "actor-1.g1.err").read_text()
-        joined = re.search(r"actor group: rank 1/2 \(dp 1/2, tp 0/1, gloo on cpu\), store ([\w.-]+):\d+", rank1_err)
+        joined = re.search(
+            r"actor group: rank 1/2 \(dp 1/2, tp 0/1, gloo on cpu\), store ([\w.-]+):\d+", rank1_err
+        )
         assert joined, rank1_err[-2000:]
         assert joined[1] not in ("127.0.0.1", "localhost")  # rank 0's node address, not loopback
         assert "finished at step 3" in rank1_err

@@ -177,6 +177,7 @@ def test_submission_from_inside_an_allocation_passes_no_inherited_variable(
     job_id = submit(
         slurm_cluster, run_dir, prefix=prefix, SLURM_TEST_INHERITED="outer", SBATCH_TEST_INHERITED="outer",
         PMIX_TEST_INHERITED="outer", SLURM_CPU_BIND="verbose,map_cpu:1", MOPD_PROBE_ENV_KEYS=keys,
+        MOPD_PROBE_HOLD_S="300",  # else a rollout probe that ends first tears the job down before n1's write
     )  # fmt: skip
     try:
         outer = dict(line.split("=", 1) for line in marker.read_text().splitlines() if "=" in line)
