@@ -68,6 +68,15 @@ from mopd_hpc.atomic import atomic_write_json  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the rollout server child, SIGKILL it after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _bw_rank(rank: int, port: int, nbytes: int, repeats: int, out: mp.Queue) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -186,13 +195,10 @@ async def measure(size: str, http_port: int, group_port: int, repeats: int, bw: 
                 "sync_floor_ratio": round(sync_s / floor_s, 3), "effective_gbps": round(nbytes / sync_s / 1e9, 1),
                 "weight_version": info.get("weight_version"), "times_s": [round(t, 4) for t in times]}  # fmt: skip
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop_server(proc)
         del model
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 async def measure_ipc(size: str, http_port: int, repeats: int, cbw: float, tmp: Path, device: str) -> dict:
@@ -246,11 +252,7 @@ async def measure_ipc(size: str, http_port: int, repeats: int, cbw: float, tmp: 
                 "spans_s": _median_spans(spans), "times_s": [round(t, 4) for t in times],
                 "weight_version": info.get("weight_version")}  # fmt: skip
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop_server(proc)
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_ranks import run_ranks
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mopd_hpc.engines.megatron.convert import ConversionError, Qwen3Shape, hf_to_mcore, shard_tp
@@ -167,21 +166,9 @@ def test_a_real_megatron_gpt_model_at_tp2_holds_the_planned_shards(tie: bool, tm
     fields = {f: getattr(shape, f) for f in shape.__slots__}
     args = json.dumps({"shape": fields, "hf": str(tmp_path / "hf.safetensors"), "out": str(tmp_path)})
     port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _GPT_TP_SCRIPT, str(r), str(port), args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )  # fmt: skip
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    outs = run_ranks(_GPT_TP_SCRIPT, lambda r: (str(r), str(port), args))
     plan = ShardPlan.create(shape, 2)
-    for r, (out, _) in enumerate(outs):
+    for r, out in enumerate(outs):
         report = json.loads(out.strip().splitlines()[-1])
         assert report["tp"] == 2
         expected = {k: list(v.shape) for k, v in plan.mcore_shard(plan.pieces(hf, r)).items()}

@@ -14,14 +14,13 @@ within 1e-6, ids identical), and two gloo ranks holding vocabulary shards give t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_ranks import run_ranks
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl, topk_reverse_kl_loss
@@ -200,26 +199,9 @@ def test_two_gloo_ranks_equal_the_full_vocabulary(tmp_path: Path) -> None:
     logits, mask, teachers, weights, sampled = problem()
     want_loss, _, _, want_grad = reference(logits, mask, teachers, weights, sampled)
     store = tmp_path / "store"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _GLOO,
-                str(r),
-                str(store),
-                str(tmp_path / f"r{r}.pt"),
-                str(REPO / "tests"),
-            ],
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for r in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
+    run_ranks(
+        _GLOO, lambda r: (str(r), str(store), str(tmp_path / f"r{r}.pt"), str(REPO / "tests")), timeout_s=120
+    )
     out = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
     for o in out:
         assert abs(o["loss"] - want_loss) <= TOL
@@ -349,26 +331,11 @@ def test_two_gloo_ranks_score_like_one_process(tmp_path: Path) -> None:
     through `vocab_parallel_score` with the process-group collectives the engine uses: both ranks give the
     one-process full-vocabulary answer (float32, 1e-6; every id identical: random float32 logits, no ties)."""
     store = tmp_path / "store"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _GLOO_SCORE,
-                str(r),
-                str(store),
-                str(tmp_path / f"s{r}.pt"),
-                str(REPO / "tests"),
-            ],
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for r in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
+    run_ranks(
+        _GLOO_SCORE,
+        lambda r: (str(r), str(store), str(tmp_path / f"s{r}.pt"), str(REPO / "tests")),
+        timeout_s=120,
+    )
     logits, tokens = teacher_problem()
     want = former_engine_score(logits, tokens, SCORE_K)
     for r in range(2):

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from helpers_auth import TOKEN
+from helpers_ranks import run_ranks
 from test_rollout_server import free_port, start_server, stop_server
 
 from mopd_hpc.engines.megatron.convert import ConversionError, Qwen3Shape
@@ -123,20 +122,8 @@ def run_tp2_trainer(model: Path, url: str, out: Path, load_format: str | None) -
         "model": str(model), "url": url, "token": TOKEN, "tp_port": free_port(), "sync_port": free_port(),
         "out": str(out), "load_format": load_format,
     }  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TRAINER, str(r), json.dumps(args)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )  # fmt: skip
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    outs = run_ranks(_TRAINER, lambda r: (str(r), json.dumps(args)))
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
 @pytest.mark.parametrize("load_format", ["flattened_bucket", None])
