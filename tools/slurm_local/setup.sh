@@ -182,7 +182,11 @@ start_slurmdbd() {
 
 start_slurmctld() {
   rm -f "$SL_RUN/slurmctld.pid"
-  slurmctld </dev/null >>"$SL_LOGDIR/slurmctld.out" 2>&1 9>&- || die "slurmctld did not start" "$SL_LOGDIR/slurmctld.log"
+  # -c: start with no jobs. setup.sh starts slurmctld only when the cluster was down or reconfigured; jobs
+  # recovered from the state of its last life (a test session killed mid-run, a CI machine reused) would
+  # hold the nodes (a probe job holds them for minutes) and the test srun below would wait for them. The
+  # slurmds kill the steps the new controller does not know.
+  slurmctld -c </dev/null >>"$SL_LOGDIR/slurmctld.out" 2>&1 9>&- || die "slurmctld did not start" "$SL_LOGDIR/slurmctld.log"
   record_pidfile slurmctld "$SL_RUN/slurmctld.pid" slurmctld "$SL_LOGDIR/slurmctld.log"
   wait_for "$SL_TIMEOUT_S" "slurmctld" "$SL_LOGDIR/slurmctld.log" slurmctld sh -c 'scontrol ping | grep UP'
 }
