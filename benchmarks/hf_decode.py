@@ -10,6 +10,11 @@ dtype). Each run is ROWS×NEW: ROWS rows of random prompts of --prompt-len token
 seeds, ignore_eos (every row decodes NEW tokens). Each decoder first decodes the same batch for 8 steps (then
 aborted: a warm-up of the same shapes, so a compiled forward is captured before the timing).
 
+`--profile STEPS` also runs each decoder under torch.profiler for STEPS decoding steps of the last run's batch
+(after its timing) and records, per decoder, the wall time, the time the device was busy in kernels (CUDA;
+`busy_fraction` = kernel time / wall time: far below 1 means the step waits on the host, launches or syncs)
+and the top ops by self time on the device (CUDA) or on the host (CPU): where a decode step's time goes.
+
 The decode floor is the time to read, once per step, the weights and the KV cache of the real tokens from
 device memory:
     floor = Σ_t (weight bytes + ROWS·(P + t)·kv bytes per token) / bandwidth,   t = 0 .. NEW−1
@@ -107,6 +112,35 @@ def time_decoder(engine, rows: int, prompt_len: int, new: int) -> tuple[float, i
     return seconds, tokens, warm
 
 
+def profile_decoder(engine, rows: int, prompt_len: int, new: int, steps: int, top: int = 12) -> dict:
+    """One decode of `steps` steps (then aborted) under torch.profiler: {"steps", "wall_s", "kernel_s",
+    "busy_fraction", "top": [{"op", "calls", "self_s"}, ...]} — self time on the device where there is one
+    (kernel_s: the sum of every op's self device time), else on the host (kernel_s None)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = requests(rows, prompt_len, new, engine.vocab_size)
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    engine.generate(batch, OpenGate(steps=steps))  # the same shapes once outside the profiler
+    sync(engine.device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        engine.generate(batch, OpenGate(steps=steps))
+        sync(engine.device)
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    self_us = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    ranked = sorted((e for e in averages if self_us(e) > 0), key=self_us, reverse=True)
+    kernel = sum(e.self_device_time_total for e in averages) / 1e6 if cuda else None
+    return {
+        "steps": steps,
+        "wall_s": round(wall, 4),
+        "kernel_s": None if kernel is None else round(kernel, 4),
+        "busy_fraction": None if kernel is None else round(kernel / wall, 3),
+        "top": [{"op": e.key, "calls": e.count, "self_s": round(self_us(e) / 1e6, 5)} for e in ranked[:top]],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="0.6b", choices=sorted(SHAPES))
@@ -122,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the loop decoder on runs of more ROWS×NEW tokens (it is the slow one)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--profile", type=int, default=0, help="profile STEPS decode steps per decoder (0: off)")
     p.add_argument("--out", type=Path, default=RESULTS / "hf_decode.json")
     args = p.parse_args(argv)  # fmt: skip
     from mopd_hpc.engines.rollout.hf_engine import DTYPES, HFRolloutEngine
@@ -167,6 +202,19 @@ def main(argv: list[str] | None = None) -> int:
                 table.append(entry)
                 print(f"{d:>9} {rows:>5}x{new:<5} {seconds:9.3f} s {tokens / seconds:12.1f} tok/s "
                       f"floor {floor:8.4f} s  x{seconds / floor:8.1f}  (warm-up {warm:.1f} s)", flush=True)  # fmt: skip
+        profiles = {}
+        if args.profile and runs:
+            rows, new = runs[-1]
+            for d, engine in engines.items():
+                profiles[d] = {
+                    "rows": rows,
+                    **profile_decoder(engine, rows, args.prompt_len, new, args.profile),
+                }
+                prof = profiles[d]
+                busy = "" if prof["busy_fraction"] is None else f", device busy {prof['busy_fraction']:.0%}"
+                print(f"profile {d} {rows}x{args.profile} steps: {prof['wall_s']:.3f} s{busy}")
+                for op in prof["top"]:
+                    print(f"    {op['self_s']:9.4f} s {op['calls']:>7}  {op['op'][:90]}")
     result = {
         "benchmark": "hf_decode",
         "device": str(device),
@@ -176,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": dtype_name,
         "bandwidth_GBps": round(bw / 1e9, 1),
         "runs": table,
+        "profiles": profiles,
     }
     return write_results(args.out, result)
 
