@@ -43,9 +43,10 @@ def build_micro_models(out: Path, threads: int = 1) -> int:
 
 
 def save_micro_qwen3(
-    path: Path, seed: int, *, vocab_size: int = 32, initializer_range: float | None = None
+    path: Path, seed: int, *, vocab_size: int = 32, initializer_range: float | None = None, tied: bool = True
 ) -> Path:
-    """A 1-layer Qwen3ForCausalLM (hidden 32, 2 heads, GQA 2:1, tied embeddings) saved as an HF checkpoint.
+    """A 1-layer Qwen3ForCausalLM (hidden 32, 2 heads, GQA 2:1, tied embeddings unless `tied` is False) saved
+    as an HF checkpoint.
 
     Seeded: the same `seed` gives the same weights. No tokenizer (tests talk in token ids). Built in
     well under a second; `initializer_range` None keeps transformers' default (0.02), 0.2 makes the
@@ -64,7 +65,7 @@ def save_micro_qwen3(
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         **extra,
     )
     Qwen3ForCausalLM(cfg).save_pretrained(str(path))
