@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers_models import write_stub_checkpoint
+from helpers_models import QWEN3_0_6B, QWEN3_1_7B, write_stub_checkpoint
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.engines import memory_plan as mp
@@ -25,10 +25,6 @@ from mopd_hpc.launch.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"
-QWEN3_0_6B = {
-    "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
-}  # fmt: skip
 OOM = ["data.batch_size=64", "rollout.sampling.max_new_tokens=256"]
 GIB = 2**30
 
@@ -330,7 +326,6 @@ def test_ipc_buffer_bytes_is_what_the_sync_allocates(tmp_path: Path, engine: str
 # --- the 8-GPU colocated config (configs/qwen3_8gpu_colocated.yaml) -----------------------------------------
 
 GPU8 = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
-QWEN3_1_7B = {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144}
 
 
 def test_a_colocated_child_is_planned_on_the_gpu_it_computes_on() -> None:
