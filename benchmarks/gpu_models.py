@@ -39,21 +39,31 @@ MODELS = (("student", 0), ("teacher", 1))
 
 
 def make_checkpoint(
-    shape: dict, directory: Path, seed: int, tokenizer: bool = False, dtype: torch.dtype = torch.bfloat16
-) -> None:
+    shape: dict,
+    directory: Path,
+    seed: int,
+    tokenizer: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | None = None,
+) -> torch.nn.Module:
     """A random-initialized Qwen3 checkpoint (safetensors in `dtype` + config.json [+ the char tokenizer]);
-    initialized in float32 under `torch.manual_seed(seed)` (on the GPU when there is one), then cast."""
+    initialized in float32 under `torch.manual_seed(seed)` on `device` (None: the GPU when there is one, else
+    the CPU), then cast. Returns the model, in `dtype` on that device (a caller that only needs the files
+    drops it)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
     cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(dtype)
     model.save_pretrained(str(directory))
     if tokenizer:
         from mopd_hpc.data.tokenizer import build_char_tokenizer
 
         build_char_tokenizer().save_pretrained(str(directory))
+    return model
 
 
 def make_models(directory: Path, size: str) -> Path:

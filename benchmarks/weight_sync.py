@@ -5,9 +5,9 @@ broadcast bandwidth measured in the same run.
     python benchmarks/weight_sync.py               # 2 GPUs; writes benchmarks/results/weight_sync.json
     python benchmarks/weight_sync.py --methods awex --sizes 0.6b
 
-Setup per size (Qwen3 shapes ~0.6B and ~1.7B, bf16, random weights): the actor holds the model on GPU 0;
-an HF rollout server (`python -m mopd_hpc.engines.rollout.hf_server`, CUDA_VISIBLE_DEVICES=1) serves the
-same architecture on GPU 1. One sync = POST /update_weights_from_distributed while rank 0 broadcasts every
+Setup per size (Qwen3 shapes ~0.6B and ~1.7B, bf16, random weights: `gpu_models.make_checkpoint`, seed 0):
+the actor holds the model on GPU 0; an HF rollout server (`python -m mopd_hpc.engines.rollout.hf_server`,
+CUDA_VISIBLE_DEVICES=1) serves the same architecture on GPU 1. One sync = POST /update_weights_from_distributed while rank 0 broadcasts every
 tensor (flattened per dtype) and the server loads them into its model.
 
 AWEX (method "awex"): a writer process (GPU 0: `MegatronTrainEngine` built from the checkpoint,
@@ -61,7 +61,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpu_models import SHAPES  # noqa: E402  (Qwen3-0.6B / 1.7B shapes)
+from gpu_models import SHAPES, make_checkpoint  # noqa: E402  (Qwen3-0.6B / 1.7B shapes, random checkpoints)
 
 from mopd_hpc.atomic import atomic_write_json  # noqa: E402
 
@@ -134,16 +134,6 @@ def _median_spans(spans: list[dict]) -> dict[str, float]:
     return {k: round(statistics.median([s[k] for s in spans if k in s]), 4) for k in names}
 
 
-def write_checkpoint(shape: dict, directory: Path, device: str = "cuda:0") -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**shape, max_position_embeddings=4096, torch_dtype="bfloat16")
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(str(directory))
-    return model
-
-
 async def _wait_ready(ready: Path, proc: subprocess.Popen, timeout_s: float = 300) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -161,7 +151,7 @@ async def measure(size: str, http_port: int, group_port: int, repeats: int, bw: 
     from mopd_hpc.runtime.http_auth import standalone_token
 
     ckpt = tmp / size
-    model = write_checkpoint(SHAPES[size], ckpt)
+    model = make_checkpoint(SHAPES[size], ckpt, seed=0, device="cuda:0")
     ready = tmp / f"{size}.ready.json"
     token, token_file = standalone_token(tmp / "token", None)  # the server requires it on every route
     env = {
@@ -211,7 +201,7 @@ async def measure_ipc(size: str, http_port: int, repeats: int, cbw: float, tmp: 
     from mopd_hpc.trainer.weight_sync import IpcSync
 
     ckpt = tmp / f"ipc_{size}"
-    model = write_checkpoint(SHAPES[size], ckpt, "cuda:0" if device == "cuda" else "cpu")
+    model = make_checkpoint(SHAPES[size], ckpt, seed=0, device="cuda:0" if device == "cuda" else "cpu")
     named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]  # tied: one copy
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
 
@@ -322,7 +312,7 @@ def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path, mode:
     floor's bandwidth (NCCL broadcast for separate, device copy for colocate)."""
     run_dir = tmp / f"awex_{mode}_{size}"
     run_dir.mkdir()
-    model = write_checkpoint(SHAPES[size], run_dir / "ckpt")
+    model = make_checkpoint(SHAPES[size], run_dir / "ckpt", seed=0, device="cuda:0")
     named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     embed = model.state_dict()["model.embed_tokens.weight"]

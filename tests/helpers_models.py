@@ -13,6 +13,14 @@ from types import ModuleType
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILDER_PATH = REPO_ROOT / "tools" / "build_tiny_models.py"
 MODEL_NAMES = ("teacher_chain_sum", "teacher_leg_counting", "student")
+#: The shape fields of the released Qwen3-0.6B's config.json (as `benchmarks/gpu_models.py` SHAPES["0.6b"]):
+#: what the memory-plan and floor tests read for a production model. Copy before changing (`{**QWEN3_0_6B, …}`).
+QWEN3_0_6B = {
+    "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+}  # fmt: skip
+#: Qwen3-1.7B: the 0.6B's fields but hidden 2048, MLP 6144.
+QWEN3_1_7B = {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144}
 
 
 def load_builder() -> ModuleType:
@@ -43,9 +51,10 @@ def build_micro_models(out: Path, threads: int = 1) -> int:
 
 
 def save_micro_qwen3(
-    path: Path, seed: int, *, vocab_size: int = 32, initializer_range: float | None = None
+    path: Path, seed: int, *, vocab_size: int = 32, initializer_range: float | None = None, tied: bool = True
 ) -> Path:
-    """A 1-layer Qwen3ForCausalLM (hidden 32, 2 heads, GQA 2:1, tied embeddings) saved as an HF checkpoint.
+    """A 1-layer Qwen3ForCausalLM (hidden 32, 2 heads, GQA 2:1, tied embeddings unless `tied` is False) saved
+    as an HF checkpoint.
 
     Seeded: the same `seed` gives the same weights. No tokenizer (tests talk in token ids). Built in
     well under a second; `initializer_range` None keeps transformers' default (0.02), 0.2 makes the
@@ -64,7 +73,7 @@ def save_micro_qwen3(
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         **extra,
     )
     Qwen3ForCausalLM(cfg).save_pretrained(str(path))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_models import QWEN3_0_6B, QWEN3_1_7B
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -16,9 +17,6 @@ sys.path.insert(0, str(BENCH))
 import gpu_step_roles  # noqa: E402
 from step_floors import Device, ModelShape, StepTokens, decode_floor_s, floor_ratios, phase_floors  # noqa: E402
 
-QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
-QWEN3_1_7B = dict(QWEN3_0_6B, hidden_size=2048, intermediate_size=6144)
 #: layers 1, hidden 4, MLP 8, 2 heads / 1 KV head of dim 2, vocab 10: 200 parameters (tied), by hand:
 #: q 4·4 + k 4·2 + v 4·2 + o 4·4 = 48, q/k norms 2 + 2, MLP 3·4·8 = 96, two norms 8 → 156; embedding 40; norm 4.
 TINY = dict(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

@@ -11,17 +11,14 @@ loss and statistics within 1e-6 relative).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from helpers_models import save_micro_qwen3
+from helpers_ranks import run_ranks
 from test_megatron_shard_plan import _free_port
-
-REPO = Path(__file__).resolve().parents[1]
 
 _RANK = textwrap.dedent(
     """
@@ -90,19 +87,7 @@ _RANK = textwrap.dedent(
 
 def _ranks(world: int, student: Path, out: Path) -> None:
     port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK, str(r), str(world), str(port), str(student), str(out)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )  # fmt: skip
-        for r in range(world)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+    run_ranks(_RANK, lambda r: (str(r), str(world), str(port), str(student), str(out)), world)
 
 
 def test_dp2_train_step_computes_the_dp1_update(tmp_path: Path) -> None:

@@ -8,13 +8,15 @@ shapes, one GPU) at 16 × 4 × 64 and at the 64 × 4 × 256 that ran out of memo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from helpers_models import write_stub_checkpoint
+from helpers_models import QWEN3_0_6B, QWEN3_1_7B, write_stub_checkpoint
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.engines import memory_plan as mp
@@ -23,10 +25,6 @@ from mopd_hpc.launch.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"
-QWEN3_0_6B = {
-    "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
-}  # fmt: skip
 OOM = ["data.batch_size=64", "rollout.sampling.max_new_tokens=256"]
 GIB = 2**30
 
@@ -237,7 +235,7 @@ def test_the_ipc_buffer_warns_and_moves_the_teacher_out() -> None:
 
     _, awex = plan_of([*OOM, FIXED])
     (gpu,) = awex
-    buffer = mp.ipc_buffer_bytes(ModelShape.from_hf_config(QWEN3_0_6B), "bfloat16", "megatron")
+    buffer = mp.ipc_buffer_bytes(ModelShape.from_hf_config(QWEN3_0_6B), "bfloat16")
     between = (gpu.peak()[0] + buffer // 2) / GIB
     sets = [*OOM, FIXED, f"cluster.group.gpu_memory_gb={between}"]
     assert mp.memory_warnings(plan_of(sets)[1]) == []
@@ -279,9 +277,10 @@ def test_other_syncs_and_cpu_jobs_hold_no_ipc_buffer() -> None:
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("engine", ["torch", "megatron"])
 def test_ipc_buffer_bytes_is_what_the_sync_allocates(tmp_path: Path, engine: str, tied: bool) -> None:
-    """The oracle: `SharedBuffers.allocate` (what IpcSync allocates on its first push) over the engine's
-    `named_weights()` of a real micro Qwen3 — the torch engine's own; megatron's at TP 1 is
-    `mcore_to_hf(full_mcore_state())`, here of the checkpoint through `hf_to_mcore` with a padded vocabulary."""
+    """The oracle: what `IpcSync` allocates on its first push over the engine's `named_weights()` of a real
+    micro Qwen3 — the torch engine's own; megatron's at TP 1 is `mcore_to_hf(full_mcore_state())`, here of
+    the checkpoint through `hf_to_mcore` with a padded vocabulary — and the bytes of its unique storages
+    (a tied head once, though the torch engine names it twice)."""
     pytest.importorskip("torch")
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -290,7 +289,7 @@ def test_ipc_buffer_bytes_is_what_the_sync_allocates(tmp_path: Path, engine: str
     from mopd_hpc.config.models import OptimizerConfig
     from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore, mcore_to_hf, pad_vocab_size
     from mopd_hpc.engines.torch_engine import TorchTrainEngine
-    from mopd_hpc.engines.weight_sync.ipc import SharedBuffers
+    from mopd_hpc.trainer.weight_sync import IpcSync
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -311,19 +310,22 @@ def test_ipc_buffer_bytes_is_what_the_sync_allocates(tmp_path: Path, engine: str
         shape = Qwen3Shape.from_hf_config(hf_config, pad_vocab_size(40, 1))
         assert shape.padded_vocab_size > 40  # padded rows exist, and are dropped again
         named = list(mcore_to_hf(hf_to_mcore(model.state_dict(), shape), shape).items())
-    specs = [(n, t.dtype, tuple(t.shape)) for n, t in named]
-    buffers = SharedBuffers.allocate(specs, "cpu", shm_dir=str(tmp_path))
+    assert len(named) == 2 + 11 * 2 + (engine == "torch" or not tied)  # lm_head.weight: torch names it tied
+    sync = IpcSync(SimpleNamespace(named_weights=lambda: iter(named)))
+    asyncio.run(sync.push(0, []))
     try:
         assert {t.dtype for _, t in named} == {torch.bfloat16}
-        assert buffers.nbytes == mp.ipc_buffer_bytes(ModelShape.from_hf_config(hf_config), "bfloat16", engine)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, t in named}
+        assert len(storages) == 2 + 11 * 2 + (not tied)
+        expected = mp.ipc_buffer_bytes(ModelShape.from_hf_config(hf_config), "bfloat16")
+        assert sync.buffers.nbytes == sum(storages.values()) == expected
     finally:
-        buffers.close()
+        asyncio.run(sync.close([]))
 
 
 # --- the 8-GPU colocated config (configs/qwen3_8gpu_colocated.yaml) -----------------------------------------
 
 GPU8 = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
-QWEN3_1_7B = {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144}
 
 
 def test_a_colocated_child_is_planned_on_the_gpu_it_computes_on() -> None:

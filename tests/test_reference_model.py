@@ -179,7 +179,8 @@ def test_a_kl_penalty_without_teachers_has_a_teacher_phase_and_needs_its_referen
 
 
 def test_the_memory_plan_holds_the_reference_on_the_actor_gpu_in_the_teacher_phase() -> None:
-    from test_memory_plan import QWEN3_0_6B, holdings, plan_of
+    from helpers_models import QWEN3_0_6B
+    from test_memory_plan import holdings, plan_of
 
     from mopd_hpc.engines.memory_model import ModelShape
 

@@ -10,6 +10,7 @@ import io
 from pathlib import Path
 
 import pytest
+from helpers_models import QWEN3_0_6B
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.engines import memory_plan as mp
@@ -18,10 +19,6 @@ from mopd_hpc.launch.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"
-QWEN3_0_6B = {
-    "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
-}  # fmt: skip
 OOM = ["data.batch_size=64", "rollout.sampling.max_new_tokens=256", "models.actor.micro_batch_tokens=16384"]
 GIB = 2**30
 

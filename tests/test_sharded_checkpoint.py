@@ -7,20 +7,17 @@ load gathers back to the HF tensors bitwise. Oracle: the HF state dict itself.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_ranks import run_ranks
 from test_megatron_shard_plan import _free_port, assert_bitwise, hf_state, micro_qwen3
 
 from mopd_hpc.engines.megatron.convert import ConversionError, Qwen3Shape
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.trainer.sharded_checkpoint import load_shards, save_shards, saved_shapes, shards_dir
-
-REPO = Path(__file__).resolve().parents[1]
 
 _RANK = textwrap.dedent(
     """
@@ -49,19 +46,7 @@ _RANK = textwrap.dedent(
 
 def _ranks(world: int, args: dict) -> None:
     args = dict(args, port=_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK, str(r), str(world), json.dumps(args)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )  # fmt: skip
-        for r in range(world)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    run_ranks(_RANK, lambda r: (str(r), str(world), json.dumps(args)), world)
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -23,6 +23,7 @@ from mopd_hpc.engines.weight_sync.ipc import (
     SharedBuffers,
     TensorSlot,
     plan_layout,
+    tied_aliases,
 )
 from mopd_hpc.engines.weight_sync.torch import WeightSyncError
 from mopd_hpc.trainer.weight_sync import IpcSync
@@ -54,6 +55,20 @@ def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
         assert torch.equal(got[name], t.detach().float().cpu()), name
 
 
+def assert_tied_once(sync: IpcSync, model: torch.nn.Module) -> None:
+    """The buffer holds each storage of the actor's state_dict once (bytes: the sum of the unique storages),
+    and the request still names every weight, a tied head in its embedding's slot."""
+    state = model.state_dict()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}
+    assert sync.buffers.nbytes == sum(storages.values())
+    slots = {s.name: s for s in sync.buffers.request("x").tensors}
+    assert list(slots) == list(state)
+    emb, head = slots["model.embed_tokens.weight"], slots["lm_head.weight"]
+    tied = model.config.tie_word_embeddings
+    assert len(storages) == len(state) - tied
+    assert ((emb.buffer, emb.offset) == (head.buffer, head.offset)) == tied
+
+
 def test_layout_one_buffer_per_dtype_bucketed():
     specs = [("a", torch.float32, (4, 4)), ("b", torch.bfloat16, (8,)), ("c", torch.float32, (10,))]
     slots, buffers = plan_layout(specs)
@@ -63,6 +78,37 @@ def test_layout_one_buffer_per_dtype_bucketed():
     slots, buffers = plan_layout(specs, bucket_bytes=64)
     assert buffers == [("float32", 16), ("bfloat16", 8), ("float32", 10)]
     assert [(s.buffer, s.offset) for s in slots] == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_layout_puts_an_alias_in_its_targets_slot():
+    """A tied name takes the earlier name's slot and no space; an alias of nothing laid out before, or of
+    another shape, is refused naming it."""
+    specs = [("emb", torch.float32, (4, 2)), ("b", torch.float32, (3,)), ("head", torch.float32, (4, 2))]
+    slots, buffers = plan_layout(specs, aliases={"head": "emb"})
+    assert buffers == [("float32", 11)]
+    assert [(s.name, s.buffer, s.offset, s.shape) for s in slots] == [
+        ("emb", 0, 0, (4, 2)), ("b", 0, 8, (3,)), ("head", 0, 0, (4, 2))
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"aliases\['emb'\]='head': expected an earlier weight"):
+        plan_layout(specs, aliases={"emb": "head"})
+    with pytest.raises(ValueError, match=r"aliases\['b'\]='emb': .* shape \(3,\)"):
+        plan_layout(specs, aliases={"b": "emb"})
+
+
+def test_tied_aliases_are_the_same_view_only():
+    """The tied Qwen3's lm_head is its embedding's alias; a clone, another view of one storage (rows of a
+    fused weight) and empty tensors are not aliases."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=True)  # fmt: skip
+    state = Qwen3ForCausalLM(cfg).state_dict()
+    assert tied_aliases(state.items()) == {"lm_head.weight": "model.embed_tokens.weight"}
+    state["lm_head.weight"] = state["lm_head.weight"].clone()
+    assert tied_aliases(state.items()) == {}
+    fused, empty = torch.zeros(4, 3), torch.zeros(0)
+    items = [("q", fused[:2]), ("k", fused[2:]), ("q2", fused[:2]), ("e", empty), ("e2", empty)]
+    assert tied_aliases(items) == {"q2": "q"}
 
 
 def test_request_refuses_a_slot_outside_its_buffer():
@@ -109,6 +155,7 @@ def test_three_syncs_arrive_bitwise_mapped_once(models, tmp_path, device):
                 assert set(sync.spans) == {"export", "fill", "post", "copy"}
             # mapped once: one float32 buffer, opened by the first sync only; allocated once by the actor
             assert sync.allocations == 1 and len(sync.buffers.handles) == 1
+            assert_tied_once(sync, model)
             answer = await client.update_weights_from_ipc(sync.buffers.request("4").to_json())
             assert answer["buffers_opened"] == 1
             synced = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -155,6 +202,42 @@ def test_three_syncs_arrive_bitwise_mapped_once(models, tmp_path, device):
         paths = list(sync.buffers.paths)
         await sync.close([])
         assert all(not Path(p).exists() for p in paths)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        assert stop_server(proc) == 0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_torch_engine_syncs_tied_and_untied_bitwise(tmp_path, tied):
+    """The torch actor engine's `named_weights()` (a tied head under both names) through one sync after a
+    train-like change: the server's every parameter is bitwise the actor's, the buffer holds each storage once,
+    and in the tied case the server's head still is its embedding."""
+    from mopd_hpc.config import LossConfig
+    from mopd_hpc.config.models import OptimizerConfig
+    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+
+    served = save_micro_qwen3(tmp_path / "served", seed=0, tied=tied)
+    trainer_dir = save_micro_qwen3(tmp_path / "trainer", seed=1, tied=tied)
+    actor = TorchTrainEngine.from_pretrained(
+        trainer_dir, dtype="float32", device="cpu", optimizer=OptimizerConfig(lr=1e-3), loss=LossConfig()
+    )
+    with torch.no_grad():  # the head and the embedding differ unless they are one tensor
+        actor.model.lm_head.weight.mul_(2.0)
+    proc, url, _ = start_server(served, tmp_path)
+    sync = IpcSync(actor)
+
+    async def scenario():
+        async with RolloutClient(url, token=TOKEN) as client:
+            await sync.push(1, [client])
+            assert_tied_once(sync, actor.model)
+            want = actor.model.state_dict()
+            got = await server_weights(client, want)
+            assert_bitwise(got, want)
+            emb, head = got["model.embed_tokens.weight"], got["lm_head.weight"]
+            assert torch.equal(emb, head) == tied
+        await sync.close([])
 
     try:
         asyncio.run(scenario())

@@ -143,18 +143,18 @@ def _shape(path: str, read: ConfigReader) -> tuple[ModelShape | None, str, str]:
         return None, f"{path}: {err}: not planned", ""
 
 
-def ipc_buffer_bytes(shape: ModelShape, dtype: str, engine: str) -> int:
+def ipc_buffer_bytes(shape: ModelShape, dtype: str) -> int:
     """Bytes of the ipc weight sync's shared buffers on actor rank 0's GPU (`engines/weight_sync/ipc.py`
     `plan_layout`: every tensor of the engine's `named_weights()` end to end in its dtype, the actor's; the
-    4 GiB buckets split it, they add nothing): the HF weights (`ModelShape.params`), the tied LM head once
-    more with the torch engine (its state_dict names the embedding under both names; megatron's converter
-    leaves `lm_head.weight` out when tied and drops the padded vocabulary rows).
+    4 GiB buckets split it, they add nothing): the HF weights (`ModelShape.params`), a tied LM head once with
+    either engine (the torch engine's state_dict names the embedding twice, and the buffer holds the alias in
+    the embedding's slot: `tied_aliases`; megatron's converter leaves `lm_head.weight` out when tied and drops
+    the padded vocabulary rows).
 
     Raises:
         MemoryModelError: an unknown dtype.
     """
-    head = shape.vocab * shape.hidden if shape.tied and engine == "torch" else 0
-    return (shape.params + head) * dtype_bytes(dtype)
+    return shape.params * dtype_bytes(dtype)
 
 
 def _actor(
@@ -184,7 +184,7 @@ def _actor(
         )
     ipc: tuple[Holding, ...] = ()
     if cfg.weight_sync.backend == "ipc" and rank == 0:  # the sync's source: its buffer persists
-        ipc = (Holding("ipc weight-sync buffer", ipc_buffer_bytes(shape, actor.dtype, actor.engine)),)
+        ipc = (Holding("ipc weight-sync buffer", ipc_buffer_bytes(shape, actor.dtype)),)
     return (
         Holding("weights", state.weights),
         Holding("gradients", state.gradients, grads_phase),

@@ -10,7 +10,7 @@ weight_version = str(step).
 
 `IpcSync` (weight_sync.backend ipc; rollout.mode colocated, one node: `engines/weight_sync/ipc.py`): the
 first push allocates one persistent flat buffer per dtype of `engine.named_weights()` (HF names, bucketed
-past `bucket_bytes`) on the actor's device, shared by handle (CUDA IPC on GPU, a /dev/shm file on CPU);
+past `bucket_bytes`, a tied weight once under both of its names) on the actor's device, shared by handle (CUDA IPC on GPU, a /dev/shm file on CPU);
 every push copies the weights into it and POSTs the layout (/update_weights_from_ipc) to every server,
 which maps the buffers once and copies them into its parameters.
 
@@ -50,7 +50,7 @@ from mopd_hpc.engines.weight_sync.awex_actor import (
     start_run_meta_server,
     stop_run_meta_server,
 )
-from mopd_hpc.engines.weight_sync.ipc import DEFAULT_BUCKET_BYTES, SharedBuffers
+from mopd_hpc.engines.weight_sync.ipc import DEFAULT_BUCKET_BYTES, SharedBuffers, tied_aliases
 from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender, WeightSyncError
 
 if TYPE_CHECKING:
@@ -174,7 +174,9 @@ class IpcSync:
             if self.buffers is not None:
                 self.buffers.close()
             specs = [(n, t.dtype, tuple(t.shape)) for n, t in items]
-            self.buffers = SharedBuffers.allocate(specs, items[0][1].device, self.bucket_bytes)
+            self.buffers = SharedBuffers.allocate(
+                specs, items[0][1].device, self.bucket_bytes, aliases=tied_aliases(items)
+            )
             self.allocations += 1
             log.info("weight sync: %d shared buffer(s), %.3f GB", len(self.buffers.handles),
                      self.buffers.nbytes / 1e9)  # fmt: skip

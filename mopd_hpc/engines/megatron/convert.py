@@ -274,7 +274,9 @@ def tp_split_dim(name: str) -> int | None:
     return _TP_DIM.get(m.group(2)) if m else None
 
 
-def _check_tp(shape: Qwen3Shape, tp: int) -> None:
+def check_tp(shape: Qwen3Shape, tp: int) -> None:
+    """Raises ConversionError: tp < 1, or tp does not divide the query groups, the FFN size or the padded
+    vocabulary (each named with its size)."""
     for what, size in (
         ("num_query_groups", shape.num_query_groups),
         ("ffn_hidden_size", shape.ffn_hidden_size),
@@ -292,7 +294,7 @@ def shard_tp(
     Raises:
         ConversionError: tp does not divide the query groups, FFN size or padded vocabulary; rank ∉ [0, tp).
     """
-    _check_tp(shape, tp)
+    check_tp(shape, tp)
     if not 0 <= rank < tp:
         raise ConversionError(f"rank={rank}: expected 0 <= rank < tensor_parallel={tp}")
     out: dict[str, torch.Tensor] = {}
@@ -315,7 +317,7 @@ def gather_tp(shards: Sequence[Mapping[str, torch.Tensor]], shape: Qwen3Shape) -
         ConversionError: ranks hold different keys, or a replicated tensor differs between ranks.
     """
     tp = len(shards)
-    _check_tp(shape, tp)
+    check_tp(shape, tp)
     names = list(shards[0])
     for r, shard in enumerate(shards):
         if set(shard) != set(names):

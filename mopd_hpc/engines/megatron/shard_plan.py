@@ -35,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from mopd_hpc.engines.megatron.convert import ConversionError, Qwen3Shape, pack_qkv, unpack_qkv
+from mopd_hpc.engines.megatron.convert import ConversionError, Qwen3Shape, check_tp, pack_qkv, unpack_qkv
 
 Kind = Literal["column", "row", "vocab", "replicated"]
 #: HF layer-local name → (megatron layer-local name, kind, part of a fused megatron tensor or None).
@@ -92,13 +92,7 @@ class ShardPlan:
     def create(cls, shape: Qwen3Shape, tp: int) -> ShardPlan:
         """Raises ConversionError: tp < 1, or tp does not divide the query groups, the FFN size or the
         padded vocabulary (pad it with `convert.pad_vocab_size(V, tp)`)."""
-        for what, size in (
-            ("num_query_groups", shape.num_query_groups),
-            ("ffn_hidden_size", shape.ffn_hidden_size),
-            ("padded_vocab_size", shape.padded_vocab_size),
-        ):
-            if tp < 1 or size % tp:
-                raise ConversionError(f"tensor_parallel={tp} does not divide {what}={size}")
+        check_tp(shape, tp)
         s, h, f, d = shape, shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
         hq, hkv = s.num_attention_heads * d, s.num_query_groups * d
         layer_shapes = {

@@ -16,13 +16,19 @@ any process of the node that sees the device); on CPU a file under /dev/shm mapp
 The sender owns the memory (files are unlinked by `close`); the receiver keeps its mapping until the buffer
 id changes. Memory: the buffers stay allocated on the actor's device (one copy of the HF weights; the memory plan
 counts them: `engines/memory_plan.py` ipc_buffer_bytes).
+
+Tied weights are stored once: a name whose tensor is the same view of the same storage as an earlier name's
+(the torch engine's state_dict gives a tied `lm_head.weight` that is `model.embed_tokens.weight`) is an alias
+(`tied_aliases`): its slot is the earlier name's slot, `fill` copies it once, and the receiver still gets both
+names (two views of the same elements).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,16 +197,57 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def tied_aliases(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Name → the earlier name it aliases, for every tensor that is the same view (storage, offset, shape,
+    strides, dtype) as an earlier one: a tied weight under its second name. Empty tensors alias nothing."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in items:
+        if t.numel() == 0:
+            continue
+        key = (
+            t.device,
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+        )
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
 def plan_layout(
-    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    aliases: Mapping[str, str] | None = None,
 ) -> tuple[list[TensorSlot], list[tuple[str, int]]]:
     """Slots of (name, dtype, shape) specs, in order, and the buffers' (dtype name, numel): one buffer per
     dtype, a new one of that dtype when the next tensor would pass `bucket_bytes` (a tensor larger than
-    the limit gets a buffer of its own)."""
+    the limit gets a buffer of its own). A name in `aliases` (→ an earlier name of the same dtype and shape,
+    `tied_aliases`) takes that name's slot and no space.
+
+    Raises:
+        ValueError: an alias of a name not laid out before it, or of another dtype or shape.
+    """
+    aliases = aliases or {}
     slots: list[TensorSlot] = []
     buffers: list[tuple[str, int]] = []
     open_of: dict[str, int] = {}  # dtype name → index of its buffer being filled
+    placed: dict[str, TensorSlot] = {}
     for name, dtype, shape in specs:
+        if name in aliases:
+            target = placed.get(aliases[name])
+            if target is None or target.dtype != dtype_name(dtype) or target.shape != tuple(shape):
+                raise ValueError(
+                    f"aliases[{name!r}]={aliases[name]!r}: expected an earlier weight of dtype "
+                    f"{dtype_name(dtype)} and shape {tuple(shape)}"
+                )
+            slots.append(dataclasses.replace(target, name=name))
+            continue
         dname, size = dtype_name(dtype), torch.empty((), dtype=dtype).element_size()
         numel = 1
         for d in shape:
@@ -210,6 +257,7 @@ def plan_layout(
             i = open_of[dname] = len(buffers)
             buffers.append((dname, 0))
         slots.append(TensorSlot(name, dname, tuple(shape), i, buffers[i][1]))
+        placed[name] = slots[-1]
         buffers[i] = (dname, buffers[i][1] + numel)
     return slots, buffers
 
@@ -218,8 +266,9 @@ class SharedBuffers:
     """The actor's side: persistent flat buffers and their handles. Build with `allocate`."""
 
     def __init__(self, slots: list[TensorSlot], tensors: list[torch.Tensor], handles: list[BufferHandle],
-                 paths: list[str]) -> None:  # fmt: skip
+                 paths: list[str], aliases: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.slots, self.tensors, self.handles, self.paths = slots, tensors, handles, paths
+        self.aliases = dict(aliases or {})
         self._index = {s.name: s for s in slots}
 
     @classmethod
@@ -229,10 +278,12 @@ class SharedBuffers:
         device: torch.device | str,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         shm_dir: str = SHM_DIR,
+        aliases: Mapping[str, str] | None = None,
     ) -> SharedBuffers:
-        """Buffers for `specs` on `device` (CUDA: CUDA IPC; CPU: a file under shm_dir, unlinked by close)."""
+        """Buffers for `specs` on `device` (CUDA: CUDA IPC; CPU: a file under shm_dir, unlinked by close);
+        `aliases` (`tied_aliases`) share their target's slot."""
         device = torch.device(device)
-        slots, layout = plan_layout(specs, bucket_bytes)
+        slots, layout = plan_layout(specs, bucket_bytes, aliases)
         tag = uuid.uuid4().hex[:12]
         tensors, handles, paths = [], [], []
         for i, (dname, numel) in enumerate(layout):
@@ -246,20 +297,26 @@ class SharedBuffers:
                 paths.append(path)
                 handles.append(BufferHandle(buffer_id, "file", dname, numel, path=path))
             tensors.append(t)
-        return cls(slots, tensors, handles, paths)
+        return cls(slots, tensors, handles, paths, aliases)
 
     def matches(self, items: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """True when `items` have this layout's names, dtypes and shapes, in order."""
-        return len(items) == len(self.slots) and all(
-            s.name == n and s.dtype == dtype_name(t.dtype) and s.shape == tuple(t.shape)
-            for s, (n, t) in zip(self.slots, items, strict=True)
+        """True when `items` have this layout's names, dtypes and shapes, in order, and tie the same names."""
+        return (
+            len(items) == len(self.slots)
+            and all(
+                s.name == n and s.dtype == dtype_name(t.dtype) and s.shape == tuple(t.shape)
+                for s, (n, t) in zip(self.slots, items, strict=True)
+            )
+            and tied_aliases(items) == self.aliases
         )
 
     @torch.no_grad()
     def fill(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy every (HF name, tensor) into its slot; on CUDA waits for the copies (the reader's stream
-        is another process's)."""
+        """Copy every (HF name, tensor) into its slot, an alias's not again (it is its target's); on CUDA
+        waits for the copies (the reader's stream is another process's)."""
         for name, t in items:
+            if name in self.aliases:
+                continue
             s = self._index[name]
             self.tensors[s.buffer][s.offset : s.offset + s.numel].copy_(t.detach().reshape(-1))
         if self.tensors and self.tensors[0].is_cuda:
