@@ -129,8 +129,25 @@ def test_awex_job_config_errors(tmp_path: Path) -> None:
     # refuse it too; model_copy skips them to reach this check)
     engines = cfg.rollout.engines.model_copy(update={"count": 2})
     two = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engines": engines})})
-    with pytest.raises(AwexConfigError, match=r"count·tensor_parallel = 2·1: AWEX colocate .* expected 1"):
+    with pytest.raises(
+        AwexConfigError,
+        match=r"count·tensor_parallel = 2·1: AWEX colocate .* actor's 1 trainer rank.* expected 1",
+    ):
         awex_job_config(two, model_arch="Qwen3ForCausalLM")
+
+
+def test_awex_job_config_counts_every_rank_of_a_tp_actor(tmp_path: Path) -> None:
+    """Colocated on 2 GPUs: a TP 2 actor (2 trainer ranks) and 2 HF engines, each trainer rank a writer at
+    transfer rank infer_world + rank with its own AWEX environment."""
+    cfg = one_gpu_config(
+        tmp_path,
+        **{"cluster.group.gpus_per_node": 2, "models.actor.tensor_parallel": 2},
+        **{"rollout.engines": {"count": 2, "tensor_parallel": 1}},
+    )
+    got = awex_job_config(cfg)
+    assert (got.mode, got.num_engines, got.infer_world, got.train_world) == ("colocate", 2, 2, 2)
+    assert [got.transfer_rank("actor", r) for r in range(2)] == [2, 3]
+    assert got.trainer_env(1, "10.0.0.2", 1) == {"AWEX_MASTER_ADDR": "10.0.0.2", "DEVICE": "1"}
 
 
 @in_loop

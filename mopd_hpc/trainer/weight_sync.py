@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.engines.daemon_thread import in_daemon_thread
 from mopd_hpc.engines.weight_sync.awex import REGISTERED_ARCHITECTURES, AwexConfigError, AwexJobConfig
 from mopd_hpc.engines.weight_sync.awex_actor import (
@@ -217,15 +218,16 @@ def actor_architecture(actor_path: str | Path) -> str:
 
 
 def awex_job_config(cfg: RunConfig, model_arch: str | None = None) -> AwexJobConfig:
-    """The AWEX settings of this job's actor (one trainer rank) and rollout fleet, from the run config:
-    mode = weight_sync.awex_mode, else from rollout.mode (colocated → colocate); num_engines, engine_tp =
-    rollout.engines.count, .tensor_parallel; engine_pp 1; infer_world = count·tp; train_world 1;
+    """The AWEX settings of this job's actor and rollout fleet, from the run config: mode =
+    weight_sync.awex_mode, else from rollout.mode (colocated → colocate); num_engines, engine_tp =
+    rollout.engines.count, .tensor_parallel; engine_pp 1; infer_world = count·tp; train_world = the actor
+    group's world (`ActorParallel`: dp·tp·pp ranks, every one a writer at transfer rank infer_world + rank);
     model_arch = the actor's config.json architectures[0] (unless given); comm nccl, ipc cuda. The
     MetaServer address is empty until `AwexSync.start` fills it in.
 
     Raises:
-        AwexConfigError: an architecture awex 0.9.0 does not register; colocate with infer_world != 1
-            (colocate pairs each trainer rank with one rollout rank on its GPU).
+        AwexConfigError: an architecture awex 0.9.0 does not register; colocate with infer_world !=
+            train_world (colocate pairs each trainer rank with one rollout rank on its GPU).
     """
     arch = model_arch if model_arch is not None else actor_architecture(cfg.models.actor.path)
     if arch not in REGISTERED_ARCHITECTURES:
@@ -236,10 +238,12 @@ def awex_job_config(cfg: RunConfig, model_arch: str | None = None) -> AwexJobCon
     mode = cfg.weight_sync.awex_mode or AWEX_MODES[cfg.rollout.mode]
     engines = cfg.rollout.engines
     infer_world = engines.count * engines.tensor_parallel
-    if mode == "colocate" and infer_world != 1:
+    actor = ActorParallel.from_config(cfg)
+    if mode == "colocate" and infer_world != actor.world:
         raise AwexConfigError(
             f"rollout.engines count·tensor_parallel = {engines.count}·{engines.tensor_parallel}: AWEX colocate "
-            "pairs the actor's one trainer rank with one rollout rank on its GPU; expected 1"
+            f"pairs each of the actor's {actor.world} trainer rank(s) ({actor.source}) with one rollout rank on "
+            f"its GPU; expected {actor.world}"
         )
     return AwexJobConfig(
         mode=mode,
@@ -250,7 +254,7 @@ def awex_job_config(cfg: RunConfig, model_arch: str | None = None) -> AwexJobCon
         engine_tp=engines.tensor_parallel,
         engine_pp=1,
         infer_world=infer_world,
-        train_world=1,
+        train_world=actor.world,
         model_arch=arch,
     )
 
