@@ -151,6 +151,40 @@ def test_awex_job_config_counts_every_rank_of_a_tp_actor(tmp_path: Path) -> None
 
 
 @in_loop
+async def test_the_controller_announces_a_sync_every_rank_writes(tmp_path: Path) -> None:
+    """An AWEX sync from a 2-rank actor is written by every rank: the controller sends the followers a
+    `weights` record before it (trainer/rank_writer.py); a one-rank AWEX sync, and a torch sync at TP 1, none."""
+    from mopd_hpc.trainer.controller import Controller
+
+    sent: list[tuple[str, int, str]] = []
+
+    async def publish(record: Any) -> None:
+        sent.append((record.kind, record.step, record.reason))
+
+    two = awex_job_config(
+        one_gpu_config(
+            tmp_path,
+            **{"cluster.group.gpus_per_node": 2, "models.actor.tensor_parallel": 2},
+            **{"rollout.engines": {"count": 2, "tensor_parallel": 1}},
+        )
+    )
+    one = awex_job_config(one_gpu_config(tmp_path))
+    engine = SimpleNamespace(gathers_over_tp=False)
+    for sync, want in (
+        (AwexSync(two, engine, tmp_path, "127.0.0.1"), [("weights", 4, "sync")]),
+        (AwexSync(one, engine, tmp_path, "127.0.0.1"), []),
+        (TorchSync(engine, SETTINGS), []),
+    ):
+        controller = object.__new__(Controller)
+        controller.engine, controller.sync = engine, sync
+        controller.group = SimpleNamespace(publish=publish)
+        sent.clear()
+        await controller._announce_gather(4, "sync")
+        await controller._announce_gather(4, "evaluate")  # an evaluation gathers nothing at TP 1
+        assert sent == want, sync
+
+
+@in_loop
 async def test_torch_sync_push_before_start_names_the_step() -> None:
     with pytest.raises(WeightSyncError, match=r"^step 4: push before start"):
         await TorchSync(object(), SETTINGS).push(4, [])

@@ -20,7 +20,8 @@ sub-phases and reader<i>_<span> of each server's: `engines/weight_sync/awex_span
 
 `AwexSync` (weight_sync.backend awex; awex 0.9.0, `engines/weight_sync/awex_actor.py`): start runs the
 MetaServer on this process (its address in run_dir/awex_meta_server.json), builds the actor's writer
-(`AwexActorPublisher`, then `initialize()`), and has every rollout server build its reader
+(`AwexActorPublisher`, then `initialize()`; at an actor world > 1 every other trainer rank builds its own at
+the first push, trainer/rank_writer.py), and has every rollout server build its reader
 (`RolloutClient.awex_init(inference_config(i))`, in engine order). A push runs the writer's `publish(step)`
 and every server's `awex_update(step)` at the same time: each side blocks until the other has taken part
 (colocate: CUDA IPC handles through the MetaServer; separate: one NCCL group). In colocate mode awex
@@ -91,6 +92,8 @@ class WeightSync(Protocol):
 
     #: Sub-phase seconds of the last push (module docstring).
     spans: dict[str, float]
+    #: Whether every trainer rank writes its own shards in a push (the followers publish with rank 0).
+    every_rank: bool
 
 
 # ----------------------------------------------------------------------------------------------- torch
@@ -99,6 +102,8 @@ class WeightSync(Protocol):
 class TorchSync:
     """torch.distributed broadcast (module docstring). `engine` gives `named_weights()`; each server joins
     with `ranks_per_server` ranks (rollout.engines.tensor_parallel: an sglang engine's TP workers)."""
+
+    every_rank = False  # rank 0 sends; at TP > 1 its TP group joins the per-tensor gather
 
     def __init__(
         self,
@@ -150,6 +155,8 @@ class TorchSync:
 class IpcSync:
     """Shared buffers on one node (module docstring). `engine` gives `named_weights()` (HF names, on the
     actor's device); bucket_bytes: the largest buffer."""
+
+    every_rank = False  # rank 0 fills the buffers; at TP > 1 its TP group joins the per-tensor gather
 
     def __init__(self, engine: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.engine, self.bucket_bytes = engine, bucket_bytes
@@ -287,6 +294,8 @@ class AwexSync:
 
     def __init__(self, config: AwexJobConfig, engine: Any, run_dir: str | Path, host: str) -> None:
         self.config, self.engine, self.run_dir, self.host = config, engine, Path(run_dir), host
+        #: Every trainer rank writes its own shards (trainer/rank_writer.py): the followers publish with it.
+        self.every_rank = config.train_world > 1
         self.address: str | None = None
         self.publisher: Any = None
         self.spans: dict[str, float] = {}
