@@ -14,7 +14,7 @@ import torch
 from mopd_hpc.engines.megatron.convert import Qwen3Shape
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexJobConfig
-from mopd_hpc.engines.weight_sync.awex_plan import PlanCheck, simulate_transfer_plan
+from mopd_hpc.engines.weight_sync.awex_plan import PlanCheck, bytes_per_trainer_rank, simulate_transfer_plan
 
 pytest.importorskip("awex", reason="awex (the awex extra) is not installed")
 
@@ -74,6 +74,7 @@ def test_every_rollout_element_once_and_every_trainer_rank_writes(
     assert check.numel == engines * (split + whole * engine_tp)  # every rollout rank's elements, once each
     assert list(check.bytes_per_trainer_rank) == _expected_bytes(engines, engine_tp, train_tp, train_dp)
     assert sum(check.bytes_per_trainer_rank) == BF16_BYTES * check.numel
+    assert bytes_per_trainer_rank(MICRO, cfg, train_tp, torch.bfloat16) == check.bytes_per_trainer_rank
     if engines >= train_dp:  # every DP group serves an engine: every trainer rank is a writer
         assert all(b > 0 for b in check.bytes_per_trainer_rank)
 

@@ -117,6 +117,42 @@ def _params_meta(plan: ShardPlan, world: int, tp: int, engine: str, dtype: Any, 
     return Resolver({"num_hidden_layers": plan.shape.num_layers}).get_parameters_meta()
 
 
+def transfer_operations(
+    shape: Any, cfg: AwexJobConfig, train_tp: int, dtype: Any
+) -> tuple[ShardPlan, list, list]:
+    """(the actor's ShardPlan, the rollout side's awex ParameterMetas, awex's CommunicationOperations) of this
+    job's inter-side plan (`simulate_transfer_plan`'s Raises, but for the replay's)."""
+    require_awex()
+    from awex.transfer.transfer_plan import TransferPlanBuilder
+    from awex.util.common import check_train_infer_params_meta
+
+    if train_tp < 1 or cfg.train_world % train_tp:
+        raise AwexConfigError(f"train_tp={train_tp} does not divide train_world={cfg.train_world}")
+    plan = ShardPlan.create(shape, train_tp)
+    train = _params_meta(plan, cfg.train_world, train_tp, "mcore", dtype, cfg.model_arch)
+    engine = "hf" if cfg.engine_tp == 1 else "sglang"
+    infer = _params_meta(plan, cfg.engine_tp, cfg.engine_tp, engine, dtype, cfg.model_arch)
+    try:
+        check_train_infer_params_meta(train, infer, raise_exception=True)
+    except ValueError as exc:
+        raise AwexConfigError(f"awex's train/infer metadata check: {exc}") from None
+    builder = TransferPlanBuilder(cfg.infer_world, cfg.train_world, num_infer_engines=cfg.num_engines)
+    return plan, infer, builder.build_weights_mapping_operations(infer, train)
+
+
+def bytes_per_trainer_rank(shape: Any, cfg: AwexJobConfig, train_tp: int, dtype: Any) -> tuple[int, ...]:
+    """Bytes trainer rank g sends in one sync under awex's plan (g = 0 … train_world − 1), in `dtype`; no
+    replay (no tensors: cheap at real model sizes). Raises as `transfer_operations`."""
+    return _sent_bytes(transfer_operations(shape, cfg, train_tp, dtype)[2], cfg, dtype)
+
+
+def _sent_bytes(ops: list, cfg: AwexJobConfig, dtype: Any) -> tuple[int, ...]:
+    sent = [0] * cfg.train_world
+    for op in ops:
+        sent[op.send_rank - cfg.infer_world] += math.prod(op.overlap_shape) * dtype.itemsize
+    return tuple(sent)
+
+
 def simulate_transfer_plan(shape: Any, cfg: AwexJobConfig, train_tp: int, dtype: Any = None) -> PlanCheck:
     """Build AWEX's inter-side transfer plan for this job (trainer TP `train_tp` × DP train_world/train_tp;
     `num_engines` rollout engines of TP `engine_tp`) with awex's TransferPlanBuilder, then replay it on CPU
@@ -133,22 +169,9 @@ def simulate_transfer_plan(shape: Any, cfg: AwexJobConfig, train_tp: int, dtype:
     """
     require_awex()
     import torch
-    from awex.transfer.transfer_plan import TransferPlanBuilder
-    from awex.util.common import check_train_infer_params_meta
 
     dtype = torch.float32 if dtype is None else dtype
-    if train_tp < 1 or cfg.train_world % train_tp:
-        raise AwexConfigError(f"train_tp={train_tp} does not divide train_world={cfg.train_world}")
-    plan = ShardPlan.create(shape, train_tp)
-    train = _params_meta(plan, cfg.train_world, train_tp, "mcore", dtype, cfg.model_arch)
-    engine = "hf" if cfg.engine_tp == 1 else "sglang"
-    infer = _params_meta(plan, cfg.engine_tp, cfg.engine_tp, engine, dtype, cfg.model_arch)
-    try:
-        check_train_infer_params_meta(train, infer, raise_exception=True)
-    except ValueError as exc:
-        raise AwexConfigError(f"awex's train/infer metadata check: {exc}") from None
-    builder = TransferPlanBuilder(cfg.infer_world, cfg.train_world, num_infer_engines=cfg.num_engines)
-    ops = builder.build_weights_mapping_operations(infer, train)
+    plan, infer, ops = transfer_operations(shape, cfg, train_tp, dtype)
     truth = {
         n: torch.arange(1, math.prod(e.hf_shape) + 1, dtype=torch.float32).view(e.hf_shape)
         for n, e in plan.tensors.items()
@@ -161,7 +184,7 @@ def simulate_transfer_plan(shape: Any, cfg: AwexJobConfig, train_tp: int, dtype:
                 key = (engine_rank * cfg.engine_tp + shard.global_rank, meta.name, tuple(shard.global_offset))
                 dst[key] = torch.zeros(shard.shape)
                 written[key] = torch.zeros(shard.shape, dtype=torch.bool)
-    numel, sent = 0, [0] * cfg.train_world
+    numel = 0
     for op in ops:
         name = op.send_shard_meta.name
         if not cfg.infer_world <= op.send_rank < cfg.infer_world + cfg.train_world:
@@ -181,7 +204,6 @@ def simulate_transfer_plan(shape: Any, cfg: AwexJobConfig, train_tp: int, dtype:
         dst[key][op.inf_slices] = src
         written[key][op.inf_slices] = True
         numel += src.numel()
-        sent[op.send_rank - cfg.infer_world] += src.numel() * dtype.itemsize
     for (rank, name, offset), mask in written.items():
         box = tuple(slice(o, o + s) for o, s in zip(offset, mask.shape, strict=True))
         if not mask.all() or not torch.equal(dst[(rank, name, offset)], truth[name][box]):
@@ -189,5 +211,8 @@ def simulate_transfer_plan(shape: Any, cfg: AwexJobConfig, train_tp: int, dtype:
                 f"{name} on rollout transfer rank {rank} (offset {offset}) is not fully written"
             )
     return PlanCheck(
-        op_count=len(ops), numel=numel, params=len(plan.tensors), bytes_per_trainer_rank=tuple(sent)
+        op_count=len(ops),
+        numel=numel,
+        params=len(plan.tensors),
+        bytes_per_trainer_rank=_sent_bytes(ops, cfg, dtype),
     )
