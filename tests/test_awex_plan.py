@@ -104,3 +104,22 @@ def test_train_tp_must_divide_the_world() -> None:
 
 def _fields(shape: Qwen3Shape) -> dict:
     return {name: getattr(shape, name) for name in shape.__dataclass_fields__}
+
+
+def test_awex_sharding_that_disagrees_with_the_actor_layout_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """awex's strategy must split every tensor as megatron's TP ranks hold it (shard_plan.py): a strategy that
+    split q_proj along dim 1 would make awex read the wrong rows."""
+    from awex.sharding.param_sharding import ShardingStrategy, ShardingType
+
+    real = ShardingStrategy.get_sharding_strategy
+
+    def q_by_columns(self, name, **kwargs):  # noqa: ANN001, ANN202
+        if name.endswith("q_proj.weight") and self.rank_info.tp_size > 1:
+            return ShardingType.TP_SHARDING, 1, self.rank_info.tp_size
+        return real(self, name, **kwargs)
+
+    monkeypatch.setattr(ShardingStrategy, "get_sharding_strategy", q_by_columns)
+    with pytest.raises(
+        AwexConfigError, match=r"q_proj\.weight: awex's mcore sharding strategy gives TP_SHARDING dim 1"
+    ):
+        simulate_transfer_plan_bf16(_cfg(2, 1, 2), train_tp=2)
