@@ -37,6 +37,12 @@ server on GPU 0. One sync = the weights copied into the persistent buffer shared
 /update_weights_from_ipc, where the server copies the buffer into its parameters: two device copies of
 `bytes`, so its ratio to one `copy_gbps` copy is ≥ 2 by construction. `spans_s`: export, fill, post, copy.
 
+Multi-rank rows (methods awex_tp2_colocate on 2 GPUs, awex_tp2 on 4; `weight_sync_ranks.py`): AWEX from both
+ranks of a TP 2 megatron actor (rank 1 through the follower's `AwexRankWriter`) to 2 HF engines; `sync_s` is
+the slowest rank's publish; `bytes_per_trainer_rank` from awex's own plan (`awex_plan`); the floor divides
+the largest by the NCCL all-reduce bus bandwidth measured in the same run (`allreduce_busbw_gbps`). Where the
+GPUs are too few a row says `skipped` and why (also in a CPU run).
+
     python benchmarks/weight_sync.py --methods awex_colocate,ipc --sizes 0.6b   # one GPU is enough
     python benchmarks/weight_sync.py --device cpu --methods ipc --sizes tiny     # the same protocol on CPU
 """
@@ -55,13 +61,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpu_models import SHAPES, make_checkpoint  # noqa: E402  (Qwen3-0.6B / 1.7B shapes, random checkpoints)
+from weight_sync_ranks import RANK_METHODS, nccl_gbps, plan_bytes, rank_fields, skipped_row  # noqa: E402
 
 from mopd_hpc.atomic import atomic_write_json  # noqa: E402
 
@@ -77,35 +82,9 @@ def _stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def _bw_rank(rank: int, port: int, nbytes: int, repeats: int, out: mp.Queue) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    times = []
-    for i in range(repeats + 3):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dist.broadcast(buf, src=0)
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    if rank == 0:
-        out.put(nbytes / statistics.median(times) / 1e9)
-    dist.destroy_process_group()
-
-
-def nccl_broadcast_gbps(port: int, nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """GB/s of a 2-rank NCCL broadcast GPU 0 → GPU 1 (median)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_bw_rank, args=(r, port, nbytes, repeats, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    gbps = out.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    return gbps
+def nccl_broadcast_gbps(port: int) -> float:
+    """GB/s of a 2-rank NCCL broadcast GPU 0 → GPU 1 (median; `weight_sync_ranks.nccl_gbps`)."""
+    return nccl_gbps(port, "broadcast", world=2)
 
 
 def copy_gbps(nbytes: int = 1 << 30, repeats: int = 10, device: str = "cuda:0") -> float:
@@ -248,51 +227,61 @@ async def measure_ipc(size: str, http_port: int, repeats: int, cbw: float, tmp: 
             torch.cuda.empty_cache()
 
 
-def _awex_role(role: str, run_dir: Path, port: int, repeats: int, mode: str) -> None:
-    """One side of the AWEX benchmark (run in its own process, see `measure_awex`)."""
+def _awex_role(
+    role: str, run_dir: Path, port: int, repeats: int, mode: str, rank: int = 0, tp: int = 1, engines: int = 1
+) -> None:
+    """One process of the AWEX benchmark (see `measure_awex`): trainer rank `rank` of a TP `tp` actor on GPU
+    `rank` (rank 0 also runs the MetaServer; the others write through `AwexRankWriter`, as the actor's followers
+    do), or HF engine `rank` of `engines` (colocate: on trainer rank `rank`'s GPU; separate: on GPU tp + rank)."""
     from mopd_hpc.engines.weight_sync.awex import AwexJobConfig, read_meta_server_address
 
     ckpt = run_dir / "ckpt"
     cfg = AwexJobConfig(mode=mode, comm_backend="nccl", ipc_backend="cuda", meta_server_addr="",
-                        num_engines=1, engine_tp=1, engine_pp=1, infer_world=1, train_world=1,
+                        num_engines=engines, engine_tp=1, engine_pp=1, infer_world=engines, train_world=tp,
                         model_arch="Qwen3ForCausalLM")  # fmt: skip
-    os.environ.update(cfg.trainer_env(0, "127.0.0.1", 0))
+    gpu = rank if role == "writer" or mode == "colocate" else tp + rank
+    os.environ.update(cfg.trainer_env(rank if role == "writer" else 0, "127.0.0.1", gpu))
     steps = range(1, repeats + 2)
     if role == "writer":
         from mopd_hpc.config.loss import LossConfig
         from mopd_hpc.config.models import OptimizerConfig
         from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
         from mopd_hpc.engines.weight_sync.awex_actor import AwexActorPublisher, start_run_meta_server
+        from mopd_hpc.trainer.rank_writer import AwexRankWriter
 
-        device = initialize_parallel(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
-                                     tensor_parallel=1, device_index=0)  # fmt: skip
-        addr = start_run_meta_server(run_dir, host="127.0.0.1")
+        device = initialize_parallel(rank=rank, world_size=tp, master_addr="127.0.0.1", master_port=port,
+                                     tensor_parallel=tp, device_index=rank)  # fmt: skip
         config = json.loads((ckpt / "config.json").read_text())
         model, shape = build_from_hf(ckpt, config, "bfloat16", device)
         actor = MegatronTrainEngine(model, shape, config, LossConfig(), OptimizerConfig(lr=1e-6), device)
-        publisher = AwexActorPublisher(cfg.with_meta_server(addr), actor)
-        publisher.initialize()
+        if rank == 0:
+            addr = start_run_meta_server(run_dir, host="127.0.0.1")
+            publisher = AwexActorPublisher(cfg.with_meta_server(addr), actor)
+            publisher.initialize()
+        else:
+            publisher = AwexRankWriter(cfg, actor, run_dir, address_timeout_s=300)
         actor.onload()  # colocate: awex released the actor's memory (no-op when resident)
-        onload_s, spans = [], []
+        seconds, onload_s, spans = [], [], []
         for step in steps:
             time.sleep(0.5)
-            publisher.publish(step)
-            spans.append(publisher.last_spans)
+            seconds.append(publisher.publish(step))
+            spans.append(getattr(publisher, "last_spans", {}))
             t0 = time.perf_counter()
             actor.onload()  # what the next train step needs in colocate mode
             onload_s.append(time.perf_counter() - t0)
-        (run_dir / "writer.json").write_text(
-            json.dumps({"seconds": publisher.seconds, "onload_s": onload_s, "spans": spans})
+        (run_dir / f"writer{rank}.json").write_text(
+            json.dumps({"seconds": seconds, "onload_s": onload_s, "spans": spans})
         )
-        while not (run_dir / "reader.json").exists():  # the MetaServer lives in this process
-            time.sleep(0.2)
+        while rank == 0 and not all((run_dir / f"reader{e}.json").exists() for e in range(engines)):
+            time.sleep(0.2)  # the MetaServer lives in this process
         return
     from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
     from mopd_hpc.engines.weight_sync.awex_hf import hf_awex_engine
 
-    engine = HFRolloutEngine.load(str(ckpt), "cuda:0" if mode == "colocate" else "cuda:1", "bfloat16")
+    torch.cuda.set_device(gpu)
+    engine = HFRolloutEngine.load(str(ckpt), f"cuda:{gpu}", "bfloat16")
     addr = read_meta_server_address(run_dir, timeout_s=300)
-    awex_engine = hf_awex_engine(cfg.with_meta_server(addr).inference_config(engine_rank=0), engine)
+    awex_engine = hf_awex_engine(cfg.with_meta_server(addr).inference_config(engine_rank=rank), engine)
     awex_engine.initialize()
     seconds, spans = [], []
     for step in steps:
@@ -302,15 +291,26 @@ def _awex_role(role: str, run_dir: Path, port: int, repeats: int, mode: str) -> 
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
         spans.append(getattr(awex_engine, "last_spans", {}))
-    (run_dir / "reader.json").write_text(
+    (run_dir / f"reader{rank}.json").write_text(
         json.dumps({"seconds": seconds, "version": engine.weight_version, "spans": spans})
     )
 
 
-def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path, mode: str = "separate") -> dict:
+def measure_awex(
+    size: str,
+    port: int,
+    repeats: int,
+    bw: float,
+    tmp: Path,
+    mode: str = "separate",
+    method: str | None = None,
+) -> dict:
     """The AWEX path for one size: writer and reader processes (module docstring); `bw` in GB/s is the
-    floor's bandwidth (NCCL broadcast for separate, device copy for colocate)."""
-    run_dir = tmp / f"awex_{mode}_{size}"
+    floor's bandwidth (NCCL broadcast for separate, device copy for colocate, the NCCL all-reduce bus
+    bandwidth for a multi-rank `method` of weight_sync_ranks.RANK_METHODS, whose layout it runs)."""
+    layout = RANK_METHODS.get(method or "")
+    tp, engines = (layout.tensor_parallel, layout.engines) if layout else (1, 1)
+    run_dir = tmp / f"awex_{method or mode}_{size}"
     run_dir.mkdir()
     model = make_checkpoint(SHAPES[size], run_dir / "ckpt", seed=0, device="cuda:0")
     named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
@@ -323,38 +323,48 @@ def measure_awex(size: str, port: int, repeats: int, bw: float, tmp: Path, mode:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    if mode == "colocate":
-        env["CUDA_VISIBLE_DEVICES"] = "0"
+    if mode == "colocate":  # every process sees the actor's GPUs, as colocated children do
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(tp))
     procs = []
-    for role in ("writer", "reader"):
-        log = open(run_dir / f"{role}.log", "w")  # noqa: SIM115 - closed below
+    sides = [("writer", r) for r in range(tp)] + [("reader", e) for e in range(engines)]
+    for role, rank in sides:
+        log = open(run_dir / f"{role}{rank}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, __file__, "--awex-role", role, "--run-dir", str(run_dir), "--repeats", str(repeats),
-               "--base-port", str(port), "--awex-mode", mode]  # fmt: skip
-        procs.append((role, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+               "--base-port", str(port), "--awex-mode", mode, "--awex-rank", str(rank), "--awex-tp", str(tp),
+               "--awex-engines", str(engines)]  # fmt: skip
+        procs.append(
+            (f"{role}{rank}", subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+        )
     try:
-        for role, proc, _ in procs:
+        for name, proc, _ in procs:
             if proc.wait(timeout=480) != 0:
-                tail = (run_dir / f"{role}.log").read_text()[-1500:]
-                raise RuntimeError(f"awex {role} exited {proc.returncode}: {tail}")
+                tail = (run_dir / f"{name}.log").read_text()[-1500:]
+                raise RuntimeError(f"awex {name} exited {proc.returncode}: {tail}")
     finally:
         for _, proc, log in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
             log.close()
-    written = json.loads((run_dir / "writer.json").read_text())
-    writer = written["seconds"]
-    reader = json.loads((run_dir / "reader.json").read_text())
+    written = [json.loads((run_dir / f"writer{r}.json").read_text()) for r in range(tp)]
+    writer = [max(w["seconds"][i] for w in written) for i in range(len(written[0]["seconds"]))]  # the slowest
+    reader = json.loads((run_dir / "reader0.json").read_text())
     sync_s = statistics.median(writer[1:])
     floor_s = nbytes / (bw * 1e9)
-    extra = {"onload_s": round(statistics.median(written["onload_s"][1:]), 4)} if mode == "colocate" else {}
-    extra |= {"writer_spans_s": _median_spans(written.get("spans", [])[1:]),
+    extra = (
+        {"onload_s": round(statistics.median(written[0]["onload_s"][1:]), 4)} if mode == "colocate" else {}
+    )
+    extra |= {"writer_spans_s": _median_spans(written[0].get("spans", [])[1:]),
               "reader_spans_s": _median_spans(reader.get("spans", [])[1:])}  # fmt: skip
-    return extra | {"method": "awex" if mode == "separate" else "awex_colocate", "size": size, "bytes": nbytes, "sent_bytes": sent, "sync_s": round(sync_s, 4),
+    row = extra | {"method": method or ("awex" if mode == "separate" else "awex_colocate"), "size": size, "bytes": nbytes, "sent_bytes": sent, "sync_s": round(sync_s, 4),
             "floor_s": round(floor_s, 4), "sync_floor_ratio": round(sync_s / floor_s, 3),
             "effective_gbps": round(nbytes / sync_s / 1e9, 1), "first_s": round(writer[0], 3),
             "times_s": [round(t, 4) for t in writer[1:]], "reader_times_s": [round(t, 4) for t in reader["seconds"][1:]],
             "weight_version": reader["version"]}  # fmt: skip
+    if layout:
+        config = json.loads((run_dir / "ckpt" / "config.json").read_text())
+        row |= rank_fields(method, plan_bytes(config, method), sync_s, bw)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--methods",
         default=None,
-        help="comma list of torch, awex, awex_colocate, ipc (default: all that fit the GPUs)",
+        help="comma list of torch, awex, awex_colocate, ipc, awex_tp2_colocate, awex_tp2 (default: all that fit "
+        "the GPUs, and the multi-rank rows, skipped with their reason where the GPUs are too few)",
     )
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the ipc method only, on this CPU"
@@ -378,19 +389,23 @@ def main(argv: list[str] | None = None) -> int:
         "--awex-mode", choices=("separate", "colocate"), default="separate", help=argparse.SUPPRESS
     )
     p.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    for name in ("--awex-rank", "--awex-tp", "--awex-engines"):
+        p.add_argument(name, type=int, default=0 if name == "--awex-rank" else 1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.awex_role is not None:
-        _awex_role(args.awex_role, args.run_dir, args.base_port, args.repeats, args.awex_mode)
+        _awex_role(args.awex_role, args.run_dir, args.base_port, args.repeats, args.awex_mode, args.awex_rank,
+                   args.awex_tp, args.awex_engines)  # fmt: skip
         return 0
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     one_gpu = "awex_colocate,ipc"
-    methods = (args.methods or ("torch,awex," + one_gpu if gpus >= 2 else one_gpu if gpus else "ipc")).split(
-        ","
-    )
-    if args.device == "cpu" and set(methods) != {"ipc"}:
+    ranked = ",".join(RANK_METHODS)  # rows of their own GPU count: skipped with the reason below it
+    single = "torch,awex," + one_gpu if gpus >= 2 else one_gpu if gpus else "ipc"
+    methods = (args.methods or f"{single},{ranked}").split(",")
+    if args.device == "cpu" and set(methods) - {"ipc", *RANK_METHODS}:
         print("weight_sync: --device cpu runs the ipc method only (--methods ipc)", file=sys.stderr)
         return 2
-    if args.device == "cuda" and (gpus < 1 or (gpus < 2 and set(methods) - set(one_gpu.split(",")))):
+    own = set(one_gpu.split(",")) | set(RANK_METHODS)
+    if args.device == "cuda" and (gpus < 1 or (gpus < 2 and set(methods) - own)):
         print(
             f"weight_sync: {gpus} CUDA GPU(s); torch and awex need 2, awex_colocate and ipc 1",
             file=sys.stderr,
@@ -398,14 +413,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     bw = nccl_broadcast_gbps(args.base_port) if gpus >= 2 else None
+    runs_ranked = any(m in RANK_METHODS and skipped_row(m, "", gpus) is None for m in methods)
+    abw = nccl_gbps(args.base_port + 40, "all_reduce", world=2) if runs_ranked else None
     cbw = copy_gbps(device="cuda:0" if args.device == "cuda" else "cpu")
-    print(f"measured NCCL broadcast GPU0->GPU1: {bw} GB/s; copy on {args.device}: {cbw:.1f} GB/s", flush=True)
+    print(f"measured NCCL broadcast GPU0->GPU1: {bw} GB/s; all-reduce bus bandwidth GPUs 0-1: {abw} GB/s; "
+          f"copy on {args.device}: {cbw:.1f} GB/s", flush=True)  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
             for k, size in enumerate(args.sizes.split(",")):
                 try:
-                    if method == "ipc":
+                    if method in RANK_METHODS:
+                        port = args.base_port + 50 + 10 * list(RANK_METHODS).index(method) + k
+                        row = skipped_row(method, size, gpus) or measure_awex(
+                            size, port, args.repeats, abw, Path(tmp), RANK_METHODS[method].mode, method
+                        )
+                    elif method == "ipc":
                         row = asyncio.run(
                             measure_ipc(
                                 size, args.base_port + 30 + k, args.repeats, cbw, Path(tmp), args.device
@@ -427,20 +450,23 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 partial = {"benchmark": "weight_sync", "bandwidth_gbps": bw and round(bw, 1),
-                           "copy_gbps": round(cbw, 1), "rows": rows}  # fmt: skip
+                           "allreduce_busbw_gbps": abw and round(abw, 1), "copy_gbps": round(cbw, 1),
+                           "rows": rows}  # fmt: skip
                 atomic_write_json(args.out, partial)  # survives a run cut short
-    print(f"\n{'method':13} {'size':6} {'GB':>6} {'sync s':>8} {'floor s':>8} {'ratio':>6} {'onload s':>8}")
+    print(f"\n{'method':17} {'size':6} {'GB':>6} {'sync s':>8} {'floor s':>8} {'ratio':>6} {'onload s':>8}")
     for r in rows:
-        if "error" in r:
-            print(f"{r['method']:13} {r['size']:6} error: {r['error'][:300]}")
+        if "error" in r or "skipped" in r:
+            print(f"{r['method']:17} {r['size']:6} {'error' if 'error' in r else 'skipped'}: "
+                  f"{r.get('error', r.get('skipped'))[:300]}")  # fmt: skip
         else:
             print(
-                f"{r['method']:13} {r['size']:6} {r['bytes'] / 1e9:6.2f} {r['sync_s']:8.3f} {r['floor_s']:8.3f} "
+                f"{r['method']:17} {r['size']:6} {r['bytes'] / 1e9:6.2f} {r['sync_s']:8.3f} {r['floor_s']:8.3f} "
                 f"{r['sync_floor_ratio']:6.2f} {r.get('onload_s', ''):>8}"
             )
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     result = {"benchmark": "weight_sync", "device": device, "torch": torch.__version__,
-              "gpus": gpus, "bandwidth_gbps": bw and round(bw, 1), "copy_gbps": round(cbw, 1), "rows": rows}  # fmt: skip
+              "gpus": gpus, "bandwidth_gbps": bw and round(bw, 1), "allreduce_busbw_gbps": abw and round(abw, 1),
+              "copy_gbps": round(cbw, 1), "rows": rows}  # fmt: skip
     atomic_write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0

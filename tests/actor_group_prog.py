@@ -18,7 +18,10 @@ joins; rank 0 also sums 1.0 over the group's data-parallel ranks), `dp_checkpoin
 whose state_dict is a collective, as megatron's distributed optimizer gathering its shards: after step 2
 rank 0 publishes a `checkpoint` record and calls state_dict, which the follower joins), `tp2dp2` (world 4:
 two replicas of a TP group of 2; each replica's TP rank 0 asks the teacher for its shard and broadcasts the
-scores to its TP rank 1; the engine reduces over the DP groups {0, 2}, {1, 3}), `tp2_nccl` (tp2's steps on two GPUs: the world and
+scores to its TP rank 1; the engine reduces over the DP groups {0, 2}, {1, 3}), `writers` (tp2dp2's world
+with a sync that every rank writes, as AWEX from a DP × TP actor: after each step rank 0 sends a `weights`
+record and publishes, and every follower's writer publishes its own piece at the same time: a stand-in for
+awex's writer whose publish all-gathers (rank, step, its TP piece of the parameter) over the world), `tp2_nccl` (tp2's steps on two GPUs: the world and
 the TP group on NCCL, the scores broadcast through the devices; no weight gather). Each rank writes
 `<out>/rank<r>.json`: what it trained (and a bitwise digest of each batch), asked the teachers (the rows, and
 the rows of each request), gathered, its final parameter, or its error.
@@ -212,12 +215,36 @@ class FakeShardedStateEngine(FakeEngine):
         self.state_dict()
 
 
+class GatherWriter:
+    """A stand-in for a trainer rank's AWEX writer (trainer/rank_writer.py's `RankWriter`): `publish(step)`
+    all-gathers (rank, step, its TP piece of w) over the world, so every rank must publish the same step at
+    the same time; records what it gathered."""
+
+    def __init__(self, engine: FakeEngine, rank: int, tp: int) -> None:
+        self.engine, self.rank, self.tp = engine, rank, tp
+        self.published: list[list[list[float]]] = []
+
+    def publish(self, step: int) -> float:
+        size = self.engine.w.numel() // self.tp
+        start = (self.rank % self.tp) * size
+        mine = torch.cat(
+            [
+                torch.tensor([self.rank, step], dtype=torch.float64),
+                self.engine.w.detach()[start : start + size],
+            ]
+        )
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        self.published.append([p.tolist() for p in parts])
+        return 0.0
+
+
 async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 0.0) -> dict:
     if scenario == "tp2":
         engine = FakeTPEngine(rank)
     elif scenario == "dp_checkpoint":
         engine = FakeShardedStateEngine(rank)
-    elif scenario == "tp2dp2":
+    elif scenario in ("tp2dp2", "writers"):
         engine = FakeTPDPEngine(rank)
     elif scenario == "tp2_nccl":  # both ranks hold every row: nothing to reduce between them
         engine = FakeEngine(distributed=False)
@@ -225,6 +252,7 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
         engine = FakeEngine(distributed=world > 1)
     teacher = FakeTeacher()
     step = ShardStep(engine, {"t": teacher}, PLAN, LOSS, ROUTE_WEIGHTS, group)
+    writer = GatherWriter(engine, rank, tp=2) if scenario == "writers" else None
     out: dict = {"rank": rank}
     if rank == 0:
         await group.publish(ControlRecord.start(0))
@@ -247,6 +275,9 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
             if scenario == "tp2":  # the controller's weight sync: announce, then gather
                 await group.publish(ControlRecord.weights(s, "sync"))
                 out.setdefault("gathered", []).append(dict(engine.named_weights())["w"].tolist())
+            if writer is not None:  # the controller's sync that every rank writes: announce, then publish
+                await group.publish(ControlRecord.weights(s, "sync"))
+                writer.publish(s)
             if scenario == "dp_checkpoint" and s == 2:  # the controller's checkpoint: announce, then gather
                 await group.publish(ControlRecord.checkpoint(s))
                 out["state"] = engine.state_dict()
@@ -256,7 +287,7 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
         group.barrier("end")
         out |= {"stats": stats, "receipts": receipts}
     else:
-        follower = Follower(engine, step, group, Path("."))
+        follower = Follower(engine, step, group, Path("."), writer)
         if scenario in ("rank1_dies", "rank1_hangs"):
             original = step.run
 
@@ -288,6 +319,8 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
         out |= {"outcome": [outcome.reason, outcome.step], "steps": follower.steps}
         if scenario in ("tp2", "dp_checkpoint"):
             out["joined"] = engine.joined
+    if writer is not None:
+        out["published"] = writer.published
     out |= {"trained": engine.trained, "asked": teacher.asked, "requests": teacher.requests}
     out |= {"batches": engine.batches, "w": engine.w.detach().tolist()}
     return out
@@ -321,7 +354,7 @@ def main() -> int:
             args.rank,
             args.world,
         )
-    elif args.scenario == "tp2dp2":  # rank = tp_rank + 2·dp_rank (config/parallel.py)
+    elif args.scenario in ("tp2dp2", "writers"):  # rank = tp_rank + 2·dp_rank (config/parallel.py)
         spec = GroupSpec(
             args.rank, args.world, args.rank // 2, 2, "gloo", "cpu", args.timeout_s, 60.0, args.rank % 2, 2
         )

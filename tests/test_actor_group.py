@@ -203,6 +203,26 @@ def test_tp2_dp2_each_replica_asks_the_teacher_once_a_step_and_shares_it(tmp_pat
     assert [len(got) for got in results[0]["receipts"]] == [4, 4, 4]
 
 
+def test_every_rank_of_a_tp2_dp2_actor_publishes_each_sync_with_rank0(tmp_path):
+    """TP 2 × DP 2 with a sync every trainer rank writes (AWEX from a DP × TP actor, trainer/rank_writer.py):
+    after each step rank 0's `weights` record makes every follower's writer publish that step together with
+    rank 0's (a world all-gather: a rank that did not publish would stall the others), each rank its own TP
+    piece of the step's parameters; no rank joins a weight gather."""
+    results = run_world(tmp_path, "writers", world=4)
+    logs = (tmp_path / "rank0.log").read_text()[-3000:]
+    assert all("error" not in r and "missing" not in r for r in results), (results, logs)
+    w = results[0]["w"]
+    assert all(r["w"] == w for r in results)
+    half = len(w) // 2
+    for result in results:
+        assert len(result["published"]) == 3, result["rank"]
+        assert result["published"] == results[0]["published"]
+    last = results[0]["published"][-1]  # step 3, after which w is final: rank r sent TP piece r mod 2
+    assert [row[:2] for row in last] == [[r, 3] for r in range(4)]
+    assert [row[2:] for row in last] == [w[:half], w[half:], w[:half], w[half:]]
+    assert [[row[1] for row in sync] for sync in results[0]["published"]] == [[s] * 4 for s in (1, 2, 3)]
+
+
 def test_followers_join_a_collective_state_dict_at_a_checkpoint(tmp_path):
     """DP 2 with an engine whose optimizer state is DP-sharded (`collective_state_dict`, megatron's distributed
     optimizer): rank 0's `checkpoint` record makes the follower join rank 0's state_dict gather once, so

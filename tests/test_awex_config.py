@@ -1,5 +1,4 @@
-"""AWEX configuration from the job plan, its 0.9.0 gaps, and AWEX transfer plans validated on CPU with awex's
-own TransferPlanBuilder (replayed on CPU tensors)."""
+"""AWEX configuration from the job plan and its 0.9.0 gaps (the transfer plans: tests/test_awex_plan.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import yaml
 from helpers_scripts import run_report
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.engines.megatron.convert import Qwen3Shape
 from mopd_hpc.engines.weight_sync.awex import (
     META_SERVER_FILE,
     AwexConfigError,
@@ -24,16 +22,11 @@ from mopd_hpc.engines.weight_sync.awex import (
     require_awex,
     write_meta_server_address,
 )
-from mopd_hpc.engines.weight_sync.awex_plan import simulate_transfer_plan
 from mopd_hpc.launch.placement import place_children
 from mopd_hpc.runtime.plan import JobPlan
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
-MICRO = Qwen3Shape.create(
-    num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, head_dim=8,
-    ffn_hidden_size=32, vocab_size=64, tie_word_embeddings=False,
-)  # fmt: skip
 
 
 def _plan(**cluster_rollout: object) -> JobPlan:
@@ -161,46 +154,6 @@ def test_gap3_colocate_writer_gets_its_train_config() -> None:
     real = object.__new__(NCCLWeightsWriter)
     assert not hasattr(real, "asystem_train_config")
     assert patch_colocate_writer(real).asystem_train_config["weights_exchange_ipc_backend"] == "cuda"
-
-
-# ------------------------------------------------------------------------------ CPU plan replay
-
-
-@pytest.mark.parametrize(
-    ("engines", "engine_tp", "train_world", "train_tp"),
-    [(8, 1, 8, 8), (2, 2, 4, 4), (1, 2, 4, 2), (2, 1, 2, 1)],
-    ids=["8gpu-colocated-d8t1-tp8", "d2t2-tp4", "d1t2-tp2dp2", "d2t1-tp1dp2"],
-)
-def test_transfer_plan_replays_exactly_on_cpu(
-    engines: int, engine_tp: int, train_world: int, train_tp: int
-) -> None:
-    pytest.importorskip("awex", reason="awex (the awex extra) is not installed")
-    cfg = AwexJobConfig(
-        mode="separate", comm_backend="nccl", ipc_backend="cuda", meta_server_addr="h:1", num_engines=engines,
-        engine_tp=engine_tp, engine_pp=1, infer_world=engines * engine_tp, train_world=train_world,
-        model_arch="Qwen3ForCausalLM",
-    )  # fmt: skip
-    check = simulate_transfer_plan(MICRO, cfg, train_tp=train_tp)
-    assert check.params == 2 * 11 + 3
-    sharded = 2 * 64 * 16 + 2 * (
-        32 * 16 + 2 * 16 * 16 + 16 * 32 + 3 * 32 * 16
-    )  # embeddings, lm_head, linears
-    replicated = 2 * (16 + 8 + 8 + 16) + 16  # norms: every rollout rank holds its own copy
-    assert check.numel == engines * (sharded + replicated * engine_tp)  # every rollout element, exactly once
-    assert check.op_count >= engines * check.params
-
-
-def test_replay_catches_a_plan_that_misses_elements(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("awex", reason="awex (the awex extra) is not installed")
-    from awex.transfer.transfer_plan import TransferPlanBuilder
-
-    real = TransferPlanBuilder.build_weights_mapping_operations
-    monkeypatch.setattr(
-        TransferPlanBuilder, "build_weights_mapping_operations", lambda *a, **k: real(*a, **k)[:-1]
-    )
-    cfg = AwexJobConfig.from_plan(_plan(), meta_server_addr="h:1")
-    with pytest.raises(AwexConfigError, match="on rollout transfer rank .* is not fully written"):
-        simulate_transfer_plan(MICRO, cfg, train_tp=8)
 
 
 class _DefaultGroup:

@@ -191,15 +191,16 @@ def test_refusal_of_job_gaps_lists_one_problem_a_line(tmp_path: Path) -> None:
     assert (rc, out) == (2, "")
     lines = err.splitlines()
     assert (
-        lines[0] == "mopd-submit: this config is valid but asks for what the job's roles do not run yet (3):"
+        lines[0] == "mopd-submit: this config is valid but asks for what the job's roles do not run yet (4):"
     )
-    assert [line.split(":")[0] for line in lines[1:4]] == [
+    assert [line.split(":")[0] for line in lines[1:5]] == [
         "  - models.actor.tensor_parallel",
         "  - models.teachers[0].tensor_parallel",
+        "  - weight_sync.backend",  # AWEX from 8 trainer ranks: not run on GPUs
         "  - weight_sync.backend",  # AWEX into SGLang: the job's AWEX reader is the hf server's
     ]
     assert (
-        lines[4] == "use --dry-run/--render to review it, or --probe to run the control plane of this shape"
+        lines[5] == "use --dry-run/--render to review it, or --probe to run the control plane of this shape"
     )
     assert not (tmp_path / "run").exists()
 

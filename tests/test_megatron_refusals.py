@@ -37,6 +37,23 @@ def test_megatron_tp_and_dp_stay_refused_by_the_capability_limit_only() -> None:
     assert "data-parallel size ≤ 1" in fields["models.actor.engine"].message
 
 
+def test_awex_from_several_trainer_ranks_names_the_test_that_has_not_run() -> None:
+    """AWEX with every trainer rank a writer (trainer/rank_writer.py) is refused on GPUs beyond one trainer rank
+    until tests/test_awex_tp_gpu.py has run, naming it; one trainer rank and CPU groups are not refused by it."""
+    from mopd_hpc.config.capabilities import weight_sync_refusals
+
+    (problem,) = weight_sync_refusals("awex", "megatron", "hf", "colocated", "gpu", actor_world=2)
+    assert problem.path == "weight_sync.backend" and problem.got == "awex"
+    assert problem.message == (
+        "the awex sync from 2 trainer ranks (every rank a writer at its transfer rank) has not run on GPUs: it "
+        "has run from one trainer rank only, and tests/test_awex_tp_gpu.py (a TP 2 actor: 2 GPUs colocated, "
+        "4 separated) has not run"
+    )
+    assert problem.expected.startswith("one trainer slot")
+    assert list(weight_sync_refusals("awex", "megatron", "hf", "colocated", "gpu", actor_world=1)) == []
+    assert list(weight_sync_refusals("torch", "megatron", "hf", "separated", "gpu", actor_world=8)) == []
+
+
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory) -> Path:
     """A tiny Qwen3MoeForCausalLM (2 experts) with the micro student's tokenizer files."""

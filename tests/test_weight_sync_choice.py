@@ -129,8 +129,59 @@ def test_awex_job_config_errors(tmp_path: Path) -> None:
     # refuse it too; model_copy skips them to reach this check)
     engines = cfg.rollout.engines.model_copy(update={"count": 2})
     two = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engines": engines})})
-    with pytest.raises(AwexConfigError, match=r"count·tensor_parallel = 2·1: AWEX colocate .* expected 1"):
+    with pytest.raises(
+        AwexConfigError,
+        match=r"count·tensor_parallel = 2·1: AWEX colocate .* actor's 1 trainer rank.* expected 1",
+    ):
         awex_job_config(two, model_arch="Qwen3ForCausalLM")
+
+
+def test_awex_job_config_counts_every_rank_of_a_tp_actor(tmp_path: Path) -> None:
+    """Colocated on 2 GPUs: a TP 2 actor (2 trainer ranks) and 2 HF engines, each trainer rank a writer at
+    transfer rank infer_world + rank with its own AWEX environment."""
+    cfg = one_gpu_config(
+        tmp_path,
+        **{"cluster.group.gpus_per_node": 2, "models.actor.tensor_parallel": 2},
+        **{"rollout.engines": {"count": 2, "tensor_parallel": 1}},
+    )
+    got = awex_job_config(cfg)
+    assert (got.mode, got.num_engines, got.infer_world, got.train_world) == ("colocate", 2, 2, 2)
+    assert [got.transfer_rank("actor", r) for r in range(2)] == [2, 3]
+    assert got.trainer_env(1, "10.0.0.2", 1) == {"AWEX_MASTER_ADDR": "10.0.0.2", "DEVICE": "1"}
+
+
+@in_loop
+async def test_the_controller_announces_a_sync_every_rank_writes(tmp_path: Path) -> None:
+    """An AWEX sync from a 2-rank actor is written by every rank: the controller sends the followers a
+    `weights` record before it (trainer/rank_writer.py); a one-rank AWEX sync, and a torch sync at TP 1, none."""
+    from mopd_hpc.trainer.controller import Controller
+
+    sent: list[tuple[str, int, str]] = []
+
+    async def publish(record: Any) -> None:
+        sent.append((record.kind, record.step, record.reason))
+
+    two = awex_job_config(
+        one_gpu_config(
+            tmp_path,
+            **{"cluster.group.gpus_per_node": 2, "models.actor.tensor_parallel": 2},
+            **{"rollout.engines": {"count": 2, "tensor_parallel": 1}},
+        )
+    )
+    one = awex_job_config(one_gpu_config(tmp_path))
+    engine = SimpleNamespace(gathers_over_tp=False)
+    for sync, want in (
+        (AwexSync(two, engine, tmp_path, "127.0.0.1"), [("weights", 4, "sync")]),
+        (AwexSync(one, engine, tmp_path, "127.0.0.1"), []),
+        (TorchSync(engine, SETTINGS), []),
+    ):
+        controller = object.__new__(Controller)
+        controller.engine, controller.sync = engine, sync
+        controller.group = SimpleNamespace(publish=publish)
+        sent.clear()
+        await controller._announce_gather(4, "sync")
+        await controller._announce_gather(4, "evaluate")  # an evaluation gathers nothing at TP 1
+        assert sent == want, sync
 
 
 @in_loop

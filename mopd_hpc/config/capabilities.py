@@ -103,6 +103,10 @@ class WeightSyncSpec:
         ("colocated", "cpu"),
         ("colocated", "gpu"),
     )
+    #: The largest actor world (trainer ranks) it has run from on GPUs (None: whatever the actor engine runs),
+    #: and the test that has not run beyond it (named in the refusal).
+    trainer_ranks_gpu: int | None = None
+    untested: str = ""
 
 
 # ---------------------------------------------------------------------------------------- the declarations
@@ -178,8 +182,15 @@ WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
         rollout_backends=("hf",),
         layouts=(("colocated", "cpu"), ("colocated", "gpu")),
     ),
-    # the job's AWEX reader is the hf rollout server's (/awex/init); the writer is the megatron actor's
-    "awex": WeightSyncSpec("awex", actor_engines=("megatron",), rollout_backends=("hf",)),
+    # the job's AWEX reader is the hf rollout server's (/awex/init); the writer is the megatron actor's, on
+    # every trainer rank (trainer/rank_writer.py): from more than one it has not run on GPUs
+    "awex": WeightSyncSpec(
+        "awex",
+        actor_engines=("megatron",),
+        rollout_backends=("hf",),
+        trainer_ranks_gpu=1,
+        untested="tests/test_awex_tp_gpu.py (a TP 2 actor: 2 GPUs colocated, 4 separated)",
+    ),
 }
 
 
@@ -428,10 +439,33 @@ def weight_sync_refusals(
     rollout_backend: str,
     rollout_mode: str = "separated",
     device: str = "cpu",
+    actor_world: int = 1,
 ) -> Iterator[Problem]:
     """What the `backend` weight sync does not connect: the actor engine it writes from, the rollout it
-    reads into, the placement (rollout.mode on `device`) it crosses."""
+    reads into, the placement (rollout.mode on `device`) it crosses, an actor of `actor_world` trainer ranks
+    on GPUs beyond what it has run from (naming the test that has not run)."""
     spec = WEIGHT_SYNCS[backend]
+    limit = spec.trainer_ranks_gpu
+    if device == "gpu" and limit is not None and actor_world > limit:
+        yield Problem(
+            "weight_sync.backend",
+            f"the {backend} sync from {actor_world} trainer ranks (every rank a writer at its transfer rank) has "
+            f"not run on GPUs: it has run from {'one trainer rank' if limit == 1 else f'{limit} trainer ranks'} only, and "
+            f"{spec.untested} has not run",
+            backend,
+            ("one trainer slot" if limit == 1 else f"at most {limit} trainer slots")
+            + _others(
+                WEIGHT_SYNCS,
+                "weight_sync.backend",
+                lambda s: (
+                    (s.trainer_ranks_gpu is None or s.trainer_ranks_gpu >= actor_world)
+                    and actor_engine in s.actor_engines
+                    and rollout_backend in s.rollout_backends
+                    and (rollout_mode, device) in s.layouts
+                ),
+                but=backend,
+            ),
+        )
     if (rollout_mode, device) not in spec.layouts:
         modes = [m for m, d in spec.layouts if d == device]
         yield Problem(

@@ -49,7 +49,7 @@ def job_gaps(cfg: Any) -> list[Problem]:
     out += rollout_refusals(cfg.rollout.backend, cfg.rollout.engines.tensor_parallel)
     out += _backend_package(cfg)
     out += weight_sync_refusals(
-        cfg.weight_sync.backend, actor.engine, cfg.rollout.backend, cfg.rollout.mode, device
+        cfg.weight_sync.backend, actor.engine, cfg.rollout.backend, cfg.rollout.mode, device, world.size
     )
     return out + loss_refusals(actor.engine, cfg.loss)
 

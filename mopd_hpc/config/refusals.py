@@ -132,6 +132,14 @@ def refusal_rows() -> list[Row]:
             names = [n for n in table if n not in supported]
             if names:
                 rows.append(("weight_sync.backend", f"`{name}` with {what} {_names(names)}", "`torch`"))
+        if spec.trainer_ranks_gpu is not None:
+            rows.append(
+                (
+                    "weight_sync.backend",
+                    f"`{name}` from > {spec.trainer_ranks_gpu} trainer rank(s) on GPUs (not run: {spec.untested})",
+                    "fewer trainer slots",
+                )
+            )
         for mode, device in (
             ("separated", "cpu"),
             ("separated", "gpu"),

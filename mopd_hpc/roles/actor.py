@@ -19,7 +19,9 @@ ranks follow it (trainer/follower.py). In order, on every rank:
 6. rank 0: the tokenizer, the routed data, the rollout clients and the weight sync (the `nccl` port), the
    SIGUSR2 checkpoint handler, on a GPU the residency decision (`roles/residency.py`: which teachers leave
    the GPU between phases; printed with the memory plan), then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
-   checkpoint and sends the stop record), then `Follower.run()`.
+   checkpoint and sends the stop record), then `Follower.run()`, with weight_sync.backend awex its own AWEX
+   writer at transfer rank infer_world + rank (`trainer/rank_writer.py`: every trainer rank writes; the
+   MetaServer runs on rank 0 only).
 
 Engines: torch (transformers on the child's device `RoleEnv.device`: the GPU the plan gives it, else CPU;
 DDP over the actor group's gloo world on CPU at world > 1) or megatron (megatron-core on the child's GPU; at
@@ -27,8 +29,8 @@ world 1 a one-rank NCCL group, no port; at world DP × TP the actor group's NCCL
 groups derived from it, rank 0 the controller, the other ranks of its TP group joining its weight gathers).
 Several GPU ranks (torch DDP over NCCL; megatron at TP > 1 or DP > 1) are refused by `config/capabilities.py`
 alone until they have run on GPUs: the code path exists, the capability limit selects it. With weight_sync.backend awex, `main` puts the variables awex reads
-itself into os.environ before anything imports it (`AwexJobConfig.trainer_env`: AWEX_MASTER_ADDR = the master
-address, DEVICE = the child's device index).
+itself into os.environ before anything imports it (`AwexJobConfig.trainer_env`, on every trainer rank: AWEX_MASTER_ADDR =
+this child's own address, `master_address(role)`; DEVICE = the child's device index).
 
 Exit codes: 0 finished or checkpointed on SIGUSR2; 2 a config or environment error; 3 a model
 compatibility error; 1 anything else (the traceback is in the child's .err log; a rank that lost its peers
@@ -68,6 +70,7 @@ from mopd_hpc.trainer.actor_group import Group
 from mopd_hpc.trainer.controller import Controller, RunOutcome
 from mopd_hpc.trainer.follower import Follower
 from mopd_hpc.trainer.rank_step import ShardStep
+from mopd_hpc.trainer.rank_writer import build_rank_writer
 from mopd_hpc.trainer.weight_sync import SyncSettings, build_sync
 
 log = logging.getLogger("mopd_hpc.trainer")
@@ -249,7 +252,8 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
             else:
                 signal.signal(CHECKPOINT_SIGNAL, signal.SIG_IGN)  # rank 0 decides when to checkpoint
                 shard_step = ShardStep(engine, teachers, plan, cfg.loss, route_weights(cfg), group, reference)
-                outcome = await Follower(engine, shard_step, group, role.run_dir).run()
+                writer = build_rank_writer(cfg, engine, role.run_dir)  # AWEX: its own shards at each sync
+                outcome = await Follower(engine, shard_step, group, role.run_dir, writer).run()
     finally:
         group.close()
     log.info("actor rank %d ended: %s at step %d", role.rank, outcome.reason, outcome.step)

@@ -7,8 +7,10 @@
     step record    `ShardStep.run` on this rank's shard: its own rows' teacher scores straight from the
                    teacher servers (at TP > 1 TP rank 0's, broadcast over its TP group: only TP rank 0
                    asks), the drain gather, `train_step` (the gradient all-reduce)
-    weights record a TP rank of data-parallel rank 0's TP group joins rank 0's gather of the HF weights
-                   (weight sync, evaluation, export: `engine.join_weight_gather`); other ranks ignore it
+    weights record reason "sync" with a writer (AWEX: trainer/rank_writer.py): this rank publishes its own
+                   shards, as rank 0 does at the same time; otherwise a TP rank of data-parallel rank 0's
+                   TP group joins rank 0's gather of the HF weights (weight sync, evaluation, export:
+                   `engine.join_weight_gather`), and other ranks ignore it
     checkpoint     a TP engine's rank writes its shards of the step (trainer/sharded_checkpoint.py); an engine
                    whose state_dict is a collective (`collective_state_dict`: megatron's distributed
                    optimizer at DP > 1 gathers its parameter state) joins rank 0's (`join_state_dict`)
@@ -29,6 +31,7 @@ from mopd_hpc.trainer.actor_group import ActorGroupError, Group
 from mopd_hpc.trainer.checkpoint import load_checkpoint, restore_rng_state, step_dir_name
 from mopd_hpc.trainer.controller import CHECKPOINT_DIR, RunOutcome
 from mopd_hpc.trainer.rank_step import ShardStep, make_resident
+from mopd_hpc.trainer.rank_writer import RankWriter
 from mopd_hpc.trainer.sharded_checkpoint import load_engine_shards, save_engine_shards
 
 log = logging.getLogger("mopd_hpc.trainer")
@@ -42,12 +45,21 @@ class Follower:
         shard_step: its `ShardStep` (teacher clients opened by the caller).
         group: the actor group, joined as this rank.
         run_dir: the run directory (checkpoints under run_dir/checkpoints).
+        writer: this rank's own weight-sync writer (`build_rank_writer`: AWEX), or None (rank 0 sends).
     """
 
-    def __init__(self, engine: TrainEngine, shard_step: ShardStep, group: Group, run_dir: Path) -> None:
+    def __init__(
+        self,
+        engine: TrainEngine,
+        shard_step: ShardStep,
+        group: Group,
+        run_dir: Path,
+        writer: RankWriter | None = None,
+    ) -> None:
         if group.rank == 0:
             raise ActorGroupError("actor rank 0 runs the controller, not a follower")
         self.engine, self.shard_step, self.group, self.run_dir = engine, shard_step, group, Path(run_dir)
+        self.writer = writer
         #: Steps this rank trained, in order (for tests).
         self.steps: list[int] = []
 
@@ -75,7 +87,9 @@ class Follower:
                 log.info("actor rank %d: %s at step %d", self.group.rank, record.reason, record.step)
                 return RunOutcome(record.reason, record.step, start.step)
             if record.kind == "weights":
-                if getattr(self.engine, "gathers_over_tp", False) and self.group.dp_rank == 0:
+                if record.reason == "sync" and self.writer is not None:
+                    self.writer.publish(record.step)  # its own shards, with rank 0's publish
+                elif getattr(self.engine, "gathers_over_tp", False) and self.group.dp_rank == 0:
                     make_resident(self.engine, f"weight gather ({record.reason})")
                     self.engine.join_weight_gather()
                 continue

@@ -20,7 +20,8 @@ sub-phases and reader<i>_<span> of each server's: `engines/weight_sync/awex_span
 
 `AwexSync` (weight_sync.backend awex; awex 0.9.0, `engines/weight_sync/awex_actor.py`): start runs the
 MetaServer on this process (its address in run_dir/awex_meta_server.json), builds the actor's writer
-(`AwexActorPublisher`, then `initialize()`), and has every rollout server build its reader
+(`AwexActorPublisher`, then `initialize()`; at an actor world > 1 every other trainer rank builds its own at
+the first push, trainer/rank_writer.py), and has every rollout server build its reader
 (`RolloutClient.awex_init(inference_config(i))`, in engine order). A push runs the writer's `publish(step)`
 and every server's `awex_update(step)` at the same time: each side blocks until the other has taken part
 (colocate: CUDA IPC handles through the MetaServer; separate: one NCCL group). In colocate mode awex
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.engines.daemon_thread import in_daemon_thread
 from mopd_hpc.engines.weight_sync.awex import REGISTERED_ARCHITECTURES, AwexConfigError, AwexJobConfig
 from mopd_hpc.engines.weight_sync.awex_actor import (
@@ -90,6 +92,8 @@ class WeightSync(Protocol):
 
     #: Sub-phase seconds of the last push (module docstring).
     spans: dict[str, float]
+    #: Whether every trainer rank writes its own shards in a push (the followers publish with rank 0).
+    every_rank: bool
 
 
 # ----------------------------------------------------------------------------------------------- torch
@@ -98,6 +102,8 @@ class WeightSync(Protocol):
 class TorchSync:
     """torch.distributed broadcast (module docstring). `engine` gives `named_weights()`; each server joins
     with `ranks_per_server` ranks (rollout.engines.tensor_parallel: an sglang engine's TP workers)."""
+
+    every_rank = False  # rank 0 sends; at TP > 1 its TP group joins the per-tensor gather
 
     def __init__(
         self,
@@ -149,6 +155,8 @@ class TorchSync:
 class IpcSync:
     """Shared buffers on one node (module docstring). `engine` gives `named_weights()` (HF names, on the
     actor's device); bucket_bytes: the largest buffer."""
+
+    every_rank = False  # rank 0 fills the buffers; at TP > 1 its TP group joins the per-tensor gather
 
     def __init__(self, engine: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.engine, self.bucket_bytes = engine, bucket_bytes
@@ -219,15 +227,16 @@ def actor_architecture(actor_path: str | Path) -> str:
 
 
 def awex_job_config(cfg: RunConfig, model_arch: str | None = None) -> AwexJobConfig:
-    """The AWEX settings of this job's actor (one trainer rank) and rollout fleet, from the run config:
-    mode = weight_sync.awex_mode, else from rollout.mode (colocated → colocate); num_engines, engine_tp =
-    rollout.engines.count, .tensor_parallel; engine_pp 1; infer_world = count·tp; train_world 1;
+    """The AWEX settings of this job's actor and rollout fleet, from the run config: mode =
+    weight_sync.awex_mode, else from rollout.mode (colocated → colocate); num_engines, engine_tp =
+    rollout.engines.count, .tensor_parallel; engine_pp 1; infer_world = count·tp; train_world = the actor
+    group's world (`ActorParallel`: dp·tp·pp ranks, every one a writer at transfer rank infer_world + rank);
     model_arch = the actor's config.json architectures[0] (unless given); comm nccl, ipc cuda. The
     MetaServer address is empty until `AwexSync.start` fills it in.
 
     Raises:
-        AwexConfigError: an architecture awex 0.9.0 does not register; colocate with infer_world != 1
-            (colocate pairs each trainer rank with one rollout rank on its GPU).
+        AwexConfigError: an architecture awex 0.9.0 does not register; colocate with infer_world !=
+            train_world (colocate pairs each trainer rank with one rollout rank on its GPU).
     """
     arch = model_arch if model_arch is not None else actor_architecture(cfg.models.actor.path)
     if arch not in REGISTERED_ARCHITECTURES:
@@ -238,10 +247,12 @@ def awex_job_config(cfg: RunConfig, model_arch: str | None = None) -> AwexJobCon
     mode = cfg.weight_sync.awex_mode or AWEX_MODES[cfg.rollout.mode]
     engines = cfg.rollout.engines
     infer_world = engines.count * engines.tensor_parallel
-    if mode == "colocate" and infer_world != 1:
+    actor = ActorParallel.from_config(cfg)
+    if mode == "colocate" and infer_world != actor.world:
         raise AwexConfigError(
             f"rollout.engines count·tensor_parallel = {engines.count}·{engines.tensor_parallel}: AWEX colocate "
-            "pairs the actor's one trainer rank with one rollout rank on its GPU; expected 1"
+            f"pairs each of the actor's {actor.world} trainer rank(s) ({actor.source}) with one rollout rank on "
+            f"its GPU; expected {actor.world}"
         )
     return AwexJobConfig(
         mode=mode,
@@ -252,7 +263,7 @@ def awex_job_config(cfg: RunConfig, model_arch: str | None = None) -> AwexJobCon
         engine_tp=engines.tensor_parallel,
         engine_pp=1,
         infer_world=infer_world,
-        train_world=1,
+        train_world=actor.world,
         model_arch=arch,
     )
 
@@ -285,6 +296,8 @@ class AwexSync:
 
     def __init__(self, config: AwexJobConfig, engine: Any, run_dir: str | Path, host: str) -> None:
         self.config, self.engine, self.run_dir, self.host = config, engine, Path(run_dir), host
+        #: Every trainer rank writes its own shards (trainer/rank_writer.py): the followers publish with it.
+        self.every_rank = config.train_world > 1
         self.address: str | None = None
         self.publisher: Any = None
         self.spans: dict[str, float] = {}

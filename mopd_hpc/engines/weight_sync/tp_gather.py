@@ -11,7 +11,10 @@ tensor to the sender (`TorchBroadcastSender.send`, which broadcasts to the rollo
 the other ranks take part in the gathers and drop the tensors.
 
 Memory: one HF tensor (its T pieces) at a time on top of the model, never the whole model's megatron state
-(the all-gather of `MegatronTrainEngine.full_mcore_state`). Every rank of the TP group must iterate
+(the all-gather of `MegatronTrainEngine.full_mcore_state`). Its consumers may hold more: `TorchSync.push`
+(trainer/weight_sync.py) lists every gathered tensor before sending, so TP rank 0 holds the whole HF model on
+its device, and the "flattened_bucket" send concatenates it per dtype, a second copy; streaming the gathered
+tensors into one broadcast each (the specs are known from the shard plan) is not built. Every rank of the TP group must iterate
 `gathered_hf_weights` to the end, in the same order: a rank that stops early leaves the others in an
 all-gather until the collective timeout.
 
