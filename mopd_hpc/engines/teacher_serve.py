@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,16 +170,17 @@ def pad_token_id(engine: Any) -> int:
 
 def shutdown_parallel(args: TeacherArgs) -> None:
     """Tear down what `build_engine` set up for a megatron teacher (megatron's parallel state, the NCCL
-    group); nothing for torch."""
+    group); nothing for torch. Megatron's state exists only when megatron was imported (it is not imported
+    here for nothing: a slow import, seconds)."""
     if args.engine != "megatron":
         return
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 

@@ -147,7 +147,7 @@ def teacher_args(
         teacher_id=teacher.id,
         model_path=teacher.path,
         host=role.bind_host,
-        port=role.port("http"),
+        port=role.port("http") if role.rank == 0 else 0,  # a follower serves nothing (its plan leases none)
         advertise_host=role.advertise_host,
         device=role.device.torch_name,
         dtype=teacher.dtype,
