@@ -17,6 +17,7 @@ exit non-zero within the collective timeout, its records removed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import pytest
 import torch
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
+from teacher_replica_prog import STAND_IN
 from teacher_tp_prog import VOCAB
 
 from mopd_hpc.config import RunConfig
@@ -38,6 +40,9 @@ from mopd_hpc.engines.teacher_client import TeacherClient
 from mopd_hpc.launch.placement import place_children
 from mopd_hpc.records.job_end import write_job_end
 from mopd_hpc.records.run_dir import CONFIG_FILE, teacher_endpoint_file, teacher_rendezvous_file
+from mopd_hpc.roles.env import RoleEnv, RoleEnvError
+from mopd_hpc.roles.teacher import teacher_args
+from mopd_hpc.roles.teacher_replica import replica_spec
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.plan import child_environment
 
@@ -187,6 +192,41 @@ def replicas(tmp_path: Path):
     yield start
     for replica in started:
         replica.kill()
+
+
+def test_each_child_of_the_plan_gets_its_place_in_the_replica(tmp_path: Path) -> None:
+    cfg = replica_config(tmp_path / "model", 2)
+    envs = teacher_envs(cfg, tmp_path)
+    roles = [RoleEnv.from_env(env) for env in envs]
+    args = [teacher_args(r, cfg, env, STAND_IN.specs) for r, env in zip(roles, envs, strict=True)]
+    leader, follower = (replica_spec(r, cfg, a, env) for r, a, env in zip(roles, args, envs, strict=True))
+    assert leader is not None and follower is not None
+    master = int(envs[0][child_env.port_env_name("master")])
+    assert (leader.rank, leader.world_size, leader.master_host, leader.master_port) == (
+        0,
+        2,
+        "127.0.0.1",
+        master,
+    )
+    assert (follower.rank, follower.master_host, follower.master_port) == (1, None, None)
+    assert (leader.backend, leader.device, leader.collective_timeout_s) == (
+        "gloo",
+        "cpu",
+        COLLECTIVE_TIMEOUT_S,
+    )
+    assert leader.heartbeat_s == 2.0 and [a.rank for a in args] == [0, 1]
+    assert (
+        args[0].port == int(envs[0][child_env.port_env_name("http")]) and args[1].port == 0
+    )  # no http lease
+    with pytest.raises(
+        RoleEnvError, match=r"^MOPD_WORLD_SIZE=2 but models\.teachers\[0\]\.tensor_parallel is 1"
+    ):
+        replica_spec(roles[0], cfg, dataclasses.replace(args[0], tensor_parallel=1), envs[0])
+    # the job's own declarations refuse it, as --check does: megatron's teacher has not run at TP 2 on GPUs
+    with pytest.raises(
+        RoleEnvError, match=r"^models\.teachers\[0\]\.engine: .*models\.teachers\[0\]\.tensor_par"
+    ):
+        teacher_args(roles[0], cfg, envs[0])
 
 
 def test_tp2_replica_scores_as_tp1_and_stops_with_the_job(replicas) -> None:
