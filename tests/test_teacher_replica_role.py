@@ -11,7 +11,8 @@ Checks: the TP = 2 replica's /score answers (log-probs, top-k ids and log-probs)
 within 1e-6 (float32: the shards' matmuls sum over the same hidden size; measured 0 here), ids equal; the
 follower ran every request the leader broadcast; the end of the job and SIGTERM each stop both processes
 with exit 0 and remove the endpoint and rendezvous records; a follower killed with SIGKILL makes the leader
-exit non-zero within the collective timeout, its records removed.
+exit non-zero within the collective timeout, its records removed, and a killed leader ends its follower so.
+The place of each child in the replica (`replica_spec`, `teacher_args`) comes from the plan's variables.
 """
 
 from __future__ import annotations
@@ -272,3 +273,13 @@ def test_a_killed_follower_ends_the_leader_within_the_collective_timeout(replica
     assert elapsed < COLLECTIVE_TIMEOUT_S, (elapsed, tp2.tails())
     assert "ReplicaLostError" in tp2.logs[0].read_text()
     assert not tp2.endpoint.exists() and not tp2.rendezvous.exists()
+
+
+def test_a_killed_leader_ends_the_follower_within_the_collective_timeout(replicas) -> None:
+    tp2 = replicas("tp2", 2)
+    score(tp2.url())
+    tp2.procs[0].kill()
+    killed = time.monotonic()
+    code = tp2.procs[1].wait(timeout=COLLECTIVE_TIMEOUT_S + 30)
+    assert code != 0 and time.monotonic() - killed < COLLECTIVE_TIMEOUT_S, tp2.tails()
+    assert "ReplicaLostError" in tp2.logs[1].read_text()

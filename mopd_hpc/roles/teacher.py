@@ -45,11 +45,10 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.capabilities import TEACHER_ENGINES, TeacherEngineSpec, teacher_refusals
@@ -96,7 +95,7 @@ class TeacherEngines:
     replica's world formed already). The default is the job's; tests replace both together with a stand-in."""
 
     specs: Mapping[str, TeacherEngineSpec] = field(default_factory=lambda: MappingProxyType(TEACHER_ENGINES))
-    build: Callable[[TeacherArgs], Any] = build_engine
+    build: EngineBuilder = build_engine
 
 
 def scoring_rows(cfg: RunConfig, model_path: str, budget_bytes: int = SCORING_BUDGET_BYTES) -> int:
