@@ -9,7 +9,8 @@ the leader on the actor's GPU 0 with `http` and `master`, a follower on GPU 1) a
 COLLECTIVE_TIMEOUT_S. Oracle: the same role at tensor_parallel 1 (one process, the whole weight matrix).
 Checks: the TP = 2 replica's /score answers (log-probs, top-k ids and log-probs) equal the TP = 1 replica's
 within 1e-6 (float32: the shards' matmuls sum over the same hidden size; measured 0 here), ids equal; the
-follower ran every request the leader broadcast; the end of the job and SIGTERM each stop both processes
+follower ran every request the leader broadcast; an idle replica lives past the collective timeout (the
+leader's heartbeat); the end of the job and SIGTERM each stop both processes
 with exit 0 and remove the endpoint and rendezvous records; a follower killed with SIGKILL makes the leader
 exit non-zero within the collective timeout, its records removed, and a killed leader ends its follower so.
 The place of each child in the replica (`replica_spec`, `teacher_args`) comes from the plan's variables.
@@ -251,9 +252,12 @@ def test_tp2_replica_scores_as_tp1_and_stops_with_the_job(replicas) -> None:
             assert a.topk_ids is None and b.topk_ids is None
 
 
-def test_sigterm_stops_leader_and_follower_with_exit_0(replicas) -> None:
+def test_an_idle_replica_outlives_the_collective_timeout_and_sigterm_stops_it(replicas) -> None:
     tp2 = replicas("tp2", 2)
-    score(tp2.url())
+    url = tp2.url()
+    time.sleep(1.5 * COLLECTIVE_TIMEOUT_S)  # no request: the follower's wait lives on the leader's heartbeat
+    assert all(p.poll() is None for p in tp2.procs), tp2.tails()
+    score(url)
     for p in tp2.procs:  # as the guard stops a job's children: each its own process group
         os.killpg(p.pid, signal.SIGTERM)
     assert tp2.wait() == [0, 0], tp2.tails()
