@@ -18,7 +18,7 @@ from pathlib import Path
 import actor_group_prog as prog
 import pytest
 
-from mopd_hpc.trainer.rendezvous import rendezvous_path
+from mopd_hpc.trainer.rendezvous import RendezvousFile
 from mopd_hpc.trainer.shards import shard_rows
 
 HERE = Path(__file__).resolve().parent
@@ -107,7 +107,7 @@ def test_two_ranks_train_their_own_shards_and_match_dp1(tmp_path):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-12)
         for key in ("mopd/rho_mean", "mopd/ratio_capped_frac", "mopd/teacher_student_gap"):
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
-    assert not rendezvous_path(tmp_path).exists()  # rank 0 removed its record at the end
+    assert not RendezvousFile.actor(tmp_path).path.exists()  # rank 0 removed its record at the end
 
 
 def test_a_follower_waits_out_a_rank0_busier_than_the_collective_timeout(tmp_path):

@@ -85,8 +85,9 @@ def test_teacher_at_tp2_is_a_gap_naming_the_field_value_and_1() -> None:
     gap = gaps[0]
     assert (gap.path, gap.got, gap.expected) == ("models.teachers[0].tensor_parallel", 2, "expected ≤ 1")
     assert gap.render() == (
-        "models.teachers[0].tensor_parallel: the teacher role serves a megatron teacher at tensor_parallel ≤ 1 "
-        "(one process, no follower ranks): tensor_parallel 2 needs ranks it does not start (got 2; expected ≤ 1)"
+        "models.teachers[0].tensor_parallel: the teacher role serves a megatron teacher at tensor_parallel ≤ 1: "
+        "a replica of tensor_parallel 2 (a leader and 1 follower rank(s)) has not run with this engine yet "
+        "(got 2; expected ≤ 1)"
     )
     warnings = gpu_config(2).warnings()
     assert any(

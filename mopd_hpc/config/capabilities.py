@@ -11,8 +11,12 @@ below, nothing else: e.g. a reference model for the KL penalty is `reference=Tru
 it; megatron top-k is `"topk"` in its `estimators`.
 
 What each role starts: the actor role one process per trainer slot (`config/parallel.py` actor_world), the
-engine's tp·pp·dp ranks; the teacher role one process per teacher (no follower ranks); the rollout role one
-server per `rollout.engines.count`. A limit of 1 below therefore means "one process".
+engine's tp·pp·dp ranks; the teacher role one process per rank of each replica (`launch/placement.py`): at
+tensor_parallel 1 one server, above it a leader serving HTTP plus tensor_parallel − 1 followers holding the
+other shards (roles/teacher_replica.py); the rollout role one server per `rollout.engines.count`. A teacher
+engine's tensor_parallel below is the largest replica that has run with it: the role's leader/follower path
+is tested on CPU with a stand-in shard engine (tests/test_teacher_replica_role.py), and megatron's stays at 1
+until its replica of TP > 1 has run on GPUs (the multi-GPU issue).
 
 Imports no torch (it is read on the submit host in a second). The refusals' table in README.md and docs/ is
 `refusals_table()` (tests/test_config_contract.py checks the docs hold it).
@@ -20,7 +24,7 @@ Imports no torch (it is read on the submit host in a second). The refusals' tabl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -369,11 +373,18 @@ def actor_refusals(
 
 
 def teacher_refusals(
-    index: int, engine: str, device: str, tp: int, estimator: str | None = None
+    index: int,
+    engine: str,
+    device: str,
+    tp: int,
+    estimator: str | None = None,
+    *,
+    table: Mapping[str, TeacherEngineSpec] = TEACHER_ENGINES,
 ) -> list[Problem]:
     """What the teacher role does not serve for `models.teachers[index]`: its `engine` on `device` at
-    tensor_parallel `tp`, answering top-k when `estimator` is "topk"."""
-    spec, path, out = TEACHER_ENGINES[engine], join_path("models", "teachers", index), []
+    tensor_parallel `tp`, answering top-k when `estimator` is "topk". `table`: the declarations (the role's
+    tests pass a stand-in engine's)."""
+    spec, path, out = table[engine], join_path("models", "teachers", index), []
     if device not in spec.devices:
         out.append(
             Problem(
@@ -388,9 +399,9 @@ def teacher_refusals(
         out.append(
             Problem(
                 f"{path}.tensor_parallel",
-                f"the teacher role serves a {engine} teacher at tensor_parallel ≤ {spec.tensor_parallel} "
-                f"({_processes(spec.tensor_parallel)}, no follower ranks): tensor_parallel {tp} needs ranks it "
-                "does not start",
+                f"the teacher role serves a {engine} teacher at tensor_parallel ≤ {spec.tensor_parallel}: a "
+                f"replica of tensor_parallel {tp} (a leader and {tp - 1} follower rank(s)) has not run with "
+                "this engine yet",
                 tp,
                 f"expected ≤ {spec.tensor_parallel}",
             )

@@ -55,7 +55,8 @@ class ActorConfig(Section):
         allow_inf_nan=False,
         description="Seconds an actor rank waits in a collective (gradient all-reduce, drain gather, barrier) "
         "for the other ranks, and the longest rank 0's heartbeat may stand still; a hung rank ends the job "
-        "after this. Rank 0's evaluation and checkpoint saves do not count against it.",
+        "after this. Rank 0's evaluation and checkpoint saves do not count against it. It also bounds the "
+        "collectives of a tensor-parallel teacher replica (leader and followers, roles/teacher_replica.py).",
     )
     optimizer: OptimizerConfig = Field(description="AdamW settings.")
     micro_batch_tokens: int | None = Field(

@@ -1,8 +1,10 @@
 """Serve one teacher: build its scoring engine, listen, publish its endpoint, stop cleanly.
 
 `serve(args)` loads the checkpoint once with the scoring engine `args.engine` names (`build_engine`): `torch`
-(transformers, CPU or GPU) or `megatron` (megatron-core GPTModel, CUDA only, tensor parallel 1: a one-rank
-NCCL group rendezvoused in memory, torn down when the server stops). When the server listens and
+(transformers, CPU or GPU) or `megatron` (megatron-core GPTModel, CUDA only; at tensor parallel 1 a one-rank
+NCCL group rendezvoused in memory, torn down when the server stops; at tensor parallel > 1 one shard per
+rank of the replica's TP group, which roles/teacher_replica.py forms, its leader serving through
+`serve_engine`). When the server listens and
 `args.run_dir` is known, it writes `run_dir/endpoints/teacher-<id>.r<replica>.json` atomically ({teacher_id,
 replica, job_id, host, port, url, pid, model_path, fingerprint}; job_id null for a standalone server, whose
 record no job accepts) and logs "teacher server ready". Setting `stop` (or SIGTERM/SIGINT) stops it
@@ -17,6 +19,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,8 +49,10 @@ class TeacherArgs:
     """What `serve` needs, resolved. Build with `roles.teacher.args_from_argv(argv, environ)` (a standalone
     server) or, in a job, `roles.teacher.teacher_args`.
 
-    `engine` is "torch" or "megatron"; `tensor_parallel` must be 1 (one process, no follower ranks);
-    `source` is where the engine settings came from, for error messages: the teacher's config path
+    `engine` is "torch" or "megatron"; `tensor_parallel`: the replica's TP size, at most what
+    `config/capabilities.py` declares for the engine (at 1 one process serves; above, `rank` is this process's
+    rank in the replica's TP group, 0 the leader that serves HTTP, the others its followers:
+    roles/teacher_replica.py); `source` is where the engine settings came from, for error messages: the teacher's config path
     (`models.teachers[0]`), or "" for the command line (errors then name `--engine`). `token_file`: the
     standalone server's `--token-file` (None: the run dir's, else a new one; `http_auth.standalone_token`);
     a job's teacher reads the run dir's. `replica`: which of the teacher's scoring servers this is
@@ -70,6 +76,7 @@ class TeacherArgs:
     token_file: str | None = None
     replica: int = 0
     job_id: str | None = None
+    rank: int = 0
 
     def field(self, name: str) -> str:
         """How the user set `name` (`engine`, `tensor_parallel`): its config path, or `--engine` / the bare
@@ -86,12 +93,14 @@ def endpoint_path(run_dir: str | Path, teacher_id: str, replica: int = 0) -> Pat
 
 def build_engine(args: TeacherArgs) -> Any:
     """The scoring engine `args` names, with the checkpoint loaded: `TorchScoringEngine` (engine "torch") or
-    `MegatronScoringEngine` (engine "megatron", after a one-rank NCCL group and megatron's parallel state on
-    its CUDA device). Both serve `TeacherServer`: score(batch, k), vocab_size, residency, offload/onload,
-    load_weights(path).
+    `MegatronScoringEngine` (engine "megatron", after megatron's parallel state on its CUDA device: over a
+    one-rank NCCL group at tensor_parallel 1, over the replica's TP world — formed already, as the default
+    group, by roles/teacher_replica.py — at tensor_parallel > 1, this rank `args.rank`'s shard). Both serve
+    `TeacherServer`: score(batch, k), vocab_size, residency, offload/onload, load_weights(path).
 
     Raises:
-        EngineError: tensor_parallel != 1, an unknown engine, megatron without a CUDA device or without
+        EngineError: tensor_parallel above the engine's declared size (`config/capabilities.py`
+            TEACHER_ENGINES), an unknown engine, megatron without a CUDA device or without
             megatron-core (the message names the field: `models.teachers[i].engine` in a job, `--engine` on
             the command line), or what the engine's `from_pretrained` raises (dtype, device, checkpoint).
     """
@@ -101,8 +110,7 @@ def build_engine(args: TeacherArgs) -> Any:
     if spec is not None and args.tensor_parallel > spec.tensor_parallel:
         raise EngineError(
             f"{args.field('tensor_parallel')}={args.tensor_parallel}: the teacher server runs a {args.engine} "
-            f"teacher at tensor_parallel ≤ {spec.tensor_parallel} (no follower ranks); expected ≤ "
-            f"{spec.tensor_parallel}"
+            f"teacher at tensor_parallel ≤ {spec.tensor_parallel}; expected ≤ {spec.tensor_parallel}"
         )
     if args.engine == "torch":
         return TorchScoringEngine.from_pretrained(
@@ -118,7 +126,8 @@ def build_engine(args: TeacherArgs) -> Any:
             f"{args.field('engine')}='megatron' needs megatron-core, which does not import here ({err}); "
             "expected the megatron extra installed, or engine 'torch'"
         ) from None
-    initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=device.index or 0)
+    tp = args.tensor_parallel  # > 1: the default group is the replica's world, kept by initialize_parallel
+    initialize_parallel(rank=args.rank, world_size=tp, tensor_parallel=tp, device_index=device.index or 0)
     return MegatronScoringEngine.from_pretrained(
         args.model_path, dtype=args.dtype, device=device, max_batch_rows=args.max_batch_rows
     )
@@ -161,16 +170,17 @@ def pad_token_id(engine: Any) -> int:
 
 def shutdown_parallel(args: TeacherArgs) -> None:
     """Tear down what `build_engine` set up for a megatron teacher (megatron's parallel state, the NCCL
-    group); nothing for torch."""
+    group); nothing for torch. Megatron's state exists only when megatron was imported (it is not imported
+    here for nothing: a slow import, seconds)."""
     if args.engine != "megatron":
         return
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
@@ -180,26 +190,38 @@ def teacher_app(server: TeacherServer, token: str) -> web.Application:
     return protect(server.app(), token)
 
 
-async def serve(args: TeacherArgs, token: str, stop: asyncio.Event | None = None) -> None:
-    """Load the checkpoint, listen (every route but the liveness probe requires `token`), write the endpoint
-    file, and serve until `stop` (or SIGTERM/SIGINT); then remove the endpoint file and tear down what
-    `build_engine` set up (`shutdown_parallel`).
+async def serve(
+    args: TeacherArgs,
+    token: str,
+    stop: asyncio.Event | None = None,
+    build: Callable[[TeacherArgs], Any] = build_engine,
+) -> None:
+    """Load the checkpoint (`build(args)`: `build_engine`; tests pass a stand-in), listen (every route but the
+    liveness probe requires `token`), write the endpoint file, and serve until `stop` (or SIGTERM/SIGINT);
+    then remove the endpoint file and tear down what `build_engine` set up (`shutdown_parallel`).
 
     Raises:
         EngineError: from `build_engine` (before anything listens).
     """
-    import torch
-
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    set_threads(args)
     try:
-        engine = await asyncio.to_thread(build_engine, args)
-        await _serve_engine(args, token, engine, stop)
+        engine = await asyncio.to_thread(build, args)
+        await serve_engine(args, token, engine, stop)
     finally:
         shutdown_parallel_quietly(args)
 
 
-async def _serve_engine(args: TeacherArgs, token: str, engine: Any, stop: asyncio.Event | None) -> None:
+def set_threads(args: TeacherArgs) -> None:
+    """torch's CPU threads: `args.num_threads` when given."""
+    import torch
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+
+
+async def serve_engine(args: TeacherArgs, token: str, engine: Any, stop: asyncio.Event | None) -> None:
+    """Serve `engine` (built already; a TP replica's leader passes its `TPLeader`) as `serve` does, from the
+    listening socket to the endpoint file's removal; the caller tears the engine down."""
     from mopd_hpc.engines.teacher_server import TeacherServer
 
     server = TeacherServer(engine, args.teacher_id, args.model_path, pad_id=pad_token_id(engine))

@@ -11,7 +11,8 @@ leader's result is answered; the followers drop theirs.
 Messages, all broadcast from group rank 0 (`src = group_rank 0`), on `comm_device` (cpu for gloo, the rank's
 CUDA device for NCCL):
 
-    header  [6] int64  (op, B, L, T, k, pad_id)   op: SCORE 1, OFFLOAD 2, ONLOAD 3, STOP 0; k = −1: no top-k
+    header  [6] int64  (op, B, L, T, k, pad_id)   op: SCORE 1, OFFLOAD 2, ONLOAD 3, HEARTBEAT 4, STOP 0;
+                                                  k = −1: no top-k
     then for SCORE:
       input_ids       [B, L] int64
       attention_mask  [B, L] int64
@@ -19,14 +20,20 @@ CUDA device for NCCL):
       response_mask   [B, T] uint8   (bool on the leader; gloo broadcasts no bool)
       response_start  [B]    int64
 
-`TPLeader.stop()` sends STOP: every follower's `follow` returns the number of requests it served. A
-follower that fails raises out of `follow` (its process exits non-zero: the guard's restart policy ends the
-replica); the leader then blocks in its next collective until the group's timeout. Reloading weights is
-not part of the protocol yet (`load_weights` raises EngineError on the leader).
+`TPLeader.stop()` sends STOP: every follower's `follow` returns the number of requests it served.
+`TPLeader.heartbeat()` sends HEARTBEAT (no work): a leader with no request to send calls it every few seconds
+(roles/teacher_replica.py), so that an idle follower's wait for the next header, a collective bounded by the
+group's timeout, never runs out while the leader is alive, and the leader learns of a dead follower between
+requests (the heartbeat's broadcast fails). A follower that fails raises out of `follow` (its process exits
+non-zero, and the leader's next broadcast fails); a leader that fails ends the followers' wait (the
+connection closes, or the group's timeout runs out). Reloading weights is not part of the protocol yet
+(`load_weights` raises EngineError on the leader).
 
-The GPU run (megatron-core TP > 1 in the teacher role) is the multi-GPU issue's: `config/gaps.py` refuses
-teacher tensor_parallel > 1 until it has run. tests/test_teacher_tp.py runs the protocol on CPU with a
-vocabulary-parallel fake forward (its logits all-gathered over the group) in real processes (gloo).
+The teacher role runs a replica of tensor_parallel > 1 this way (roles/teacher_replica.py); the GPU run
+(megatron-core TP > 1 in the role) is the multi-GPU issue's: `config/capabilities.py` declares megatron's
+teacher tensor_parallel 1 until it has run, so `--check` and the role refuse more. tests/test_teacher_tp.py
+runs the protocol on CPU with a vocabulary-parallel fake forward (its logits all-gathered over the group) in
+real processes (gloo); tests/test_teacher_replica_role.py runs it through the role.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch.distributed as dist
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.protocol import EngineError
 
-SCORE, OFFLOAD, ONLOAD, STOP = 1, 2, 3, 0
+SCORE, OFFLOAD, ONLOAD, HEARTBEAT, STOP = 1, 2, 3, 4, 0
 HEADER_LEN = 6
 
 
@@ -112,6 +119,15 @@ class TPLeader:
             "restart the replica instead"
         )
 
+    def heartbeat(self) -> None:
+        """Tell every follower the leader is alive (HEARTBEAT; module docstring).
+
+        Raises:
+            RuntimeError: the broadcast failed (a follower is gone, or stayed away for the group's timeout).
+        """
+        with self._lock:
+            self._header(HEARTBEAT)
+
     def stop(self) -> None:
         """Tell every follower to return (STOP)."""
         with self._lock:
@@ -133,6 +149,8 @@ def follow(engine: Any, group: Any = None, comm_device: str | torch.device = "cp
         op, b, length, width, k, pad = header
         if op == STOP:
             return served
+        if op == HEARTBEAT:
+            continue
         if op == OFFLOAD:
             engine.offload()
         elif op == ONLOAD:
@@ -148,4 +166,4 @@ def follow(engine: Any, group: Any = None, comm_device: str | torch.device = "cp
             engine.score(batch, None if k < 0 else int(k))
             served += 1
         else:
-            raise EngineError(f"teacher TP follower: unknown op {op} in header {header}; expected 0..3")
+            raise EngineError(f"teacher TP follower: unknown op {op} in header {header}; expected 0..4")

@@ -12,6 +12,8 @@
       endpoints/<role>-<key>.json                   `endpoint_file`       a server's endpoint record
       endpoints/teacher-<id>.r<replica>.json        `teacher_endpoint_file`  a teacher replica's record
       endpoints/.rollout-<index>.ready.json         `rollout_ready_file`  the hf rollout server's ready file
+      endpoints/actor-rendezvous.json               `actor_rendezvous_file`  the actor group's store address
+      endpoints/teacher-<id>.r<replica>-rendezvous.json  `teacher_rendezvous_file`  a TP replica's store address
       logs/                                         LOGS_DIR        batch and step logs (the sbatch script)
       logs/<host>/<role>-<index>.g<gen>.out|.err    `child_log_paths`     a guard child's output
       events/<host>.guard.jsonl                     `guard_events_file`   a guard's event log
@@ -68,6 +70,17 @@ def teacher_endpoint_file(run_dir: PathLike, teacher_id: str, replica: int) -> P
     """`run_dir/endpoints/teacher-<id>.r<replica>.json`: the record of replica `replica` of teacher `teacher_id`
     (each replica is a scoring server of its own)."""
     return endpoint_file(run_dir, "teacher", f"{teacher_id}.r{int(replica)}")
+
+
+def actor_rendezvous_file(run_dir: PathLike) -> Path:
+    """`run_dir/endpoints/actor-rendezvous.json`: where actor rank 0's store listens (`trainer/rendezvous.py`)."""
+    return Path(run_dir) / ENDPOINTS_DIR / "actor-rendezvous.json"
+
+
+def teacher_rendezvous_file(run_dir: PathLike, teacher_id: str, replica: int) -> Path:
+    """`run_dir/endpoints/teacher-<id>.r<replica>-rendezvous.json`: where the leader of a tensor-parallel teacher
+    replica has its store listen (`trainer/rendezvous.py`; the replica's followers read it)."""
+    return Path(run_dir) / ENDPOINTS_DIR / f"teacher-{teacher_id}.r{int(replica)}-rendezvous.json"
 
 
 def rollout_ready_file(run_dir: PathLike, index: int) -> Path:

@@ -61,6 +61,7 @@ from mopd_hpc.engines.teacher_pool import TeacherPool
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.roles.endpoints import ENDPOINT_TIMEOUT_ENV
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address, read_job_token
 from mopd_hpc.roles.residency import teachers_to_offload
 from mopd_hpc.runtime import child_env
@@ -77,8 +78,7 @@ log = logging.getLogger("mopd_hpc.trainer")
 
 EXIT_CONFIG = 2
 EXIT_INCOMPATIBLE = 3
-#: Variables read at the edge besides the guard's (`roles.env.ENV`).
-ENDPOINT_TIMEOUT_ENV = "MOPD_ENDPOINT_TIMEOUT_S"
+#: Variables read at the edge besides the guard's (`roles.env.ENV`; ENDPOINT_TIMEOUT_ENV: roles/endpoints.py).
 THREADS_ENV = "MOPD_ACTOR_THREADS"
 #: Total time allowed per rollout request, seconds.
 ROLLOUT_TIMEOUT_S = 600.0

@@ -3,11 +3,21 @@
 Without arguments it is a job's teacher child: the scoring server (`engines/teacher_serve.py`) takes its
 settings from the run. MOPD_TEACHER_ID (the job plan sets it) names the entry of `models.teachers` in
 `run_dir/config.yaml`, and MOPD_TEACHER_REPLICA which of its replicas this child serves (each a scoring
-server with its own endpoint record, `teacher-<id>.r<replica>.json`, carrying the job id); the config gives the checkpoint path, the scoring engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel (1: the role starts one process
-per teacher); the port is the named port `http`, bound on the guard's address (`RoleEnv.bind_host`). This
-module resolves them (env read once, in `main`; the job's token once, in `run`) and runs `teacher_serve.serve`
-until SIGTERM/SIGINT or until the actor announces the end of the job (`records/job_end.py`), then exits 0.
-SIGUSR2 is ignored (a teacher has nothing to checkpoint).
+server with its own endpoint record, `teacher-<id>.r<replica>.json`, carrying the job id); the config gives
+the checkpoint path, the scoring engine (torch, or megatron on the child's GPU), its dtype and tensor_parallel;
+the port is the named port `http`, bound on the guard's address (`RoleEnv.bind_host`). This module resolves
+them (env read once, in `main`; the job's token once, in `run`) and serves until SIGTERM/SIGINT or until the
+actor announces the end of the job (`records/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has
+nothing to checkpoint).
+
+At tensor_parallel 1 a replica is this one process (`teacher_serve.serve`). Above, the replica is
+tensor_parallel children, MOPD_RANK / MOPD_WORLD_SIZE their rank in its TP group (launch/placement.py): they
+form the replica's world over the leader's rendezvous, each builds its shard engine, the leader (rank 0)
+serves HTTP and the followers run the same forwards until the leader's STOP (roles/teacher_replica.py; a rank
+lost ends the replica with a non-zero exit). What each engine serves, tensor_parallel included, is declared in
+`config/capabilities.py` (`teacher_refusals`, checked here as by `--check`); the engines are built through
+`TeacherEngines` (the declarations and the builder, `teacher_serve.build_engine`), which `main` takes as its
+one seam: tests pass a stand-in shard engine that runs on CPU (tests/teacher_replica_prog.py).
 
 Rows scored per forward (`scoring_rows`): a forward materializes [rows, tokens, vocab] logits (and their
 float32 log-softmax), which for a production vocabulary (Qwen3: 151,936) and a long response is gigabytes per
@@ -36,15 +46,24 @@ import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.config.capabilities import teacher_refusals
+from mopd_hpc.config.capabilities import TEACHER_ENGINES, TeacherEngineSpec, teacher_refusals
 from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.serving import cli_port
-from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs
+from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs, build_engine
 from mopd_hpc.records.job_end import stop_on_job_end
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, read_job_token, start_server_role
+from mopd_hpc.roles.teacher_replica import (
+    EngineBuilder,
+    ReplicaSpec,
+    follow_replica,
+    lead_replica,
+    replica_spec,
+)
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.http_auth import standalone_token
 
@@ -68,6 +87,17 @@ ENV = {
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
+@dataclass(frozen=True, slots=True)
+class TeacherEngines:
+    """The scoring engines a job's teacher child builds: what each serves (`specs`: engine name → its
+    declaration, `config/capabilities.py` TEACHER_ENGINES, which `mopd-submit --check` used) and how this
+    rank's engine is built (`build(args)`, `teacher_serve.build_engine`: at tensor_parallel > 1 its shard, the
+    replica's world formed already). The default is the job's; tests replace both together with a stand-in."""
+
+    specs: Mapping[str, TeacherEngineSpec] = field(default_factory=lambda: MappingProxyType(TEACHER_ENGINES))
+    build: EngineBuilder = build_engine
+
+
 def scoring_rows(cfg: RunConfig, model_path: str, budget_bytes: int = SCORING_BUDGET_BYTES) -> int:
     """Rows per scoring forward: all of a step's rows (data.batch_size · samples_per_prompt, at least 64) unless
     their float32 logits — rows × (max_prompt_tokens + max_new_tokens) × vocab_size × 4 bytes — exceed
@@ -82,13 +112,18 @@ def scoring_rows(cfg: RunConfig, model_path: str, budget_bytes: int = SCORING_BU
     return max(1, min(rows, budget_bytes // (tokens * vocab * 4)))
 
 
-def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> TeacherArgs:
-    """The scoring server's arguments for this child.
+def teacher_args(
+    role: RoleEnv,
+    cfg: RunConfig,
+    environ: Mapping[str, str],
+    specs: Mapping[str, TeacherEngineSpec] = TEACHER_ENGINES,
+) -> TeacherArgs:
+    """The scoring server's arguments for this child (its TP rank: MOPD_RANK).
 
     Raises:
-        RoleEnvError: no or unknown teacher id; what `config/capabilities.py` declares the teacher's engine
-            does not serve (`teacher_refusals`: a tensor_parallel above the engine's, engine megatron while
-            CUDA_VISIBLE_DEVICES is empty). The message names the config field
+        RoleEnvError: no or unknown teacher id; what `specs` (`config/capabilities.py`) declares the
+            teacher's engine does not serve (`teacher_refusals`: a tensor_parallel above the engine's, engine
+            megatron while CUDA_VISIBLE_DEVICES is empty). The message names the config field
             (`models.teachers[i].tensor_parallel`, `models.teachers[i].engine`) and its value.
     """
     teacher_id = environ.get(TEACHER_ID_ENV)
@@ -103,14 +138,15 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
     replica = _replica(environ, here, teacher_replicas(cfg, teacher))
     gpu = role.device.is_cuda
     # the declarations `mopd-submit --check` used (config/capabilities.py): device and tensor_parallel
-    if problems := teacher_refusals(index, teacher.engine, "gpu" if gpu else "cpu", teacher.tensor_parallel):
+    device = "gpu" if gpu else "cpu"
+    if problems := teacher_refusals(index, teacher.engine, device, teacher.tensor_parallel, table=specs):
         where = f" (CUDA_VISIBLE_DEVICES {environ.get('CUDA_VISIBLE_DEVICES')!r})"
         raise RoleEnvError("; ".join(p.render() for p in problems) + where)
     return TeacherArgs(
         teacher_id=teacher.id,
         model_path=teacher.path,
         host=role.bind_host,
-        port=role.port("http"),
+        port=role.port("http") if role.rank == 0 else 0,  # a follower serves nothing (its plan leases none)
         advertise_host=role.advertise_host,
         device=role.device.torch_name,
         dtype=teacher.dtype,
@@ -123,12 +159,13 @@ def teacher_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> T
         source=here,
         replica=replica,
         job_id=role.job_id,
+        rank=role.rank,
     )
 
 
 def _replica_count(cfg: RunConfig) -> int:
-    """Every replica of every teacher: the teacher children that score a step at the same time."""
-    return sum(teacher_replicas(cfg, t) for t in cfg.models.teachers)
+    """Every rank of every replica of every teacher: the teacher children that score a step at the same time."""
+    return sum(teacher_replicas(cfg, t) * t.tensor_parallel for t in cfg.models.teachers)
 
 
 def _replica(environ: Mapping[str, str], here: str, replicas: int) -> int:
@@ -146,14 +183,21 @@ def _replica(environ: Mapping[str, str], here: str, replicas: int) -> int:
     return replica
 
 
-async def run(role: RoleEnv, args: TeacherArgs) -> None:
+async def run(
+    role: RoleEnv, args: TeacherArgs, replica: ReplicaSpec | None = None, build: EngineBuilder = build_engine
+) -> None:
+    """Serve until SIGTERM/SIGINT or the end of the job: one process (`replica` None: tensor_parallel 1) or
+    the leader of a TP replica (`lead_replica`). `build`: the engine builder (`TeacherEngines.build`)."""
     from mopd_hpc.engines.teacher_serve import serve
 
     token = read_job_token(role)
     stop = asyncio.Event()
     watcher = asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop))
     try:
-        await serve(args, token, stop)
+        if replica is None:
+            await serve(args, token, stop, build)
+        else:
+            await lead_replica(args, replica, token, stop, build)
     finally:
         watcher.cancel()
 
@@ -215,9 +259,14 @@ def args_from_argv(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Te
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: reads os.environ once, here. No arguments: a job's teacher child; arguments: a
-    standalone server (`args_from_argv`). Exit 0 after a clean stop."""
+def main(argv: Sequence[str] | None = None, engines: TeacherEngines | None = None) -> int:
+    """Entry point: reads os.environ once, here. No arguments: a job's teacher child (a one-process replica,
+    or a TP replica's leader or follower); arguments: a standalone server (`args_from_argv`). `engines`: the
+    job child's engines (None: the job's, `TeacherEngines()`). Exit 0 after a clean stop.
+
+    Raises:
+        ReplicaLostError: a rank of this child's TP replica is gone or silent (exit non-zero).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     environ = dict(os.environ)
     if argv:
@@ -231,8 +280,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("mopd_hpc.teacher").info("teacher server token file: %s", token_file)
         asyncio.run(serve(args, token))
         return 0
+    engines = engines or TeacherEngines()
     role, cfg = start_server_role(environ)
-    asyncio.run(run(role, teacher_args(role, cfg, environ)))
+    args = teacher_args(role, cfg, environ, engines.specs)
+    replica = replica_spec(role, cfg, args, environ)
+    if replica is not None and replica.rank > 0:
+        follow_replica(args, replica, engines.build)
+        return 0
+    asyncio.run(run(role, args, replica, engines.build))
     return 0
 
 

@@ -52,13 +52,7 @@ import torch.distributed as dist
 from mopd_hpc.engines.daemon_thread import in_daemon_thread
 from mopd_hpc.engines.tcp_store import tcp_store
 from mopd_hpc.runtime.netif import bind_gloo_to, local_address_towards
-from mopd_hpc.trainer.rendezvous import (
-    NONCE_KEY,
-    Rendezvous,
-    connect_store,
-    rendezvous_path,
-    write_rendezvous,
-)
+from mopd_hpc.trainer.rendezvous import Rendezvous, RendezvousFile, connect_store, publish_store
 from mopd_hpc.trainer.step_record import ControlRecord
 
 log = logging.getLogger("mopd_hpc.trainer")
@@ -246,20 +240,17 @@ class ActorGroup:
             torch's DistError: the world did not form within the collective timeout.
         """
         timeout = timedelta(seconds=spec.collective_timeout_s)
+        file = RendezvousFile.actor(run_dir)
         if spec.rank == 0:
             if host is None or port is None:
                 raise ActorGroupError("actor rank 0 joins with its advertised host and its `master` port")
             # the server listens on `host` only (engines/tcp_store.py), not on every interface
-            store = tcp_store(
-                host, port, spec.world_size, is_master=True, timeout_s=spec.collective_timeout_s
+            store, record = publish_store(
+                file, job_id, host, port, spec.world_size, spec.collective_timeout_s, {HEARTBEAT_KEY: "0"}
             )
-            record = Rendezvous.create(job_id, host, port, spec.world_size)
-            store.set(NONCE_KEY, record.nonce)
-            store.set(HEARTBEAT_KEY, "0")
-            write_rendezvous(run_dir, record)
             local = host
         else:
-            store, record = connect_store(run_dir, job_id, spec.world_size, spec.rendezvous_timeout_s)
+            store, record = connect_store(file, job_id, spec.world_size, spec.rendezvous_timeout_s)
             local = local_address_towards(record.host, record.port)
         bind_gloo_to(local)
         if spec.backend == "nccl":
@@ -472,5 +463,5 @@ class ActorGroup:
             )
         if self.rank == 0:
             with contextlib.suppress(FileNotFoundError):
-                rendezvous_path(self.run_dir).unlink()
+                RendezvousFile.actor(self.run_dir).path.unlink()
         self.store = None
