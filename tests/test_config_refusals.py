@@ -54,7 +54,8 @@ MEGATRON_2GPU = [
 NAMED = (
     "models.actor.engine: the actor role runs the megatron engine at data-parallel size ≤ 1 on GPUs: the actor "
     "has 2 trainer ranks (cluster.trainer.nodes × gpus_per_node = 1 × 2), dp 2 = world / "
-    "(tensor_parallel·pipeline_parallel) (got 'megatron'; one trainer slot (cluster.trainer.nodes × "
+    "(tensor_parallel·pipeline_parallel); more has not run yet: tests/test_megatron_actor_group_gpu.py (2 GPUs) "
+    "(got 'megatron'; one trainer slot (cluster.trainer.nodes × "
     "gpus_per_node), or engine: torch on CPU ranks)"
 )
 

@@ -129,7 +129,8 @@ def test_production_engines_are_refused_at_submit_not_substituted(config: str, t
     check = mopd_submit("--check", REPO / config, hub_cache=cache)
     assert check.returncode == 2, check.stderr
     assert "  - models.actor.tensor_parallel: the actor role runs the megatron engine at tensor_parallel ≤ 1 " \
-        "(one process): tensor_parallel 8 needs ranks it does not start (got 8; expected ≤ 1)" \
+        "(one process): tensor_parallel 8 has not run with this engine yet: tests/test_megatron_actor_group_gpu.py " \
+        "(2 GPUs) has not run (got 8; expected ≤ 1)" \
         in check.stderr  # fmt: skip
     dry = mopd_submit("--dry-run", REPO / config, "--run-dir", tmp_path / "dry")
     assert dry.returncode == 0 and "# warning: not run by the job's roles yet: models.actor.tensor_parallel: " \

@@ -50,6 +50,8 @@ class ActorEngineSpec:
         schedules: `models.actor.optimizer.schedule` values; warmup: `warmup_ratio > 0` is applied.
         tensor_parallel, pipeline_parallel: the largest sizes the role runs.
         data_parallel_cpu, data_parallel_gpu: the largest data-parallel size on each device kind (None: any).
+        untested: the GPU test that has not run beyond those sizes (named in the refusal; "" when the
+            limit is the engine's own).
     """
 
     name: str
@@ -64,6 +66,7 @@ class ActorEngineSpec:
     pipeline_parallel: int
     data_parallel_cpu: int | None
     data_parallel_gpu: int | None
+    untested: str = ""
 
     def data_parallel(self, device: str) -> int | None:
         return self.data_parallel_gpu if device == "gpu" else self.data_parallel_cpu
@@ -144,10 +147,13 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         reference=True,  # engines/reference.py with the megatron scoring engine
         schedules=("constant",),  # Megatron's optimizer at a constant lr: no schedule wired in
         warmup=False,
-        tensor_parallel=1,  # the actor role starts one megatron process
+        # the actor group starts every DP x TP rank of the megatron engine (tp_share, shard_plan, sharded
+        # checkpoints); it has run at one rank only: the 2-GPU tests have not run
+        tensor_parallel=1,
         pipeline_parallel=1,
         data_parallel_cpu=None,
         data_parallel_gpu=1,
+        untested="tests/test_megatron_actor_group_gpu.py (2 GPUs)",
     ),
 }
 
@@ -324,11 +330,16 @@ def actor_refusals(
             )
         ]
     if tp > spec.tensor_parallel:
+        why = (
+            f"tensor_parallel {tp} has not run with this engine yet: {spec.untested} has not run"
+            if spec.untested
+            else f"tensor_parallel {tp} needs ranks it does not start"
+        )
         out.append(
             Problem(
                 "models.actor.tensor_parallel",
                 f"the actor role runs the {engine} engine at tensor_parallel ≤ {spec.tensor_parallel} "
-                f"({_processes(spec.tensor_parallel)}): tensor_parallel {tp} needs ranks it does not start",
+                f"({_processes(spec.tensor_parallel)}): {why}",
                 tp,
                 f"expected ≤ {spec.tensor_parallel}",
             )
@@ -364,7 +375,8 @@ def actor_refusals(
                 f"the actor role runs the {engine} engine at data-parallel size ≤ {limit} on "
                 f"{device.upper()}s: the actor "
                 f"has {world} trainer ranks{f' ({how})' if how else ''}, dp {dp} = world / "
-                f"(tensor_parallel·pipeline_parallel)",
+                f"(tensor_parallel·pipeline_parallel)"
+                + (f"; more has not run yet: {spec.untested}" if spec.untested else ""),
                 engine,
                 ", or ".join(ways),
             )
