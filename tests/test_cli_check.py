@@ -81,6 +81,21 @@ def test_check_refuses_a_hub_id_this_host_has_not_downloaded(tmp_path: Path) -> 
         proc.stderr
     )
     assert "`hf download Qwen/Qwen3-14B`" in proc.stderr  # the teacher's, too
+    # what the job's roles do not run is named in the same answer, not only once the models are fetched
+    gaps = job_gaps(RunConfig.from_yaml(REPO / "configs" / "gsm8k_qwen3_14b_to_0_6b.yaml"))
+    lines = proc.stderr.splitlines()
+    assert lines[0].endswith(": 3 problems") and len(gaps) == 3
+    assert lines[4:] == [
+        f"mopd-submit: its fields are valid, and it also asks for what the job's roles do not run yet "
+        f"({len(gaps)}):",
+        *(f"  - {g.render()}" for g in gaps),
+        "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
+    ]
+    assert [g.path for g in gaps] == [
+        "models.actor.tensor_parallel",
+        "models.teachers[0].tensor_parallel",
+        "weight_sync.backend",
+    ]
 
 
 def test_bad_config_exits_2_with_every_problem_on_stderr(tmp_path: Path) -> None:
