@@ -81,6 +81,21 @@ def test_check_refuses_a_hub_id_this_host_has_not_downloaded(tmp_path: Path) -> 
         proc.stderr
     )
     assert "`hf download Qwen/Qwen3-14B`" in proc.stderr  # the teacher's, too
+    # what the job's roles do not run is named in the same answer, not only once the models are fetched
+    gaps = job_gaps(RunConfig.from_yaml(REPO / "configs" / "gsm8k_qwen3_14b_to_0_6b.yaml"))
+    lines = proc.stderr.splitlines()
+    assert lines[0].endswith(": 3 problems") and len(gaps) == 3
+    assert lines[4:] == [
+        f"mopd-submit: its fields are valid, and it also asks for what the job's roles do not run yet "
+        f"({len(gaps)}):",
+        *(f"  - {g.render()}" for g in gaps),
+        "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
+    ]
+    assert [g.path for g in gaps] == [
+        "models.actor.tensor_parallel",
+        "models.teachers[0].tensor_parallel",
+        "weight_sync.backend",
+    ]
 
 
 def test_bad_config_exits_2_with_every_problem_on_stderr(tmp_path: Path) -> None:
@@ -193,15 +208,18 @@ def test_check_warns_about_model_directories_missing_here(tmp_path: Path) -> Non
         REPO / "configs" / "local_cpu.yaml",
         ["models.teachers[0].path=.cache/models/teacher_chainsum", "models.teachers[1].path=Qwen/Qwen3-0.6B"],
     )
-    (tmp_path / ".cache" / "models" / "student").mkdir(parents=True)
+    student = tmp_path / ".cache" / "models" / "student"
+    student.mkdir(parents=True)
+    (student / "config.json").write_text("{}")
     assert missing_model_paths(cfg, tmp_path) == [
         "models.teachers[0].path: no such directory here: .cache/models/teacher_chainsum "
         "(the job fails at start unless it exists there)"
-    ]  # the student exists, a hub id is not a directory
-    (tmp_path / ".cache" / "models" / "student").rmdir()
-    assert missing_model_paths(cfg, tmp_path)[0] == (
-        "models.actor.path: .cache/models/student is not built yet (`--local` builds the tiny models on first use)"
-    )
+    ]  # the student is built, a hub id is not a directory
+    not_built = "models.actor.path: .cache/models/student is not built yet (`--local` builds the tiny models on first use)"
+    (student / "config.json").unlink()  # the directory an interrupted first build leaves: built again
+    assert missing_model_paths(cfg, tmp_path)[0] == not_built
+    student.rmdir()
+    assert missing_model_paths(cfg, tmp_path)[0] == not_built
     # a GPU config's `student` is not one of the CPU tiny models: it is never built on first use
     gpu = load_run_config(REPO / "configs" / "local_gpu_colocated.yaml")
     assert missing_model_paths(gpu, tmp_path)[0] == (

@@ -201,3 +201,35 @@ def test_run_dir_where_nothing_ran_exits_2(tmp_path: Path, capsys: pytest.Captur
     (root / "logs" / "n1").mkdir()
     (root / "logs" / "n1" / "actor-0.g1.err").write_text("")
     assert summarize_run(root, sacct_runner=no_sacct).job.state == "UNKNOWN"
+
+
+def test_nothing_ran_yet_names_the_job_holding_the_run_dir(tmp_path: Path) -> None:
+    """A first `mopd-submit --local` holds the run-dir lock while it builds the tiny models, minutes before its
+    guard writes anything: the "nothing ran" message names that job (held by another process, as there)
+    instead of "the job never started", and goes back to it once the lock is released."""
+    root = tmp_path / "run"
+    for sub in ("logs", "state", "submit"):
+        (root / sub).mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from mopd_hpc.runtime.run_lock import acquire\n"
+         "acquire(sys.argv[1], 'local-4242', 'hostA', pid=4242)\n"
+         "print('held', flush=True)\n"
+         "time.sleep(60)\n", str(root)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(NothingRanError) as exc:
+            summarize_run(root, sacct_runner=no_sacct)
+        message = str(exc.value)
+        assert message.startswith(f"nothing ran in {root}: no guard events, no child or job logs")
+        assert "; job local-4242 (host hostA, pid 4242) holds it since 20" in message
+        assert " UTC and has not started its guard yet (a first `mopd-submit --local` builds the tiny models " \
+            "before it: minutes); run this again once its guard has started" in message  # fmt: skip
+        assert "the job never started" not in message
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    with pytest.raises(NothingRanError, match=r"\(the job never started, or this is not the run dir\)$"):
+        summarize_run(root, sacct_runner=no_sacct)

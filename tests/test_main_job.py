@@ -105,3 +105,37 @@ def test_summarizer_on_the_smoke_runs_real_run_dir(micro_models, tmp_path):
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["progress"]["last_step"] == 3
+
+
+def test_a_tiny_model_an_interrupted_first_build_left_is_built_again(tmp_path, monkeypatch):
+    """Ctrl-C (or a crash) during the first `make run`'s model build leaves `.cache/models/teacher_chain_sum`
+    behind without its config.json (the builder makes the directory, trains, then saves). The next
+    `mopd-submit configs/local_cpu.yaml --local` opened its files and refused it (config.json missing, no
+    tokenizer, no weights) before it could build it again; now it is "not built yet" and built again."""
+    from mopd_hpc.launch.paths import missing_paths
+
+    repo = Path(__file__).resolve().parents[1]
+    config = repo / "configs" / "local_cpu.yaml"
+    partial = tmp_path / ".cache" / "models" / "teacher_chain_sum"
+    partial.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])  # this checkout
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--check"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stdout.splitlines() if line.startswith("# warning: models.")] == [
+        f"# warning: {field}: .cache/models/{name} is not built yet (`--local` builds the tiny models on first use)"
+        for field, name in (
+            ("models.actor.path", "student"),
+            ("models.tokenizer.path", "student"),
+            ("models.teachers[0].path", "teacher_chain_sum"),
+            ("models.teachers[1].path", "teacher_leg_counting"),
+        )
+    ]
+    cfg = RunConfig.from_yaml(config)
+    monkeypatch.chdir(tmp_path)
+    assert missing_builder_dirs(cfg) == [Path(".cache/models")]  # the local setup builds into it again
+    (partial / "config.json").write_text("{}")  # a finished build: checked as any model directory
+    assert "models.teachers[0].path" not in [m.field for m in missing_paths(cfg, tmp_path)]

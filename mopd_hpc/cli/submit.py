@@ -4,7 +4,8 @@
                          [--run-dir DIR] [--resume RUN_DIR] [--probe]
 
 - `--check`: validate and print the resolved config; exit 0, or 2 with every error, or with what the job's
-  roles do not run (`job_gaps`, config/capabilities.py): if --check passes, the job's roles can run it. The
+  roles do not run (`job_gaps`, config/capabilities.py; listed after the models' problems too): if --check
+  passes, the job's roles can run it. The
   models are checked here too (launch/model_check.py): a hub id is resolved through this host's Hugging Face
   cache (refused, with the command that fetches it, when the cache does not hold it), the model files the
   children read are opened (tokenizer, config.json, weight headers) and the tokenizers compared; every
@@ -170,13 +171,20 @@ def print_config(cfg: RunConfig, out: TextIO, source: str = "", notes: Sequence[
 
 def check(config: str, overrides: Sequence[str], force_local: bool, out: TextIO, err: TextIO) -> int:
     """Load, validate (the models' files too: launch/model_check.py) and print; returns 0, or EXIT_USAGE with
-    every problem on `err`: the config's errors, else what the job's roles do not run (`job_gaps`, from
-    config/capabilities.py). The rule: if --check passes, the job's roles can run the config."""
+    every problem on `err`: the config's errors, else the models' problems and what the job's roles do not
+    run (`job_gaps`, from config/capabilities.py; both, so that fetching a model does not reveal a refusal
+    only then), else what the roles do not run. The rule: if --check passes, the job's roles can run it."""
     try:
         written = load_run_config(config, overrides, force_local)
+    except ConfigError as exc:
+        print(str(exc), file=err)
+        return EXIT_USAGE
+    try:
         cfg = prepare_models(written, config)
     except ConfigError as exc:
         print(str(exc), file=err)
+        if gaps := job_gaps(written):  # the fields only: a hub id's resolution does not change them
+            print(f"mopd-submit: {_gaps_refusal(gaps, 'its fields are valid, and it also asks')}", file=err)
         return EXIT_USAGE
     if gaps := job_gaps(cfg):
         print(f"mopd-submit: {_gaps_refusal(gaps)}", file=err)
@@ -185,9 +193,9 @@ def check(config: str, overrides: Sequence[str], force_local: bool, out: TextIO,
     return 0
 
 
-def _gaps_refusal(gaps: Sequence[Any]) -> str:
+def _gaps_refusal(gaps: Sequence[Any], head: str = "this config is valid but asks") -> str:
     return _bulleted(
-        f"this config is valid but asks for what the job's roles do not run yet ({len(gaps)}):",
+        f"{head} for what the job's roles do not run yet ({len(gaps)}):",
         [gap.render() for gap in gaps],
         "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
     )

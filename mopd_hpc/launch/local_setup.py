@@ -5,8 +5,9 @@ after `mopd-submit` wrote `run_dir/config.yaml` and before the guard starts:
 
 1. every relative model, tokenizer and jsonl path of the config is made absolute against the directory
    `mopd-submit` runs in (the children run in the run directory), and config.yaml is rewritten atomically;
-2. when a model directory of a CPU config is missing and its name is one that `tools/build_tiny_models.py`
-   builds (teacher_chain_sum, teacher_leg_counting, student), the builder runs once into that directory's parent
+2. when a model directory of a CPU config is missing (or has no config.json: an interrupted first build) and its
+   name is one that `tools/build_tiny_models.py` builds (teacher_chain_sum, teacher_leg_counting, student), the
+   builder runs once into that directory's parent
    (`python tools/build_tiny_models.py --out DIR --threads N`; seeded, cached by fingerprint), its output
    streamed to `out`. A missing model the builder does not make is left for the actor's clear error.
 
@@ -54,16 +55,21 @@ def builds_tiny_models(cfg: RunConfig) -> bool:
     return all(group.gpus_per_node == 0 for group in groups)
 
 
+def awaits_build(cfg: RunConfig, path: Path) -> bool:
+    """Whether the model directory `path` of `cfg` is one `--local` builds on first use (a builder name, a CPU
+    config) whose build has not finished: no config.json, the directory absent or left behind by an
+    interrupted first build (the builder makes it before it trains, and saves the model at the end)."""
+    return builds_tiny_models(cfg) and path.name in BUILT_NAMES and not (path / "config.json").exists()
+
+
 def missing_builder_dirs(cfg: RunConfig) -> list[Path]:
-    """Parent directories in which builder-made models of `cfg` are missing (deduplicated, in order); none
-    for a GPU config (`builds_tiny_models`)."""
-    if not builds_tiny_models(cfg):
-        return []
+    """Parent directories in which builder-made models of `cfg` are missing or unfinished (`awaits_build`;
+    deduplicated, in order); none for a GPU config (`builds_tiny_models`)."""
     paths = [cfg.models.actor.path, cfg.models.tokenizer.path, *(t.path for t in cfg.models.teachers)]
     out: list[Path] = []
     for raw in paths:
         path = Path(raw)
-        if path.name in BUILT_NAMES and not (path / "config.json").exists() and path.parent not in out:
+        if awaits_build(cfg, path) and path.parent not in out:
             out.append(path.parent)
     return out
 

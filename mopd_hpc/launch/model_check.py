@@ -107,10 +107,14 @@ def _with_snapshots(cfg: RunConfig, paths: list[ModelPath]) -> RunConfig:
 
 
 def file_problems(cfg: RunConfig, paths: list[ModelPath], base: Path | None = None) -> list[Problem]:
-    """Steps 2 and 3 on the directories of `cfg` (hub ids already resolved) that exist here."""
+    """Steps 2 and 3 on the directories of `cfg` (hub ids already resolved) that exist here, but a tiny model
+    whose first build was interrupted (`local_setup.awaits_build`: `--local` builds it again)."""
+    from mopd_hpc.launch.local_setup import awaits_build  # lazily: it imports the trainer's evaluation
+
     root = base or Path.cwd()
     here = {mp.field: root / Path(_path(cfg, mp.field)).expanduser() for mp in paths if mp.read}
-    here = {f: p for f, p in here.items() if p.is_dir()}
+    # a tiny model an interrupted first build left unfinished is not checked: `--local` builds it again
+    here = {f: p for f, p in here.items() if p.is_dir() and not awaits_build(cfg, p)}
     problems: list[Problem] = []
     checked: set[tuple[Path, bool]] = set()
     for field, directory in here.items():

@@ -2,7 +2,8 @@
 
 `mopd-submit --check` and a Slurm submit warn about them (on a cluster they may exist only on the job's
 nodes; the job checks them at start); a local run (`cluster.backend: local`) refuses to start with one,
-except the tiny CPU models that `--local` builds on first use (launch/local_setup.py BUILT_NAMES).
+except the tiny CPU models that `--local` builds on first use (launch/local_setup.py BUILT_NAMES; one whose
+directory an interrupted first build left without its config.json counts as not built, `awaits_build`).
 Relative paths are relative to the submit directory (`base`), as the job resolves them
 (roles/env.py with_absolute_paths).
 """
@@ -52,10 +53,9 @@ def _names_a_directory(value: str) -> bool:
 def missing_paths(cfg: Any, base: Path | None = None) -> list[MissingPath]:
     """The model/tokenizer directories and jsonl source files of the RunConfig `cfg` missing under `base`
     (default: the cwd), in config order, each field once. Hub ids are not checked."""
-    from mopd_hpc.launch.local_setup import BUILT_NAMES, builds_tiny_models
+    from mopd_hpc.launch.local_setup import awaits_build
 
     root = base or Path.cwd()
-    builder = builds_tiny_models(cfg)
     models = [
         ("models.actor.path", cfg.models.actor.path),
         ("models.tokenizer.path", cfg.models.tokenizer.path),
@@ -63,9 +63,10 @@ def missing_paths(cfg: Any, base: Path | None = None) -> list[MissingPath]:
     models += [(f"models.teachers[{i}].path", t.path) for i, t in enumerate(cfg.models.teachers)]
     out = []
     for field, value in dict.fromkeys(models):
-        if not _names_a_directory(value) or (root / Path(value).expanduser()).exists():
-            continue
-        out.append(MissingPath(field, value, "directory", builder and Path(value).name in BUILT_NAMES))
+        path = root / Path(value).expanduser()
+        if not _names_a_directory(value) or (path.exists() and not awaits_build(cfg, path)):
+            continue  # an unfinished tiny model (an interrupted first build) is missing: --local rebuilds it
+        out.append(MissingPath(field, value, "directory", awaits_build(cfg, path)))
     for i, source in enumerate(cfg.data.sources):
         if source.kind == "jsonl" and not (root / Path(source.path).expanduser()).is_file():
             out.append(MissingPath(f"data.sources[{i}].path", source.path, "file"))

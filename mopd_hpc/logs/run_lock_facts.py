@@ -4,11 +4,14 @@ lock turned away while a job held the run dir.
 `lock_released(root, job_id)`: a local job (`local-N`) whose `mopd-submit --local` and guard hold the lock
 for the job's life no longer holds it, so every process of it is gone; a guard of it that logged no end
 (neither `guard_stop` nor its keeper's `guard_exit`) died. `refusals_of(root, job_id)`: the refusals
-recorded in `events/refused.jsonl` while `job_id` held the lock.
+recorded in `events/refused.jsonl` while `job_id` held the lock. `starting_holder(root)`: the job that holds
+the lock of a run dir where nothing ran yet (a first `mopd-submit --local` builds the tiny models before its
+guard starts), named for the "nothing ran" message.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 
 from mopd_hpc.logs.index import LOCAL_JOB_ID
@@ -54,3 +57,22 @@ def refusals_of(root: Path, job_id: str | None) -> tuple[Refusal, ...]:
             )
         )
     return tuple(out)
+
+
+def starting_holder(root: Path) -> str | None:
+    """Who holds `root`'s run-dir lock, as one clause for a run dir where nothing ran yet ("job local-42
+    (host h, pid 42) holds it since 2026-12-02 03:46:49 UTC"), or None when no job holds it. A local job
+    holds the lock from its `mopd-submit --local` on, before its guard writes anything (the tiny models are
+    built first, on first use)."""
+    holder = holder_of(root)
+    if holder is None:
+        return None
+    since = holder.get("since")
+    at = (
+        dt.datetime.fromtimestamp(since, tz=dt.UTC).strftime(" since %Y-%m-%d %H:%M:%S UTC")
+        if isinstance(since, int | float) and not isinstance(since, bool)
+        else ""
+    )
+    return (
+        f"job {holder.get('job_id')} (host {holder.get('host')}, pid {_int(holder.get('pid'))}) holds it{at}"
+    )

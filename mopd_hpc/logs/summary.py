@@ -38,7 +38,7 @@ from mopd_hpc.logs.jobs import leader_of, record_belongs, select_job
 from mopd_hpc.logs.next_steps import next_steps
 from mopd_hpc.logs.progress import read_progress
 from mopd_hpc.logs.run_events import ChildRun, read_run_segments
-from mopd_hpc.logs.run_lock_facts import lock_released, refusals_of
+from mopd_hpc.logs.run_lock_facts import lock_released, refusals_of, starting_holder
 from mopd_hpc.logs.sacct import SacctRunner, run_sacct
 from mopd_hpc.logs.summary_records import CHECKPOINTED, SCHEMA_VERSION, ChildSlot, JobInfo, RunSummary
 from mopd_hpc.records.run_dir import EVENTS_DIR, JOB_FILE, LOGS_DIR, METRICS_FILE, STATE_DIR
@@ -123,10 +123,16 @@ def summarize_run(
     runner = sacct_runner if sacct_runner is not None else (run_sacct if shutil.which("sacct") else no_sacct)
     sacct = query_job(job_id, runner)
     if not segments and (sacct is None or not sacct.components) and _nothing_ran(root):
+        holder = starting_holder(root)
         raise NothingRanError(
             f"nothing ran in {root}: no guard events, no child or job logs, no state files, no metrics"
             + (f", and sacct does not know job {job_id}" if job_id else "")
-            + " (the job never started, or this is not the run dir)"
+            + (
+                f"; {holder} and has not started its guard yet (a first `mopd-submit --local` builds the "
+                "tiny models before it: minutes); run this again once its guard has started"
+                if holder
+                else " (the job never started, or this is not the run dir)"
+            )
         )
     restarts = [r for r in (job_json.get("restart_count"), events.incarnations - 1) if is_int(r) and r >= 0]
     restarts += [sacct.requeues] if sacct is not None and sacct.components else []
