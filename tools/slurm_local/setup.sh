@@ -182,11 +182,7 @@ start_slurmdbd() {
 
 start_slurmctld() {
   rm -f "$SL_RUN/slurmctld.pid"
-  # -c: start with no jobs. setup.sh starts slurmctld only when the cluster was down or reconfigured; jobs
-  # recovered from the state of its last life (a test session killed mid-run, a CI machine reused) would
-  # hold the nodes (a probe job holds them for minutes) and the test srun below would wait for them. The
-  # slurmds kill the steps the new controller does not know.
-  slurmctld -c </dev/null >>"$SL_LOGDIR/slurmctld.out" 2>&1 9>&- || die "slurmctld did not start" "$SL_LOGDIR/slurmctld.log"
+  slurmctld </dev/null >>"$SL_LOGDIR/slurmctld.out" 2>&1 9>&- || die "slurmctld did not start" "$SL_LOGDIR/slurmctld.log"
   record_pidfile slurmctld "$SL_RUN/slurmctld.pid" slurmctld "$SL_LOGDIR/slurmctld.log"
   wait_for "$SL_TIMEOUT_S" "slurmctld" "$SL_LOGDIR/slurmctld.log" slurmctld sh -c 'scontrol ping | grep UP'
 }
@@ -267,10 +263,26 @@ healthy() {
   scontrol ping 2>/dev/null | grep -q UP && nodes_ready
 }
 
+# Jobs recovered from the controller's last life (a test session killed mid-run, a CI machine reused) would
+# hold the nodes (a probe job holds them for minutes) and the srun check would wait for them: cancel them. (Not
+# `slurmctld -c`: it restarts the job ids, and a slurmd refuses an id whose credential it revoked.)
+cancel_leftover_jobs() {
+  local ids
+  ids=$(squeue -h -o '%i' 2>/dev/null | paste -sd' ' -) || return 0
+  [ -z "$ids" ] && return 0
+  log "cancelling jobs left from the controller's last life: $ids"
+  # shellcheck disable=SC2086
+  scancel $ids 2>/dev/null || true
+}
+
 check_srun() {
   local out want
-  out=$(timeout 60 srun -N "$SL_NODES" -n "$SL_NODES" --ntasks-per-node=1 -t 1 hostname 2>&1) ||
-    die "a test srun on all nodes failed: $out" "$SL_LOGDIR/slurmctld.log"
+  local try
+  # a few tries: right after cancelled jobs a slurmd can refuse the first step ("Job credential revoked")
+  for try in 1 2 3 4 5; do
+    out=$(timeout 60 srun -N "$SL_NODES" -n "$SL_NODES" --ntasks-per-node=1 -t 1 hostname 2>&1) && break
+    [ "$try" -lt 5 ] && sleep 2
+  done || die "a test srun on all nodes failed: $out" "$SL_LOGDIR/slurmctld.log"
   if [ "$SL_NETNS" = 1 ]; then
     want=$(node_names | sort)
     [ "$(echo "$out" | sort)" = "$want" ] || die "srun hostname printed '$out', expected the node names" "$SL_LOGDIR/slurmd-n1.log"
@@ -312,6 +324,7 @@ main() {
   start_slurmctld
   for n in $(node_names); do start_slurmd "$n"; done
   wait_nodes
+  cancel_leftover_jobs
   check_srun
   if [ "$SL_NETNS" = 1 ]; then echo netns >"$SL_RUN/mode"; else echo loopback >"$SL_RUN/mode"; fi
   echo "$fingerprint" >"$SL_RUN/fingerprint"
