@@ -302,4 +302,3 @@ def test_weird_tmp_path_survives_sbatch(slurm_cluster, weird_tmp_path: Path) -> 
     assert lines[0] == str(weird_tmp_path)
     assert lines[1] in slurm_cluster.nodes or slurm_cluster.mode != "netns"
     assert sorted(os.listdir(weird_tmp_path)) == [f"out-{job_id}.txt"]
-
