@@ -53,6 +53,9 @@ CONTRACT_KEYS = (
     "time/drain_s",
     "time/train_s",
     "time/sync_s",
+    "time/train/prepare_s",
+    "time/train/forward_backward_s",
+    "time/train/optimizer_s",
 )
 
 
@@ -198,6 +201,8 @@ def assert_metrics(run_dir: Path, steps: int) -> list[dict]:
                 line.get(key),
             )
         assert line["time/rollout_s"] > 0 and line["time/train_s"] > 0 and line["time/sync_s"] > 0
+        parts = [line[f"time/train/{p}_s"] for p in ("prepare", "forward_backward", "optimizer")]
+        assert min(parts) >= 0 and parts[1] > 0 and parts[2] > 0 and sum(parts) <= line["time/train_s"], parts
         assert 0 <= line["accuracy/chain"] <= 1 and 0 <= line["accuracy/legs"] <= 1
         assert line["perf/tokens_per_s"] > 0
     return lines

@@ -133,6 +133,9 @@ class RunBuilder:
                     "time/drain_s": 0.0,
                     "time/train_s": 4.0,
                     "time/sync_s": 2.0,
+                    "time/train/prepare_s": 0.5,  # parts of time/train_s: not counted again in the shares
+                    "time/train/forward_backward_s": 2.0,
+                    "time/train/optimizer_s": 1.0,
                     "extra/unknown": "ignored",
                 }
                 for i, r in enumerate(routes):
@@ -323,6 +326,7 @@ def test_healthy_run_progress_json_schema_and_plot(tmp_path: Path) -> None:
         {"rollout": 0.3, "teacher": 0.1, "drain": 0.0, "train": 0.4, "sync": 0.2}
     )
     assert p.last["loss/total"] == pytest.approx(2.0 - 0.49)
+    assert p.last["time/train/forward_backward_s"] == 2.0  # the last line keeps the train phase's parts
     doc = json.loads(s.to_json())
     assert doc["schema_version"] == SCHEMA_VERSION == 1
     assert set(doc) == {

@@ -381,3 +381,20 @@ def test_observe_sees_the_step_logprobs_before_the_update(models):
     torch.testing.assert_close(seen[0], before, rtol=1e-5, atol=1e-6)
     assert stats["probe/mean"] == pytest.approx(float(before.sum()), rel=1e-5)
     assert not torch.equal(engine.logprobs(batch.tokens), before)  # the step changed the weights
+
+
+def test_train_step_reports_the_seconds_of_its_parts(models):
+    """`time/train/forward_backward_s` and `time/train/optimizer_s` are seconds of disjoint parts of the call:
+    finite, > 0 (both do real work), and with `observe`'s 50 ms (between them, in neither) their sum stays
+    under the call's wall time less those 50 ms."""
+    import time
+
+    engine = make_engine(models["student"])
+    batch = teacher_batch(engine, models["teacher"])
+    pause = 0.05
+    t0 = time.perf_counter()
+    stats = engine.train_step(batch, observe=lambda lp: time.sleep(pause) or {})
+    wall = time.perf_counter() - t0
+    fb, opt = stats["time/train/forward_backward_s"], stats["time/train/optimizer_s"]
+    assert all(math.isfinite(s) and s > 0 for s in (fb, opt)), (fb, opt)
+    assert fb + opt <= wall - pause, (fb, opt, wall)

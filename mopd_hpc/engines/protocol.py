@@ -99,7 +99,10 @@ class TrainEngine(ScoringEngine, Protocol):
         observe: called once with the step's detached [B, T] float32 log π_θ(y_t) before the update (monitoring
         statistics without a second forward pass); what it returns is merged into the result.
         Returns floats: `loss`, `grad_norm` (before clipping), the loss terms' statistics (`mopd/*`,
-        `topk/*`, `grpo/*`) and `tokens`.
+        `topk/*`, `grpo/*`), `tokens`, and the seconds of its parts `time/train/forward_backward_s` (every
+        micro-batch's forward, loss, backward) and `time/train/optimizer_s` (gradient finalize/clip and the
+        optimizer step): device time, this rank's own (not reduced over data-parallel ranks;
+        `records/metrics_schema.py`).
         """
         ...
 

@@ -73,11 +73,13 @@ from mopd_hpc.engines.memory_model import dtype_bytes
 from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.residency import Residency
+from mopd_hpc.engines.span_clock import SpanClock
 from mopd_hpc.engines.torch_scoring import TorchScoringEngine
 from mopd_hpc.mopd.logprobs import Backend, token_logprobs
 from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.objective import Objective, ObjectiveError
 from mopd_hpc.mopd.topk import TeacherTopK
+from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
 
 __all__ = ["TorchScoringEngine", "TorchTrainEngine"]
 
@@ -267,9 +269,12 @@ class TorchTrainEngine:
         """One optimizer step on `batch` (this rank's shard of the step; B = 0 allowed) with the bound loss
         (module docstring). Returns floats: `loss`, `grad_norm` (L2, before clipping), `grad_clip_coef`
         (≤ 1), `step_skipped`, `lr` (the one this step used), `tokens`, the terms' statistics (`mopd/*` or
-        `topk/*`, `grpo/*`), `micro_batches` (this rank's count), and what `observe` returns when given the step's detached [B, T] float32
-        log π_θ(y_t) (before the update: monitoring statistics without a second forward pass; [0, T] for an
-        empty shard).
+        `topk/*`, `grpo/*`), `micro_batches` (this rank's count), `time/train/forward_backward_s` (seconds of
+        every micro-batch's forward, loss and backward, DDP's gradient all-reduce included) and
+        `time/train/optimizer_s` (seconds of the gradient clip, the AdamW step, zero_grad and the lr schedule's
+        step): device time, CUDA synchronized at each boundary (`engines/span_clock.py`); and what `observe`
+        returns when given the step's detached [B, T] float32 log π_θ(y_t) (before the update: monitoring
+        statistics without a second forward pass; [0, T] for an empty shard).
 
         At data-parallel size > 1 (a collective: every rank calls it once per step, with its own shard and
         the same loss terms and `observe`), every value is the whole step's, the same on every rank: `loss`,
@@ -278,7 +283,8 @@ class TorchTrainEngine:
         all-reduce; every other statistic, `observe`'s included, is a masked mean over the rank's loss
         tokens and is reduced as the token-weighted mean Σ_r n_r·x_r / Σ_r n_r (`DataParallel.
         all_reduce_stats`: exact for means over the loss mask, approximate for a mean over a sub-mask such
-        as `ratio_stats`' teacher_student_gap over W > 0 tokens)."""
+        as `ratio_stats`' teacher_student_gap over W > 0 tokens). The two `time/train/*` seconds are the
+        exception: this rank's own, not reduced (the metrics line carries rank 0's, as its `time/train_s`)."""
         self._require_resident("train_step")
         dp = self.data_parallel
         self.train_module.train()
@@ -294,6 +300,8 @@ class TorchTrainEngine:
         full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         combined = StepStats()
         self.optimizer.zero_grad(set_to_none=True)
+        clock = SpanClock(self.device)
+        clock.start()
         for i, part in enumerate(parts):
             # DDP all-reduces the gradients in the backward of the last micro-batch only.
             last = i == len(parts) - 1
@@ -307,7 +315,9 @@ class TorchTrainEngine:
             if part is not None:
                 width = logprobs.shape[1]
                 full_logprobs[part.index, :width] = logprobs.detach().float()
+        clock.lap(TRAIN_FORWARD_BACKWARD_KEY)
         observed = dict(observe(full_logprobs)) if observe is not None else {}
+        clock.skip()
         clip = self.optimizer_config.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=math.inf if clip is None else clip))
@@ -317,6 +327,7 @@ class TorchTrainEngine:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        clock.lap(TRAIN_OPTIMIZER_KEY)
         self.steps += 1
         out = combined.result() | observed
         if dp.distributed:
@@ -332,7 +343,7 @@ class TorchTrainEngine:
             "tokens": tokens,
             "micro_batches": float(len(parts)),
         }
-        return out
+        return out | clock.spans
 
     def _budget(self) -> int | None:
         """This step's micro-batch budget (`step_budget`): gradients are allocated anew each step, the AdamW

@@ -17,6 +17,7 @@ readers that do not know them):
 | `perf/tokens_per_s` | trained tokens per second of wall time |
 | `time/rollout_s`, `time/teacher_s`, `time/drain_s`, `time/train_s`, `time/sync_s` | seconds per phase |
 | `time/sync/<span>_s` (optional) | seconds of one sub-phase of the step's weight sync (part of `time/sync_s`; spans may nest): torch export, send; ipc export, fill, post, copy; awex publish, the writer's spans and `reader<i>_<span>` of each rollout engine (`engines/weight_sync/awex_spans.py`) |
+| `time/train/prepare_s`, `time/train/forward_backward_s`, `time/train/optimizer_s` | seconds of the TRAIN phase's parts (each part of `time/train_s`, the rest of which is the engine's other work: the batch to the device, the step's token counts, `observe`, the statistics' reduction): the `before_train` callback (the actor's onload when it was offloaded; `trainer/rank_step.py`), every micro-batch's forward, loss and backward, and the gradients' finalize (megatron) / clipping and the optimizer step; device time (CUDA synchronized at each boundary, `engines/span_clock.py`); rank 0's values at data-parallel > 1 (not reduced over the ranks, as `time/train_s`) |
 | `ref/kl`, `time/reference_s` | only with a KL penalty (loss.rl_coefficient > 0 and kl_coefficient > 0): the mean k3 KL(π_θ ‖ π_ref) over response tokens with the policy before the step's update (nats; 0 at step 1, where π_θ = π_ref), and rank 0's seconds of the reference model's scoring (part of `time/teacher_s`) |
 | `memory/<child>/<phase>/allocated_gib`, `memory/<child>/<phase>/reserved_gib` | peak GPU memory of one child during one phase of the step, GiB (2^30 bytes): torch's `max_memory_allocated` / `max_memory_reserved` since the phase began (the peak is reset at each phase start); only for children on CUDA (absent on CPU). `<child>` is `actor` (the controller's rank), `teacher/<id>` or `rollout/<i>` (hf engines; each server's requests of that phase, `engines/peak_memory.py`), `<phase>` a phase of the step (`rollout`, `teacher`, `drain`, `train`, `sync`), or for a server `held`: what it holds between its requests, read at the step's end |
 
@@ -56,6 +57,13 @@ PHASE_KEYS: Mapping[str, str] = {
     "time/train_s": "train",
     "time/sync_s": "sync",
 }
+#: Parts of the TRAIN phase (of `time/train_s`, seconds, rank 0's): `before_train`, then the engine's
+#: micro-batches' forward + backward and its gradient finalize/clip + optimizer step (`train_step` returns the
+#: last two under these names).
+TRAIN_PREPARE_KEY = "time/train/prepare_s"
+TRAIN_FORWARD_BACKWARD_KEY = "time/train/forward_backward_s"
+TRAIN_OPTIMIZER_KEY = "time/train/optimizer_s"
+TRAIN_SPAN_KEYS = (TRAIN_PREPARE_KEY, TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY)
 #: Peak GPU memory per child and phase: `memory/<child>/<phase>/<kind>` with kind one of MEMORY_KINDS (GiB).
 MEMORY_PREFIX = "memory/"
 MEMORY_KINDS = ("allocated_gib", "reserved_gib")

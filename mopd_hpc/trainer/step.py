@@ -24,6 +24,7 @@ from mopd_hpc.engines.batch import TrainBatch
 from mopd_hpc.mopd.grpo import grpo_advantages
 from mopd_hpc.mopd.loss import importance_weights
 from mopd_hpc.mopd.plan import ExecutionPlan
+from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY, TRAIN_PREPARE_KEY
 from mopd_hpc.trainer.rollout_phase import Rollouts
 from mopd_hpc.trainer.shards import Shard
 from mopd_hpc.trainer.step_record import ControlRecord
@@ -116,7 +117,9 @@ def step_metrics(
 
     stats: `TorchTrainEngine.train_step` output (with `ratio_means` under the topk estimator).
     timings: phase name → seconds (absent phases: 0; "reference": the reference model's part of "teacher",
-    not added again to the total). routes: every route of the run (a route absent from
+    "prepare": the `before_train` part of "train", neither added again to the total; `time/train/prepare_s`
+    is written from "prepare", `time/train/forward_backward_s` and `time/train/optimizer_s` from `stats`,
+    each 0 when absent). routes: every route of the run (a route absent from
     this step's rollouts gets NaN reward/accuracy, written as null).
     """
     topk = loss.estimator == "topk"
@@ -143,6 +146,9 @@ def step_metrics(
     values["perf/tokens_per_s"] = rollouts.response_tokens / total_s if total_s > 0 else 0.0
     for phase, key in PHASE_TIME_KEYS.items():
         values[key] = float(timings.get(phase, 0.0))
+    values[TRAIN_PREPARE_KEY] = float(timings.get("prepare", 0.0))
+    for key in (TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY):
+        values[key] = float(stats.get(key, 0.0))
     if loss.rl_coefficient > 0 and loss.kl_coefficient > 0:
         values["ref/kl"] = stats.get("grpo/kl_ref", float("nan"))
         values["time/reference_s"] = float(timings.get("reference", 0.0))

@@ -66,6 +66,7 @@ from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, 
 from mopd_hpc.engines.own_file import OwnFile, OwnFileError
 from mopd_hpc.engines.own_file import resolve as resolve_own_file
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
+from mopd_hpc.engines.span_clock import SpanClock
 from mopd_hpc.engines.weight_sync.tp_gather import gathered_hf_weights
 from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.objective import Objective, ObjectiveError
@@ -77,6 +78,7 @@ from mopd_hpc.mopd.vocab_parallel import (
     process_group_all_reduce,
     vocab_parallel_topk,
 )
+from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
 
 #: Re-exported from `scoring.py` on first access (module `__getattr__`, PEP 562): importing it here eagerly
 #: would cycle, since scoring.py reads this module's shared pieces.
@@ -349,11 +351,16 @@ class MegatronTrainEngine:
         step (module docstring).
 
         Returns floats: `loss`, `grad_norm` (the optimizer's, before clipping), `step_skipped`, `lr`,
-        `tokens`, `micro_batches`, the loss's `mopd/*` statistics (combined over micro-batches), and what
-        `observe` returns when given the step's detached [B, T] float32 log π_θ(y_t) (before the update; as
-        `TorchTrainEngine.train_step`). At megatron data-parallel size > 1 (a collective over the DP group), the
-        token count is the whole step's and the statistics are reduced as `TorchTrainEngine.train_step`'s
-        (`DataParallel.all_reduce_stats`): the DP = n update is the DP = 1 update.
+        `tokens`, `micro_batches`, the loss's `mopd/*` statistics (combined over micro-batches),
+        `time/train/forward_backward_s` (seconds of every micro-batch's forward, loss and backward) and
+        `time/train/optimizer_s` (seconds of `finalize_model_grads`, the DP gradient reduce and TP all-reduce,
+        and the optimizer's step, its clip included): device time, CUDA synchronized at each boundary
+        (`engines/span_clock.py`); and what `observe` returns when given the step's detached [B, T] float32
+        log π_θ(y_t) (before the update; as `TorchTrainEngine.train_step`). At megatron data-parallel size > 1
+        (a collective over the DP group), the token count is the whole step's and the statistics are reduced
+        as `TorchTrainEngine.train_step`'s (`DataParallel.all_reduce_stats`): the DP = n update is the DP = 1
+        update; the two `time/train/*` seconds are this rank's own, not reduced (the metrics line carries
+        rank 0's).
 
         Raises:
             EngineError: the actor is offloaded, or the batch lacks what a positive coefficient's term reads.
@@ -375,6 +382,8 @@ class MegatronTrainEngine:
         parts = [None] if batch.batch_size == 0 else split_rows(batch, self._budget())
         full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         combined = StepStats()
+        clock = SpanClock(self.device)
+        clock.start()
         for i, part in enumerate(parts):
             rows = batch.stand_in() if part is None else part.batch
             sync = contextlib.nullcontext() if i == len(parts) - 1 else self.ddp.no_sync()
@@ -386,22 +395,26 @@ class MegatronTrainEngine:
             combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
             if part is not None:
                 full_logprobs[part.index, : logprobs.shape[1]] = logprobs.detach().float()
+        clock.lap(TRAIN_FORWARD_BACKWARD_KEY)
         observed = dict(observe(full_logprobs)) if observe is not None else {}
+        clock.skip()
         finalize_model_grads([self.ddp])
         ok, grad_norm, _ = self.optimizer.step()
+        clock.lap(TRAIN_OPTIMIZER_KEY)
         self.steps += 1
         out = combined.result() | observed
         if dp.distributed:  # as TorchTrainEngine: loss shares and counts summed, means token-weighted
             sums = {k: v for k, v in out.items() if is_additive(k) and k not in observed}
             means = {k: v for k, v in out.items() if k not in sums}
             out = dp.all_reduce_stats(means, sums, float(local_tokens), self.device)
-        return out | {
+        out |= {
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "step_skipped": 0.0 if ok else 1.0,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "tokens": tokens,
             "micro_batches": float(len(parts)),
         }
+        return out | clock.spans
 
     def _budget(self) -> int | None:
         """This step's micro-batch budget (`micro_batch.step_budget`; the grad buffers exist already, Adam's
