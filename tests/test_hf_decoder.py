@@ -384,3 +384,72 @@ def test_failed_compiled_forward_falls_back_to_eager_with_the_same_result(ckpt, 
     assert not eng.compile_decode and not eng.compile_active
     for a, b in zip(got, expected, strict=True):
         assert_same(a, b)
+
+
+def test_padded_batch_decodes_as_the_unpadded_one(ckpt):
+    """The compiled decoder's fixed shape (graph_shape): rows that decode nothing and extra cache slots leave
+    the real rows' tokens, finish reasons and log-probs as they were."""
+    from transformers import StaticCache
+
+    from mopd_hpc.engines.rollout.graph_shape import graph_length
+    from mopd_hpc.engines.rollout.static_decoder import StaticRow, cache_length, decode_static, padding_rows
+
+    eng = engine(ckpt, "static")
+    srows = [
+        StaticRow(p, 0.8, 1.0, -1, 20 + 5 * i, frozenset({7}) if i == 1 else frozenset(), seed=i)
+        for i, p in enumerate(PROMPTS)
+    ]  # fmt: skip
+    outs = []
+    for padded in (False, True):
+        rows = srows + padding_rows(5) if padded else srows
+        length = graph_length(64, 200) if padded else 0
+        assert cache_length(rows, length)[1] == (320 if padded else 64 + 64)
+        cache = StaticCache(config=eng.model.config, max_cache_len=cache_length(rows, length)[1])
+        got = decode_static(
+            rows, eng._forward_static, cache, Gate(), eng.device, eng._static_mask(), False, length
+        )
+        assert len(got) == len(rows)
+        if padded:
+            assert all(o.output_ids == [] and o.finish == {"type": "length", "length": 0} for o in got[4:])
+        outs.append(got[: len(srows)])
+    for a, b in zip(*outs, strict=True):
+        assert a.output_ids == b.output_ids and a.finish == b.finish
+        assert (torch.tensor(a.output_logprobs) - torch.tensor(b.output_logprobs)).abs().max() <= TOL
+
+
+def test_graph_shape_is_refused_below_one(ckpt):
+    model = engine(ckpt, "static").model
+    with pytest.raises(ValueError, match=r"graph_shape=\(0, 64\)"):
+        HFRolloutEngine(model, str(ckpt), torch.device("cpu"), torch.float32, graph_shape=(0, 64))
+
+
+def test_compile_decode_defaults_to_cuda_only(ckpt):
+    assert engine(ckpt, "auto").compile_decode is False  # CPU: the loop decoder, eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_graph_shape_survives_release_and_offload(ckpt, oracle):
+    """As the rollout server drives it: batches of 4 and 2 rows padded to one (6 rows, 192 slots) shape, the
+    cache and graphs released after each batch, the weights offloaded and onloaded (new addresses) between
+    two batches; every batch's μ equals the direct forward, the compiled path stays active."""
+    eng = HFRolloutEngine.load(str(ckpt), "cuda", "float32", graph_shape=(6, 192))
+    assert eng.decoder == "static" and eng.compile_decode
+    batches = [PROMPTS, PROMPTS[:2], PROMPTS, PROMPTS[1:3]]
+    for k, prompts in enumerate(batches):
+        if k == 2:
+            eng.offload_weights()
+            eng.onload_weights()
+        rows = [
+            row(p, seed=10 * k + i, max_new_tokens=24, temperature=0.7, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
+        results = eng.generate(rows, Gate())
+        eng.release_cache()
+        assert eng.compile_active, "the compiled decode forward fell back to eager (see the log)"
+        assert len(results) == len(rows)
+        for r, res in zip(rows, results, strict=True):
+            assert len(res.output_ids) == 24
+            ref = oracle_logp(oracle, list(r.prompt_ids) + res.output_ids, 0.7)
+            n = len(r.prompt_ids)
+            expected = torch.tensor([float(ref[n - 1 + t, tok]) for t, tok in enumerate(res.output_ids)])
+            assert (torch.tensor(res.output_logprobs) - expected).abs().max() <= CUDA_FP32_TOL, k

@@ -57,7 +57,9 @@ def test_the_colocated_gpu_plan_from_the_formulas() -> None:
     rows_scored = (4 << 30) // (length * 151936 * 4)  # roles/teacher.py scoring_rows: 22
     assert h["teacher teacher", "scoring buffers"].bytes == rows_scored * 151936 * (length * 2 + 256 * 4)
     kv = h["rollout 0", "KV cache"]
-    assert (kv.bytes, kv.phase) == (int(mp.HF_KV_GROWTH * rows * length * 28 * 2 * 8 * 128 * 2), "rollout")
+    slots = 64 + 256  # graph_shape.graph_length: prompt and new tokens each rounded up to 64
+    assert kv.what == f"KV cache ({rows} rows × {slots} slots)"
+    assert (kv.bytes, kv.phase) == (rows * slots * 28 * 2 * 8 * 128 * 2, "rollout")
     peak, phase = gpu.peak()
     resident = 2 * p + 4 * p + 12 * p + 2 * p  # actor state + rollout weights
     assert (peak, phase) == (resident + act.bytes, "train")

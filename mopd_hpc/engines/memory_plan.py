@@ -17,10 +17,10 @@ Each child's holdings are either resident through the step, or held in one phase
   (`TEACHER_ROWS`, fewer when their float32 logits exceed `SCORING_BUDGET_BYTES`), the logits
   the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
   top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
-- rollout engine (the actor's model): weights, resident; hf: the KV cache of its rows (the step's rollouts
-  over the engines: one batch) and the sampling buffers, in `rollout` (the engine gives them back after each
-  batch and allocates with expandable segments, `roles/rollout.py`, so that its growing cache does not
-  fragment: without them the H200 measured 4× the KV cache reserved; with them `HF_KV_GROWTH`); sglang: weights and KV pool are the static
+- rollout engine (the actor's model): weights, resident; hf: the static KV cache of its largest batch
+  (`engines/rollout/graph_shape.py`: graph_rows × graph_length slots, every batch padded to it on CUDA) and
+  the sampling buffers, in `rollout` (the engine gives them and its CUDA graphs back after each batch,
+  `HFRolloutEngine.release_cache`); sglang: weights and KV pool are the static
   `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`), resident when
   separated, in `rollout` only when colocated (released at the end of the rollout: trainer/rollout_memory.py);
 - with `weight_sync.backend: ipc`, actor rank 0 (the sync's source) also holds the shared buffer of the HF
@@ -53,6 +53,7 @@ from mopd_hpc.engines.memory_model import (
     micro_batch_bytes,
     train_state,
 )
+from mopd_hpc.engines.rollout.graph_shape import graph_length, graph_rows
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.plan import ChildSpec, JobPlan
 
@@ -65,10 +66,6 @@ SCORING_BUDGET_BYTES = 4 << 30
 #: SGLang's static memory fraction for weights + KV pool (`engines/rollout/sglang_backend.py`'s default).
 SGLANG_MEM_FRACTION = 0.5
 PHASES = ("rollout", "teacher", "train")
-#: The HF engine's KV cache reserved over its size: DynamicCache grows by concatenation each decode step (a
-#: layer's new K and V coexist with the old) in expandable segments; 1.24 measured on an H200 at 64 × 4 × 1024
-#: (38.8 GiB reserved for 29.75 GiB of cache, 1.15 GiB of weights, 0.87 GiB of sampling buffers).
-HF_KV_GROWTH = 1.25
 #: Bytes per row and vocabulary entry of one decode step's sampling (`engines/rollout/sampling.py`): float32
 #: log-probs, their exp and cumsum, and top-p's sorted values with int64 indices.
 SAMPLING_BYTES = 24
@@ -225,12 +222,12 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
         pool = int(SGLANG_MEM_FRACTION * capacity_gib * GIB) - weights.bytes
         label = f"KV pool (mem_fraction_static {SGLANG_MEM_FRACTION})"
         return weights, Holding(label, max(0, pool), phase)
-    rows = -(-cfg.data.batch_size * cfg.data.samples_per_prompt // cfg.rollout.engines.count)
-    length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
-    kv = int(HF_KV_GROWTH * rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b) // share
+    rows = graph_rows(cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count)
+    length = graph_length(cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens)
+    kv = rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b // share
     return (
         weights,
-        Holding(f"KV cache ({rows} rows)", kv, "rollout"),
+        Holding(f"KV cache ({rows} rows × {length} slots)", kv, "rollout"),
         Holding("sampling buffers", rows * shape.vocab * SAMPLING_BYTES // share, "rollout"),
     )
 

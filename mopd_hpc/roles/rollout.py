@@ -40,6 +40,7 @@ from pathlib import Path
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.capabilities import rollout_refusals
+from mopd_hpc.engines.rollout.graph_shape import graph_length, graph_rows
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
 from mopd_hpc.records.job_end import stop_on_job_end
 from mopd_hpc.records.run_dir import rollout_ready_file
@@ -82,6 +83,10 @@ def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> Se
         device=role.device.torch_name,
         dtype=cfg.models.actor.dtype,
         max_batch_rows=cfg.data.batch_size * cfg.data.samples_per_prompt,
+        # CUDA: every batch (this engine's share of the step's rollouts, the evaluation's greedy rows) that
+        # fits replays one compiled shape (engines/memory_plan.py counts its KV cache)
+        graph_rows=graph_rows(cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count),
+        graph_length=graph_length(cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens),
         random_seed=cfg.seed + role.index,
         ready_file=str(rollout_ready_file(role.run_dir, role.index)),
         # the engines of a node sample at the same time; the other phases time-slice the node's cores

@@ -10,7 +10,8 @@ device, not a config field):
 
 - "loop" (the CPU default): a growing DynamicCache, one `torch.Generator` per row, finished rows leave the
   batch (their cache rows are dropped), one host sync per step.
-- "static" (the CUDA default): `static_decoder.py`, a preallocated StaticCache, one batched draw per step
+- "static" (the CUDA default, its decode step compiled into CUDA graphs there: `compile_decode`):
+  `static_decoder.py`, a preallocated StaticCache, one batched draw per step
   from the counter hash of `counter_rng.py`, finished rows masked, the host polled every few steps. Its
   draws differ from the loop's (another uniform per (seed, step)); μ is computed by the same code. Batches
   with a row asking input log-probs (logprob_start_len >= 0) or top log-probs, or a model whose attention
@@ -96,17 +97,25 @@ class HFRolloutEngine:
         device: torch.device,
         dtype: torch.dtype,
         decoder: str = "auto",
-        compile_decode: bool = False,
+        compile_decode: bool | None = None,
+        graph_shape: tuple[int, int] | None = None,
     ) -> None:
         """decoder: "auto" ("static" on CUDA, "loop" elsewhere), "loop" or "static" (see the module docstring).
 
-        compile_decode (CUDA, static decoder only; off by default, for benchmarks/hf_decode.py): the
-        one-token decode forward runs through torch.compile(mode="reduce-overhead") (CUDA graphs), the
-        StaticCache kept across batches of the same shape. If compiling or the first compiled call fails,
-        it is logged and the engine decodes eagerly from then on (`compile_active` says which).
-        Off by default: a CUDA graph holds the parameters' addresses, which an offload/onload moves.
+        compile_decode (CUDA, static decoder only; None = on there, off elsewhere): the one-token decode
+        forward runs through torch.compile(mode="reduce-overhead") (CUDA graphs), the StaticCache kept
+        across batches of the same shape: 15x the eager static decoder at 128 rows x 128 tokens on an H200
+        (benchmarks/results/hf_decode.json), after a compilation of ~40 s per (rows, cache length) shape.
+        If compiling or the first compiled call fails, it is logged and the engine decodes eagerly from
+        then on (`compile_active` says which). A CUDA graph holds its inputs' addresses: after an
+        offload/onload moves the parameters, torch's CUDA-graph trees check them and record the graph again.
+        graph_shape (rows, cache length): with compile_decode, every batch that fits is padded to it (rows
+        that decode nothing, `static_decoder.padding_rows`; a cache of that many slots), so that batches of
+        other sizes and prompt widths replay the graphs of one compilation; a batch that does not fit gets
+        its own shape (and compilation). None: each batch's own shape.
         Raises:
-            ValueError: an unknown decoder, or compile_decode off CUDA or with the loop decoder.
+            ValueError: an unknown decoder, compile_decode=True off CUDA or with the loop decoder, or a
+                graph_shape entry < 1.
         """
         if decoder not in DECODERS:
             raise ValueError(f"decoder={decoder!r}: expected one of {DECODERS}")
@@ -116,7 +125,12 @@ class HFRolloutEngine:
                 f"compile_decode=True needs the static decoder on CUDA (device {device}, decoder "
                 f"{self.decoder!r})"
             )
+        if graph_shape is not None and min(graph_shape) < 1:
+            raise ValueError(f"graph_shape={graph_shape}: expected (rows >= 1, cache length >= 1)")
+        if compile_decode is None:
+            compile_decode = device.type == "cuda" and self.decoder == "static"
         self.compile_decode = compile_decode
+        self.graph_shape = graph_shape
         self.compile_active = False
         self._compiled: Any = None
         self._compiled_calls = 0
@@ -145,12 +159,13 @@ class HFRolloutEngine:
         device: str = "cpu",
         dtype: str = "auto",
         decoder: str = "auto",
-        compile_decode: bool = False,
+        compile_decode: bool | None = None,
+        graph_shape: tuple[int, int] | None = None,
     ) -> HFRolloutEngine:
         """Load an HF checkpoint directory onto `device` ("cpu", "cuda", "cuda:N") in `dtype`.
 
-        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". decoder, compile_decode: see
-        `__init__`.
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". decoder, compile_decode,
+        graph_shape: see `__init__`.
         Raises:
             ValueError: unknown dtype, device or decoder.
         """
@@ -168,7 +183,8 @@ class HFRolloutEngine:
         )
         model = model.to(dev).eval()
         model.requires_grad_(False)
-        return cls(model, model_path, dev, next(model.parameters()).dtype, decoder, compile_decode)
+        dtype_ = next(model.parameters()).dtype
+        return cls(model, model_path, dev, dtype_, decoder, compile_decode, graph_shape)
 
     # ---- decoding -------------------------------------------------------------------------------
 
@@ -236,8 +252,25 @@ class HFRolloutEngine:
                 cache.reset()
             return cache
         cache = StaticCache(config=self.model.config, max_cache_len=length)
-        self._kept_cache = ((rows, length), cache) if self.compile_decode else None
+        if self.compile_decode:
+            self._kept_cache = ((rows, length), cache)
+            self._forget_graphs()  # the graphs recorded over the last cache's addresses
         return cache
+
+    def _forget_graphs(self) -> None:
+        """Drop the recorded CUDA graphs (not the compiled code): the next decode steps record them again over
+        the current cache and parameter addresses (two warm-up calls, then replays). Without this, torch's
+        CUDA-graph trees record a new graph each time an input moved and keep the old ones, and stop using
+        graphs past `cudagraph_unexpected_rerecord_limit` recordings."""
+        if self._compiled is None:
+            return
+        self._compiled_calls = 0  # the next calls warm up and record again: snapshot the cache offsets
+        try:
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
+        except Exception:  # noqa: BLE001 - a torch without it: its own checks re-record (correct, slower)
+            log.warning("could not reset the CUDA-graph trees; torch re-records them itself", exc_info=True)
 
     def _static_mask(self):
         """What the model's attention takes for a boolean "may attend" mask; None: not supported."""
@@ -263,7 +296,13 @@ class HFRolloutEngine:
         return self._generate_loop(rows, gate)
 
     def _generate_static(self, rows: Sequence[RowRequest], gate: StepGate, mask_value) -> list[RowResult]:
-        from mopd_hpc.engines.rollout.static_decoder import StaticRow, cache_length, decode_static, kv_view
+        from mopd_hpc.engines.rollout.static_decoder import (
+            StaticRow,
+            cache_length,
+            decode_static,
+            kv_view,
+            padding_rows,
+        )
 
         srows = [
             StaticRow(
@@ -278,7 +317,13 @@ class HFRolloutEngine:
             )
             for r in rows
         ]
-        cache = self._static_cache(len(srows), cache_length(srows)[1])
+        min_length = 0
+        if self.compile_decode and self.graph_shape is not None:
+            graph_rows, graph_length = self.graph_shape
+            if len(srows) <= graph_rows and cache_length(srows)[1] <= graph_length:
+                srows += padding_rows(graph_rows - len(srows))
+                min_length = graph_length
+        cache = self._static_cache(len(srows), cache_length(srows, min_length)[1])
         forward, written_only = self._forward_static, False
         if not self.compile_decode and (set_end := kv_view(cache)) is not None:
             written_only = True
@@ -287,7 +332,7 @@ class HFRolloutEngine:
                 set_end(mask4d.shape[-1])
                 return self._forward_static(ids, mask4d, pos, cache, cache_position)
 
-        outs = decode_static(srows, forward, cache, gate, self.device, mask_value, written_only)
+        outs = decode_static(srows, forward, cache, gate, self.device, mask_value, written_only, min_length)
         version = self.weight_version  # the version at completion, as SGLang reports it
         return [
             RowResult(
@@ -296,7 +341,7 @@ class HFRolloutEngine:
                 finish=o.finish,
                 weight_version=version,
             )
-            for r, o in zip(rows, outs, strict=True)
+            for r, o in zip(rows, outs[: len(rows)], strict=True)
         ]
 
     def _generate_loop(self, rows: Sequence[RowRequest], gate: StepGate) -> list[RowResult]:
@@ -438,9 +483,11 @@ class HFRolloutEngine:
         return count
 
     def release_cache(self) -> None:
-        """Give the caching allocator's unused blocks (a finished batch's KV cache and logits) back to the
-        device, so that a colocated child can have them until the next batch (no-op on CPU)."""
+        """Give the caching allocator's unused blocks (a finished batch's KV cache and logits, the CUDA graphs'
+        memory pool) back to the device, so that a colocated child can have them until the next batch (no-op
+        on CPU). The next compiled batch records its graphs again (the code stays compiled)."""
         self._kept_cache = None
+        self._forget_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -459,8 +506,9 @@ class HFRolloutEngine:
         with self.lock:
             if self.device.type != "cpu":
                 self.model.to(self.device)
-                # the parameters have new addresses: a recorded CUDA graph would read the old ones
-                self._compiled, self._kept_cache = None, None
+                # the parameters have new addresses: the graphs are recorded again (the code stays compiled)
+                self._kept_cache = None
+                self._forget_graphs()
             self.weights_on_device = True
             return f"weights resident on {self.device}"
 

@@ -39,6 +39,9 @@ class ServerArgs:
     device: str = "cpu"
     dtype: str = "auto"
     max_batch_rows: int = 64
+    graph_rows: int | None = None
+    graph_length: int | None = None
+    compile_decode: bool = True
     random_seed: int = 0
     ready_file: str | None = None
     num_threads: int | None = None
@@ -65,6 +68,20 @@ class ServerArgs:
         )
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         p.add_argument("--max-batch-rows", type=int, default=64, help="rows decoded together at most")
+        p.add_argument("--graph-rows", type=int, default=None, help="CUDA: rows of --graph-length's shape")
+        p.add_argument(
+            "--graph-length",
+            type=int,
+            default=None,
+            help="CUDA: the KV-cache slots every compiled batch of at most --graph-rows rows is padded to, with "
+            "that many rows (one compilation for every batch that fits; hf_engine.HFRolloutEngine graph_shape)",
+        )
+        p.add_argument(
+            "--no-compile-decode",
+            dest="compile_decode",
+            action="store_false",
+            help="CUDA: decode eagerly (default: the decode step compiled into CUDA graphs)",
+        )
         p.add_argument("--random-seed", type=int, default=0, help="seeds rows that carry no sampling_seed")
         p.add_argument(
             "--ready-file", default=None, help=f"JSON written when listening (env {ENV['ready_file']})"

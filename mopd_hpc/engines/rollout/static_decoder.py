@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from mopd_hpc.engines.rollout.counter_rng import row_keys, uniforms
+from mopd_hpc.engines.rollout.graph_shape import BUCKET, round_up
 from mopd_hpc.engines.rollout.protocol import GREEDY_TEMPERATURE
 from mopd_hpc.engines.rollout.sampling import behavior_logprobs, sample_with_uniforms
 
-BUCKET = 64
 CHECK_EVERY = 16
 ABORT = {"type": "abort", "message": "aborted by /pause_generation"}
 
@@ -86,14 +86,17 @@ class StaticOut:
     finish: dict[str, Any]
 
 
-def _round_up(n: int, to: int) -> int:
-    return max(to, -(-n // to) * to)
+def cache_length(rows: Sequence[StaticRow], min_length: int = 0) -> tuple[int, int]:
+    """(W, C): the bucketed prompt width and the cache length the batch needs (at least `min_length`: a
+    compiled decoder's fixed length, so that batches of other widths replay the same CUDA graphs)."""
+    width = round_up(max(len(r.prompt_ids) for r in rows), BUCKET)
+    return width, max(min_length, width + round_up(max(r.max_new_tokens for r in rows), BUCKET))
 
 
-def cache_length(rows: Sequence[StaticRow]) -> tuple[int, int]:
-    """(W, C): the bucketed prompt width and the cache length the batch needs."""
-    width = _round_up(max(len(r.prompt_ids) for r in rows), BUCKET)
-    return width, width + _round_up(max(r.max_new_tokens for r in rows), BUCKET)
+def padding_rows(count: int) -> list[StaticRow]:
+    """`count` rows that decode nothing (max_new_tokens 0: finished before the first step), to fill a batch
+    up to a compiled decoder's fixed row count; their slots compute and their results are dropped."""
+    return [StaticRow((0,), 1.0, 1.0, -1, 0, frozenset(), seed=0) for _ in range(count)]
 
 
 def decode_static(
@@ -104,8 +107,10 @@ def decode_static(
     device: torch.device,
     mask_value: Callable[[torch.Tensor], torch.Tensor],
     written_only: bool = False,
+    min_length: int = 0,
 ) -> list[StaticOut]:
-    """Decode `rows` as one batch into `cache` (C = cache_length(rows)[1] slots); one result per row.
+    """Decode `rows` as one batch into `cache` (C = cache_length(rows, min_length)[1] slots); one result per
+    row.
 
     mask_value maps the boolean "may attend" mask to what the attention implementation takes (itself for
     SDPA, 0/−inf-like additive floats for eager). gate.between_steps() is asked before every step.
@@ -114,7 +119,7 @@ def decode_static(
     graphs).
     """
     n = len(rows)
-    width, clen = cache_length(rows)
+    width, clen = cache_length(rows, min_length)
     lengths = torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long)
     ids = torch.zeros((n, width), dtype=torch.long)
     for i, r in enumerate(rows):
