@@ -171,6 +171,14 @@ def summarize(shape: Shape, lines: list[dict[str, Any]], student: ModelShape, te
     walls = [b["ts"] - a["ts"] for a, b in zip(lines, lines[1:], strict=False) if b["step"] >= 2]
     out["measured"] = {
         "seconds_per_phase": {ph: round(v, 4) for ph, v in seconds.items()},
+        # the phases' own split where the run records one (time/train/forward_backward_s, time/sync/...)
+        "seconds_within_phases": {
+            key.removeprefix("time/").removesuffix("_s"): round(
+                statistics.median(x[key] for x in measured), 4
+            )
+            for key in sorted(measured[0])
+            if key.startswith(tuple(f"time/{ph}/" for ph in PHASES)) and all(key in x for x in measured)
+        },  # fmt: skip
         "step_s": round(step_s, 4),
         "step_wall_s": median_or_none(walls),
         "floor_s": {ph: round(v, 6) for ph, v in floors.items()},
@@ -194,11 +202,14 @@ def one_shape(
     keep = args.keep or run_dir.parent
     keep.mkdir(parents=True, exist_ok=True)
     left = args.deadline_s - (time.perf_counter() - t0) - MEASURE_RESERVE_S
-    code, wall = run_job(sets, run_dir, left, keep / f"{shape.name}_submit.log")
+    code, wall = run_job(sets, run_dir, left, keep / f"{shape.name.replace('@', '_')}_submit.log")
     metrics = run_dir / "metrics.jsonl"
     lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     if args.keep is not None and (run_dir / "logs").is_dir():
-        subprocess.run(["cp", "-r", str(run_dir / "logs"), str(keep / f"{shape.name}_logs")], check=False)
+        subprocess.run(
+            ["cp", "-r", str(run_dir / "logs"), str(keep / f"{shape.name.replace('@', '_')}_logs")],
+            check=False,
+        )
     device_info = device_info or measure_device()
     device = Device(hbm_gbps=device_info["hbm_gbps"], peak_tflops=device_info["peak_bf16_tflops"])
     student, teacher = (ModelShape.from_hf_config(json.loads((models / m / "config.json").read_text()))
@@ -236,6 +247,8 @@ def table(name: str, r: dict[str, Any]) -> str:
     rows.append(
         f"  {'step':8} {m['step_s']:11.4f} {sum(m['floor_s'].values()):10.5f} {m['step_floor_ratio']:8.1f}"
     )
+    for key, seconds in m.get("seconds_within_phases", {}).items():
+        rows.append(f"    {key:40} {seconds:9.4f}")
     rows.append(f"  {m['response_tokens']} response + {m['prompt_tokens']} prompt tokens per step, "
                 f"{m['response_tokens_per_s']} response tokens/s")  # fmt: skip
     for child, phases in sorted(r["peak_reserved_gib"].items()):

@@ -429,9 +429,10 @@ def test_compile_decode_defaults_to_cuda_only(ckpt):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_graph_shape_survives_release_and_offload(ckpt, oracle):
-    """As the rollout server drives it: batches of 4 and 2 rows padded to one (6 rows, 192 slots) shape, the
-    cache and graphs released after each batch, the weights offloaded and onloaded (new addresses) between
-    two batches; every batch's μ equals the direct forward, the compiled path stays active."""
+    """As the rollout server drives it: batches of 4 and 2 rows padded to one (6 rows, 192 slots) shape,
+    `release_cache` after each batch (the compiled decoder keeps its cache), the weights offloaded and
+    onloaded (new addresses: the graphs are recorded again) between two batches; every batch's μ equals the
+    direct forward, the compiled path stays active, the one cache serves every batch."""
     eng = HFRolloutEngine.load(str(ckpt), "cuda", "float32", graph_shape=(6, 192))
     assert eng.decoder == "static" and eng.compile_decode
     batches = [PROMPTS, PROMPTS[:2], PROMPTS, PROMPTS[1:3]]
@@ -446,6 +447,10 @@ def test_compiled_graph_shape_survives_release_and_offload(ckpt, oracle):
         results = eng.generate(rows, Gate())
         eng.release_cache()
         assert eng.compile_active, "the compiled decode forward fell back to eager (see the log)"
+        assert eng._kept_cache is not None and eng._kept_cache[0] == (6, 192)
+        if k == 0:
+            first_cache = eng._kept_cache[1]
+        assert eng._kept_cache[1] is first_cache
         assert len(results) == len(rows)
         for r, res in zip(rows, results, strict=True):
             assert len(res.output_ids) == 24

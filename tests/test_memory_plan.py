@@ -59,9 +59,9 @@ def test_the_colocated_gpu_plan_from_the_formulas() -> None:
     kv = h["rollout 0", "KV cache"]
     slots = 64 + 256  # graph_shape.graph_length: prompt and new tokens each rounded up to 64
     assert kv.what == f"KV cache ({rows} rows × {slots} slots)"
-    assert (kv.bytes, kv.phase) == (rows * slots * 28 * 2 * 8 * 128 * 2, "rollout")
+    assert (kv.bytes, kv.phase) == (rows * slots * 28 * 2 * 8 * 128 * 2, None)  # held: the CUDA graphs
     peak, phase = gpu.peak()
-    resident = 2 * p + 4 * p + 12 * p + 2 * p  # actor state + rollout weights
+    resident = 2 * p + 4 * p + 12 * p + 2 * p + kv.bytes  # actor state + rollout weights and KV cache
     assert (peak, phase) == (resident + act.bytes, "train")
     assert gpu.children[1].in_phase("train") == 0 and gpu.children[1].in_phase("teacher") > 0
     lines = mp.format_memory_plan(gpus)
@@ -99,7 +99,8 @@ def test_a_null_budget_with_the_gpus_memory_known_is_the_one_the_engine_derives(
     shape = ModelShape.from_hf_config(QWEN3_0_6B)
     h = holdings(gpu)
     state = sum(h["actor 0", k].bytes for k in ("weights", "gradients", "optimizer"))
-    others = h["rollout 0", "weights"].bytes  # the teacher is offloaded outside its phase here
+    # the teacher is offloaded outside its phase here; the rollout engine holds its weights and KV cache
+    others = h["rollout 0", "weights"].bytes + h["rollout 0", "KV cache"].bytes
     free = 140 * GIB - state - others - 3 * mp.CUDA_CONTEXT_BYTES
     budget = default_micro_batch_tokens(shape, "bfloat16", "megatron", free)
     positions = budget // 320 * 320

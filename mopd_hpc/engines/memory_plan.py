@@ -18,9 +18,9 @@ Each child's holdings are either resident through the step, or held in one phase
   the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
   top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
 - rollout engine (the actor's model): weights, resident; hf: the static KV cache of its largest batch
-  (`engines/rollout/graph_shape.py`: graph_rows × graph_length slots, every batch padded to it on CUDA) and
-  the sampling buffers, in `rollout` (the engine gives them and its CUDA graphs back after each batch,
-  `HFRolloutEngine.release_cache`); sglang: weights and KV pool are the static
+  (`engines/rollout/graph_shape.py`: graph_rows × graph_length slots, every batch padded to it on CUDA),
+  held in every phase (the compiled decoder's CUDA graphs hold its addresses: `HFRolloutEngine.
+  release_cache`), and the sampling buffers, in `rollout`; sglang: weights and KV pool are the static
   `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`), resident when
   separated, in `rollout` only when colocated (released at the end of the rollout: trainer/rollout_memory.py);
 - with `weight_sync.backend: ipc`, actor rank 0 (the sync's source) also holds the shared buffer of the HF
@@ -227,7 +227,7 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
     kv = rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b // share
     return (
         weights,
-        Holding(f"KV cache ({rows} rows × {length} slots)", kv, "rollout"),
+        Holding(f"KV cache ({rows} rows × {length} slots)", kv),
         Holding("sampling buffers", rows * shape.vocab * SAMPLING_BYTES // share, "rollout"),
     )
 

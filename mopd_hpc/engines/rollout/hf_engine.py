@@ -107,8 +107,9 @@ class HFRolloutEngine:
         across batches of the same shape: 15x the eager static decoder at 128 rows x 128 tokens on an H200
         (benchmarks/results/hf_decode.json), after a compilation of ~40 s per (rows, cache length) shape.
         If compiling or the first compiled call fails, it is logged and the engine decodes eagerly from
-        then on (`compile_active` says which). A CUDA graph holds its inputs' addresses: after an
-        offload/onload moves the parameters, torch's CUDA-graph trees check them and record the graph again.
+        then on (`compile_active` says which). A CUDA graph holds its inputs' addresses: the cache is kept
+        across batches (`release_cache`), and after an offload/onload moves the parameters torch's
+        CUDA-graph trees see it and record the graph again.
         graph_shape (rows, cache length): with compile_decode, every batch that fits is padded to it (rows
         that decode nothing, `static_decoder.padding_rows`; a cache of that many slots), so that batches of
         other sizes and prompt widths replay the graphs of one compilation; a batch that does not fit gets
@@ -252,25 +253,8 @@ class HFRolloutEngine:
                 cache.reset()
             return cache
         cache = StaticCache(config=self.model.config, max_cache_len=length)
-        if self.compile_decode:
-            self._kept_cache = ((rows, length), cache)
-            self._forget_graphs()  # the graphs recorded over the last cache's addresses
+        self._kept_cache = ((rows, length), cache) if self.compile_decode else None
         return cache
-
-    def _forget_graphs(self) -> None:
-        """Drop the recorded CUDA graphs (not the compiled code): the next decode steps record them again over
-        the current cache and parameter addresses (two warm-up calls, then replays). Without this, torch's
-        CUDA-graph trees record a new graph each time an input moved and keep the old ones, and stop using
-        graphs past `cudagraph_unexpected_rerecord_limit` recordings."""
-        if self._compiled is None:
-            return
-        self._compiled_calls = 0  # the next calls warm up and record again: snapshot the cache offsets
-        try:
-            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-            reset_cudagraph_trees()
-        except Exception:  # noqa: BLE001 - a torch without it: its own checks re-record (correct, slower)
-            log.warning("could not reset the CUDA-graph trees; torch re-records them itself", exc_info=True)
 
     def _static_mask(self):
         """What the model's attention takes for a boolean "may attend" mask; None: not supported."""
@@ -483,11 +467,12 @@ class HFRolloutEngine:
         return count
 
     def release_cache(self) -> None:
-        """Give the caching allocator's unused blocks (a finished batch's KV cache and logits, the CUDA graphs'
-        memory pool) back to the device, so that a colocated child can have them until the next batch (no-op
-        on CPU). The next compiled batch records its graphs again (the code stays compiled)."""
-        self._kept_cache = None
-        self._forget_graphs()
+        """Give the caching allocator's unused blocks (a finished batch's KV cache and logits) back to the
+        device, so that a colocated child can have them until the next batch (no-op on CPU). The compiled
+        decoder keeps its StaticCache: its CUDA graphs hold the cache's addresses (a new cache would make
+        torch record them again, and keep the old ones, every batch); the memory plan counts it as held."""
+        if not self.compile_decode:
+            self._kept_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -505,10 +490,9 @@ class HFRolloutEngine:
         """Move the weights back onto the serving device."""
         with self.lock:
             if self.device.type != "cpu":
+                # the parameters get new addresses: torch's CUDA-graph trees check them before a replay and
+                # record the decode graph again (the code stays compiled; the cache did not move)
                 self.model.to(self.device)
-                # the parameters have new addresses: the graphs are recorded again (the code stays compiled)
-                self._kept_cache = None
-                self._forget_graphs()
             self.weights_on_device = True
             return f"weights resident on {self.device}"
 
