@@ -99,7 +99,7 @@ def test_micro_batches_give_the_one_batch_step_in_float64(recorded, estimator, n
         assert gs["tokens"] == ws["tokens"]
         assert sorted(gs) == sorted(ws)
         for key, value in ws.items():
-            if key != "micro_batches":
+            if key != "micro_batches" and not key.startswith("time/"):  # seconds: not a value of the step
                 assert gs[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (budget, key)
         diff = float((flat(got["params"]) - flat(want["params"])).abs().max())
         assert diff <= 1e-12, (budget, diff)
