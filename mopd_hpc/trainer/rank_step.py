@@ -34,7 +34,7 @@ import torch
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.protocol import TrainEngine
 from mopd_hpc.engines.reference import ReferenceModel
-from mopd_hpc.engines.span_clock import device_sync
+from mopd_hpc.engines.span_clock import SpanClock
 from mopd_hpc.engines.teacher_pool import TeacherPool
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB
@@ -141,15 +141,13 @@ class ShardStep:
             self.group.barrier(f"after the drain of step {record.step}")
             timings["drain"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        timings["prepare"] = 0.0
         if before_train is not None:
-            device = getattr(self.engine, "device", None)  # both engines have one; a test's fake may not
-            device_sync(device)  # queued work before the callback is the drain's, not the onload's
-            t1 = time.perf_counter()
+            # queued work before the callback is the drain's, not the onload's: the clock waits for it first
+            clock = SpanClock(getattr(self.engine, "device", None))  # a test's fake engine may have none
+            clock.start()
             before_train()
-            device_sync(device)
-            timings["prepare"] = time.perf_counter() - t1
-        else:
-            timings["prepare"] = 0.0
+            timings["prepare"] = clock.lap("prepare")
         stats = self.train(record, shard, scores, ref_logprobs)
         timings["train"] = time.perf_counter() - t0
         return ShardOutcome(stats, shard, timings)

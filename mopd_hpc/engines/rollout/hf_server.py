@@ -85,17 +85,16 @@ async def serve(args: ServerArgs, token: str, stop: asyncio.Event | None = None)
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    graph_shape = None
+    if args.graph_length is not None:
+        graph_shape = (args.graph_rows or args.max_batch_rows, args.graph_length)
     engine = await asyncio.to_thread(
         HFRolloutEngine.load,
         args.model_path,
         args.device,
         args.dtype,
-        compile_decode=None
-        if args.compile_decode
-        else False,  # None: on CUDA (static decoder), off elsewhere
-        graph_shape=None
-        if args.graph_length is None
-        else (args.graph_rows or args.max_batch_rows, args.graph_length),
+        compile_decode=None if args.compile_decode else False,  # None: on CUDA (static decoder) only
+        graph_shape=graph_shape,
     )
     server = RolloutServer(args, engine, await asyncio.to_thread(_load_tokenizer, args.model_path))
     server.scheduler.start()
