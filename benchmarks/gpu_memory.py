@@ -19,8 +19,9 @@ teacher residency auto). From its metrics.jsonl:
   per phase and its largest, the ratio plan / measured (issue 21 asks for 1 ≤ ratio ≤ 1.25), and the
   residency decision.
 
-The results file is rewritten after each shape, so that a run stopped by `--deadline-s` keeps what it had
-(a shape cut short reports the steps it finished). Prints one table per shape.
+The results file keeps the shapes it has and replaces those run again (one device call per shape can build it
+up); it is rewritten after each shape, so that a run stopped by `--deadline-s` keeps what it had (a shape cut
+short reports the steps it finished). Each shape records the commit it ran. Prints one table per shape.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpu_models import ensure_models  # noqa: E402
-from results_file import write_results  # noqa: E402
+from results_file import commit_of, write_results  # noqa: E402
 
 from mopd_hpc.config import load_run_config  # noqa: E402
 from mopd_hpc.engines.memory_plan import GIB, PHASES  # noqa: E402
@@ -133,7 +134,9 @@ def job_sets(models: Path, steps: int, prompts: int, samples: int, new: int) -> 
     ]  # fmt: skip
 
 
-def one_shape(shape: str, models: Path, steps: int, timeout_s: float, capacity: float, keep: Path) -> dict:
+def one_shape(
+    shape: str, models: Path, steps: int, timeout_s: float, capacity: float, keep: Path, commit: str
+) -> dict:
     prompts, samples, new = (int(x) for x in shape.split("x"))
     sets = job_sets(models, steps, prompts, samples, new)
     work = Path(tempfile.mkdtemp(prefix=f"gpu_memory_{shape}_"))
@@ -149,6 +152,7 @@ def one_shape(shape: str, models: Path, steps: int, timeout_s: float, capacity: 
     peak = max(measured.values(), default=0.0)  # every phase of the step, drain and sync too
     return {
         "shape": {"prompts": prompts, "samples_per_prompt": samples, "max_new_tokens": new},
+        "commit": commit,
         "exit_code": code,
         "stopped_at_timeout": code is None,
         "wall_s": round(seconds, 1),
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=Path, default=None, help="made here when absent (gpu_models.py)")
     p.add_argument("--deadline-s", type=float, default=540.0, help="stop the last shape at this many seconds")
     p.add_argument("--keep", type=Path, default=None, help="where each shape's submit log and logs/ go")
+    p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
     p.add_argument("--out", type=Path, default=RESULTS / "gpu_memory.json")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -201,17 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     ensure_models(models, "0.6b", timeout_s=None)  # in a child: no CUDA context in this process
     capacity = gpu_capacity_gib()
     keep = args.keep or Path(tempfile.mkdtemp(prefix="gpu_memory_logs_"))
-    result: dict[str, Any] = {
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    result: dict[str, Any] = previous | {
         "benchmark": "gpu_memory",
         "config": str(CONFIG.relative_to(REPO)),
         "gpu_capacity_gib": capacity,
         "models": "random Qwen3-0.6B shape (28 layers, hidden 1024, vocab 151,936), bf16; char tokenizer",
         "defaults": "micro_batch_tokens null (derived), activation_checkpointing false, teacher residency auto",
-        "shapes": {},
+        "shapes": dict(previous.get("shapes", {})),
     }
     for shape in shapes:
         left = args.deadline_s - (time.perf_counter() - t0)
-        r = one_shape(shape, models, args.steps, left, capacity, keep)
+        r = one_shape(shape, models, args.steps, left, capacity, keep, commit_of(args.commit))
         result["shapes"][shape] = r
         print(table(shape, r), flush=True)
         write_results(args.out, result)

@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_memory import CONFIG, child_peaks, job_sets, measured_totals, run_job  # noqa: E402
+from gpu_memory import CONFIG, child_peaks, job_sets, measured_totals, plan_of, run_job  # noqa: E402
 from gpu_models import ensure_models  # noqa: E402
-from results_file import write_results  # noqa: E402
+from results_file import commit_of, write_results  # noqa: E402
 from step_floors import PHASES, Device, ModelShape, StepTokens, floor_ratios, phase_floors  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -106,18 +106,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def commit_of(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
-
-
 def models_for(root: Path, size: str) -> Path:
     """ROOT/gpu_step_roles_SIZE with student/ and teacher/ (made by gpu_models.py when absent)."""
     return ensure_models(root / f"gpu_step_roles_{size.replace('.', '_')}", size, timeout_s=None)
@@ -133,8 +121,10 @@ def measure_device() -> dict[str, Any]:
     copy = copy_gbps(COPY_BYTES)
     peak = peak_bf16_tflops()
     torch.cuda.empty_cache()
+    capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
     return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "copy_gbps": round(copy, 1),
-            "hbm_gbps": round(2 * copy, 1), "peak_bf16_tflops": round(peak, 1)}  # fmt: skip
+            "hbm_gbps": round(2 * copy, 1), "peak_bf16_tflops": round(peak, 1),
+            "gpu_capacity_gib": round(capacity, 3)}  # fmt: skip
 
 
 def median_or_none(values: Sequence[float]) -> float | None:
@@ -230,6 +220,10 @@ def one_shape(
         "commit": commit_of(args.commit),
         **summarize(shape, lines, student, teacher, device),
     }
+    # the memory plan of these sets at the GPU's memory (issue 21: 1 ≤ plan / measured peak ≤ 1.25)
+    plan = plan_of(sets, device_info["gpu_capacity_gib"])
+    peak = max(record["measured_gpu_gib_per_phase"].values(), default=0.0)
+    record |= {"plan": plan, "plan_over_measured": round(plan["peak_gib"] / peak, 3) if peak else None}
     return record, device_info
 
 
@@ -254,6 +248,10 @@ def table(name: str, r: dict[str, Any]) -> str:
     for child, phases in sorted(r["peak_reserved_gib"].items()):
         cells = ", ".join(f"{ph} {v:.2f}" for ph, v in phases.items())
         rows.append(f"  peak reserved GiB {child}: {cells}")
+    if r.get("plan"):
+        rows.append(f"  memory plan {r['plan']['peak_gib']:.2f} GiB, measured peak "
+                    f"{max(r['measured_gpu_gib_per_phase'].values(), default=0.0):.2f}: "
+                    f"plan / measured {r['plan_over_measured']}")  # fmt: skip
     return "\n".join(rows)
 
 

@@ -183,6 +183,7 @@ def test_one_shape_reads_the_run_and_prints_its_table(
         "copy_gbps": 2000.0,
         "hbm_gbps": 4000.0,
         "peak_bf16_tflops": 800.0,
+        "gpu_capacity_gib": 139.8,
     }
     monkeypatch.setattr(gpu_step_roles, "run_job", fake_job)
     monkeypatch.setattr(gpu_step_roles, "measure_device", lambda: device)
@@ -207,6 +208,11 @@ def test_one_shape_reads_the_run_and_prints_its_table(
         *(ModelShape.from_hf_config(QWEN3_0_6B),) * 2, StepTokens(128, 4, 128, 2560, 16384), H200ISH
     )
     assert record["measured"]["floor_s"] == pytest.approx(expected, abs=1e-6)
+    # the memory plan of the run's own sets at the device's memory, over the measured peak (6 GiB: the actor's
+    # 3 + 3 in step 3's train phase)
+    plan = gpu_step_roles.plan_of(seen["sets"], 139.8)
+    assert record["plan"] == plan and record["plan_over_measured"] == round(plan["peak_gib"] / 6.0, 3)
     text = gpu_step_roles.table("32x4x128@0.6b", record)
     assert "step_floor" not in text and "rollout" in text and "peak reserved GiB actor" in text
+    assert f"plan / measured {record['plan_over_measured']}" in text
     assert f"{record['measured']['step_floor_ratio']:8.1f}" in text
