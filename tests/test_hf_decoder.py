@@ -428,18 +428,27 @@ def test_compile_decode_defaults_to_cuda_only(ckpt):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_graph_shape_survives_release_and_offload(ckpt, oracle):
-    """As the rollout server drives it: batches of 4 and 2 rows padded to one (6 rows, 192 slots) shape,
-    `release_cache` after each batch (the compiled decoder keeps its cache), the weights offloaded and
-    onloaded (new addresses: the graphs are recorded again) between two batches; every batch's μ equals the
-    direct forward, the compiled path stays active, the one cache serves every batch."""
+def test_compiled_graph_shape_survives_release_offload_and_weight_update(ckpt, oracle, ckpt_other):
+    """As the rollout server and an AWEX colocate sync drive it: batches of 4 and 2 rows padded to one (6 rows,
+    192 slots) shape, `release_cache` after each batch (the compiled decoder keeps its cache); between the
+    second and third batch the weights are released (generation refused), the other checkpoint's weights are
+    copied in and they are resumed, as a sync does. The parameters keep their addresses throughout (the
+    graphs hold them); every batch's μ equals the direct forward of the weights it ran with (the update is
+    seen by the graph replays), the compiled path stays active, the one cache serves every batch."""
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(ckpt_other, dtype=torch.float32).eval()
     eng = HFRolloutEngine.load(str(ckpt), "cuda", "float32", graph_shape=(6, 192))
     assert eng.decoder == "static" and eng.compile_decode
+    addresses = [p.data_ptr() for p in eng.model.parameters()]
     batches = [PROMPTS, PROMPTS[:2], PROMPTS, PROMPTS[1:3]]
     for k, prompts in enumerate(batches):
         if k == 2:
             eng.offload_weights()
+            with pytest.raises(RuntimeError, match="released"):
+                eng.generate([row(PROMPTS[0], max_new_tokens=2)], Gate())
             eng.onload_weights()
+            eng.load_named_tensors(other.state_dict(), "1")
         rows = [
             row(p, seed=10 * k + i, max_new_tokens=24, temperature=0.7, ignore_eos=True)
             for i, p in enumerate(prompts)
@@ -447,6 +456,7 @@ def test_compiled_graph_shape_survives_release_and_offload(ckpt, oracle):
         results = eng.generate(rows, Gate())
         eng.release_cache()
         assert eng.compile_active, "the compiled decode forward fell back to eager (see the log)"
+        assert [p.data_ptr() for p in eng.model.parameters()] == addresses
         assert eng._kept_cache is not None and eng._kept_cache[0] == (6, 192)
         if k == 0:
             first_cache = eng._kept_cache[1]
@@ -454,7 +464,7 @@ def test_compiled_graph_shape_survives_release_and_offload(ckpt, oracle):
         assert len(results) == len(rows)
         for r, res in zip(rows, results, strict=True):
             assert len(res.output_ids) == 24
-            ref = oracle_logp(oracle, list(r.prompt_ids) + res.output_ids, 0.7)
+            ref = oracle_logp(oracle if k < 2 else other, list(r.prompt_ids) + res.output_ids, 0.7)
             n = len(r.prompt_ids)
             expected = torch.tensor([float(ref[n - 1 + t, tok]) for t, tok in enumerate(res.output_ids)])
             assert (torch.tensor(res.output_logprobs) - expected).abs().max() <= CUDA_FP32_TOL, k

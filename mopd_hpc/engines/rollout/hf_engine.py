@@ -108,8 +108,9 @@ class HFRolloutEngine:
         (benchmarks/results/hf_decode.json), after a compilation of ~40 s per (rows, cache length) shape.
         If compiling or the first compiled call fails, it is logged and the engine decodes eagerly from
         then on (`compile_active` says which). A CUDA graph holds its inputs' addresses: the cache is kept
-        across batches (`release_cache`), and after an offload/onload moves the parameters torch's
-        CUDA-graph trees see it and record the graph again.
+        across batches (`release_cache`), and so are the parameters (`offload_weights` leaves them on the
+        device; a move would make torch's CUDA-graph trees record the graph again at every weight sync, up to
+        its re-record limit, then run without graphs).
         graph_shape (rows, cache length): with compile_decode, every batch that fits is padded to it (rows
         that decode nothing, `static_decoder.padding_rows`; a cache of that many slots), so that batches of
         other sizes and prompt widths replay the graphs of one compilation; a batch that does not fit gets
@@ -477,21 +478,25 @@ class HFRolloutEngine:
             torch.cuda.empty_cache()
 
     def offload_weights(self) -> str:
-        """Move the weights to host memory (a real offload on GPU; a no-op on CPU). Returns what was done."""
+        """Release the weights between phases: moved to host memory on GPU, or kept in place (a no-op) on CPU
+        and with the compiled decoder, whose CUDA graphs hold the parameters' addresses (moving them back
+        would give new ones, and a graph recording per weight sync; the memory plan counts the rollout
+        engine's weights as resident, `engines/memory_plan.py`). Either way generation is refused until
+        `onload_weights`. Returns what was done."""
         with self.lock:
             self.weights_on_device = False
             if self.device.type == "cpu":
                 return "device is cpu: weights stay in place (no-op)"
+            if self.compile_decode:
+                return f"weights stay on {self.device}: the compiled decode step's CUDA graphs hold their addresses"
             self.model.to("cpu")
             torch.cuda.empty_cache()
             return f"weights moved from {self.device} to cpu"
 
     def onload_weights(self) -> str:
-        """Move the weights back onto the serving device."""
+        """Move the weights back onto the serving device (where `offload_weights` moved them)."""
         with self.lock:
-            if self.device.type != "cpu":
-                # the parameters get new addresses: torch's CUDA-graph trees check them before a replay and
-                # record the decode graph again (the code stays compiled; the cache did not move)
+            if self.device.type != "cpu" and next(self.model.parameters()).device != self.device:
                 self.model.to(self.device)
             self.weights_on_device = True
             return f"weights resident on {self.device}"
