@@ -49,7 +49,10 @@ SIZES = ("0.6b", "1.7b")
 DEFAULT_SHAPES = ("32x4x128@0.6b", "64x4x1024@0.6b", "32x4x128@1.7b", "64x4x1024@1.7b")
 #: Bytes of the device-to-device copy that measures the bandwidth, and seconds kept for it at the end.
 COPY_BYTES = 4 << 30
-MEASURE_RESERVE_S = 45.0  # the job's stop (SIGTERM 20 s, then SIGKILL 10 s) and the measurement
+MEASURE_RESERVE_S = 45.0  # the job's stop (SIGTERM 20 s, then SIGKILL 10 s), the idle wait and the measurement
+#: The bandwidth is measured once this fraction of the GPU's memory is free, waiting at most IDLE_WAIT_S.
+IDLE_FREE_FRACTION = 0.9
+IDLE_WAIT_S = 10.0
 _SHAPE = re.compile(r"^(\d+)x(\d+)x(\d+)@(\S+)$")
 
 
@@ -111,20 +114,36 @@ def models_for(root: Path, size: str) -> Path:
     return ensure_models(root / f"gpu_step_roles_{size.replace('.', '_')}", size, timeout_s=None)
 
 
+def wait_for_idle_gpu(timeout_s: float = IDLE_WAIT_S) -> float:
+    """Wait until GPU 0 has IDLE_FREE_FRACTION of its memory free (a job stopped at its deadline may still be
+    tearing its children down: a copy beside them measured 1,934 of ~4,250 GB/s on the H200), at most
+    `timeout_s`; returns the GiB free when measured (recorded beside the figures)."""
+    import torch
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free, total = torch.cuda.mem_get_info(0)
+        if free >= IDLE_FREE_FRACTION * total or time.monotonic() > deadline:
+            return free / 2**30
+        time.sleep(1.0)
+
+
 def measure_device() -> dict[str, Any]:
-    """This process's GPU 0: name, copy rate and HBM traffic (GB/s), bf16 matmul peak (TFLOP/s)."""
+    """This process's GPU 0, once idle (`wait_for_idle_gpu`): name, copy rate and HBM traffic (GB/s), bf16
+    matmul peak (TFLOP/s), its memory and what was free when measured (GiB)."""
     import torch
     from scoring_mfu import peak_bf16_tflops
     from weight_sync import copy_gbps
 
     torch.cuda.set_device(0)
+    free_gib = wait_for_idle_gpu()
     copy = copy_gbps(COPY_BYTES)
     peak = peak_bf16_tflops()
     torch.cuda.empty_cache()
     capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
     return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "copy_gbps": round(copy, 1),
             "hbm_gbps": round(2 * copy, 1), "peak_bf16_tflops": round(peak, 1),
-            "gpu_capacity_gib": round(capacity, 3)}  # fmt: skip
+            "gpu_capacity_gib": round(capacity, 3), "free_gib_when_measured": round(free_gib, 2)}  # fmt: skip
 
 
 def median_or_none(values: Sequence[float]) -> float | None:

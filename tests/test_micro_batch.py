@@ -225,3 +225,18 @@ def test_fields_and_their_errors():
         MicroBatching(0)
     with pytest.raises(MicroBatchError, match="is True"):
         MicroBatching(True)  # type: ignore[arg-type]
+
+
+def test_train_step_gives_its_activations_back_once(recorded, monkeypatch):
+    """The engine's step ends with `release_activations` of its device, once (on CUDA it empties the caching
+    allocator so that the children sharing the GPU have the activations' memory in the other phases; the
+    memory plan counts it in `train` only), after every micro-batch: a split step releases once too."""
+    import mopd_hpc.engines.torch_engine as torch_engine
+
+    calls: list[torch.device] = []
+    monkeypatch.setattr(torch_engine, "release_activations", calls.append)
+    loss = loss_section("sampled", "token-mean", False)
+    for budget, count in [(None, 1), *BUDGETS.items()]:
+        calls.clear()
+        out = one_step(recorded, loss, micro_batch_tokens=budget)
+        assert out["stats"]["micro_batches"] == count and calls == [torch.device("cpu")]

@@ -70,7 +70,14 @@ from mopd_hpc.engines.hf_model import (
 )
 from mopd_hpc.engines.lr_schedule import lr_scheduler
 from mopd_hpc.engines.memory_model import dtype_bytes
-from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
+from mopd_hpc.engines.micro_batch import (
+    MicroBatching,
+    StepStats,
+    is_additive,
+    release_activations,
+    split_rows,
+    step_budget,
+)
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.residency import Residency
 from mopd_hpc.engines.span_clock import SpanClock
@@ -343,6 +350,7 @@ class TorchTrainEngine:
             "tokens": tokens,
             "micro_batches": float(len(parts)),
         }
+        release_activations(self.device)
         return out | clock.spans
 
     def _budget(self) -> int | None:

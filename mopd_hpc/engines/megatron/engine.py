@@ -62,7 +62,14 @@ from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
-from mopd_hpc.engines.micro_batch import MicroBatching, StepStats, is_additive, split_rows, step_budget
+from mopd_hpc.engines.micro_batch import (
+    MicroBatching,
+    StepStats,
+    is_additive,
+    release_activations,
+    split_rows,
+    step_budget,
+)
 from mopd_hpc.engines.own_file import OwnFile, OwnFileError
 from mopd_hpc.engines.own_file import resolve as resolve_own_file
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
@@ -414,6 +421,7 @@ class MegatronTrainEngine:
             "tokens": tokens,
             "micro_batches": float(len(parts)),
         }
+        release_activations(self.device)
         return out | clock.spans
 
     def _budget(self) -> int | None:
