@@ -447,8 +447,8 @@ class HFRolloutEngine:
                     f"weight {name!r}: shape {tuple(tensor.shape)} != model's {tuple(state[name].shape)}"
                 )
         with self.lock, torch.no_grad():
-            for name, tensor in named.items():
-                state[name].data.copy_(tensor, non_blocking=False)
+            if named:  # one multi-tensor copy (on CUDA a few fused kernels, not one per tensor)
+                torch._foreach_copy_([state[name].data for name in named], list(named.values()))
             if weight_version is not None:
                 self.weight_version = weight_version
         return len(named)

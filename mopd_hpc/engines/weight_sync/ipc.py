@@ -312,13 +312,18 @@ class SharedBuffers:
 
     @torch.no_grad()
     def fill(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy every (HF name, tensor) into its slot, an alias's not again (it is its target's); on CUDA
+        """Copy every (HF name, tensor) into its slot, an alias's not again (it is its target's), in one
+        multi-tensor copy (`torch._foreach_copy_`: on CUDA a few fused kernels, not one per tensor); on CUDA
         waits for the copies (the reader's stream is another process's)."""
+        slots, sources = [], []
         for name, t in items:
             if name in self.aliases:
                 continue
             s = self._index[name]
-            self.tensors[s.buffer][s.offset : s.offset + s.numel].copy_(t.detach().reshape(-1))
+            slots.append(self.tensors[s.buffer][s.offset : s.offset + s.numel])
+            sources.append(t.detach().reshape(-1))
+        if slots:
+            torch._foreach_copy_(slots, sources)
         if self.tensors and self.tensors[0].is_cuda:
             torch.cuda.synchronize(self.tensors[0].device)
 
