@@ -427,6 +427,8 @@ MUTATIONS: dict[str, M] = {
     "rollout.engines.tensor_parallel": ("gpu", GPU2, {"rollout.engines.tensor_parallel": 2}, "plan"),
     "rollout.mode": ("cpu", {}, {"rollout.mode": "separated"}, "plan"),
     "rollout.forked": ("het", {}, {"rollout.forked": False}, "refused"),
+    # eager decoding frees the KV cache after each batch: the plan holds it in the rollout phase only
+    "rollout.compile_decode": ("gpu", {}, {"rollout.compile_decode": False}, "dry_run"),
     "weight_sync.backend": (
         "gpu",
         {},
@@ -486,6 +488,7 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"models.actor.collective_timeout_s": 30.0},
     ),
     ("weight_sync.awex_mode", "always"): ("gpu", {}, {"weight_sync.awex_mode": None}),
+    ("rollout.compile_decode", "the rollout group has no GPUs"): ("cpu", {}, {"rollout.compile_decode": False}),
     ("models.teachers[].id", "loss.distillation_coefficient is 0"): (
         "loss",
         C_D0,

@@ -83,3 +83,18 @@ def test_megatron_trainer_group_wider_than_the_actor_role_is_named_and_refused(t
     # one trainer GPU is what the role starts: no gap
     rc, out, err = execute(config, "--check", *MEGATRON_2GPU, "--set", "cluster.trainer.gpus_per_node=1")
     assert rc == 0 and "not run by the job's roles yet" not in out
+
+
+def test_compile_decode_false_with_sglang_is_refused_naming_the_field() -> None:
+    """`rollout.compile_decode` is the hf engine's switch: false with backend sglang would be ignored, so
+    --check refuses it; with hf it passes (eager decoding)."""
+    config = str(CONFIGS / "qwen3_8gpu_colocated.yaml")  # backend sglang
+    rc, out, err = execute(config, "--check", "--set", "rollout.compile_decode=false")
+    assert rc == 2 and out == ""
+    (line,) = [line for line in err.splitlines() if "rollout.compile_decode" in line]
+    assert line == (
+        "  - rollout.compile_decode: it switches the hf engine's compiled decode step; sglang captures CUDA "
+        "graphs of its own (got false; leave rollout.compile_decode out (true) with backend sglang)"
+    )
+    rc, _, err = execute(str(CONFIGS / "local_cpu.yaml"), "--check", "--set", "rollout.compile_decode=false")
+    assert rc == 0, err

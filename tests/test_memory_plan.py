@@ -115,6 +115,32 @@ def test_a_null_budget_with_the_gpus_memory_known_is_the_one_the_engine_derives(
     assert same == gpus and detected[0].capacity_gib is None
 
 
+def test_eager_decoding_holds_the_kv_cache_in_the_rollout_only(tmp_path: Path) -> None:
+    """`rollout.compile_decode: false`: the engine decodes eagerly and frees its KV cache after each batch, so
+    the plan holds it in `rollout` only, the train phase has that much more free and the derived budget grows;
+    the rollout role passes the switch to its server (`roles/rollout.server_args`)."""
+    from mopd_hpc.roles.env import RoleEnv
+    from mopd_hpc.roles.rollout import server_args
+
+    sets = [*OOM, "cluster.group.gpu_memory_gb=140"]
+    _, compiled = plan_of(sets)
+    cfg, eager = plan_of([*sets, "rollout.compile_decode=false"])
+    kv, kv_eager = (holdings(g[0])["rollout 0", "KV cache"] for g in (compiled, eager))
+    assert (kv.phase, kv_eager.phase) == (None, "rollout") and kv.bytes == kv_eager.bytes
+    assert eager[0].children[2].in_phase("train") == compiled[0].children[2].in_phase("train") - kv.bytes
+    positions = [int(holdings(g[0])["actor 0", "activations"].what.split("(")[1].split(" ")[0].replace(",", ""))
+                 for g in (compiled, eager)]  # fmt: skip
+    assert positions[1] > positions[0]
+    role = RoleEnv.from_env(
+        {
+            "MOPD_RUN_DIR": str(tmp_path), "MOPD_ROLE": "rollout", "MOPD_INDEX": "0", "MOPD_JOB_ID": "local-1",
+            "MOPD_BACKEND": "local", "MOPD_HOST": "localhost", "MOPD_WORLD_SIZE": "1", "MOPD_PORT_HTTP": "1",
+        }
+    )  # fmt: skip
+    assert server_args(role, cfg, {}).compile_decode is False
+    assert server_args(role, load_run_config(str(CONFIG), sets, False), {}).compile_decode is True
+
+
 @pytest.mark.parametrize(("mode", "phase"), [("colocated", "rollout"), ("separated", None)])
 def test_a_colocated_sglang_engine_holds_its_gpu_in_the_rollout_only(mode: str, phase: str | None) -> None:
     """It releases weights and KV pool when the step leaves ROLLOUT (trainer/rollout_memory.py)."""

@@ -89,6 +89,12 @@ INERT: tuple[InertField, ...] = (
         "no effect on a group without GPUs: nothing moves between phases on CPU (roles/residency.py "
         "teachers_to_offload)",
     ),
+    InertField(
+        "rollout.compile_decode",
+        "the rollout group has no GPUs",
+        lambda c: c.cluster.rollout_group.gpus_per_node == 0,
+        "the CPU loop decoder is never compiled (engines/rollout/hf_engine.py HFRolloutEngine compile_decode)",
+    ),
     InertField("routes", "loss.distillation_coefficient is 0", _no_distillation, _NO_TEACHER),
     *(
         InertField(

@@ -45,6 +45,14 @@ class RolloutConfig(Section):
         description="'separated': rollout engines on their own GPUs; 'colocated': on the actor's GPUs, "
         "time-sliced by the phase machine (offload/onload between phases).",
     )
+    compile_decode: StrictBool = Field(
+        True,
+        description="hf backend on CUDA: the decode step compiled into CUDA graphs (torch.compile, "
+        "reduce-overhead; about 40 s of compilation in the first step, then ~15x eager decoding), its static "
+        "KV cache and the engine's weights held on the GPU in every phase (the graphs hold their addresses; "
+        "the memory plan counts them). false: eager decoding, the KV cache held in the rollout phase only. "
+        "The CPU loop decoder is never compiled; with backend sglang (its own CUDA graphs) only true.",
+    )
     forked: StrictBool = Field(
         True,
         description="Rollout engines run as children forked by the node's guard, so that a rollout crash or "
@@ -54,8 +62,19 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
-        raise_if_any(unforked_rollout(self))
+        raise_if_any(unforked_rollout(self) + uncompiled_sglang(self))
         return self
+
+
+def uncompiled_sglang(rollout: RolloutConfig) -> list[Problem]:
+    """`compile_decode: false` with backend sglang is refused: it is the hf engine's switch, and sglang
+    captures its own CUDA graphs (accepting it would ignore it). Paths relative to `rollout`."""
+    if rollout.compile_decode or rollout.backend != "sglang":
+        return []
+    why = "it switches the hf engine's compiled decode step; sglang captures CUDA graphs of its own"
+    return [
+        Problem("compile_decode", why, False, "leave rollout.compile_decode out (true) with backend sglang")
+    ]
 
 
 def unforked_rollout(rollout: RolloutConfig) -> list[Problem]:

@@ -19,8 +19,8 @@ Each child's holdings are either resident through the step, or held in one phase
   top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
 - rollout engine (the actor's model): weights, resident; hf: the static KV cache of its largest batch
   (`engines/rollout/graph_shape.py`: graph_rows × graph_length slots, every batch padded to it on CUDA),
-  held in every phase (the compiled decoder's CUDA graphs hold its addresses: `HFRolloutEngine.
-  release_cache`), and the sampling buffers, in `rollout`; sglang: weights and KV pool are the static
+  held in every phase with `rollout.compile_decode` (the compiled decoder's CUDA graphs hold its addresses:
+  `HFRolloutEngine.release_cache`), in `rollout` only without, and the sampling buffers, in `rollout`; sglang: weights and KV pool are the static
   `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`), resident when
   separated, in `rollout` only when colocated (released at the end of the rollout: trainer/rollout_memory.py);
 - with `weight_sync.backend: ipc`, actor rank 0 (the sync's source) also holds the shared buffer of the HF
@@ -225,9 +225,10 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
     rows = graph_rows(cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count)
     length = graph_length(cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens)
     kv = rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b // share
+    held = None if cfg.rollout.compile_decode else "rollout"  # eager: released after each batch
     return (
         weights,
-        Holding(f"KV cache ({rows} rows × {length} slots)", kv),
+        Holding(f"KV cache ({rows} rows × {length} slots)", kv, held),
         Holding("sampling buffers", rows * shape.vocab * SAMPLING_BYTES // share, "rollout"),
     )
 

@@ -87,6 +87,7 @@ def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> Se
         # fits replays one compiled shape (engines/memory_plan.py counts its KV cache)
         graph_rows=graph_rows(cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count),
         graph_length=graph_length(cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens),
+        compile_decode=cfg.rollout.compile_decode,
         random_seed=cfg.seed + role.index,
         ready_file=str(rollout_ready_file(role.run_dir, role.index)),
         # the engines of a node sample at the same time; the other phases time-slice the node's cores
