@@ -49,7 +49,8 @@ SIZES = ("0.6b", "1.7b")
 DEFAULT_SHAPES = ("32x4x128@0.6b", "64x4x1024@0.6b", "32x4x128@1.7b", "64x4x1024@1.7b")
 #: Bytes of the device-to-device copy that measures the bandwidth, and seconds kept for it at the end.
 COPY_BYTES = 4 << 30
-MEASURE_RESERVE_S = 45.0  # the job's stop (SIGTERM 20 s, then SIGKILL 10 s), the idle wait and the measurement
+#: Seconds kept for the job's stop (SIGTERM 20 s, then SIGKILL 10 s), the idle wait and the measurement.
+MEASURE_RESERVE_S = 45.0
 #: The bandwidth is measured once this fraction of the GPU's memory is free, waiting at most IDLE_WAIT_S.
 IDLE_FREE_FRACTION = 0.9
 IDLE_WAIT_S = 10.0

@@ -488,7 +488,11 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"models.actor.collective_timeout_s": 30.0},
     ),
     ("weight_sync.awex_mode", "always"): ("gpu", {}, {"weight_sync.awex_mode": None}),
-    ("rollout.compile_decode", "the rollout group has no GPUs"): ("cpu", {}, {"rollout.compile_decode": False}),
+    ("rollout.compile_decode", "the rollout group has no GPUs"): (
+        "cpu",
+        {},
+        {"rollout.compile_decode": False},
+    ),
     ("models.teachers[].id", "loss.distillation_coefficient is 0"): (
         "loss",
         C_D0,
