@@ -20,9 +20,10 @@ Each child's holdings are either resident through the step, or held in one phase
 - rollout engine (the actor's model): weights, resident; hf: the static KV cache of its largest batch
   (`engines/rollout/graph_shape.py`: graph_rows × graph_length slots, every batch padded to it on CUDA),
   held in every phase with `rollout.compile_decode` (the compiled decoder's CUDA graphs hold its addresses:
-  `HFRolloutEngine.release_cache`), in `rollout` only without, and the sampling buffers, in `rollout`; sglang: weights and KV pool are the static
-  `SGLANG_MEM_FRACTION` of the GPU (known only with `cluster.<group>.gpu_memory_gb`), resident when
-  separated, in `rollout` only when colocated (released at the end of the rollout: trainer/rollout_memory.py);
+  `HFRolloutEngine.release_cache`), in `rollout` only without, and the sampling buffers, in `rollout`;
+  sglang: weights and KV pool are the static `SGLANG_MEM_FRACTION` of the GPU (known only with
+  `cluster.<group>.gpu_memory_gb`), resident when separated, in `rollout` only when colocated (released at
+  the end of the rollout: trainer/rollout_memory.py);
 - with `weight_sync.backend: ipc`, actor rank 0 (the sync's source) also holds the shared buffer of the HF
   weights (`engines/weight_sync/ipc.py`), resident from the first sync on: `ipc_buffer_bytes`.
 A GPU's plan is its largest phase: Σ resident + Σ held in that phase (phases rollout, teacher, train). A child
