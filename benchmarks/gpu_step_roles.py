@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_memory import CONFIG, child_peaks, job_sets, measured_totals, plan_of, run_job  # noqa: E402
+from gpu_memory import CONFIG, child_peaks, job_sets, measured_totals, plan_against, run_job  # noqa: E402
 from gpu_models import ensure_models  # noqa: E402
 from results_file import commit_of, write_results  # noqa: E402
 from step_floors import PHASES, Device, ModelShape, StepTokens, floor_ratios, phase_floors  # noqa: E402
@@ -241,9 +241,9 @@ def one_shape(
         **summarize(shape, lines, student, teacher, device),
     }
     # the memory plan of these sets at the GPU's memory (issue 21: 1 ≤ plan / measured peak ≤ 1.25)
-    plan = plan_of(sets, device_info["gpu_capacity_gib"])
-    peak = max(record["measured_gpu_gib_per_phase"].values(), default=0.0)
-    record |= {"plan": plan, "plan_over_measured": round(plan["peak_gib"] / peak, 3) if peak else None}
+    against = plan_against(sets, device_info["gpu_capacity_gib"], record["measured_gpu_gib_per_phase"])
+    ratio = against["plan_over_measured"]
+    record |= against | {"plan_over_measured": round(ratio, 3) if ratio is not None else None}
     return record, device_info
 
 

@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import gpu_step_roles  # noqa: E402
+from gpu_memory import plan_of  # noqa: E402
 from step_floors import Device, ModelShape, StepTokens, decode_floor_s, floor_ratios, phase_floors  # noqa: E402
 
 #: layers 1, hidden 4, MLP 8, 2 heads / 1 KV head of dim 2, vocab 10: 200 parameters (tied), by hand:
@@ -210,7 +211,7 @@ def test_one_shape_reads_the_run_and_prints_its_table(
     assert record["measured"]["floor_s"] == pytest.approx(expected, abs=1e-6)
     # the memory plan of the run's own sets at the device's memory, over the measured peak (6 GiB: the actor's
     # 3 + 3 in step 3's train phase)
-    plan = gpu_step_roles.plan_of(seen["sets"], 139.8)
+    plan = plan_of(seen["sets"], 139.8)
     assert record["plan"] == plan and record["plan_over_measured"] == round(plan["peak_gib"] / 6.0, 3)
     text = gpu_step_roles.table("32x4x128@0.6b", record)
     assert "step_floor" not in text and "rollout" in text and "peak reserved GiB actor" in text

@@ -85,10 +85,11 @@ def http(url: str, path: str, body: object = None, raw: bytes | None = None) -> 
         return exc.code, json.loads(exc.read())
 
 
-def oracle_logprobs(model, ids: list[int], temperature: float) -> torch.Tensor:
-    """[len(ids), V] float32 log-softmax(logits / T) of a direct forward (T = 1 when greedy)."""
+def oracle_logprobs(model, ids: list[int], temperature: float, device: str = "cpu") -> torch.Tensor:
+    """[len(ids), V] float32 log-softmax(logits / T) of a direct forward on `device` (T = 1 when greedy), on
+    the CPU."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
     return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
 
 
@@ -226,9 +227,7 @@ def test_behavior_logprobs_equal_direct_forward_cuda_bf16(cuda_server, cuda_micr
         status, out = http(url, "/generate", body)
         assert status == 200, out
         ids = prompt + out["output_ids"]
-        with torch.no_grad():
-            logits = ref_model(input_ids=torch.tensor([ids], device="cuda")).logits[0].float().cpu()
-        ref = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+        ref = oracle_logprobs(ref_model, ids, temperature, "cuda")
         n = len(prompt)
         expected = torch.tensor([float(ref[n - 1 + t, tok]) for t, tok in enumerate(out["output_ids"])])
         got = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
