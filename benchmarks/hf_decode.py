@@ -198,13 +198,14 @@ def main(argv: list[str] | None = None) -> int:
                     "decoder": d, "rows": rows, "new_tokens": new, "prompt_len": args.prompt_len,
                     "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
                     "floor_s": round(floor, 5), "x_floor": round(seconds / floor, 2),
-                    "warmup_s": round(warm, 3),
+                    "warmup_s": round(warm, 3), "attention": engine.model.config._attn_implementation,
                 }  # fmt: skip
                 if d == "compiled":
                     entry["compiled_active"] = engine.compile_active
                 table.append(entry)
                 print(f"{d:>9} {rows:>5}x{new:<5} {seconds:9.3f} s {tokens / seconds:12.1f} tok/s "
-                      f"floor {floor:8.4f} s  x{seconds / floor:8.1f}  (warm-up {warm:.1f} s)", flush=True)  # fmt: skip
+                      f"floor {floor:8.4f} s  x{seconds / floor:8.1f}  (warm-up {warm:.1f} s, "
+                      f"attention {entry['attention']})", flush=True)  # fmt: skip
         profiles = {}
         if args.profile and runs:
             rows, new = runs[-1]

@@ -263,9 +263,14 @@ def test_static_engine_runs_input_logprob_rows_on_the_loop(ckpt):
         )
     ]
     a, b = loop.generate(rows, Gate())[0], static.generate(rows, Gate())[0]
-    assert (a.output_ids, a.output_logprobs, a.input_logprobs, a.output_top) == (
-        b.output_ids, b.output_logprobs, b.input_logprobs, b.output_top,
-    )  # fmt: skip
+    # the loop's draws (the static decoder's counter hash gives others); the static engine's model runs the
+    # grouped one-token attention, equal up to float rounding
+    assert a.output_ids == b.output_ids and [i for _, i in sum(a.output_top, [])] == [
+        i for _, i in sum(b.output_top, [])
+    ]
+    for x, y in ((a.output_logprobs, b.output_logprobs), (a.input_logprobs[1:], b.input_logprobs[1:])):
+        assert (torch.tensor(x) - torch.tensor(y)).abs().max() <= TOL
+    assert a.input_logprobs[0] is None and b.input_logprobs[0] is None
 
 
 def test_auto_decoder_is_by_device_and_unknown_is_refused(ckpt):

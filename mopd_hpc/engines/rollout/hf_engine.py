@@ -15,7 +15,8 @@ device, not a config field):
   from the counter hash of `counter_rng.py`, finished rows masked, the host polled every few steps. Its
   draws differ from the loop's (another uniform per (seed, step)); μ is computed by the same code. Batches
   with a row asking input log-probs (logprob_start_len >= 0) or top log-probs, or a model whose attention
-  is neither SDPA nor eager, run on the loop decoder.
+  is neither SDPA nor eager, run on the loop decoder. An SDPA model is switched to `grouped_attention.py`
+  (its one-token step reads each K/V cache slot once, not through `repeat_kv` copies) with this decoder.
 
 Thread model: `generate` runs in the scheduler's worker thread; every forward pass and every weight
 change holds `self.lock`, taken per decoding step, so weights can change between two steps of a batch
@@ -33,6 +34,8 @@ from typing import Any, Protocol
 
 import torch
 
+from mopd_hpc.engines.rollout.grouped_attention import NAME as GROUPED_SDPA
+from mopd_hpc.engines.rollout.grouped_attention import use_grouped_attention
 from mopd_hpc.engines.rollout.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 from mopd_hpc.engines.rollout.sampling import behavior_logprobs, sample_next
 
@@ -101,6 +104,8 @@ class HFRolloutEngine:
         graph_shape: tuple[int, int] | None = None,
     ) -> None:
         """decoder: "auto" ("static" on CUDA, "loop" elsewhere), "loop" or "static" (see the module docstring).
+        With "static", an SDPA model's attention becomes `grouped_attention.grouped_sdpa_attention` (the same
+        attention; `grouped_attention` says whether it was switched).
 
         compile_decode (CUDA, static decoder only; None = on there, off elsewhere): the one-token decode
         forward runs through torch.compile(mode="reduce-overhead") (CUDA graphs), the StaticCache kept
@@ -132,6 +137,8 @@ class HFRolloutEngine:
         if compile_decode is None:
             compile_decode = device.type == "cuda" and self.decoder == "static"
         self.compile_decode = compile_decode
+        # the static decoder's masked one-token step, without transformers' repeat_kv copies of the cache
+        self.grouped_attention = self.decoder == "static" and use_grouped_attention(model)
         self.graph_shape = graph_shape
         self.compile_active = False
         self._compiled: Any = None
@@ -260,7 +267,7 @@ class HFRolloutEngine:
     def _static_mask(self):
         """What the model's attention takes for a boolean "may attend" mask; None: not supported."""
         impl = getattr(self.model.config, "_attn_implementation", None)
-        if impl == "sdpa":
+        if impl in ("sdpa", GROUPED_SDPA):
             return lambda see: see
         if impl == "eager":
             low = torch.finfo(self.dtype).min

@@ -1,0 +1,112 @@
+"""The grouped one-token attention (`engines/rollout/grouped_attention.py`) against transformers' own SDPA path.
+
+Oracles: the attention written out with K/V repeated to every query head, and transformers'
+`sdpa_attention_forward` on the same tensors, in float64 on CPU (≤ 1e-12); the static decoder of an engine left on plain SDPA, on a real micro Qwen3 checkpoint
+(GQA 2:1): tokens equal, log μ ≤ 1e-5 in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_models import save_micro_qwen3
+from transformers import AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from mopd_hpc.engines.rollout.grouped_attention import NAME, grouped_sdpa_attention, use_grouped_attention
+from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine, RowRequest
+from mopd_hpc.engines.rollout.protocol import SamplingParams
+
+B, H, KV, C, D = 3, 8, 2, 11, 16
+
+
+class Attn(torch.nn.Module):
+    """What transformers' attention functions read from the module: the group size."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def tensors(q_len: int, kv: int = KV, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    # query as the model makes it: [B, q, H, D] transposed to [B, H, q, D] (not contiguous)
+    query = torch.randn(B, q_len, H, D, generator=g, dtype=torch.float64).transpose(1, 2)
+    key = torch.randn(B, kv, C, D, generator=g, dtype=torch.float64)
+    value = torch.randn(B, kv, C, D, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, 1, q_len, C, generator=g) < 0.7
+    mask[..., 0] = True  # no empty softmax row
+    return query, key, value, mask
+
+
+def reference(query, key, value, mask):
+    """softmax(q·kᵀ/√D + mask)·v with query head h on key/value head h // g (`repeat_kv`'s map), written out:
+    [B, q, H, D]."""
+    groups = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ k.transpose(-1, -2) * D**-0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_one_token_step_equals_transformers_sdpa(masked):
+    query, key, value, mask = tensors(q_len=1)
+    mask = mask if masked else None
+    module = Attn(H // KV)
+    got, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=D**-0.5)
+    assert got.shape == (B, 1, H, D)
+    assert (got - reference(query, key, value, mask)).abs().max() <= 1e-12
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=D**-0.5)
+    assert (got - want).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize(
+    ("q_len", "mask_heads", "kv"),
+    [(4, 1, KV), (1, H, KV), (1, 1, H)],
+    ids=["prefill", "per-head-mask", "no-groups"],
+)
+def test_other_calls_are_transformers_sdpa_exactly(q_len, mask_heads, kv):
+    query, key, value, mask = tensors(q_len=q_len, kv=kv)
+    mask = mask.expand(B, mask_heads, q_len, C)
+    module = Attn(H // kv)
+    got, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=D**-0.5)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=D**-0.5)
+    assert torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_micro_qwen3(tmp_path_factory.mktemp("g") / "model", seed=0, initializer_range=0.2)
+
+
+def test_static_engine_switches_sdpa_and_decodes_as_plain_sdpa(ckpt):
+    torch.set_num_threads(1)
+    grouped = HFRolloutEngine.load(str(ckpt), "cpu", "float32", decoder="static")
+    assert grouped.grouped_attention and grouped.model.config._attn_implementation == NAME
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    plain = HFRolloutEngine(model, str(ckpt), torch.device("cpu"), torch.float32, decoder="loop")
+    assert not plain.grouped_attention and model.config._attn_implementation == "sdpa"
+    plain.decoder = "static"  # the static decoder on transformers' SDPA: the oracle
+    prompts = [(1, 2, 3, 4), (5, 6), (7, 8, 9, 10, 11, 12), (3,)]
+    rows = [
+        RowRequest(p, SamplingParams(max_new_tokens=16, temperature=0.9, ignore_eos=True), seed=i, return_logprob=True)
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+
+    class Gate:
+        def between_steps(self) -> bool:
+            return True
+
+    for a, b in zip(grouped.generate(rows, Gate()), plain.generate(rows, Gate()), strict=True):
+        assert a.output_ids == b.output_ids and a.finish == b.finish
+        assert (torch.tensor(a.output_logprobs) - torch.tensor(b.output_logprobs)).abs().max() <= 1e-5
+
+
+def test_loop_engine_and_eager_models_keep_their_attention(ckpt):
+    loop = HFRolloutEngine.load(str(ckpt), "cpu", "float32", decoder="loop")
+    assert not loop.grouped_attention and loop.model.config._attn_implementation == "sdpa"
+    eager = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
+    assert not use_grouped_attention(eager) and eager.config._attn_implementation == "eager"
