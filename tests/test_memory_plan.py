@@ -60,8 +60,11 @@ def test_the_colocated_gpu_plan_from_the_formulas() -> None:
     slots = 64 + 256  # graph_shape.graph_length: prompt and new tokens each rounded up to 64
     assert kv.what == f"KV cache ({rows} rows × {slots} slots)"
     assert (kv.bytes, kv.phase) == (rows * slots * 28 * 2 * 8 * 128 * 2, None)  # held: the CUDA graphs
+    pool = h["rollout 0", "CUDA-graph pool"]
+    assert (pool.bytes, pool.phase) == (rows * 151936 * 8, None)  # one decode step's, between batches too
     peak, phase = gpu.peak()
-    resident = 2 * p + 4 * p + 12 * p + 2 * p + kv.bytes  # actor state + rollout weights and KV cache
+    # actor state + rollout weights, KV cache and CUDA-graph pool
+    resident = 2 * p + 4 * p + 12 * p + 2 * p + kv.bytes + pool.bytes
     assert (peak, phase) == (resident + act.bytes, "train")
     assert gpu.children[1].in_phase("train") == 0 and gpu.children[1].in_phase("teacher") > 0
     lines = mp.format_memory_plan(gpus)
@@ -117,7 +120,7 @@ def test_a_null_budget_with_the_gpus_memory_known_is_the_one_the_engine_derives(
 
 def test_eager_decoding_holds_the_kv_cache_in_the_rollout_only(tmp_path: Path) -> None:
     """`rollout.compile_decode: false`: the engine decodes eagerly and frees its KV cache after each batch, so
-    the plan holds it in `rollout` only, the train phase has that much more free and the derived budget grows;
+    the plan holds it in `rollout` only (and no CUDA-graph pool), the train phase has that much more free and the derived budget grows;
     the rollout role passes the switch to its server (`roles/rollout.server_args`)."""
     from mopd_hpc.roles.env import RoleEnv
     from mopd_hpc.roles.rollout import server_args
@@ -127,7 +130,11 @@ def test_eager_decoding_holds_the_kv_cache_in_the_rollout_only(tmp_path: Path) -
     cfg, eager = plan_of([*sets, "rollout.compile_decode=false"])
     kv, kv_eager = (holdings(g[0])["rollout 0", "KV cache"] for g in (compiled, eager))
     assert (kv.phase, kv_eager.phase) == (None, "rollout") and kv.bytes == kv_eager.bytes
-    assert eager[0].children[2].in_phase("train") == compiled[0].children[2].in_phase("train") - kv.bytes
+    pool = holdings(compiled[0])["rollout 0", "CUDA-graph pool"]  # no graphs when eager
+    assert ("rollout 0", "CUDA-graph pool") not in holdings(eager[0])
+    assert eager[0].children[2].in_phase("train") == (
+        compiled[0].children[2].in_phase("train") - kv.bytes - pool.bytes
+    )
     activations = [holdings(g[0])["actor 0", "activations"].bytes for g in (compiled, eager)]
     assert activations[1] > activations[0]  # the derived budget: more positions a micro-batch
     role = RoleEnv.from_env(
