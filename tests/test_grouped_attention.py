@@ -1,8 +1,10 @@
 """The grouped one-token attention (`engines/rollout/grouped_attention.py`) against transformers' own SDPA path.
 
 Oracles: the attention written out with K/V repeated to every query head, and transformers'
-`sdpa_attention_forward` on the same tensors, in float64 on CPU (≤ 1e-12); the static decoder of an engine left on plain SDPA, on a real micro Qwen3 checkpoint
-(GQA 2:1): tokens equal, log μ ≤ 1e-5 in float32.
+`sdpa_attention_forward` on the same tensors, in float64 on CPU (≤ 1e-12); the static decoder of an engine
+left on plain SDPA, on a real micro Qwen3 checkpoint (GQA 2:1): tokens equal, log μ ≤ 1e-5 in float32.
+On CUDA (H200, transformers 5.17) the compiled decode step with it is checked by test_hf_decoder.py's and
+test_rollout_server.py's CUDA tests against a direct forward pass.
 """
 
 from __future__ import annotations
