@@ -21,6 +21,8 @@ device memory:
 kv bytes per token = layers · 2 · kv_heads · head_dim · dtype bytes; the bandwidth is measured in the same run
 (the best of a few copies of a 1/4 GiB (CPU) or 4 GiB (GPU) buffer: 2 · bytes / seconds). `x_floor` is the
 measured time over the floor (1 = at the floor). The prefill is inside the measured time and not in the floor.
+Each run records the model's attention implementation (`attention`: the static decoders switch an SDPA model
+to `engines/rollout/grouped_attention.py`; the engines share one model, so every row of a run shows it).
 """
 
 from __future__ import annotations
