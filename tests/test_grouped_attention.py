@@ -1,8 +1,8 @@
 """The grouped one-token attention (`engines/rollout/grouped_attention.py`) against transformers' own SDPA path.
 
 Oracles: the attention written out with K/V repeated to every query head, and transformers'
-`sdpa_attention_forward` on the same tensors, in float64 on CPU (≤ 1e-12); the static decoder of an engine
-left on plain SDPA, on a real micro Qwen3 checkpoint (GQA 2:1): tokens equal, log μ ≤ 1e-5 in float32.
+`sdpa_attention_forward` on the same tensors, in float64 on CPU (≤ 1e-12). The engine's switch to it and
+its decoding against plain SDPA are in test_hf_decoder.py (test_static_engine_switches_sdpa_to_grouped_...).
 On CUDA (H200, transformers 5.17) the compiled decode step with it is checked by test_hf_decoder.py's and
 test_rollout_server.py's CUDA tests against a direct forward pass.
 """
@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_models import save_micro_qwen3
-from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mopd_hpc.engines.rollout.grouped_attention import NAME, grouped_sdpa_attention, use_grouped_attention
-from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine, RowRequest
-from mopd_hpc.engines.rollout.protocol import SamplingParams
+from mopd_hpc.engines.rollout.grouped_attention import grouped_sdpa_attention
 
 B, H, KV, C, D = 3, 8, 2, 11, 16
 
@@ -77,38 +73,3 @@ def test_other_calls_are_transformers_sdpa_exactly(q_len, mask_heads, kv):
     got, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=D**-0.5)
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=D**-0.5)
     assert torch.equal(got, want)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_micro_qwen3(tmp_path_factory.mktemp("g") / "model", seed=0, initializer_range=0.2)
-
-
-def test_static_engine_switches_sdpa_and_decodes_as_plain_sdpa(ckpt):
-    torch.set_num_threads(1)
-    grouped = HFRolloutEngine.load(str(ckpt), "cpu", "float32", decoder="static")
-    assert grouped.grouped_attention and grouped.model.config._attn_implementation == NAME
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    plain = HFRolloutEngine(model, str(ckpt), torch.device("cpu"), torch.float32, decoder="loop")
-    assert not plain.grouped_attention and model.config._attn_implementation == "sdpa"
-    plain.decoder = "static"  # the static decoder on transformers' SDPA: the oracle
-    prompts = [(1, 2, 3, 4), (5, 6), (7, 8, 9, 10, 11, 12), (3,)]
-    rows = [
-        RowRequest(p, SamplingParams(max_new_tokens=16, temperature=0.9, ignore_eos=True), seed=i, return_logprob=True)
-        for i, p in enumerate(prompts)
-    ]  # fmt: skip
-
-    class Gate:
-        def between_steps(self) -> bool:
-            return True
-
-    for a, b in zip(grouped.generate(rows, Gate()), plain.generate(rows, Gate()), strict=True):
-        assert a.output_ids == b.output_ids and a.finish == b.finish
-        assert (torch.tensor(a.output_logprobs) - torch.tensor(b.output_logprobs)).abs().max() <= 1e-5
-
-
-def test_loop_engine_and_eager_models_keep_their_attention(ckpt):
-    loop = HFRolloutEngine.load(str(ckpt), "cpu", "float32", decoder="loop")
-    assert not loop.grouped_attention and loop.model.config._attn_implementation == "sdpa"
-    eager = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
-    assert not use_grouped_attention(eager) and eager.config._attn_implementation == "eager"

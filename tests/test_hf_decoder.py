@@ -368,6 +368,28 @@ def test_static_on_eager_attention_equals_sdpa(ckpt):
         assert_same(a, b)
 
 
+def test_static_engine_switches_sdpa_to_grouped_and_decodes_as_plain_sdpa(ckpt):
+    """The static decoder's engine runs `grouped_attention.py`; the static decoder on transformers' own SDPA
+    (an engine built as "loop", then set to "static") is the oracle. Loop engines and eager models keep
+    their attention."""
+    from transformers import AutoModelForCausalLM
+
+    from mopd_hpc.engines.rollout.grouped_attention import NAME, use_grouped_attention
+
+    grouped = engine(ckpt, "static")
+    assert grouped.grouped_attention and grouped.model.config._attn_implementation == NAME
+    loop = engine(ckpt, "loop")
+    assert not loop.grouped_attention and loop.model.config._attn_implementation == "sdpa"
+    loop.decoder = "static"
+    rows = [
+        row(p, seed=i, max_new_tokens=16, temperature=0.9, ignore_eos=True) for i, p in enumerate(PROMPTS)
+    ]
+    for a, b in zip(grouped.generate(rows, Gate()), loop.generate(rows, Gate()), strict=True):
+        assert_same(a, b)
+    eager = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
+    assert not use_grouped_attention(eager) and eager.config._attn_implementation == "eager"
+
+
 def test_failed_compiled_forward_falls_back_to_eager_with_the_same_result(ckpt, caplog):
     """A compiled call that fails midway (here after advancing the cache's write offsets, as a failed CUDA-graph
     recording may) is logged and redone eagerly; the batch decodes as the eager static decoder does."""

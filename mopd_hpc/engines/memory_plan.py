@@ -235,12 +235,14 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
     length = graph_length(cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens)
     kv = rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b // share
     held = None if cfg.rollout.compile_decode else "rollout"  # eager: released after each batch
-    graph = (Holding("CUDA-graph pool", rows * shape.vocab * GRAPH_POOL_BYTES // share),)
-    return (
+    holdings = [
         weights,
         Holding(f"KV cache ({rows} rows × {length} slots)", kv, held),
         Holding("sampling buffers", rows * shape.vocab * SAMPLING_BYTES // share, "rollout"),
-    ) + (graph if cfg.rollout.compile_decode else ())
+    ]
+    if cfg.rollout.compile_decode:
+        holdings.append(Holding("CUDA-graph pool", rows * shape.vocab * GRAPH_POOL_BYTES // share))
+    return tuple(holdings)
 
 
 def _child(
