@@ -153,7 +153,7 @@ async def student_mean_at_k(
     score: ScoreFn = score_completion,
 ) -> EngineEval:
     """route → mean@k of the weights the rollout engines hold now: k samples per prompt at `sampling`'s
-    temperature, top_p and max_new_tokens, seeds `sampling_seed(seed, 0, i)` (+ j for copy j, the engine's
+    temperature, top_p and max_new_tokens, stopped at the tokenizer's EOS as the greedy ones, seeds `sampling_seed(seed, 0, i)` (+ j for copy j, the engine's
     rule) for the i-th prompt of the route; the share of the k·n completions of the route with reward exactly
     1 (module docstring). `completions[route]` holds them prompt-major (copy j of prompt i at i·k + j).
 
@@ -170,7 +170,9 @@ async def student_mean_at_k(
             continue
         ids = [tokenizer(p.text)["input_ids"] for p in items]
         seeds = [sampling_seed(seed, 0, i) for i in range(len(items))]
-        samples = await generate(clients, ids, sampling, k, seeds)
+        samples = await generate(
+            clients, ids, sampling, k, seeds, stop_token_ids=(tokenizer.eos_token_id,), return_logprob=False
+        )
         texts = tuple(tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in samples)
         accuracy[route] = _accuracy([p for p in items for _ in range(k)], texts, score)
         completions[route] = texts
