@@ -147,3 +147,32 @@ def test_exports_load_and_equal_the_trainer_at_their_step(run) -> None:
     torch.testing.assert_close(logits(exported[2], ids), logits(trainer, ids), rtol=0, atol=ATOL)
     assert not torch.allclose(logits(exported[2], ids), logits(exported[3], ids), atol=ATOL)  # it trained
     assert AutoTokenizer.from_pretrained(run_dir / "exports" / "step_000002").vocab_size > 0
+
+
+def test_mopd_logs_plots_and_shows_the_points(run, tmp_path: Path) -> None:
+    """`mopd-logs summarize --plot`: a fourth panel of the held-out points (the PNG is 4 panels of 3 inches at
+    100 dpi tall); the screen's training table lists each `eval/<stat>/<route>` with its last point."""
+    import io
+    import struct
+
+    from rich.console import Console
+
+    from mopd_hpc.logs.plot import plot_summary
+    from mopd_hpc.logs.render import render_summary
+    from mopd_hpc.logs.summary import no_sacct, summarize_run
+
+    _, run_dir, _, _ = run
+    summary = summarize_run(run_dir, sacct_runner=no_sacct)
+    record = json.loads((run_dir / "eval.json").read_text())
+    for stat in ("pass@1", "mean@k"):
+        for route in ("chain", "legs", "mine"):
+            want = [(p["step"], p[stat][route]) for p in record["points"][1:]]
+            assert summary.progress.series[f"eval/{stat}/{route}"] == want
+    png = plot_summary(summary, tmp_path / "plot.png").read_bytes()
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    assert (width, height) == (800, 1200)
+    screen = io.StringIO()
+    render_summary(summary, Console(file=screen, width=160, force_terminal=False))
+    last = f"{record['points'][-1]['mean@k']['mine']:.4g}"
+    rows = [line.strip("│ ").split()[:2] for line in screen.getvalue().splitlines()]
+    assert ["eval/mean@k/mine", last] in rows

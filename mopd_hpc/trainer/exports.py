@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mopd_hpc.atomic import publish_dir
 from mopd_hpc.engines.hf_model import TOKENIZER_FILES
 from mopd_hpc.records.run_dir import EXPORTS_DIR
 
@@ -67,11 +68,7 @@ def write_export(engine: Any, tokenizer: Any, run_dir: str | os.PathLike[str], s
         if not any((tmp / name).is_file() for name in TOKENIZER_FILES[:2]):
             tokenizer.save_pretrained(str(tmp))
         _fsync_tree(tmp)
-        if final.exists():  # the step exported again (a resumed run): retire the old copy first
-            retired = base / f".{final.name}.tmp-old-{os.getpid()}"
-            final.rename(retired)
-            shutil.rmtree(retired, ignore_errors=True)
-        tmp.rename(final)
+        publish_dir(tmp, final)  # a step exported again (a resumed run) replaces its old copy
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
