@@ -88,13 +88,7 @@ class RunEvaluator:
     def resume(self, step: int) -> bool:
         """A resumed run at `step`: drop eval.json's points after it. Returns whether eval.json exists (False:
         the start evaluation is still to do)."""
-        record = evaluate.read_eval(self.run_dir)
-        if record is None:
-            return False
-        points = [p for p in record.get(POINTS_KEY, []) if p.get("step", 0) <= step]
-        if points != record.get(POINTS_KEY, []):
-            self._write(record | {POINTS_KEY: points})
-        return True
+        return keep_points_upto(self.run_dir, step)
 
     async def point(self, step: int) -> dict[str, float]:
         """The student's point at `step` into eval.json; returns its metrics values (module docstring)."""
@@ -156,6 +150,18 @@ class RunEvaluator:
 
     def _write(self, record: Mapping[str, Any]) -> None:
         evaluate.write_eval(self.run_dir, record)
+
+
+def keep_points_upto(run_dir: Path, step: int) -> bool:
+    """Drop eval.json's points after `step` (rewritten atomically, only when some are dropped); returns whether
+    eval.json exists."""
+    record = evaluate.read_eval(run_dir)
+    if record is None:
+        return False
+    points = [p for p in record.get(POINTS_KEY, []) if p.get("step", 0) <= step]
+    if points != record.get(POINTS_KEY, []):
+        evaluate.write_eval(run_dir, record | {POINTS_KEY: points})
+    return True
 
 
 def point_metrics(point: Mapping[str, Any]) -> dict[str, float]:
