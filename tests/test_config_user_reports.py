@@ -102,6 +102,11 @@ def test_missing_paths_records(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mine.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     assert [m.field for m in missing_paths(cfg, tmp_path)][-1] == "models.teachers[1].path"
+    # a held-out file of the source is a path too
+    held = load_run_config(LOCAL, [JSONL.replace("}", ", eval_path: data/mine_test.jsonl}")])
+    assert missing_paths(held, tmp_path)[-1] == MissingPath(
+        "data.sources[0].eval_path", "data/mine_test.jsonl", "file"
+    )
 
 
 def test_check_warns_about_a_missing_jsonl_file() -> None:
