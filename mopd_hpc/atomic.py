@@ -1,6 +1,7 @@
 """Atomic file writes: temp file in the same directory, fsync, os.replace (STYLE.md rule 12).
 
-A crash leaves either the old file or the new one, never a half-written file.
+A crash leaves either the old file or the new one, never a half-written file. `publish_dir` does the same for a
+directory written completely under a temporary name (checkpoints, exports).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +60,20 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, perms: int | N
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, perms: int | None = None) -> None:
     """Write `obj` as indented JSON to `path` atomically."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", perms)
+
+
+def publish_dir(tmp: str | os.PathLike[str], final: str | os.PathLike[str]) -> Path:
+    """Rename the complete directory `tmp` to `final` (atomic on POSIX: a reader sees the old copy or the new
+    one, never a partial one). An existing `final` (a step written again after a resume) is first renamed to a
+    hidden sibling `.<name>.tmp-old-<pid>` and removed. Returns `final` as a Path. Raises OSError."""
+    src, dst = Path(tmp), Path(final)
+    if dst.exists():
+        retired = dst.parent / f".{dst.name}.tmp-old-{os.getpid()}"
+        dst.rename(retired)
+        shutil.rmtree(retired, ignore_errors=True)
+    src.rename(dst)
+    _fsync_dir(dst.parent)
+    return dst
 
 
 def _umask() -> int:

@@ -10,7 +10,9 @@ the job runs on the submit host or in its roles:
     warnings  the warnings `--check` prints (cli/submit.py submit_warnings)
     data      trainer/data_setup.build_run_data: the first step's draws, the sources, the held-out prompts
     rollout   trainer/rollout_phase.step_rollouts (the controller's ROLLOUT): the /generate bodies sent
-    timeline  trainer/intervals (the controller's metrics/checkpoint steps)
+    timeline  trainer/intervals (the controller's metrics/checkpoint/evaluation/export steps)
+    evaluation trainer/evaluator.RunEvaluator.point against engine stand-ins: its /generate bodies and values
+    exports   trainer/exports.write_export at every export step: the exports left on disk after each step
     group     roles/actor_group.group_spec (the actor group's spec)
     loss      roles/actor.build_train_engine (torch, CPU, a micro Qwen3) and 3 train steps on a fixed batch
     refused   loading the config raises a ConfigError naming the mutated field
@@ -182,8 +184,12 @@ def _data(cfg: RunConfig) -> str:
 class _Tokenizer:
     """Characters → ids (the rollout phase only encodes prompts and decodes responses)."""
 
-    def __call__(self, texts: list[str]) -> dict[str, list[list[int]]]:
+    def __call__(self, texts: list[str] | str) -> dict[str, Any]:
+        if isinstance(texts, str):
+            return {"input_ids": [1 + ord(c) % 30 for c in texts]}
         return {"input_ids": [[1 + ord(c) % 30 for c in t] for t in texts]}
+
+    eos_token_id = 2
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(48 + i % 10) for i in ids)
@@ -206,6 +212,14 @@ class _Client:
 
         return GeneratedBatch.from_sglang(await self.generate_raw(body))
 
+    async def generate(
+        self, input_ids: list[list[int]], sampling: Any, *, return_logprob: bool = True
+    ) -> Any:
+        """RolloutClient.generate's request (one sampling for every prompt) through `generate_raw`."""
+        params = [sampling.to_json()] * len(input_ids)
+        body = {"input_ids": [list(p) for p in input_ids], "sampling_params": params, "return_logprob": False}
+        return (await self.generate_batch(body)).samples(input_ids, sampling.n)
+
 
 def _rollout(cfg: RunConfig) -> str:
     from mopd_hpc.launch.placement import place_children
@@ -223,9 +237,51 @@ def _rollout(cfg: RunConfig) -> str:
 
 
 def _timeline(cfg: RunConfig) -> str:
-    from mopd_hpc.trainer.intervals import checkpoint_due, metrics_due
+    from mopd_hpc.trainer.intervals import checkpoint_due, eval_due, export_due, metrics_due
 
-    return repr([(s, metrics_due(s, cfg), checkpoint_due(s, cfg)) for s in range(1, cfg.steps + 1)])
+    due = (metrics_due, checkpoint_due, eval_due, export_due)
+    return repr([(s, *(fn(s, cfg) for fn in due)) for s in range(1, cfg.steps + 1)])
+
+
+def _evaluation(cfg: RunConfig) -> str:
+    """The student's evaluation point (trainer/evaluator.py) against recording engine stand-ins: the
+    /generate bodies it sends."""
+    import tempfile
+
+    from mopd_hpc.launch.placement import place_children
+    from mopd_hpc.trainer.data_setup import build_run_data
+    from mopd_hpc.trainer.evaluator import RunEvaluator
+
+    bodies: list[Any] = []
+    engines = [c for c in place_children(cfg).children if c.role == "rollout"]
+    clients = [_Client(f"engine{c.index}", bodies) for c in engines]
+    with tempfile.TemporaryDirectory() as tmp:
+        evaluator = RunEvaluator(
+            cfg, build_run_data(cfg), _Tokenizer(), clients, {}, Path(tmp), io.StringIO()
+        )
+        values = asyncio.run(evaluator.point(1))
+    return json.dumps([bodies, values], sort_keys=True)
+
+
+def _exports(cfg: RunConfig) -> str:
+    """The exports left on disk after every step of the run (trainer/exports.py with a one-file engine)."""
+    import tempfile
+
+    from mopd_hpc.trainer.exports import list_exports, write_export
+    from mopd_hpc.trainer.intervals import export_due
+
+    class Engine:
+        def save_pretrained(self, directory: Path) -> None:
+            Path(directory).mkdir(parents=True)
+            (Path(directory) / "tokenizer.json").write_text("{}")
+
+    left = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in range(1, cfg.steps + 1):
+            if export_due(step, cfg):
+                write_export(Engine(), None, tmp, step, cfg.export.keep)
+            left.append([s for s, _ in list_exports(tmp)])
+    return repr(left)
 
 
 def _group(cfg: RunConfig) -> str:
@@ -275,6 +331,8 @@ OBSERVERS: dict[str, Callable[..., str]] = {
     "data": _data,
     "rollout": _rollout,
     "timeline": _timeline,
+    "evaluation": _evaluation,
+    "exports": _exports,
     "group": _group,
     "loss": _loss,
 }
@@ -406,6 +464,12 @@ MUTATIONS: dict[str, M] = {
     "data.max_prompt_tokens": ("gpu", {}, {"data.max_prompt_tokens": 128}, "dry_run"),
     "data.eval.size": ("cpu", {}, {"data.eval.size": 3}, "data"),
     "data.eval.seed": ("cpu", {}, {"data.eval.seed": 20_000_000}, "data"),
+    "data.eval.interval": ("cpu", {}, {"data.eval.interval": 3}, "timeline"),
+    "data.eval.samples": ("cpu", {}, {"data.eval.samples": 2}, "evaluation"),
+    "data.sources[]<jsonl>.eval_fraction": ("jsonl", {}, {"data.sources[1].eval_fraction": 0.25}, "data"),
+    "data.sources[]<jsonl>.eval_path": ("jsonl", {}, {"data.sources[1].eval_path": "@jsonl_b"}, "data"),
+    "export.interval": ("cpu", {"export": {}}, {"export.interval": 3}, "timeline"),
+    "export.keep": ("cpu", {"export": {"interval": 1}}, {"export.keep": 3}, "exports"),
     "loss.estimator": ("loss", {}, {"loss.estimator": "topk"}, "loss"),
     "loss.topk": ("loss", {"loss.estimator": "topk"}, {"loss.topk": 4}, "loss"),
     "loss.correction": ("loss", {}, {"loss.correction": "mask"}, "loss"),
@@ -580,7 +644,14 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
     ("loss.mask_low", "loss.correction is not 'mask'"): ("loss", {}, {"loss.mask_low": 0.9}),
     ("loss.mask_high", "loss.correction is not 'mask'"): ("loss", {}, {"loss.mask_high": 1.1}),
     ("loss.ppo_clip", "loss.rl_coefficient is 0"): ("loss", {}, {"loss.ppo_clip": 0.01}),
-    ("data.eval.seed", "data.eval.size is 0"): ("cpu", {"data.eval.size": 0}, {"data.eval.seed": 20_000_000}),
+    ("data.eval.seed", "data.eval.size is 0 and no source has an eval_fraction"): (
+        "cpu",
+        {"data.eval.size": 0},
+        {"data.eval.seed": 20_000_000},
+    ),
+    ("data.eval.interval", "data.eval.size is 0"): ("cpu", {"data.eval.size": 0}, {"data.eval.interval": 2}),
+    ("data.eval.samples", "data.eval.size is 0"): ("cpu", {"data.eval.size": 0}, {"data.eval.samples": 2}),
+    ("export.keep", "export.interval is 0"): ("cpu", {"export": {}}, {"export.keep": 1}),
     ("cluster.*.gpu_memory_gb", "the group's gpus_per_node is 0"): (
         "cpu",
         {},

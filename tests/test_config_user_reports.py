@@ -102,6 +102,11 @@ def test_missing_paths_records(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mine.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     assert [m.field for m in missing_paths(cfg, tmp_path)][-1] == "models.teachers[1].path"
+    # a held-out file of the source is a path too
+    held = load_run_config(LOCAL, [JSONL.replace("}", ", eval_path: data/mine_test.jsonl}")])
+    assert missing_paths(held, tmp_path)[-1] == MissingPath(
+        "data.sources[0].eval_path", "data/mine_test.jsonl", "file"
+    )
 
 
 def test_check_warns_about_a_missing_jsonl_file() -> None:
@@ -152,8 +157,8 @@ def test_jsonl_source_left_out_of_the_evaluation_warns() -> None:
     assert problem.path == "data.sources[0]"
     assert problem.render() == (
         "data.sources[0]: source 'mine' (kind jsonl) is left out of the held-out evaluation (data.eval.size 20): "
-        "only reasoning-gym sources have a held-out split, a jsonl file has none; route 'chain' gets no "
-        "evaluation (evaluate it yourself on a held-out file, or data.eval.size: 0 to silence this)"
+        "it has no held-out split; route 'chain' gets no evaluation (eval_fraction or eval_path on the source, "
+        "or data.eval.size: 0 to silence this)"
     )
     assert problem.render() in cfg.warnings()
     # a route that also has a reasoning-gym source is evaluated on that one only
@@ -164,8 +169,15 @@ def test_jsonl_source_left_out_of_the_evaluation_warns() -> None:
     )
     (mixed,) = unevaluated_sources(load_run_config(LOCAL, [three]).data)
     assert mixed.path == "data.sources[1]"
-    assert mixed.message.endswith("; route 'chain' is evaluated on its reasoning-gym sources only")
+    assert mixed.message.endswith("; route 'chain' is evaluated on its held-out sources only")
     assert unevaluated_sources(load_run_config(LOCAL, [JSONL, "data.eval.size=0"]).data) == []
+    # a held-out split of its own (a fraction of its rows, or a second file): evaluated, no warning
+    for split in ("eval_fraction: 0.1", "eval_path: data/mine_test.jsonl"):
+        own = JSONL.replace("path: data/mine.jsonl", f"path: data/mine.jsonl, {split}")
+        assert (
+            own != JSONL
+            and unevaluated_sources(load_run_config(LOCAL, [own, "data.eval.size=20"]).data) == []
+        )
     assert unevaluated_sources(load_run_config(LOCAL).data) == []
 
 

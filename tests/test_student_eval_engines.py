@@ -3,16 +3,17 @@ equals the in-process evaluation the actor ran before (`data.evaluation.greedy_c
 checkpoint, float32 CPU): the same completion for every held-out prompt, hence the same accuracy.
 
 Real parts: hf rollout servers as subprocesses on 127.0.0.1 (two engines, the rows split between them as a
-rollout step splits them), the micro models, the held-out prompts of configs/local_cpu.yaml. The served
-model is the micro student (it answers "=====" to everything: accuracy 0), then a micro Qwen3 with far from
-uniform random weights and the same tokenizer, whose answers vary from prompt to prompt, so that the oracle
-(the completion of every row) tells rows apart; each compared with the same checkpoint loaded here. The
-end-to-end accuracy with the trained tiny models is `make run`'s table.
+rollout step splits them), the micro models, the held-out prompts of configs/local_cpu.yaml plus a jsonl source
+on its own route with a held-out fraction (scored by the run's reward, `RunData.score`). The sampled mean@k
+(trainer/evaluate.py `student_mean_at_k`) at a temperature of 1e-4 (above the engines' greedy threshold of
+1e-6: the sampling path) samples the argmax: its k completions of every prompt are the greedy one, and its
+accuracy is pass@1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -22,18 +23,20 @@ from helpers_models import build_micro_models, save_micro_qwen3
 from test_rollout_server import start_server, stop_server
 from transformers import AutoTokenizer
 
-from mopd_hpc.config import RunConfig
+from mopd_hpc.config import RunConfig, SamplingConfig
 from mopd_hpc.data.evaluation import greedy_complete
+from mopd_hpc.data.rewards import is_correct
 from mopd_hpc.data.tokenizer import VOCAB_SIZE, build_char_tokenizer, save_char_tokenizer
 from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.trainer.data_setup import build_run_data
-from mopd_hpc.trainer.evaluate import engine_greedy, student_accuracy, student_accuracy_on_engines
+from mopd_hpc.trainer.evaluate import engine_greedy, student_accuracy_on_engines, student_mean_at_k
 from mopd_hpc.trainer.rollout_phase import engine_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 5
-EVAL_SIZE = 40  # per source: 80 held-out prompts, 40 per engine
+EVAL_SIZE = 40  # per source: 120 held-out prompts, 60 per engine
+K = 2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,7 +51,19 @@ def micro_models(tmp_path_factory) -> Path:
 
 
 def run_config(models: Path) -> RunConfig:
+    rows = [{"prompt": f"{i % 10}+{i // 10}=", "answer": str(i % 10 + i // 10)} for i in range(100)]
+    (models / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
+    doc["data"]["sources"].append(
+        {
+            "name": "mine",
+            "kind": "jsonl",
+            "route": "mine",
+            "path": str(models / "mine.jsonl"),
+            "eval_fraction": 0.4,
+        }
+    )
+    doc["routes"]["mine"] = {"chain": 1.0}
     doc["models"]["actor"]["path"] = doc["models"]["tokenizer"]["path"] = str(models / "student")
     for teacher, name in zip(
         doc["models"]["teachers"], ("teacher_chain_sum", "teacher_leg_counting"), strict=True
@@ -58,14 +73,21 @@ def run_config(models: Path) -> RunConfig:
     return RunConfig.from_dict(doc)
 
 
-def in_process(model_dir: Path, tokenizer, prompts) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
+def in_process(
+    model_dir: Path, tokenizer, prompts, score
+) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
     """The reference: the checkpoint loaded in this process, float32 CPU, as the actor evaluated before."""
     model = load_causal_lm(str(model_dir), "float32", "cpu").eval()
     texts = {
         route: tuple(greedy_complete(model, tokenizer, [p.text for p in items], max_new_tokens=MAX_NEW))
         for route, items in prompts.items()
     }
-    return texts, student_accuracy(model, tokenizer, prompts, MAX_NEW)
+    accuracy = {
+        route: sum(is_correct(score(p, t)) for p, t in zip(prompts[route], texts[route], strict=True))
+        / len(t)
+        for route, t in texts.items()
+    }
+    return texts, accuracy
 
 
 @pytest.mark.parametrize("model_name", ["student", "random"])
@@ -74,10 +96,15 @@ def test_engines_answer_as_the_in_process_evaluation(
 ) -> None:
     cfg = run_config(micro_models)
     tokenizer = AutoTokenizer.from_pretrained(cfg.models.tokenizer.path)
-    prompts = build_run_data(cfg).eval_prompts
-    assert {r: len(p) for r, p in prompts.items()} == {"chain": EVAL_SIZE, "legs": EVAL_SIZE}
+    data = build_run_data(cfg)
+    prompts = data.eval_prompts
+    assert {r: len(p) for r, p in prompts.items()} == {
+        "chain": EVAL_SIZE,
+        "legs": EVAL_SIZE,
+        "mine": EVAL_SIZE,
+    }
     model_dir = micro_models / model_name
-    want_texts, want_accuracy = in_process(model_dir, tokenizer, prompts)
+    want_texts, want_accuracy = in_process(model_dir, tokenizer, prompts, data.score)
 
     servers = []
     try:
@@ -88,16 +115,18 @@ def test_engines_answer_as_the_in_process_evaluation(
         async def work():
             clients = [RolloutClient(url, token=TOKEN, retries=0) for _, url, _ in servers]
             try:
-                both = await student_accuracy_on_engines(clients, tokenizer, prompts, MAX_NEW)
-                one = await student_accuracy_on_engines(clients[:1], tokenizer, prompts, MAX_NEW)
+                both = await student_accuracy_on_engines(clients, tokenizer, prompts, MAX_NEW, data.score)
+                one = await student_accuracy_on_engines(clients[:1], tokenizer, prompts, MAX_NEW, data.score)
                 ids = [tokenizer(p.text)["input_ids"] for p in prompts["chain"]]
                 samples = await engine_greedy(clients, ids, MAX_NEW, tokenizer.eos_token_id)
-                return both, one, ids, samples
+                cold = SamplingConfig(temperature=1e-4, max_new_tokens=MAX_NEW)
+                sampled = await student_mean_at_k(clients, tokenizer, prompts, cold, K, 7, data.score)
+                return both, one, ids, samples, sampled
             finally:
                 for c in clients:
                     await c.close()
 
-        both, one, ids, samples = asyncio.run(work())
+        both, one, ids, samples, sampled = asyncio.run(work())
     finally:
         for proc, _, _ in servers:
             stop_server(proc)
@@ -107,6 +136,11 @@ def test_engines_answer_as_the_in_process_evaluation(
     assert both.accuracy == want_accuracy
     assert one.completions == want_texts and one.accuracy == want_accuracy  # one engine: the same
     assert both.weight_versions == ("default",)  # no weight sync yet: the checkpoint's weights
+    # mean@k at a temperature of 1e-4: every one of the k samples is the greedy completion
+    assert sampled.completions == {
+        r: tuple(t for t in texts for _ in range(K)) for r, texts in want_texts.items()
+    }
+    assert sampled.accuracy == want_accuracy
     assert [tuple(s.prompt_ids) for s in samples] == [tuple(i) for i in ids]  # prompt order kept
     assert all(0 < len(s.output_ids) <= MAX_NEW and not s.behavior_logprobs for s in samples)
     if model_name == "random":  # the oracle tells rows apart: the answers vary from prompt to prompt

@@ -97,15 +97,60 @@ class JsonlSource(_SourceBase):
 
     kind: Literal["jsonl"] = Field(description="Source kind.")
     path: NonEmptyStr = Field(description="Path of the .jsonl file (read at job start, on the job's nodes).")
+    eval_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Held-out share of the file's rows, in (0, 1): ⌈fraction·rows⌉ rows drawn by data.eval.seed "
+        "are kept out of training and evaluated (trainer/data_setup.py); exclusive with `eval_path`.",
+    )
+    eval_path: NonEmptyStr | None = Field(
+        None,
+        description="A separate .jsonl file of held-out prompts (the same format) evaluated under this source's "
+        "route and reward; exclusive with `eval_fraction`.",
+    )
+
+    @model_validator(mode="after")
+    def _check_split(self) -> JsonlSource:
+        if self.eval_fraction is not None and self.eval_path is not None:
+            raise_if_any(
+                [
+                    Problem(
+                        "eval_path",
+                        "a jsonl source takes one held-out split: eval_fraction or eval_path",
+                        self.eval_path,
+                        f"remove eval_path or eval_fraction ({self.eval_fraction})",
+                    )
+                ]
+            )
+        return self
+
+    @property
+    def held_out(self) -> bool:
+        """Whether the source has a held-out split (`eval_fraction` or `eval_path`)."""
+        return self.eval_fraction is not None or self.eval_path is not None
 
 
 SourceConfig = Annotated[ReasoningGymSource | JsonlSource, Field(discriminator="kind")]
 
 
 class EvalConfig(Section):
-    """Held-out evaluation split (per-route accuracy at the start and end of the run)."""
+    """Held-out evaluation (per-route greedy pass@1 and sampled mean@k at the start, every `interval` steps,
+    and at the end of the run: trainer/evaluator.py)."""
 
-    size: int = Field(200, ge=0, description="Held-out prompts per source; 0 = no evaluation.")
+    size: int = Field(200, ge=0, description="Held-out prompts per source (at most); 0 = no evaluation.")
+    interval: int = Field(
+        0,
+        ge=0,
+        description="Evaluate the student every this many steps (and at the last step), each point in "
+        "eval.json and the metrics; 0 = at the start and the end only.",
+    )
+    samples: int = Field(
+        0,
+        ge=0,
+        description="k of the sampled mean@k: responses per held-out prompt at rollout.sampling's temperature "
+        "and top_p, mean accuracy over them; 0 = greedy pass@1 only.",
+    )
     seed: int = Field(
         DEFAULT_EVAL_SEED,
         ge=0,
@@ -174,18 +219,18 @@ def unevaluated_sources(data: DataConfig) -> list[Problem]:
     """Sources the held-out evaluation (data.eval, size > 0) leaves out, one problem each.
 
     The held-out prompts are drawn per reasoning-gym source, from its task at data.eval.seed
-    (trainer/data_setup.py eval_prompts); a jsonl source has no held-out split (data/sources.py JsonlSource),
-    so its prompts, and a route that only jsonl sources feed, are never evaluated.
+    (trainer/data_setup.py eval_prompts); a jsonl source has a held-out split only with `eval_fraction` or
+    `eval_path`, so without them its prompts, and a route that only such sources feed, are never evaluated.
     """
     if data.eval.size == 0:
         return []
-    evaluated = {s.route for s in data.sources if s.kind == "reasoning_gym"}
+    evaluated = {s.route for s in data.sources if s.kind == "reasoning_gym" or s.held_out}
     out = []
     for i, source in enumerate(data.sources):
-        if source.kind == "reasoning_gym":
+        if source.kind == "reasoning_gym" or source.held_out:
             continue
         route = (
-            f"route {source.route!r} is evaluated on its reasoning-gym sources only"
+            f"route {source.route!r} is evaluated on its held-out sources only"
             if source.route in evaluated
             else f"route {source.route!r} gets no evaluation"
         )
@@ -193,9 +238,8 @@ def unevaluated_sources(data: DataConfig) -> list[Problem]:
             Problem(
                 join_path("data", "sources", i),
                 f"source {source.name!r} (kind {source.kind}) is left out of the held-out evaluation "
-                f"(data.eval.size {data.eval.size}): only reasoning-gym sources have a held-out split, "
-                f"a {source.kind} file has none; {route}",
-                expected="evaluate it yourself on a held-out file, or data.eval.size: 0 to silence this",
+                f"(data.eval.size {data.eval.size}): it has no held-out split; {route}",
+                expected="eval_fraction or eval_path on the source, or data.eval.size: 0 to silence this",
             )
         )
     return out

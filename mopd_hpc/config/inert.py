@@ -159,9 +159,28 @@ INERT: tuple[InertField, ...] = (
     ),
     InertField(
         "data.eval.seed",
-        "data.eval.size is 0",
-        lambda c: c.data.eval.size == 0,
-        "no held-out split is drawn (trainer/data_setup.py eval_prompts)",
+        "data.eval.size is 0 and no source has an eval_fraction",
+        lambda c: (
+            c.data.eval.size == 0
+            and not any(getattr(s, "eval_fraction", None) is not None for s in c.data.sources)
+        ),
+        "no held-out split is drawn (trainer/data_setup.py eval_prompts; a jsonl source's eval_fraction "
+        "draws its held-out rows by it, data/holdout.py)",
+    ),
+    *(
+        InertField(
+            f"data.eval.{name}",
+            "data.eval.size is 0",
+            lambda c: c.data.eval.size == 0,
+            "nothing is evaluated (trainer/intervals.py eval_due, trainer/evaluator.py)",
+        )
+        for name in ("interval", "samples")
+    ),
+    InertField(
+        "export.keep",
+        "export.interval is 0",
+        lambda c: c.export.interval == 0,
+        "no periodic export is written (trainer/intervals.py export_due)",
     ),
     InertField(
         "cluster.*.gpu_memory_gb",

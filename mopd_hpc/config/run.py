@@ -22,6 +22,7 @@ from mopd_hpc.config.base import Section
 from mopd_hpc.config.cluster import ClusterConfig
 from mopd_hpc.config.convert import problems_from_validation_error
 from mopd_hpc.config.data import DataConfig
+from mopd_hpc.config.export import ExportConfig
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import ModelsConfig
 from mopd_hpc.config.problems import ConfigError, Problem, RuleViolation
@@ -46,6 +47,9 @@ class RunConfig(Section):
     checkpoint_interval: int = Field(ge=1, description="Checkpoint every this many steps.")
     log_interval: int = Field(
         1, ge=1, description="Write a metrics line every this many steps (and at the last step)."
+    )
+    export: ExportConfig = Field(
+        default_factory=ExportConfig, description="Periodic Hugging Face exports of the student."
     )
     models: ModelsConfig = Field(description="Actor, teachers, tokenizer.")
     routes: dict[Identifier, dict[Identifier, TeacherWeight]] = Field(

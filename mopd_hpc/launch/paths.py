@@ -68,8 +68,12 @@ def missing_paths(cfg: Any, base: Path | None = None) -> list[MissingPath]:
             continue  # an unfinished tiny model (an interrupted first build) is missing: --local rebuilds it
         out.append(MissingPath(field, value, "directory", awaits_build(cfg, path)))
     for i, source in enumerate(cfg.data.sources):
-        if source.kind == "jsonl" and not (root / Path(source.path).expanduser()).is_file():
-            out.append(MissingPath(f"data.sources[{i}].path", source.path, "file"))
+        if source.kind != "jsonl":
+            continue
+        for name in ("path", "eval_path"):
+            value = getattr(source, name)
+            if value is not None and not (root / Path(value).expanduser()).is_file():
+                out.append(MissingPath(f"data.sources[{i}].{name}", value, "file"))
     return out
 
 

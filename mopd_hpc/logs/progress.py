@@ -27,6 +27,7 @@ from mopd_hpc.records.metrics_schema import (
     TOKENS_PER_S_KEY,
     MetricsLine,
     MetricsLineError,
+    eval_of,
     memory_of,
     route_of,
 )
@@ -67,7 +68,8 @@ class Progress:
         routes: route names seen in `reward/<route>` or `accuracy/<route>`.
         phase_share: phase name → fraction of the summed phase seconds (sums to 1 when any time was logged).
         phase_seconds: phase name → total seconds.
-        series: key → down-sampled [(step, value)] for SERIES_KEYS and per-route keys.
+        series: key → down-sampled [(step, value)] for SERIES_KEYS, per-route keys and the evaluation points
+            (`eval/<stat>/<route>`, on the evaluation steps' lines only).
         trend: key → `TREND_WIDTH` bucket means over the whole step range (module docstring), None for a
             bucket without a finite value; fewer buckets when the range has fewer steps than buckets.
         trend_steps: (first step, last step) the trend buckets cover, or None without lines.
@@ -142,7 +144,7 @@ def _lines(path: Path, limit: int | None = None) -> Iterator[MetricsLine | None]
 
 
 def _tracked(key: str) -> bool:
-    return key in SERIES_KEYS or route_of(key) is not None
+    return key in SERIES_KEYS or route_of(key) is not None or eval_of(key) is not None
 
 
 def bucket_index(step: int, first: int, last: int, width: int) -> int:
@@ -194,7 +196,7 @@ def read_progress(run_dir: str | os.PathLike[str], trend_width: int = TREND_WIDT
             fam = route_of(key)
             if fam is not None:
                 routes.setdefault(fam[1])
-            if key in SERIES_KEYS or fam is not None:
+            if _tracked(key):
                 series.setdefault(key, _Series()).add(line.step, value)
             mem = memory_of(key)
             if mem is not None and math.isfinite(value):

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from mopd_hpc.logs.progress import Progress, sparkline
 from mopd_hpc.logs.summary import CHECKPOINTED, RunSummary
-from mopd_hpc.records.metrics_schema import LOSS_KEYS, MOPD_KEYS, PHASE_KEYS, TOKENS_PER_S_KEY
+from mopd_hpc.records.metrics_schema import EVAL_PREFIX, LOSS_KEYS, MOPD_KEYS, PHASE_KEYS, TOKENS_PER_S_KEY
 
 #: Traceback lines shown on screen (the --json output has the whole bounded window).
 SCREEN_TRACEBACK_LINES = 14
@@ -270,6 +270,8 @@ def _progress_panel(s: RunSummary) -> Panel:
     keys += [f"{fam}/{r}" for r in p.routes for fam in ("reward", "accuracy") if f"{fam}/{r}" in p.last]
     for key in keys:
         table.add_row(Text(key), _fmt(p.last.get(key)), sparkline(p.trend.get(key, [])))
+    for key in sorted(k for k in p.series if k.startswith(EVAL_PREFIX) and p.series[k]):  # held-out points
+        table.add_row(Text(key), _fmt(p.series[key][-1][1]), sparkline(p.trend.get(key, [])))
     share = "  ".join(f"{name} {frac:.0%}" for name, frac in p.phase_share.items() if frac > 0)
     head = Text(f"step {p.last_step} at {_ts(p.last_ts)}   time per phase: {share or '-'}")
     parts: list[Text | Table] = [head, table]

@@ -14,6 +14,7 @@ readers that do not know them):
 | `mopd/teacher_student_gap` | mean of S − W·log π_θ(y_t) over response tokens (nats) |
 | `mopd/teacher_refused_tokens` (optional) | (row, position, teacher) entries of the step whose teacher log-prob was −inf (a refusal), taken as log(float32 tiny) ≈ −87.34 in S (mopd/targets.py); present when teachers score |
 | `reward/<route>`, `accuracy/<route>` | mean reward / accuracy of the step's rollouts of one route |
+| `eval/pass@1/<route>`, `eval/mean@k/<route>` (optional) | held-out evaluation of the student on the rollout engines with the weights of this step, fractions in [0, 1]: greedy pass@1, and the mean accuracy of k = data.eval.samples sampled completions per prompt (present when k > 0); only on the lines of the evaluation steps (every data.eval.interval steps and the last, when the interval is set; `trainer/evaluator.py`) |
 | `perf/tokens_per_s` | trained tokens per second of wall time |
 | `time/rollout_s`, `time/teacher_s`, `time/drain_s`, `time/train_s`, `time/sync_s` | seconds per phase |
 | `time/sync/<span>_s` (optional) | seconds of one sub-phase of the step's weight sync (part of `time/sync_s`; spans may nest): torch export, send; ipc export, fill, post, copy; awex publish, the writer's spans and `reader<i>_<span>` of each rollout engine (`engines/weight_sync/awex_spans.py`) |
@@ -22,8 +23,10 @@ readers that do not know them):
 | `memory/<child>/<phase>/allocated_gib`, `memory/<child>/<phase>/reserved_gib` | peak GPU memory of one child during one phase of the step, GiB (2^30 bytes): torch's `max_memory_allocated` / `max_memory_reserved` since the phase began (the peak is reset at each phase start); only for children on CUDA (absent on CPU). `<child>` is `actor` (the controller's rank), `teacher/<id>` or `rollout/<i>` (hf engines; each server's requests of that phase, `engines/peak_memory.py`), `<phase>` a phase of the step (`rollout`, `teacher`, `drain`, `train`, `sync`), or for a server `held`: what it holds between its requests, read at the step's end |
 
 Evaluation (`run_dir/eval.json`): `{"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc,
-"n": prompts}}, "teachers": {ROUTE: {TEACHER_ID: acc}}, "student_weights": {"start": version, "end": version}}`
-(`trainer/evaluate.py`: the student evaluated on the rollout engines; `version` their weight_version).
+"n": prompts}}, "teachers": {ROUTE: {TEACHER_ID: acc}}, "student_weights": {"start": version, "end": version},
+"k": k, "points": [{"step": s, "weight_version": version, "pass@1": {ROUTE: acc}, "mean@k": {ROUTE: acc}}]}`
+(`trainer/evaluate.py`, `trainer/evaluator.py`: the student evaluated on the rollout engines; `version` their
+weight_version; a point at the start, every data.eval.interval steps and at the end).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ TOKENS_PER_S_KEY = "perf/tokens_per_s"
 #: Per-route families: `<prefix><route>`.
 REWARD_PREFIX = "reward/"
 ACCURACY_PREFIX = "accuracy/"
+#: Held-out evaluation points: `eval/<stat>/<route>`, stat one of EVAL_STATS.
+EVAL_PREFIX = "eval/"
+EVAL_STATS = ("pass@1", "mean@k")
 #: Phase timings, in the phase machine's order (DESIGN.md §3): key → phase name.
 PHASE_KEYS: Mapping[str, str] = {
     "time/rollout_s": "rollout",
@@ -118,6 +124,21 @@ def route_of(key: str) -> tuple[str, str] | None:
         if key.startswith(prefix) and len(key) > len(prefix):
             return prefix[:-1], key[len(prefix) :]
     return None
+
+
+def eval_key(stat: str, route: str) -> str:
+    """`eval/<stat>/<route>`; stat one of EVAL_STATS. Raises ValueError for another stat."""
+    if stat not in EVAL_STATS:
+        raise ValueError(f"evaluation statistic {stat!r}: expected one of {EVAL_STATS}")
+    return f"{EVAL_PREFIX}{stat}/{route}"
+
+
+def eval_of(key: str) -> tuple[str, str] | None:
+    """`"eval/pass@1/gsm8k"` → `("pass@1", "gsm8k")`; None for any other key."""
+    if not key.startswith(EVAL_PREFIX):
+        return None
+    stat, _, route = key[len(EVAL_PREFIX) :].partition("/")
+    return (stat, route) if stat in EVAL_STATS and route else None
 
 
 def memory_key(child: str, phase: str, kind: str) -> str:

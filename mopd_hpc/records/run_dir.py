@@ -8,6 +8,7 @@
       eval.json                                     EVAL_FILE       held-out evaluations (the actor)
       awex_meta_server.json                         AWEX_META_SERVER_FILE   AWEX's meta server (the actor)
       student_final/                                FINAL_DIR       the trained student, HF format (the actor)
+      exports/step_<n>/                             EXPORTS_DIR     periodic HF exports, the last export.keep (the actor)
       checkpoints/step_<n>/, checkpoints/latest     CHECKPOINTS_DIR, LATEST_CHECKPOINT (the actor)
       endpoints/<role>-<key>.json                   `endpoint_file`       a server's endpoint record
       endpoints/teacher-<id>.r<replica>.json        `teacher_endpoint_file`  a teacher replica's record
@@ -41,6 +42,7 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
 AWEX_META_SERVER_FILE = "awex_meta_server.json"
 FINAL_DIR = "student_final"
+EXPORTS_DIR = "exports"
 CHECKPOINTS_DIR = "checkpoints"
 #: The latest-checkpoint pointer inside CHECKPOINTS_DIR (a symlink, or a file holding the step directory).
 LATEST = "latest"

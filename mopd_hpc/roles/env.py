@@ -255,7 +255,8 @@ def resolve_path(path: str, environ: Mapping[str, str], run_dir: Path | None = N
 
 
 def with_absolute_paths(cfg: RunConfig, environ: Mapping[str, str], run_dir: Path | None = None) -> RunConfig:
-    """`cfg` with every model and tokenizer path and jsonl source path made absolute (`resolve_path`)."""
+    """`cfg` with every model and tokenizer path and jsonl source path (and held-out file) made absolute
+    (`resolve_path`)."""
     data = cfg.model_dump(mode="json")
     models = data["models"]
     models["actor"]["path"] = resolve_path(models["actor"]["path"], environ, run_dir)
@@ -265,6 +266,8 @@ def with_absolute_paths(cfg: RunConfig, environ: Mapping[str, str], run_dir: Pat
     for source in data["data"]["sources"]:
         if source.get("kind") == "jsonl":
             source["path"] = resolve_path(source["path"], environ, run_dir)
+            if source.get("eval_path"):
+                source["eval_path"] = resolve_path(source["eval_path"], environ, run_dir)
     return RunConfig.from_dict(data, source=str(run_dir or "<config>"))
 
 

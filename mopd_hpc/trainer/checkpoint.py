@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from mopd_hpc.atomic import atomic_open, atomic_write_json, atomic_write_text
+from mopd_hpc.atomic import atomic_open, atomic_write_json, atomic_write_text, publish_dir
 from mopd_hpc.engines.own_file import FileRef, OwnFile
 from mopd_hpc.records.run_dir import LATEST
 from mopd_hpc.trainer import checkpoint_verify as verify
@@ -191,11 +191,7 @@ def save_checkpoint(
         atomic_write_json(tmp / "state.json", state)
         manifest = verify.manifest_for(tmp, tuple(e.name for e in own.values()))
         atomic_write_json(tmp / verify.MANIFEST, manifest)  # last: the completeness marker
-        if final.exists():  # re-saving a step (after a resume): retire the old copy first
-            retired = base / f".{final.name}.tmp-old-{os.getpid()}"
-            final.rename(retired)
-            shutil.rmtree(retired, ignore_errors=True)
-        tmp.rename(final)
+        publish_dir(tmp, final)  # re-saving a step (after a resume) retires the old copy first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -18,8 +18,10 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
              weight_sync.backend: torch broadcast, gloo on CPU; or AWEX); weight_version = str(step); a
              released sglang engine resumes its weights before and its kv_cache and cuda_graph after
 
-then one metrics line every `log_interval` steps and at the last (`records/metrics.py`), and every `checkpoint_interval` steps (and at the last) an atomic
-checkpoint under run_dir/checkpoints, written by this rank only: the DDP state is replicated (every rank
+then an evaluation point every `data.eval.interval` steps (`trainer/evaluator.py`), one metrics line every
+`log_interval` steps, at the last and at an evaluation step (`records/metrics.py`, `trainer/intervals.py`), a
+Hugging Face export every `export.interval` steps (`trainer/exports.py`), and every `checkpoint_interval` steps
+(and at the last) an atomic checkpoint under run_dir/checkpoints, written by this rank only: the DDP state is replicated (every rank
 holds the same weights and optimizer state after each step), so one copy is every rank's; it records the
 actor world size (model, optimizer, data-stream position, RNG, step, world size). An engine whose optimizer
 state is DP-sharded (megatron's distributed optimizer, `collective_state_dict`) gathers it into rank 0's
@@ -33,11 +35,12 @@ rollout. SIGUSR2 (`CheckpointRequest`, this rank's only: the others ignore it) i
 checkpoint now, send the stop record, announce the end, return. At the end: the stop record, evaluation,
 the student as an HF checkpoint in run_dir/student_final, and the end of the job announced to the servers (`records/job_end.py`).
 
-Evaluation (`trainer/evaluate.py`): the student generates greedily on the rollout engines, the teachers on
-their servers; the actor process loads no model for it. At the start it runs after the first weight sync
-(the engines hold the weights of the start step: the initial ones, or the resumed checkpoint's), at the end
-after the last step's sync (the engines hold the final weights, the ones saved in student_final); the
-engines' weight_version is checked against that step and kept in eval.json.
+Evaluation (`trainer/evaluator.py`, `trainer/evaluate.py`): the student generates on the rollout engines, the
+teachers on their servers; the actor process loads no model for it. At the start it runs after the first
+weight sync (the engines hold the weights of the start step: the initial ones, or the resumed checkpoint's),
+every data.eval.interval steps after that step's sync, at the end after the last step's sync (the engines
+hold the final weights, the ones saved in student_final); the engines' weight_version is checked against
+that step and kept in eval.json.
 
 Collaborators are given, not built here (`roles/actor.py` builds them): the engine (`engines.protocol.
 TrainEngine`), the rollout and teacher clients (opened by the caller), the weight sync, the actor group.
@@ -67,7 +70,6 @@ from mopd_hpc.records.job_end import write_job_end
 from mopd_hpc.records.metrics import MetricsWriter
 from mopd_hpc.records.run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE
 from mopd_hpc.runtime.signals import CheckpointRequest
-from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.checkpoint import (
     capture_rng_state,
@@ -77,7 +79,9 @@ from mopd_hpc.trainer.checkpoint import (
     step_dir_name,
 )
 from mopd_hpc.trainer.data_setup import RunData
-from mopd_hpc.trainer.intervals import checkpoint_due, metrics_due
+from mopd_hpc.trainer.evaluator import RunEvaluator, point_note
+from mopd_hpc.trainer.exports import write_export
+from mopd_hpc.trainer.intervals import checkpoint_due, eval_due, export_due, metrics_due
 from mopd_hpc.trainer.phase_memory import PhaseMemory, server_peaks
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rank_step import Group, Receipts, ShardStep, make_resident
@@ -174,6 +178,7 @@ class Controller:
         self.machine = PhaseMachine.from_plan(
             plan, consumers=consumers, on_transition=self.phase_memory.observer(self.transitions.append)
         )
+        self.evaluator = RunEvaluator(cfg, data, tokenizer, self.rollout, self.teachers, run_dir, out)
         self.step = 0
         self._saved_step = -1
 
@@ -194,23 +199,29 @@ class Controller:
             await self._announce_gather(start, "sync")
             await self.sync.push(start, self.rollout)
             log.info("rollout engines hold the weights of step %d", start)
-            if start == 0 or evaluate.read_eval(self.run_dir) is None:
-                await self._evaluate_start(start)
+            if start == 0 or not self.evaluator.resume(start):
+                await self.evaluator.start(start)
             with Progress(self.out, start, self.cfg.steps) as progress:
                 for step in range(start + 1, self.cfg.steps + 1):
                     if self._stop_requested():
                         return await self._stop_for_signal(progress, start)
                     values = await self._one_step(step)
+                    if eval_due(step, self.cfg) and self.evaluator.active:
+                        point = await self.evaluator.point(step)  # the engines hold this step's weights
+                        values |= point
+                        progress.note(point_note(step, point))
                     if metrics_due(step, self.cfg):
                         metrics.write(step, values)
                     progress.update(step, values)
+                    if export_due(step, self.cfg):
+                        await self._export(step)
                     if checkpoint_due(step, self.cfg):
                         await self._checkpoint(step)
             if self._stop_requested():
                 return await self._stop_for_signal(None, start)
             with contextlib.suppress(Exception):
                 await self.sync.close(self.rollout)
-        await self._evaluate_end()  # on the rollout engines, which hold the last step's weights
+        await self.evaluator.end(self.step)  # on the rollout engines, which hold the last step's weights
         await self._finish()  # before the stop record: a TP actor's export is a gather every TP rank joins
         await self._end_group("finished")
         write_job_end(self.run_dir, self.job_id, "finished", self.step)
@@ -341,24 +352,6 @@ class Controller:
         print(f"resuming from {ckpt.path} (step {ckpt.step}){change}", file=self.out, flush=True)
         return ckpt.step
 
-    async def _student_accuracy(
-        self, prompts: Mapping[str, Any], step: int
-    ) -> tuple[dict[str, float], str | None]:
-        """route → greedy accuracy of the weights the rollout engines hold (those of `step`: called after its
-        weight sync), and the weight_version they answered with; a version other than str(step) is said on
-        the run's output (the evaluation is then of other weights than the step's)."""
-        result = await evaluate.student_accuracy_on_engines(
-            self.rollout, self.tokenizer, prompts, self._max_new_tokens()
-        )
-        if result.weight_versions and result.weight_versions != (str(step),):
-            message = (
-                f"evaluation: the rollout engines answered with weight_version {result.weight_version!r}, "
-                f"expected {str(step)!r} (the weights of step {step}, synced before the evaluation)"
-            )
-            log.warning("%s", message)
-            print(message, file=self.out, flush=True)
-        return result.accuracy, result.weight_version
-
     async def _checkpoint(self, step: int) -> None:
         make_resident(self.engine, "checkpoint")
         sharded = getattr(self.engine, "sharded_checkpoint", False)
@@ -381,37 +374,12 @@ class Controller:
         self._saved_step = step
         log.info("checkpoint %s", path)
 
-    def _max_new_tokens(self) -> int:
-        return self.cfg.rollout.sampling.max_new_tokens
-
-    async def _evaluate_start(self, step: int) -> None:
-        """The teachers on their servers, the student on the rollout engines (holding the weights of `step`)."""
-        prompts = self.data.eval_prompts
-        if not prompts:
-            return
-        generators = {tid: client.generate_greedy for tid, client in self.teachers.items()}
-        teachers = await evaluate.teacher_accuracy(
-            generators, self.route_weights, self.tokenizer, prompts, self._max_new_tokens()
-        )
-        start, version = await self._student_accuracy(prompts, step)
-        counts = {r: len(p) for r, p in prompts.items()}
-        record = evaluate.eval_record(teachers, start, None, counts, {"start": version})
-        evaluate.write_eval(self.run_dir, record)
-        print("evaluation at the start:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
-
-    async def _evaluate_end(self) -> None:
-        """The student on the rollout engines, which hold the weights of the last step (synced at its end)."""
-        prompts = self.data.eval_prompts
-        if not prompts:
-            return
-        record = evaluate.read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
-        end, version = await self._student_accuracy(prompts, self.step)
-        start = {r: v.get("student_start") for r, v in record["routes"].items()}
-        counts = {r: len(p) for r, p in prompts.items()}
-        weights = {"start": (record.get("student_weights") or {}).get("start"), "end": version}
-        record = evaluate.eval_record(record.get("teachers", {}), start, end, counts, weights)
-        evaluate.write_eval(self.run_dir, record)
-        print("evaluation at the end:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
+    async def _export(self, step: int) -> None:
+        """The weights of `step` as a Hugging Face directory under run_dir/exports (`trainer/exports.py`)."""
+        make_resident(self.engine, "export")
+        await self._announce_gather(step, "export")
+        path = write_export(self.engine, self.tokenizer, self.run_dir, step, self.cfg.export.keep)
+        log.info("export %s", path)
 
     async def _finish(self) -> None:
         make_resident(self.engine, "save")

@@ -7,8 +7,12 @@ item and the resumable stream's per-source permutation stays small (a 10⁹-item
 permutation).
 
 Held-out prompts: for each reasoning-gym source, `data.eval.size` items with RNG seeds
-data.eval.seed + [0, size) (the config rule keeps them apart from the training seeds). A jsonl source has no
-held-out split; its route is evaluated only through its other sources, if any.
+data.eval.seed + [0, size) (the config rule keeps them apart from the training seeds). A jsonl source with
+`eval_fraction` holds out ⌈fraction·rows⌉ of its rows (drawn by data.eval.seed, `data/holdout.py`), which the
+training stream then never draws; one with `eval_path` is evaluated on that file's rows; either way the first
+`data.eval.size` held-out rows are evaluated. A jsonl source without either is not evaluated (its route only
+through its other sources, if any; `--check` warns). Every held-out prompt is scored by its source's `score`
+(`RunData.score`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.data import JsonlSource, Prompt, PromptSource, ReasoningGymSource, make_source
+from mopd_hpc.data import Prompt, PromptSource, ReasoningGymSource, make_source
+from mopd_hpc.data.holdout import RowSubset, held_out_file, scorer_name, split_rows
 from mopd_hpc.mopd.routing import RoutedDataset, RoutedSource
 
 
@@ -36,6 +41,14 @@ class RunData:
     sources: Mapping[str, PromptSource]
     eval_prompts: Mapping[str, tuple[Prompt, ...]]
 
+    def score(self, prompt: Prompt, completion: str) -> float:
+        """The reward of `completion` by the source `prompt` comes from (a held-out prompt's: its source's).
+
+        Raises:
+            KeyError: a prompt of no source of the run.
+        """
+        return float(self.sources[scorer_name(prompt.source)].score(prompt, completion))
+
 
 def train_size(cfg: RunConfig) -> int:
     """Items per reasoning-gym training source: enough for every draw of the run."""
@@ -50,9 +63,10 @@ def build_run_data(cfg: RunConfig) -> RunData:
         RoutingError: the mixture cannot be built (e.g. an empty source).
     """
     sources: dict[str, PromptSource] = {}
+    held: dict[str, PromptSource] = {}
     routed = []
     for spec in cfg.data.sources:
-        source: ReasoningGymSource | JsonlSource
+        source: PromptSource
         if spec.kind == "reasoning_gym":
             source = make_source(
                 "reasoning_gym",
@@ -64,29 +78,48 @@ def build_run_data(cfg: RunConfig) -> RunData:
             )
         else:
             source = make_source("jsonl", spec.name, path=spec.path)
+            if spec.eval_fraction is not None:
+                source, held[spec.name] = split_rows(source, spec.eval_fraction, cfg.data.eval.seed)
+            elif spec.eval_path is not None and cfg.data.eval.size > 0:
+                held[spec.name] = held_out_file(source, spec.eval_path)
         sources[spec.name] = source
         routed.append(RoutedSource(spec.name, spec.route, source))
     weights: dict[str, float] | None = None
     if cfg.data.mixture == "weighted":
         weights = {s.name: float(s.weight or 0.0) for s in cfg.data.sources}
     dataset = RoutedDataset(routed, policy=cfg.data.mixture, seed=cfg.seed, weights=weights)
-    return RunData(dataset=dataset, sources=sources, eval_prompts=eval_prompts(cfg))
+    return RunData(dataset=dataset, sources=sources, eval_prompts=eval_prompts(cfg, held))
 
 
-def eval_prompts(cfg: RunConfig) -> dict[str, tuple[Prompt, ...]]:
-    """route → held-out prompts (module docstring); {} when data.eval.size is 0."""
+def eval_prompts(
+    cfg: RunConfig, held: Mapping[str, PromptSource] | None = None
+) -> dict[str, tuple[Prompt, ...]]:
+    """route → held-out prompts (module docstring), in source order; {} when data.eval.size is 0.
+
+    Args:
+        held: source name → the held-out split of a jsonl source (`build_run_data` makes them).
+    """
     size = cfg.data.eval.size
     out: dict[str, list[Prompt]] = {}
     if size == 0:
         return {}
     for spec in cfg.data.sources:
-        if spec.kind != "reasoning_gym":
+        split: PromptSource | RowSubset
+        if spec.kind == "reasoning_gym":
+            # split "train" with seed = eval.seed: RNG seeds eval.seed + [0, size), as data.eval documents.
+            split = ReasoningGymSource.create(
+                f"{spec.name}/eval",
+                spec.task,
+                spec.task_args,
+                seed=cfg.data.eval.seed,
+                split="train",
+                size=size,
+            )
+        elif held and spec.name in held:
+            split = held[spec.name]
+        else:
             continue
-        # split "train" with seed = eval.seed: RNG seeds eval.seed + [0, size), as data.eval documents.
-        held = ReasoningGymSource.create(
-            f"{spec.name}/eval", spec.task, spec.task_args, seed=cfg.data.eval.seed, split="train", size=size
-        )
-        out.setdefault(spec.route, []).extend(held[i] for i in range(size))
+        out.setdefault(spec.route, []).extend(split[i] for i in range(min(size, len(split))))
     return {route: tuple(prompts) for route, prompts in out.items()}
 
 

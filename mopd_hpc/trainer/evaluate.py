@@ -1,31 +1,37 @@
-"""Per-route greedy accuracy of the student and of each route's best teacher, at the start and end of a run.
+"""Per-route evaluation of the student (greedy pass@1, sampled mean@k) and of each route's best teacher.
 
-Accuracy = share of held-out prompts whose greedy completion (at most `rollout.sampling.max_new_tokens`
-tokens) scores exactly 1 with the dataset's own reward (`mopd_hpc.data.evaluation`). The held-out prompts
-are `trainer/data_setup.eval_prompts`. Every model generates where it is served: the actor process loads no
-model for the evaluation, not even a copy of its own.
+pass@1 (`accuracy`) = share of held-out prompts whose greedy completion (at most
+`rollout.sampling.max_new_tokens` tokens) scores exactly 1 with the prompt's source's reward (`RunData.score`;
+by default the dataset's own, `mopd_hpc.data.rewards.score_completion`). mean@k = the mean over prompts of the
+share of k sampled completions (rollout.sampling's temperature and top_p, seeds `sampling_seed(data.eval.seed,
+0, i) + j` for copy j of prompt i: the same draws at every point of a run) that score exactly 1 (the unbiased
+estimate of pass@1 under sampling; Chen et al. 2021, "Evaluating Large Language Models Trained on Code", §2.1,
+with c/k of its pass@k estimator at k = 1). The held-out prompts are `trainer/data_setup.eval_prompts`. Every
+model generates where it is served: the actor process loads no model for the evaluation, not even a copy of
+its own.
 
-- The student: greedy generation on the rollout engines (`student_accuracy_on_engines`: temperature 0,
-  the rows spread over the engines in contiguous blocks as a rollout step's), with the weights the engines
-  hold then: the controller evaluates after the weight sync, so at the start the weights of the start step
-  (the initial weights, or a resumed checkpoint's) and at the end the weights of the last step. The engines'
-  `weight_version` of every row is kept in eval.json (`student_weights`) as the proof of which weights
-  answered. Greedy on the hf engine is the argmax of the same forward as `data.evaluation.greedy_complete`'s
-  `model.generate(do_sample=False)`, so on the same weights and dtype the answers equal the in-process
-  evaluation's (tests/test_student_eval_engines.py).
+- The student: generation on the rollout engines (`student_accuracy_on_engines`: temperature 0, the rows
+  spread over the engines in contiguous blocks as a rollout step's; `student_mean_at_k`: k samples per
+  prompt, spread the same way), with the weights the engines hold then (the controller evaluates after a
+  weight sync, `trainer/evaluator.py`). The engines' `weight_version` of every row is kept in eval.json as
+  the proof of which weights answered. Greedy on the hf engine is the argmax of the same forward as
+  `data.evaluation.greedy_complete`'s `model.generate(do_sample=False)`, so on the same weights and dtype
+  the answers equal the in-process evaluation's (tests/test_student_eval_engines.py).
 - A route's `teacher` accuracy is the best over the teachers the route gives a positive weight; each teacher
   generates on its own server, once, at the start (its accuracy does not change during the run; it is kept
   in eval.json, so a resumed run does not ask again).
 
-`run_dir/eval.json` (written atomically):
+`run_dir/eval.json` (written atomically; `trainer/evaluator.py` adds `points` and `k`):
 
     {"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc | null, "n": prompts}},
      "teachers": {ROUTE: {TEACHER_ID: acc}},
-     "student_weights": {"start": VERSION | null, "end": VERSION | null}}
+     "student_weights": {"start": VERSION | null, "end": VERSION | null},
+     "k": data.eval.samples,
+     "points": [{"step": s, "weight_version": VERSION, "pass@1": {ROUTE: acc}, "mean@k": {ROUTE: acc}}, ...]}
 
-Accuracies are fractions in [0, 1]; `student_end` is null until the run ends. VERSION is the rollout engines'
-weight_version of the evaluated rows (str(step) after a weight sync of that step; several versions joined by
-"," if the engines disagreed, which the controller reports).
+Accuracies are fractions in [0, 1]; `student_end` is null until the run ends; `mean@k` is {} when k is 0.
+VERSION is the rollout engines' weight_version of the evaluated rows (str(step) after a weight sync of that
+step; several versions joined by "," if the engines disagreed, which the controller reports).
 """
 
 from __future__ import annotations
@@ -38,13 +44,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.config.rollout import SamplingConfig
 from mopd_hpc.data import Prompt
 from mopd_hpc.data.evaluation import evaluate_prompts
 from mopd_hpc.data.rewards import is_correct, score_completion
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
 from mopd_hpc.records.run_dir import EVAL_FILE
-from mopd_hpc.trainer.rollout_phase import engine_blocks
+from mopd_hpc.trainer.rollout_phase import engine_blocks, generate, sampling_seed
+
+#: The reward of a completion of a prompt (`RunData.score`): (prompt, decoded completion) → reward in [0, 1].
+ScoreFn = Callable[[Prompt, str], float]
 
 
 def student_accuracy(
@@ -110,29 +120,74 @@ async def student_accuracy_on_engines(
     tokenizer: Any,
     prompts: Mapping[str, Sequence[Prompt]],
     max_new_tokens: int,
+    score: ScoreFn = score_completion,
 ) -> EngineEval:
-    """route → greedy accuracy of the weights the rollout engines hold now (module docstring).
+    """route → greedy accuracy (pass@1) of the weights the rollout engines hold now (module docstring).
 
     Prompts are encoded as `data.evaluation.greedy_complete` encodes them (the tokenizer's special tokens)
-    and the new tokens decoded the same way (special tokens skipped). Raises as `engine_greedy`.
+    and the new tokens decoded the same way (special tokens skipped); `score` is the reward. Raises as
+    `engine_greedy`.
     """
+
+    async def greedy(ids: list[list[int]]) -> list[GeneratedSample]:
+        return await engine_greedy(clients, ids, max_new_tokens, tokenizer.eos_token_id)
+
+    return await _per_route(greedy, 1, tokenizer, prompts, score)
+
+
+async def student_mean_at_k(
+    clients: Sequence[RolloutClient],
+    tokenizer: Any,
+    prompts: Mapping[str, Sequence[Prompt]],
+    sampling: SamplingConfig,
+    k: int,
+    seed: int,
+    score: ScoreFn = score_completion,
+) -> EngineEval:
+    """route → mean@k of the weights the rollout engines hold now: k samples per prompt at `sampling`'s
+    temperature, top_p and max_new_tokens, stopped at the tokenizer's EOS as the greedy ones, seeds
+    `sampling_seed(seed, 0, i)` (+ j for copy j, the engine's rule) for the i-th prompt of the route; the share
+    of the k·n completions of the route with reward exactly 1 (module docstring). `completions[route]` holds them prompt-major (copy j of prompt i at i·k + j).
+
+    Raises:
+        ValueError: k < 1. RolloutServerError / RolloutUnavailableError: an engine failed.
+    """
+    if k < 1:
+        raise ValueError(f"mean@k needs k >= 1 samples per prompt (got {k}): data.eval.samples")
+
+    async def sampled(ids: list[list[int]]) -> list[GeneratedSample]:
+        seeds = [sampling_seed(seed, 0, i) for i in range(len(ids))]
+        eos = (tokenizer.eos_token_id,)
+        return await generate(clients, ids, sampling, k, seeds, stop_token_ids=eos, return_logprob=False)
+
+    return await _per_route(sampled, k, tokenizer, prompts, score)
+
+
+async def _per_route(
+    generate_fn: Callable[[list[list[int]]], Awaitable[list[GeneratedSample]]],
+    copies: int,
+    tokenizer: Any,
+    prompts: Mapping[str, Sequence[Prompt]],
+    score: ScoreFn,
+) -> EngineEval:
+    """Each route's prompts encoded (the tokenizer's special tokens), generated by `generate_fn` (`copies`
+    samples per prompt, prompt-major), decoded (special tokens skipped) and scored: the `EngineEval`."""
     accuracy: dict[str, float] = {}
     completions: dict[str, tuple[str, ...]] = {}
     versions: set[str] = set()
     for route, items in prompts.items():
         if not items:
             continue
-        ids = [tokenizer(p.text)["input_ids"] for p in items]
-        samples = await engine_greedy(clients, ids, max_new_tokens, tokenizer.eos_token_id)
+        samples = await generate_fn([tokenizer(p.text)["input_ids"] for p in items])
         texts = tuple(tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in samples)
-        accuracy[route] = _accuracy(items, texts)
+        accuracy[route] = _accuracy([p for p in items for _ in range(copies)], texts, score)
         completions[route] = texts
         versions.update(s.weight_version for s in samples)
     return EngineEval(accuracy, completions, tuple(sorted(versions)))
 
 
-def _accuracy(items: Sequence[Prompt], completions: Sequence[str]) -> float:
-    rewards = [score_completion(p, c) for p, c in zip(items, completions, strict=True)]
+def _accuracy(items: Sequence[Prompt], completions: Sequence[str], score: ScoreFn) -> float:
+    rewards = [score(p, c) for p, c in zip(items, completions, strict=True)]
     return sum(is_correct(r) for r in rewards) / len(rewards)
 
 
@@ -147,6 +202,7 @@ async def teacher_accuracy(
     tokenizer: Any,
     prompts: Mapping[str, Sequence[Prompt]],
     max_new_tokens: int,
+    score: ScoreFn = score_completion,
 ) -> dict[str, dict[str, float]]:
     """route → {teacher id: greedy accuracy} for every teacher with a positive weight on the route.
 
@@ -163,7 +219,9 @@ async def teacher_accuracy(
             if weight <= 0 or teacher not in generators or not items:
                 continue
             rows = await generators[teacher](ids, max_new_tokens, eos, pad)
-            out[route][teacher] = _accuracy(items, tokenizer.batch_decode(rows, skip_special_tokens=True))
+            out[route][teacher] = _accuracy(
+                items, tokenizer.batch_decode(rows, skip_special_tokens=True), score
+            )
     return out
 
 

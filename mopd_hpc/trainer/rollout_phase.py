@@ -108,8 +108,12 @@ async def generate(
     sampling: SamplingConfig,
     n: int,
     seeds: Sequence[int],
+    *,
+    stop_token_ids: Sequence[int] = (),
+    return_logprob: bool = True,
 ) -> list[GeneratedSample]:
-    """Sample n responses per prompt, prompts split over the engines in contiguous blocks (order kept)."""
+    """Sample n responses per prompt, prompts split over the engines in contiguous blocks (order kept);
+    `stop_token_ids` end a response besides the engine's own EOS ids (the evaluation's: the tokenizer's EOS)."""
     calls = []
     for client, block in zip(clients, engine_blocks(len(prompt_ids), len(clients)), strict=True):
         if not block:
@@ -121,13 +125,14 @@ async def generate(
                 top_p=sampling.top_p,
                 sampling_seed=seeds[i],
                 n=n,
+                stop_token_ids=tuple(stop_token_ids),
             ).to_json()
             for i in block
         ]
         body = {
             "input_ids": [list(prompt_ids[i]) for i in block],
             "sampling_params": params,
-            "return_logprob": True,
+            "return_logprob": return_logprob,
         }
         calls.append(_generate_block(client, body, [prompt_ids[i] for i in block], n))
     samples: list[GeneratedSample] = []
