@@ -1,5 +1,6 @@
 """The rollout role with `rollout.backend: sglang` (roles/rollout_sglang.py), wired to a stand-in with
-sglang.Engine's Python API (no real SGLang can be installed here: it pins torch 2.9.1).
+sglang.Engine's Python API, its methods' signatures as SGLang 0.5.17 defines them (srt/entrypoints/engine.py;
+SGLang itself runs on the GPU machines only).
 
 Real parts: the role's aiohttp server on 127.0.0.1 behind the job's token, its readiness probe and endpoint
 record, the trainer's rollout-phase client, and the trainer's torch weight sync (a real gloo group) into an
@@ -47,11 +48,25 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+class TokenizerManagerStandIn:
+    """The Engine's `tokenizer_manager` as far as the server uses it: the weight version SGLang answers in
+    every item's meta_info (set by `_update_weight_version_if_provided`, SGLang 0.5.17)."""
+
+    def __init__(self, calls: list[tuple[str, Any]]) -> None:
+        self.calls, self.weight_version = calls, "default"
+
+    def _update_weight_version_if_provided(self, weight_version: str | None) -> None:
+        if weight_version is not None:
+            self.weight_version = weight_version
+            self.calls.append(("version", weight_version))
+
+
 class TPStandIn:
-    """sglang.Engine's Python API with `tp_size` workers: generation answers in SGLang 0.5.23's shapes
-    (output ids 5, 6 with log-probs −0.5, −0.75); each worker thread joins the weight-update group as
-    rank_offset + tp_rank and receives the broadcast tensors (SGLang's `init_weights_update_group` and
-    `update_weights_from_distributed` semantics, algo_awex.md §3.2)."""
+    """sglang.Engine's Python API with `tp_size` workers, SGLang 0.5.17's signatures: generation answers in
+    SGLang's shapes (output ids 5, 6 with log-probs −0.5, −0.75, meta_info.weight_version the tokenizer
+    manager's); each worker thread joins the weight-update group as rank_offset + tp_rank and receives the
+    broadcast tensors (SGLang's `init_weights_update_group` and `update_weights_from_distributed` semantics,
+    algo_awex.md §3.2)."""
 
     def __init__(self, launch: SGLangLaunch, healthy: bool = True) -> None:
         self.launch, self.healthy = launch, healthy
@@ -59,6 +74,7 @@ class TPStandIn:
         self.groups: list[BroadcastGroup] = []
         self.received: list[dict[str, torch.Tensor]] = []
         self.shut = False
+        self.tokenizer_manager = TokenizerManagerStandIn(self.calls)
 
     async def async_generate(self, **kw: Any) -> Any:
         self.calls.append(("generate", kw))
@@ -67,6 +83,8 @@ class TPStandIn:
         ids = kw["input_ids"]
         rows = ids if ids and isinstance(ids[0], list) else [ids]
         items = [sglang_item(r, [5, 6], [-0.5, -0.75]) for r in rows]
+        for item in items:
+            item["meta_info"]["weight_version"] = self.tokenizer_manager.weight_version
         return items if isinstance(ids[0], list) else items[0]
 
     def _on_workers(self, work: Any) -> list[Any]:
@@ -88,7 +106,12 @@ class TPStandIn:
             raise errors[0]
         return out
 
-    def init_weights_update_group(self, **kw: Any) -> tuple[bool, str]:
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str = "nccl",
+    ) -> tuple[bool, str]:  # fmt: skip
+        kw = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                  world_size=world_size, group_name=group_name, backend=backend)  # fmt: skip
         self.calls.append(("init_group", kw))
         self.groups = self._on_workers(
             lambda r: BroadcastGroup.join(
@@ -103,7 +126,12 @@ class TPStandIn:
         )
         return True, "joined"
 
-    def update_weights_from_distributed(self, **kw: Any) -> tuple[bool, str]:
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", flush_cache: bool = True, load_format: str | None = None,
+    ) -> tuple[bool, str]:  # fmt: skip
+        kw = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
+                  load_format=load_format)  # fmt: skip
         self.calls.append(("update", kw))
         specs = [
             TensorSpec(n, d, tuple(s))
@@ -120,10 +148,10 @@ class TPStandIn:
             g.close()
         return True, ""
 
-    def release_memory_occupation(self, tags: list[str]) -> None:
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         self.calls.append(("release", tags))
 
-    def resume_memory_occupation(self, tags: list[str]) -> None:
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self.calls.append(("resume", tags))
 
     def flush_cache(self) -> None:
@@ -236,6 +264,9 @@ def test_sglang_role_serves_rollouts_and_weight_sync_to_a_tp2_engine(tmp_path: P
                 for name, value in actor.weights.items():
                     assert torch.equal(worker[name], value) and worker[name].dtype == value.dtype
             assert (await client.model_info())["weight_version"] == "1"
+            assert engine.calls[-1] == ("version", "1")  # SGLang's own version: answered with every item
+            (again,) = await generate([client], [[4]], sampling, n=1, seeds=[1])
+            assert again.weight_version == "1"
             await sync.close([client])
         stop.set()
         await task
@@ -275,3 +306,45 @@ def test_environment_that_breaks_mu_is_refused_before_the_engine_starts(tmp_path
     with pytest.raises(SGLangBackendError, match="temperature-1 log-probs"):
         asyncio.run(run_sglang(role, cfg, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, started.append))
     assert started == [] and not endpoint_file(tmp_path, "rollout", "0").exists()
+
+
+class EngineStarted(Exception):
+    """Raised by the stand-in sglang.Engine once it has seen its environment."""
+
+
+@pytest.mark.parametrize(("alloc", "refused"), [(None, False), ("max_split_size_mb:256", False),
+                                                ("expandable_segments:True", True)])  # fmt: skip
+def test_the_engine_starts_without_expandable_segments(tmp_path: Path, monkeypatch, alloc, refused) -> None:
+    """The role's entry point (`roles/rollout.py` main) with sglang: the environment the in-process Engine
+    starts in (and its scheduler processes inherit) has no expandable segments, so torch_memory_saver stays
+    on; the user's own expandable segments are refused before the Engine starts, naming the variable."""
+    import os
+    import sys
+    import types
+
+    from mopd_hpc.roles import rollout as rollout_main
+
+    if alloc is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc)
+    write_run_dir_token(tmp_path)
+    role, cfg = role_env(tmp_path, free_ports(3)), sglang_config()
+    seen: dict[str, Any] = {}
+
+    def engine(**kw: Any) -> None:  # sglang.Engine: reads the process environment as it starts
+        seen.update(alloc=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), saver=kw["enable_memory_saver"])
+        raise EngineStarted
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=engine))
+    monkeypatch.setattr(rollout_main, "start_server_role", lambda environ: (role, cfg))
+    if refused:
+        with pytest.raises(SGLangBackendError, match="PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'"):
+            rollout_main.main([])
+        assert seen == {}
+        return
+    with pytest.raises(EngineStarted):
+        rollout_main.main([])
+    assert seen == {"alloc": alloc, "saver": True}
+    # the hf backend keeps its expandable segments (its KV cache grows per decode step)
+    assert rollout_main.allocator_env({}, "hf") == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -5,7 +5,7 @@ Real parts: the sglang rollout role (roles/rollout_sglang.py) serving on 127.0.0
 controller with the torch train engine on the micro student (c_d = 0, GRPO: no teacher), the torch weight
 sync over a real gloo group into an engine of tensor-parallel size 2, the start and end evaluation on the
 engine. The Engine is tests/test_rollout_role_sglang.py's stand-in with sglang.Engine's Python API (no real
-SGLang can be installed here), made as strict as SGLang 0.5.23: it refuses to release a tag twice, to resume
+SGLang can be installed here), made as strict as SGLang: it refuses to release a tag twice, to resume
 one that is held, to generate while its weights or KV cache are released, to load weights into released
 weights, it answers with the weight_version of its last update (SGLang's meta_info), and its memory methods
 must run off the server's event-loop thread (they run an event loop of their
@@ -49,22 +49,16 @@ class StrictStandIn(TPStandIn):
     def __init__(self, launch: Any) -> None:
         super().__init__(launch)
         self.released: set[str] = set()
-        self.weight_version = "default"
 
     async def async_generate(self, **kw: Any) -> Any:
         if self.released & {"weights", "kv_cache"}:
             raise RuntimeError(f"generate while {sorted(self.released)} are released")
-        out = await super().async_generate(**kw)
-        for item in out if isinstance(out, list) else [out]:  # SGLang's meta_info.weight_version
-            item["meta_info"]["weight_version"] = self.weight_version
-        return out
+        return await super().async_generate(**kw)
 
-    def update_weights_from_distributed(self, **kw: Any) -> tuple[bool, str]:
+    def update_weights_from_distributed(self, *args: Any, **kw: Any) -> tuple[bool, str]:
         if "weights" in self.released:
             raise RuntimeError("update_weights_from_distributed into released weights")
-        answer = super().update_weights_from_distributed(**kw)
-        self.weight_version = kw.get("weight_version") or self.weight_version
-        return answer
+        return super().update_weights_from_distributed(*args, **kw)
 
     def _off_loop(self) -> None:
         with contextlib.suppress(RuntimeError):
@@ -184,11 +178,12 @@ def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(mic
     controller, outcome, engine = asyncio.run(controller_against_sglang_role(cfg, run_dir))
     assert (outcome.reason, outcome.step) == ("finished", STEPS)
 
-    calls = [(kind, kw) for kind, kw in engine.calls if kind in ("generate", "release", "resume", "update")]
+    kinds = ("generate", "release", "resume", "update", "version")
+    calls = [(kind, kw) for kind, kw in engine.calls if kind in kinds]
     names = [
-        (kind, tuple(kw) if kind in ("release", "resume") else kw.get("weight_version"))
-        if kind != "generate"
-        else ("generate", len(kw["input_ids"]) if isinstance(kw["input_ids"][0], list) else 1)
+        ("generate", len(kw["input_ids"]) if isinstance(kw["input_ids"][0], list) else 1)
+        if kind == "generate"
+        else (kind, tuple(kw) if kind in ("release", "resume") else kw if kind == "version" else None)
         for kind, kw in calls
     ]
     rows = cfg.data.batch_size * cfg.data.samples_per_prompt
@@ -198,14 +193,16 @@ def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(mic
             ("generate", rows),  # ROLLOUT: the step's rows, with everything resident
             ("release", RELEASED_TAGS),  # leaving ROLLOUT
             ("resume", SYNC_TAGS),  # SYNC: weights back before the broadcast
-            ("update", str(step)),  # the broadcast into them: the weights of this step
+            ("update", None),  # the broadcast into them
+            ("version", str(step)),  # then SGLang's weight_version: the weights of this step
             ("resume", CACHE_TAGS),  # SYNC done: KV cache and CUDA graphs back for the next rollout
         ]
 
     evaluation = [("generate", EVAL_SIZE)] * 2  # one request per route, chain and legs
     assert names == [
         ("generate", 1),  # the readiness probe: SGLang's generating /health
-        ("update", "0"),  # the initial weights (step 0)
+        ("update", None),  # the initial weights
+        ("version", "0"),  # of step 0
         *evaluation,  # the start evaluation, after the initial sync
         *[call for step in range(1, STEPS + 1) for call in one_step(step)],
         *evaluation,  # the end evaluation, after the last sync: the engine generates after its resume

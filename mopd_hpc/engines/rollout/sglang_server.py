@@ -9,13 +9,21 @@ The launch and mapping rules (named ports, environment, readiness, request and r
   GET|POST /release_memory_occupation, /resume_memory_occupation {tags}; /flush_cache
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weights_from_disk {model_path, weight_version?}
+  POST /update_weights_from_ipc {buffers, tensors, weight_version}   a colocated actor's shared buffers
+                                     (weight_sync.backend ipc), into `Engine.update_weights_from_tensor`
+                                     as references the TP workers open (`sglang_ipc.py`)
 
-The weight and memory routes call the Engine's Python methods of the same names (SGLang 0.5.23, algo_awex.md
-§3.2) in a worker thread: a broadcast that waits for the trainer does not stop the server answering, and the
+The weight and memory routes call the Engine's Python methods of the same names, with SGLang 0.5.17's
+signatures (`srt/entrypoints/engine.py`), in a worker thread: a broadcast that waits for the trainer does not stop the server answering, and the
 Engine's synchronous methods (`self.loop.run_until_complete(...)` in SGLang 0.5.23) cannot run on the thread
 of the server's running loop. The engine's TP workers join the torch weight-sync group as ranks rank_offset …
 rank_offset + tp_size − 1 (the trainer gives each server tp_size ranks: engines/weight_sync/torch.py
 `ranks_per_server`).
+
+Weight version: SGLang 0.5.17's Engine methods take no `weight_version` (its request records do, and its
+HTTP server passes them); after a successful update the server records the step's version in SGLang's
+tokenizer manager as SGLang's own update handlers do (`record_weight_version`), so every generated item's
+`meta_info.weight_version` is the step whose weights sampled it.
 
 Memory: when a colocated step leaves ROLLOUT the trainer releases kv_cache, weights and cuda_graph, and
 resumes weights before the weight sync and kv_cache and cuda_graph after it (trainer/rollout_memory.py); a
@@ -28,6 +36,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -61,8 +70,8 @@ log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
 class SGLangRolloutServer:
     """The HTTP surface over an `sglang.Engine` (or any object with its Python API: async_generate,
     release_memory_occupation, resume_memory_occupation, flush_cache, init_weights_update_group,
-    update_weights_from_distributed, update_weights_from_disk; get_server_info and
-    destroy_weights_update_group where it has them)."""
+    update_weights_from_distributed, update_weights_from_tensor, update_weights_from_disk,
+    tokenizer_manager; get_server_info and destroy_weights_update_group where it has them)."""
 
     def __init__(self, launch: SGLangLaunch, engine: Any) -> None:
         self.launch, self.engine = launch, engine
@@ -81,6 +90,7 @@ class SGLangRolloutServer:
         add_weight_routes(
             r, self.init_group, self.update_from_distributed, self.destroy_group, self.update_from_disk
         )
+        r.add_post("/update_weights_from_ipc", self.update_from_ipc)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -157,16 +167,39 @@ class SGLangRolloutServer:
         return await self._engine_call("init_weights_update_group", **req.to_json())
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
-        """Receive one broadcast of the named tensors; weight_version becomes the request's."""
+        """Receive one broadcast of the named tensors; weight_version becomes the request's.
+        (abort_all_requests is not SGLang 0.5.17 Engine's: the controller updates between phases only.)"""
         try:
             req = DistributedUpdateRequest.from_json(await _json(request))
         except RolloutRequestError as exc:
             return _error(400, str(exc))
-        kwargs = req.to_json()
-        answer = await self._engine_call("update_weights_from_distributed", **kwargs)
-        if answer.status == 200 and req.weight_version is not None:
-            self.weight_version = req.weight_version
-        return answer
+        kwargs = {k: v for k, v in req.to_json().items() if k not in ("weight_version", "abort_all_requests")}
+        kwargs.setdefault("load_format", None)
+        return await self._engine_call("update_weights_from_distributed", req.weight_version, **kwargs)
+
+    async def update_from_ipc(self, request: web.Request) -> web.Response:
+        """A colocated actor's shared buffers into the Engine (`sglang_ipc.py`): 200 {"success",
+        "weight_version", "seconds": {"map": 0 (nothing is mapped here), "copy": the Engine's update}}."""
+        from mopd_hpc.engines.rollout.sglang_ipc import named_refs
+        from mopd_hpc.engines.weight_sync.ipc import IpcUpdateRequest
+
+        try:
+            req = IpcUpdateRequest.from_json(await _json(request))
+        except RolloutRequestError as exc:
+            return _error(400, str(exc))
+        t0 = time.perf_counter()
+        answer = await self._engine_call(
+            "update_weights_from_tensor", req.weight_version,
+            named_tensors=named_refs(req), load_format=None, flush_cache=True,
+        )  # fmt: skip
+        if answer.status != 200:
+            return answer
+        log.info("sglang: %d tensors from shared buffers in %.4f s, weight_version=%s", len(req.tensors),
+                 time.perf_counter() - t0, self.weight_version)  # fmt: skip
+        return web.json_response({
+            "success": True, "message": f"loaded {len(req.tensors)} tensors", "weight_version": self.weight_version,
+            "seconds": {"map": 0.0, "copy": time.perf_counter() - t0},
+        })  # fmt: skip
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -186,18 +219,32 @@ class SGLangRolloutServer:
                 400, f"/update_weights_from_disk body={body!r}: expected {{'model_path': str, ...}}"
             )
         version = body.get("weight_version")
-        answer = await self._engine_call("update_weights_from_disk", model_path=body["model_path"])
-        if answer.status == 200 and version is not None:
-            self.weight_version = str(version)
-        return answer
+        return await self._engine_call(
+            "update_weights_from_disk",
+            None if version is None else str(version),
+            model_path=body["model_path"],
+        )
 
-    async def _engine_call(self, method: str, **kwargs: Any) -> web.Response:
-        """Run `engine.<method>(**kwargs)` in a worker thread; SGLang answers (success, message)."""
+    async def _engine_call(
+        self, method: str, weight_version: str | None = None, **kwargs: Any
+    ) -> web.Response:
+        """Run `engine.<method>(**kwargs)` in a worker thread; SGLang answers (success, message). A weight
+        update that succeeded with a `weight_version` records it (`record_weight_version`) and here."""
         out = await asyncio.to_thread(getattr(self.engine, method), **kwargs)
         success, message = (out[0], out[1]) if isinstance(out, tuple) and len(out) >= 2 else (True, "")
         if not success:
             return _error(400, f"{method}: {message}")
+        if weight_version is not None:
+            record_weight_version(self.engine, weight_version)
+            self.weight_version = weight_version
         return web.json_response({"success": True, "message": message})
+
+
+def record_weight_version(engine: Any, weight_version: str) -> None:
+    """Set SGLang's weight_version (answered in every item's `meta_info.weight_version`) as its update
+    handlers do after a successful update with a version (SGLang 0.5.17 `tokenizer_control_mixin.py`:
+    `_update_weight_version_if_provided`, which the Engine's Python methods never reach)."""
+    engine.tokenizer_manager._update_weight_version_if_provided(weight_version)
 
 
 def sglang_app(server: SGLangRolloutServer, token: str) -> web.Application:
