@@ -48,23 +48,10 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-class TokenizerManagerStandIn:
-    """The Engine's `tokenizer_manager` as far as the server uses it: the weight version SGLang answers in
-    every item's meta_info (set by `_update_weight_version_if_provided`, SGLang 0.5.17)."""
-
-    def __init__(self, calls: list[tuple[str, Any]]) -> None:
-        self.calls, self.weight_version = calls, "default"
-
-    def _update_weight_version_if_provided(self, weight_version: str | None) -> None:
-        if weight_version is not None:
-            self.weight_version = weight_version
-            self.calls.append(("version", weight_version))
-
-
 class TPStandIn:
     """sglang.Engine's Python API with `tp_size` workers, SGLang 0.5.17's signatures: generation answers in
-    SGLang's shapes (output ids 5, 6 with log-probs −0.5, −0.75, meta_info.weight_version the tokenizer
-    manager's); each worker thread joins the weight-update group as rank_offset + tp_rank and receives the
+    SGLang's shapes (output ids 5, 6 with log-probs −0.5, −0.75, meta_info.weight_version "default": 0.5.17's
+    Engine methods never set it); each worker thread joins the weight-update group as rank_offset + tp_rank and receives the
     broadcast tensors (SGLang's `init_weights_update_group` and `update_weights_from_distributed` semantics,
     algo_awex.md §3.2)."""
 
@@ -74,7 +61,6 @@ class TPStandIn:
         self.groups: list[BroadcastGroup] = []
         self.received: list[dict[str, torch.Tensor]] = []
         self.shut = False
-        self.tokenizer_manager = TokenizerManagerStandIn(self.calls)
 
     async def async_generate(self, **kw: Any) -> Any:
         self.calls.append(("generate", kw))
@@ -83,8 +69,6 @@ class TPStandIn:
         ids = kw["input_ids"]
         rows = ids if ids and isinstance(ids[0], list) else [ids]
         items = [sglang_item(r, [5, 6], [-0.5, -0.75]) for r in rows]
-        for item in items:
-            item["meta_info"]["weight_version"] = self.tokenizer_manager.weight_version
         return items if isinstance(ids[0], list) else items[0]
 
     def _on_workers(self, work: Any) -> list[Any]:
@@ -235,6 +219,9 @@ def test_sglang_role_serves_rollouts_and_weight_sync_to_a_tp2_engine(tmp_path: P
         # the launch from the named leases and the config; readiness = SGLang's generating /health probe
         assert (engine.launch.port, engine.launch.nccl_port, engine.launch.dist_init_port) == tuple(ports[:3])
         assert engine.launch.tp_size == TP and engine.launch.model_path == cfg.models.actor.path
+        # decode CUDA graphs up to the step's rows of this (only) engine
+        rows = cfg.data.batch_size * cfg.data.samples_per_prompt
+        assert engine.launch.engine_kwargs()["cuda_graph_max_bs_decode"] == rows
         assert engine.calls[0] == ("generate", {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
         assert record == record | {
             "url": f"http://127.0.0.1:{ports[0]}",
@@ -264,9 +251,8 @@ def test_sglang_role_serves_rollouts_and_weight_sync_to_a_tp2_engine(tmp_path: P
                 for name, value in actor.weights.items():
                     assert torch.equal(worker[name], value) and worker[name].dtype == value.dtype
             assert (await client.model_info())["weight_version"] == "1"
-            assert engine.calls[-1] == ("version", "1")  # SGLang's own version: answered with every item
             (again,) = await generate([client], [[4]], sampling, n=1, seeds=[1])
-            assert again.weight_version == "1"
+            assert again.weight_version == "1"  # the server's: SGLang 0.5.17 answers "default"
             await sync.close([client])
         stop.set()
         await task

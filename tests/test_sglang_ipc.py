@@ -8,7 +8,8 @@ doing what SGLang does with them (srt/entrypoints/engine.py, srt/utils/common.py
 ForkingPickler once per TP rank (`MultiprocessingSerializer.serialize`), unpickle each copy with SGLang's
 allow-list of modules (`SafeUnpickler`: the prefixes below are 0.5.17's that the payload may use) and load them
 by HF name. Oracle: the actor's own tensors, bit for bit, in every TP worker, after each of two syncs; the
-weight_version SGLang answers with every generated item is the step's.
+weight_version answered with every generated item is the step's (the server's: SGLang 0.5.17 answers
+"default"), and weights resumed after a release serve no rollout until an update has loaded them.
 """
 
 from __future__ import annotations
@@ -134,13 +135,10 @@ def test_shared_buffers_reach_every_tp_worker_with_the_steps_version(tmp_path: P
                     assert worker.keys() == actor.weights.keys()
                     for name, value in actor.weights.items():
                         assert worker[name].dtype == value.dtype and torch.equal(worker[name], value), name
-                assert engine.calls[-2:] == [
-                    ("update_tensor", {"load_format": None, "flush_cache": True}),
-                    ("version", str(step)),
-                ]
+                assert engine.calls[-1] == ("update_tensor", {"load_format": None, "flush_cache": True})
                 sampling = SamplingConfig(max_new_tokens=2, temperature=1.0)
                 (sample,) = await generate([client], [[3, 4]], sampling, n=1, seeds=[step])
-                assert sample.weight_version == str(step)  # SGLang's meta_info: the weights that sampled
+                assert sample.weight_version == str(step)  # the weights that sampled it (the server's)
                 assert sample.behavior_logprobs == (-0.5, -0.75)  # μ with every rollout
                 assert (await client.model_info())["weight_version"] == str(step)
             assert sync.allocations == 1 and set(sync.spans) == {"export", "fill", "post", "copy"}
@@ -150,6 +148,14 @@ def test_shared_buffers_reach_every_tp_worker_with_the_steps_version(tmp_path: P
             with pytest.raises(RolloutServerError, match="do not lie in buffer"):
                 await client.update_weights_from_ipc(bad)
             assert engine.calls[-1][0] == "generate"
+            # resumed weights are garbage (SGLang's memory saver keeps no copy): no rollout until an update
+            await client.release(["weights"])
+            await client.resume_memory(["weights"])
+            with pytest.raises(RolloutServerError, match="resumed but not loaded"):
+                await generate([client], [[3, 4]], sampling, n=1, seeds=[3])
+            await sync.push(3, [client])
+            (sample,) = await generate([client], [[3, 4]], sampling, n=1, seeds=[3])
+            assert sample.weight_version == "3"
             await sync.close([client])
         stop.set()
         await task

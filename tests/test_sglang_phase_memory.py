@@ -178,14 +178,14 @@ def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(mic
     controller, outcome, engine = asyncio.run(controller_against_sglang_role(cfg, run_dir))
     assert (outcome.reason, outcome.step) == ("finished", STEPS)
 
-    kinds = ("generate", "release", "resume", "update", "version")
-    calls = [(kind, kw) for kind, kw in engine.calls if kind in kinds]
+    calls = [(kind, kw) for kind, kw in engine.calls if kind in ("generate", "release", "resume", "update")]
     names = [
         ("generate", len(kw["input_ids"]) if isinstance(kw["input_ids"][0], list) else 1)
         if kind == "generate"
-        else (kind, tuple(kw) if kind in ("release", "resume") else kw if kind == "version" else None)
+        else (kind, tuple(kw) if kind in ("release", "resume") else len(kw["names"]))
         for kind, kw in calls
     ]
+    weights = len(list(controller.engine.named_weights()))
     rows = cfg.data.batch_size * cfg.data.samples_per_prompt
 
     def one_step(step: int) -> list[tuple[str, Any]]:
@@ -193,16 +193,14 @@ def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(mic
             ("generate", rows),  # ROLLOUT: the step's rows, with everything resident
             ("release", RELEASED_TAGS),  # leaving ROLLOUT
             ("resume", SYNC_TAGS),  # SYNC: weights back before the broadcast
-            ("update", None),  # the broadcast into them
-            ("version", str(step)),  # then SGLang's weight_version: the weights of this step
+            ("update", weights),  # the broadcast into them: the weights of this step
             ("resume", CACHE_TAGS),  # SYNC done: KV cache and CUDA graphs back for the next rollout
         ]
 
     evaluation = [("generate", EVAL_SIZE)] * 2  # one request per route, chain and legs
     assert names == [
         ("generate", 1),  # the readiness probe: SGLang's generating /health
-        ("update", None),  # the initial weights
-        ("version", "0"),  # of step 0
+        ("update", weights),  # the initial weights (step 0)
         *evaluation,  # the start evaluation, after the initial sync
         *[call for step in range(1, STEPS + 1) for call in one_step(step)],
         *evaluation,  # the end evaluation, after the last sync: the engine generates after its resume

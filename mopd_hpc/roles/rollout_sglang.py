@@ -8,6 +8,7 @@ From the guard-given environment and the run's config (roles/rollout.py reads bo
     tp_size      rollout.engines.tensor_parallel (the child's CUDA_VISIBLE_DEVICES holds the engine's GPUs;
                  base_gpu_id is its device index there)
     model        models.actor.path, dtype models.actor.dtype, seed run seed + engine index
+    graphs       decode CUDA graphs up to the rows this engine decodes in a step (`graph_rows`)
     AWEX         weight_sync.backend awex: AWEX's worker hooks installed before the Engine; the instance starts
                  with its weights released, so readiness is /model_info instead of the generating /health
                  (`readiness_path`)
@@ -18,7 +19,7 @@ From the guard-given environment and the run's config (roles/rollout.py reads bo
                  (`config/capabilities.py` ROLLOUT_BACKENDS["sglang"].versions) is refused, naming both
     weights      weight_sync.backend torch: the Engine's TP workers join the broadcast group; ipc (colocated):
                  the actor's shared buffers reach SGLang's `update_weights_from_tensor` as references
-                 (engines/rollout/sglang_ipc.py); every update sets SGLang's weight_version to the step
+                 (engines/rollout/sglang_ipc.py); the server answers the step's weight_version with every rollout
 
 Memory: with `rollout.mode: colocated` the controller has the engine release kv_cache, weights and cuda_graph
 when the step leaves ROLLOUT and resume weights before, kv_cache and cuda_graph after the weight sync
@@ -46,6 +47,7 @@ import aiohttp
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.capabilities import version_refusals
 from mopd_hpc.config.gaps import installed_version
+from mopd_hpc.engines.rollout.graph_shape import graph_rows
 from mopd_hpc.engines.rollout.sglang_backend import (
     SGLangBackendError,
     SGLangLaunch,
@@ -80,6 +82,9 @@ def sglang_launch(role: RoleEnv, cfg: RunConfig) -> SGLangLaunch:
         random_seed=cfg.seed + role.index,
         dtype=cfg.models.actor.dtype,
         awex=cfg.weight_sync.backend == "awex",
+        cuda_graph_max_bs=graph_rows(
+            cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count
+        ),
     )
 
 

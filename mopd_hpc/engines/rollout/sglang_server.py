@@ -15,15 +15,17 @@ The launch and mapping rules (named ports, environment, readiness, request and r
 
 The weight and memory routes call the Engine's Python methods of the same names, with SGLang 0.5.17's
 signatures (`srt/entrypoints/engine.py`), in a worker thread: a broadcast that waits for the trainer does not stop the server answering, and the
-Engine's synchronous methods (`self.loop.run_until_complete(...)` in SGLang 0.5.23) cannot run on the thread
+Engine's synchronous methods (`self.loop.run_until_complete(...)` in SGLang 0.5.17) cannot run on the thread
 of the server's running loop. The engine's TP workers join the torch weight-sync group as ranks rank_offset …
 rank_offset + tp_size − 1 (the trainer gives each server tp_size ranks: engines/weight_sync/torch.py
 `ranks_per_server`).
 
-Weight version: SGLang 0.5.17's Engine methods take no `weight_version` (its request records do, and its
-HTTP server passes them); after a successful update the server records the step's version in SGLang's
-tokenizer manager as SGLang's own update handlers do (`record_weight_version`), so every generated item's
-`meta_info.weight_version` is the step whose weights sampled it.
+Weight version: SGLang 0.5.17's Engine methods take no `weight_version` (its request records do; its HTTP
+server passes them), so SGLang answers "default" in every item (measured on an H100, the lead's probe). The
+server is the only writer of the Engine's weights: it keeps the version of the last successful update and
+answers it in every generated item's `meta_info.weight_version` (`generate`) and in /model_info, so each
+rollout names the step whose weights sampled it (the controller updates weights between phases, never
+during a generation).
 
 Memory: when a colocated step leaves ROLLOUT the trainer releases kv_cache, weights and cuda_graph, and
 resumes weights before the weight sync and kv_cache and cuda_graph after it (trainer/rollout_memory.py); a
@@ -70,13 +72,17 @@ log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
 class SGLangRolloutServer:
     """The HTTP surface over an `sglang.Engine` (or any object with its Python API: async_generate,
     release_memory_occupation, resume_memory_occupation, flush_cache, init_weights_update_group,
-    update_weights_from_distributed, update_weights_from_tensor, update_weights_from_disk,
-    tokenizer_manager; get_server_info and destroy_weights_update_group where it has them)."""
+    update_weights_from_distributed, update_weights_from_tensor, update_weights_from_disk; get_server_info
+    and destroy_weights_update_group where it has them)."""
 
     def __init__(self, launch: SGLangLaunch, engine: Any) -> None:
         self.launch, self.engine = launch, engine
         self.released: set[str] = set()
         self.weight_version = "default"
+        #: Weights resumed and not loaded since: SGLang's memory saver keeps no copy of released weights, so
+        #: they are garbage until the next update (the lead's H100 probe: greedy output changed, μ off by
+        #: up to 1.48 nats). Generation is refused (503) until an update has loaded them.
+        self.stale_weights = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -94,9 +100,10 @@ class SGLangRolloutServer:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        """SGLang's generating probe: one token from a one-token prompt; 503 while weights are released."""
-        if self.released:
-            return web.json_response({"error": f"released: {sorted(self.released)}"}, status=503)
+        """SGLang's generating probe: one token from a one-token prompt; 503 while weights are released or
+        stale (`stale_weights`)."""
+        if self.released or self.stale_weights:
+            return web.json_response({"error": self._not_ready()}, status=503)
         out = await self.engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1})
         return web.Response(status=200 if out else 503)
 
@@ -122,12 +129,13 @@ class SGLangRolloutServer:
             kwargs = generate_kwargs(req)
         except (RolloutRequestError, ValueError) as exc:
             return _error(400, str(exc))
-        if "weights" in self.released:
-            return _error(503, "weights are released")
+        if "weights" in self.released or self.stale_weights:
+            return _error(503, self._not_ready())
         out = await self.engine.async_generate(**kwargs)
         items = out if isinstance(out, list) else [out]
         for k, item in enumerate(items):  # validate every item against the documented shape
             check_item(item, kwargs["input_ids"][k], req.return_logprob, req.logprob_start_len)
+            item["meta_info"]["weight_version"] = self.weight_version  # module docstring
         return web.json_response(items if req.is_batch or len(items) > 1 else items[0])
 
     async def release(self, request: web.Request) -> web.Response:
@@ -144,7 +152,13 @@ class SGLangRolloutServer:
         if todo:
             await asyncio.to_thread(self.engine.resume_memory_occupation, tags=todo)
             self.released.difference_update(todo)
+            self.stale_weights |= "weights" in todo
         return web.json_response({"success": True, "released": sorted(self.released)})
+
+    def _not_ready(self) -> str:
+        if self.released:
+            return f"released: {sorted(self.released)}"
+        return "weights resumed but not loaded since (SGLang's memory saver keeps no copy): a weight update first"
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         await asyncio.to_thread(self.engine.flush_cache)
@@ -229,22 +243,16 @@ class SGLangRolloutServer:
         self, method: str, weight_version: str | None = None, **kwargs: Any
     ) -> web.Response:
         """Run `engine.<method>(**kwargs)` in a worker thread; SGLang answers (success, message). A weight
-        update that succeeded with a `weight_version` records it (`record_weight_version`) and here."""
+        update that succeeded with a `weight_version` makes it the server's (module docstring)."""
         out = await asyncio.to_thread(getattr(self.engine, method), **kwargs)
         success, message = (out[0], out[1]) if isinstance(out, tuple) and len(out) >= 2 else (True, "")
         if not success:
             return _error(400, f"{method}: {message}")
+        if method.startswith("update_weights"):
+            self.stale_weights = False
         if weight_version is not None:
-            record_weight_version(self.engine, weight_version)
             self.weight_version = weight_version
         return web.json_response({"success": True, "message": message})
-
-
-def record_weight_version(engine: Any, weight_version: str) -> None:
-    """Set SGLang's weight_version (answered in every item's `meta_info.weight_version`) as its update
-    handlers do after a successful update with a version (SGLang 0.5.17 `tokenizer_control_mixin.py`:
-    `_update_weight_version_if_provided`, which the Engine's Python methods never reach)."""
-    engine.tokenizer_manager._update_weight_version_if_provided(weight_version)
 
 
 def sglang_app(server: SGLangRolloutServer, token: str) -> web.Application:
