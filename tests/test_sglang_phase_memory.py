@@ -2,14 +2,15 @@
 DESIGN.md §5), driven by the real controller over three steps.
 
 Real parts: the sglang rollout role (roles/rollout_sglang.py) serving on 127.0.0.1 behind the job's token, the
-controller with the torch train engine on the micro student (c_d = 0, GRPO: no teacher), the torch weight
-sync over a real gloo group into an engine of tensor-parallel size 2, the start and end evaluation on the
-engine. The Engine is tests/test_rollout_role_sglang.py's stand-in with sglang.Engine's Python API (no real
-SGLang can be installed here), made as strict as SGLang: it refuses to release a tag twice, to resume
-one that is held, to generate while its weights or KV cache are released, to load weights into released
-weights, it answers with the weight_version of its last update (SGLang's meta_info), and its memory methods
-must run off the server's event-loop thread (they run an event loop of their
-own in SGLang).
+controller with the torch train engine on the micro student (c_d = 0, GRPO: no teacher), the weight sync into
+an engine of tensor-parallel size 2 (the torch broadcast over a real gloo group, or the ipc sync's shared
+buffers through SGLang's update_weights_from_tensor: the one-GPU colocated path, a /dev/shm buffer here), the
+start and end evaluation on the engine. The Engine is tests/test_rollout_role_sglang.py's stand-in with
+sglang.Engine's Python API (0.5.17's signatures; SGLang itself runs on the GPU machines only), made as strict
+as SGLang: it refuses to release a tag twice, to resume one that is held, to generate while its weights or KV
+cache are released, to load weights into released weights, and its memory methods must run off the server's
+event-loop thread (they run an event loop of their own in SGLang); every rollout names the weight_version of
+the last update (the server's).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
 from helpers_models import build_micro_models
 from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, wait_record
+from test_sglang_ipc import IpcStandIn
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.mopd.phases import Phase
@@ -76,6 +79,16 @@ class StrictStandIn(TPStandIn):
         assert set(tags) <= self.released, f"SGLang raises on resuming a tag that is held: {tags}"
         self.calls.append(("resume", list(tags)))
         self.released -= set(tags)
+
+
+class StrictIpcStandIn(StrictStandIn, IpcStandIn):
+    """The strict stand-in with SGLang 0.5.17's update_weights_from_tensor (tests/test_sglang_ipc.py), which
+    refuses to load into released weights."""
+
+    def update_weights_from_tensor(self, *args: Any, **kw: Any) -> tuple[bool, str]:
+        if "weights" in self.released:
+            raise RuntimeError("update_weights_from_tensor into released weights")
+        return super().update_weights_from_tensor(*args, **kw)
 
 
 def free_port() -> int:
@@ -129,12 +142,13 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
     from mopd_hpc.mopd.plan import ExecutionPlan
     from mopd_hpc.trainer.controller import Controller
     from mopd_hpc.trainer.data_setup import build_run_data
-    from mopd_hpc.trainer.weight_sync import SyncSettings, TorchSync
+    from mopd_hpc.trainer.weight_sync import IpcSync, SyncSettings, TorchSync
 
     engines: list[StrictStandIn] = []
+    ipc = cfg.weight_sync.backend == "ipc"
 
     def factory(launch: Any) -> StrictStandIn:
-        engines.append(StrictStandIn(launch))
+        engines.append(StrictIpcStandIn(launch) if ipc else StrictStandIn(launch))
         return engines[-1]
 
     stop = asyncio.Event()
@@ -156,7 +170,9 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
                 build_run_data(cfg),
                 rollout=[client],
                 teachers={},
-                sync=TorchSync(
+                sync=IpcSync(engine)
+                if ipc
+                else TorchSync(
                     engine, SyncSettings("127.0.0.1", free_port(), "gloo"), 60, ranks_per_server=TP
                 ),
                 run_dir=run_dir,
@@ -170,15 +186,23 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
     return controller, outcome, engines[0]
 
 
-def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(micro_models, tmp_path):
+@pytest.mark.parametrize("sync", ["torch", "ipc"])
+def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(micro_models, tmp_path, sync):
+    """The torch broadcast into the engine's TP workers, or the ipc sync's shared buffers through SGLang's
+    update_weights_from_tensor (the one-GPU colocated path): the same order of calls."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     write_run_dir_token(run_dir)
-    cfg = sglang_run_config(micro_models, run_dir)
+    cfg = sglang_run_config(micro_models, run_dir, **{"weight_sync.backend": sync})
     controller, outcome, engine = asyncio.run(controller_against_sglang_role(cfg, run_dir))
     assert (outcome.reason, outcome.step) == ("finished", STEPS)
 
-    calls = [(kind, kw) for kind, kw in engine.calls if kind in ("generate", "release", "resume", "update")]
+    loaded = {"names": list(engine.loaded[0])} if sync == "ipc" else {}
+    calls = [
+        ("update", loaded) if kind == "update_tensor" else (kind, kw)
+        for kind, kw in engine.calls
+        if kind in ("generate", "release", "resume", "update", "update_tensor")
+    ]
     names = [
         ("generate", len(kw["input_ids"]) if isinstance(kw["input_ids"][0], list) else 1)
         if kind == "generate"
@@ -206,6 +230,11 @@ def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(mic
         *evaluation,  # the end evaluation, after the last sync: the engine generates after its resume
     ]
     assert engine.released == set()  # the run ends with everything resident
+    if sync == "ipc":  # every TP worker holds the actor's last weights, bit for bit
+        final = dict(controller.engine.named_weights())
+        for worker in engine.loaded:
+            assert worker.keys() == final.keys()
+            assert all(torch.equal(worker[n], t.detach()) for n, t in final.items())
     assert controller.rollout_memory.active
     assert (
         controller.rollout_memory.calls
