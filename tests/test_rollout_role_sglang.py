@@ -186,6 +186,24 @@ async def wait_record(path: Path, task: asyncio.Task[None]) -> dict[str, Any]:
     raise AssertionError(f"{path} was never written")
 
 
+async def start_role(
+    role: RoleEnv, cfg: RunConfig, make: Any
+) -> tuple[asyncio.Task[None], asyncio.Event, dict[str, Any], Any]:
+    """`run_sglang` for `role` with the stand-in `make(launch)` builds, until its endpoint record is written:
+    (the role's task, its stop event, the record, the stand-in)."""
+    engines: list[Any] = []
+
+    def factory(launch: SGLangLaunch) -> Any:
+        engines.append(make(launch))
+        return engines[-1]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
+    record = await wait_record(endpoint_file(role.run_dir, "rollout", str(role.index)), task)
+    (engine,) = engines
+    return task, stop, record, engine
+
+
 class Actor:
     """The trainer engine's `named_weights()` for TorchSync."""
 
@@ -205,17 +223,9 @@ def test_sglang_role_serves_rollouts_and_weight_sync_to_a_tp2_engine(tmp_path: P
     write_run_dir_token(tmp_path)
     ports = free_ports(4)
     role, cfg = role_env(tmp_path, ports[:3]), sglang_config()
-    engines: list[TPStandIn] = []
-
-    def factory(launch: SGLangLaunch) -> TPStandIn:
-        engines.append(TPStandIn(launch))
-        return engines[-1]
 
     async def scenario() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
-        record = await wait_record(endpoint_file(tmp_path, "rollout", "0"), task)
-        (engine,) = engines
+        task, stop, record, engine = await start_role(role, cfg, TPStandIn)
         # the launch from the named leases and the config; readiness = SGLang's generating /health probe
         assert (engine.launch.port, engine.launch.nccl_port, engine.launch.dist_init_port) == tuple(ports[:3])
         assert engine.launch.tp_size == TP and engine.launch.model_path == cfg.models.actor.path
@@ -267,18 +277,13 @@ def test_awex_instance_is_ready_by_model_info_not_a_generation(tmp_path: Path) -
     write_run_dir_token(tmp_path)
     ports = free_ports(3)
     role, cfg = role_env(tmp_path, ports), sglang_config(awex=True)
-    engines: list[TPStandIn] = []
-
-    def factory(launch: SGLangLaunch) -> TPStandIn:
-        engines.append(TPStandIn(launch, healthy=False))
-        return engines[-1]
 
     async def scenario() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
-        record = await wait_record(endpoint_file(tmp_path, "rollout", "0"), task)
-        assert record["backend"] == "sglang" and engines[0].launch.awex
-        assert engines[0].calls == []  # never probed with a generation
+        task, stop, record, engine = await start_role(
+            role, cfg, lambda launch: TPStandIn(launch, healthy=False)
+        )
+        assert record["backend"] == "sglang" and engine.launch.awex
+        assert engine.calls == []  # never probed with a generation
         stop.set()
         await task
 

@@ -24,15 +24,13 @@ from typing import Any
 import pytest
 import torch
 from helpers_auth import TOKEN, write_run_dir_token
-from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, sglang_config, wait_record
+from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, sglang_config, start_role
 
 from mopd_hpc.config.capabilities import weight_sync_refusals
 from mopd_hpc.config.rollout import SamplingConfig, WeightSyncConfig
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError
 from mopd_hpc.engines.rollout.sglang_ipc import IpcTensorRef, named_refs
 from mopd_hpc.engines.weight_sync.ipc import BufferHandle, IpcUpdateRequest, TensorSlot
-from mopd_hpc.records.run_dir import endpoint_file
-from mopd_hpc.roles.rollout_sglang import run_sglang
 from mopd_hpc.trainer.rollout_phase import generate
 from mopd_hpc.trainer.weight_sync import IpcSync
 
@@ -111,17 +109,9 @@ def test_shared_buffers_reach_every_tp_worker_with_the_steps_version(tmp_path: P
     role = role_env(tmp_path, free_ports(3))
     cfg = sglang_config()
     cfg = cfg.model_copy(update={"weight_sync": WeightSyncConfig(backend="ipc")})
-    engines: list[IpcStandIn] = []
-
-    def factory(launch: Any) -> IpcStandIn:
-        engines.append(IpcStandIn(launch))
-        return engines[-1]
 
     async def scenario() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
-        record = await wait_record(endpoint_file(tmp_path, "rollout", "0"), task)
-        (engine,) = engines
+        task, stop, record, engine = await start_role(role, cfg, IpcStandIn)
         actor = Actor()
         sync = IpcSync(actor)
         assert len(engine.loaded) == TP

@@ -30,14 +30,12 @@ import yaml
 from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
 from helpers_models import build_micro_models
-from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, wait_record
+from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, start_role
 from test_sglang_ipc import IpcStandIn
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.mopd.phases import Phase
 from mopd_hpc.records.metrics import read_metrics
-from mopd_hpc.records.run_dir import endpoint_file
-from mopd_hpc.roles.rollout_sglang import run_sglang
 from mopd_hpc.trainer.rollout_memory import CACHE_TAGS, RELEASED_TAGS, SYNC_TAGS, RolloutMemory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,18 +142,10 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.weight_sync import IpcSync, SyncSettings, TorchSync
 
-    engines: list[StrictStandIn] = []
     ipc = cfg.weight_sync.backend == "ipc"
-
-    def factory(launch: Any) -> StrictStandIn:
-        engines.append(StrictIpcStandIn(launch) if ipc else StrictStandIn(launch))
-        return engines[-1]
-
-    stop = asyncio.Event()
     role = role_env(run_dir, free_ports(3))
-    task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
+    task, stop, record, stand_in = await start_role(role, cfg, StrictIpcStandIn if ipc else StrictStandIn)
     try:
-        record = await wait_record(endpoint_file(run_dir, "rollout", "0"), task)
         actor = cfg.models.actor
         engine = TorchTrainEngine.from_pretrained(
             actor.path, dtype=actor.dtype, device="cpu", optimizer=actor.optimizer, loss=cfg.loss,
@@ -183,7 +173,7 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
     finally:
         stop.set()
         await task
-    return controller, outcome, engines[0]
+    return controller, outcome, stand_in
 
 
 @pytest.mark.parametrize("sync", ["torch", "ipc"])
