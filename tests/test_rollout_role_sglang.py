@@ -57,12 +57,17 @@ class TPStandIn:
 
     def __init__(self, launch: SGLangLaunch, healthy: bool = True) -> None:
         self.launch, self.healthy = launch, healthy
+        self.thread = threading.get_ident()  # SGLang's Engine: every call from the thread that built it
         self.calls: list[tuple[str, Any]] = []
         self.groups: list[BroadcastGroup] = []
         self.received: list[dict[str, torch.Tensor]] = []
         self.shut = False
 
-    async def async_generate(self, **kw: Any) -> Any:
+    def on_its_thread(self) -> None:
+        assert threading.get_ident() == self.thread, "an Engine call off the thread that built it"
+
+    def generate(self, **kw: Any) -> Any:
+        self.on_its_thread()
         self.calls.append(("generate", kw))
         if not self.healthy:
             return []
@@ -96,6 +101,7 @@ class TPStandIn:
     ) -> tuple[bool, str]:  # fmt: skip
         kw = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                   world_size=world_size, group_name=group_name, backend=backend)  # fmt: skip
+        self.on_its_thread()
         self.calls.append(("init_group", kw))
         self.groups = self._on_workers(
             lambda r: BroadcastGroup.join(
@@ -116,6 +122,7 @@ class TPStandIn:
     ) -> tuple[bool, str]:  # fmt: skip
         kw = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
                   load_format=load_format)  # fmt: skip
+        self.on_its_thread()
         self.calls.append(("update", kw))
         specs = [
             TensorSpec(n, d, tuple(s))
@@ -127,21 +134,26 @@ class TPStandIn:
         return True, "updated"
 
     def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        self.on_its_thread()
         self.calls.append(("destroy", group_name))
         for g in self.groups:
             g.close()
         return True, ""
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.on_its_thread()
         self.calls.append(("release", tags))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.on_its_thread()
         self.calls.append(("resume", tags))
 
     def flush_cache(self) -> None:
+        self.on_its_thread()
         self.calls.append(("flush", None))
 
     def shutdown(self) -> None:
+        self.on_its_thread()
         self.shut = True
 
 

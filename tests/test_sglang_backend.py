@@ -136,13 +136,13 @@ def test_response_mapping_of_documented_shapes() -> None:
 
 
 class FakeSGLangEngine:
-    """Stands in for sglang.Engine's Python API; records calls; answers in SGLang 0.5.23's shapes."""
+    """Stands in for sglang.Engine's Python API; records calls; answers in SGLang 0.5.17's shapes."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.released: set[str] = set()
 
-    async def async_generate(self, **kw: Any) -> Any:
+    def generate(self, **kw: Any) -> Any:
         self.calls.append(("generate", kw))
         ids = kw["input_ids"]
         rows = ids if ids and isinstance(ids[0], list) else [ids]

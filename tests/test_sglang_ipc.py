@@ -66,6 +66,7 @@ class IpcStandIn(TPStandIn):
     def update_weights_from_tensor(
         self, named_tensors: list[tuple[str, Any]], load_format: str | None = None, flush_cache: bool = True
     ) -> tuple[bool, str]:
+        self.on_its_thread()
         self.calls.append(("update_tensor", {"load_format": load_format, "flush_cache": flush_cache}))
         payloads = []
         for _ in range(self.launch.tp_size):  # MultiprocessingSerializer.serialize, once per rank

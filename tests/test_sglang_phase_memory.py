@@ -51,10 +51,10 @@ class StrictStandIn(TPStandIn):
         super().__init__(launch)
         self.released: set[str] = set()
 
-    async def async_generate(self, **kw: Any) -> Any:
+    def generate(self, **kw: Any) -> Any:
         if self.released & {"weights", "kv_cache"}:
             raise RuntimeError(f"generate while {sorted(self.released)} are released")
-        return await super().async_generate(**kw)
+        return super().generate(**kw)
 
     def update_weights_from_distributed(self, *args: Any, **kw: Any) -> tuple[bool, str]:
         if "weights" in self.released:

@@ -19,7 +19,8 @@ From the guard-given environment and the run's config (roles/rollout.py reads bo
                  (`config/capabilities.py` ROLLOUT_BACKENDS["sglang"].versions) is refused, naming both
     weights      weight_sync.backend torch: the Engine's TP workers join the broadcast group; ipc (colocated):
                  the actor's shared buffers reach SGLang's `update_weights_from_tensor` as references
-                 (engines/rollout/sglang_ipc.py); the server answers the step's weight_version with every rollout
+                 (engines/rollout/sglang_ipc.py); the server answers the step's weight_version with every
+                 rollout
 
 Memory: with `rollout.mode: colocated` the controller has the engine release kv_cache, weights and cuda_graph
 when the step leaves ROLLOUT and resume weights before, kv_cache and cuda_graph after the weight sync
@@ -31,7 +32,8 @@ end of the job, then removes the record and shuts the Engine down.
 
 Tested in CI with a stand-in that has sglang.Engine's Python API as SGLang 0.5.17 defines it
 (tests/test_rollout_role_sglang.py; the ipc weight path: tests/test_sglang_ipc.py; the memory calls over three
-controller steps: tests/test_sglang_phase_memory.py); SGLang 0.5.17 itself runs on the GPU machines (torch 2.11).
+controller steps: tests/test_sglang_phase_memory.py); SGLang 0.5.17 itself runs on the GPU machines (torch
+2.11). Every call to the Engine is made on one thread, the one that built it (engine_thread.py).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import aiohttp
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.capabilities import version_refusals
 from mopd_hpc.config.gaps import installed_version
+from mopd_hpc.engines.rollout.engine_thread import EngineThread
 from mopd_hpc.engines.rollout.graph_shape import graph_rows
 from mopd_hpc.engines.rollout.sglang_backend import (
     SGLangBackendError,
@@ -121,11 +124,12 @@ async def run_sglang(
         raise SGLangBackendError(problems[0].render())
     launch = sglang_launch(role, cfg)
     token = read_job_token(role)
-    engine = await asyncio.to_thread(engine_factory, launch)
+    thread = EngineThread()  # builds the Engine and makes every call to it (engine_thread.py)
+    engine = await thread.call(engine_factory, launch)
     endpoint = rollout_endpoint(role)
     endpoint.parent.mkdir(parents=True, exist_ok=True)
     runner, port, stop = await start_app(
-        sglang_app(SGLangRolloutServer(launch, engine), token), launch.host, launch.port, stop
+        sglang_app(SGLangRolloutServer(launch, engine, thread), token), launch.host, launch.port, stop
     )
     ender = asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop))
     try:
@@ -139,5 +143,6 @@ async def run_sglang(
             endpoint.unlink()
         await runner.cleanup()
         if hasattr(engine, "shutdown"):
-            await asyncio.to_thread(engine.shutdown)
+            await thread.call(engine.shutdown)
+        thread.close()
         log.info("sglang rollout engine %d stopped", role.index)

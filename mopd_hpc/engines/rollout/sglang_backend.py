@@ -201,7 +201,7 @@ def readiness_path(awex: bool) -> str:
 
 
 def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine.async_generate` for a validated /generate request.
+    """Keyword arguments of `sglang.Engine.generate` for a validated /generate request.
 
     A prompt with n > 1 is expanded to n rows (SGLang's own `n` handling differs between versions);
     rows are prompt-major, row i·n + j being copy j of prompt i (sampling_seed + j when seeded).

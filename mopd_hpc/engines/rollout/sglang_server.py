@@ -13,12 +13,13 @@ The launch and mapping rules (named ports, environment, readiness, request and r
                                      (weight_sync.backend ipc), into `Engine.update_weights_from_tensor`
                                      as references the TP workers open (`sglang_ipc.py`)
 
-The weight and memory routes call the Engine's Python methods of the same names, with SGLang 0.5.17's
-signatures (`srt/entrypoints/engine.py`), in a worker thread: a broadcast that waits for the trainer does not stop the server answering, and the
-Engine's synchronous methods (`self.loop.run_until_complete(...)` in SGLang 0.5.17) cannot run on the thread
-of the server's running loop. The engine's TP workers join the torch weight-sync group as ranks rank_offset …
-rank_offset + tp_size − 1 (the trainer gives each server tp_size ranks: engines/weight_sync/torch.py
-`ranks_per_server`).
+Every route calls the Engine's synchronous Python method of the same name (`generate` for /generate and the
+probe), with SGLang 0.5.17's signatures (`srt/entrypoints/engine.py`), on the server's one engine thread
+(`engine_thread.py`: the thread that built the Engine; SGLang's tokenizer manager lives on the Engine's own
+loop): a broadcast that waits for the trainer does not stop the server answering, and the Engine's methods
+(`self.loop.run_until_complete(...)`) never run on the thread of the server's running loop. The engine's TP
+workers join the torch weight-sync group as ranks rank_offset … rank_offset + tp_size − 1 (the trainer gives
+each server tp_size ranks: engines/weight_sync/torch.py `ranks_per_server`).
 
 Weight version: SGLang 0.5.17's Engine methods take no `weight_version` (its request records do; its HTTP
 server passes them), so SGLang answers "default" in every item (measured on an H100, the lead's probe). The
@@ -53,6 +54,7 @@ from mopd_hpc.engines.rollout.control import (
     add_memory_routes,
     add_weight_routes,
 )
+from mopd_hpc.engines.rollout.engine_thread import EngineThread
 from mopd_hpc.engines.rollout.fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GenerateRequest
 from mopd_hpc.engines.rollout.sglang_backend import (
@@ -70,13 +72,15 @@ log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
 
 
 class SGLangRolloutServer:
-    """The HTTP surface over an `sglang.Engine` (or any object with its Python API: async_generate,
+    """The HTTP surface over an `sglang.Engine` (or any object with its Python API: generate,
     release_memory_occupation, resume_memory_occupation, flush_cache, init_weights_update_group,
     update_weights_from_distributed, update_weights_from_tensor, update_weights_from_disk; get_server_info
     and destroy_weights_update_group where it has them)."""
 
-    def __init__(self, launch: SGLangLaunch, engine: Any) -> None:
+    def __init__(self, launch: SGLangLaunch, engine: Any, thread: EngineThread | None = None) -> None:
+        """`thread`: the one that built `engine` and makes every call to it (a new one when None)."""
         self.launch, self.engine = launch, engine
+        self.thread = thread or EngineThread()
         self.released: set[str] = set()
         self.weight_version = "default"
         #: Weights resumed and not loaded since: SGLang's memory saver keeps no copy of released weights, so
@@ -104,7 +108,9 @@ class SGLangRolloutServer:
         stale (`stale_weights`)."""
         if self.released or self.stale_weights:
             return web.json_response({"error": self._not_ready()}, status=503)
-        out = await self.engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1})
+        out = await self.thread.call(
+            self.engine.generate, input_ids=[0], sampling_params={"max_new_tokens": 1}
+        )
         return web.Response(status=200 if out else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -131,7 +137,7 @@ class SGLangRolloutServer:
             return _error(400, str(exc))
         if "weights" in self.released or self.stale_weights:
             return _error(503, self._not_ready())
-        out = await self.engine.async_generate(**kwargs)
+        out = await self.thread.call(self.engine.generate, **kwargs)
         items = out if isinstance(out, list) else [out]
         for k, item in enumerate(items):  # validate every item against the documented shape
             check_item(item, kwargs["input_ids"][k], req.return_logprob, req.logprob_start_len)
@@ -141,8 +147,8 @@ class SGLangRolloutServer:
     async def release(self, request: web.Request) -> web.Response:
         tags = MemoryTagsRequest.from_json(await _json(request)).tags
         todo = [t for t in tags if t not in self.released]  # idempotent: SGLang raises on a repeated tag
-        if todo:  # in a worker thread: the Engine's sync methods run its own event loop to completion
-            await asyncio.to_thread(self.engine.release_memory_occupation, tags=todo)
+        if todo:
+            await self.thread.call(self.engine.release_memory_occupation, tags=todo)
             self.released.update(todo)
         return web.json_response({"success": True, "released": sorted(self.released)})
 
@@ -150,7 +156,7 @@ class SGLangRolloutServer:
         tags = MemoryTagsRequest.from_json(await _json(request)).tags
         todo = [t for t in tags if t in self.released]
         if todo:
-            await asyncio.to_thread(self.engine.resume_memory_occupation, tags=todo)
+            await self.thread.call(self.engine.resume_memory_occupation, tags=todo)
             self.released.difference_update(todo)
             self.stale_weights |= "weights" in todo
         return web.json_response({"success": True, "released": sorted(self.released)})
@@ -161,7 +167,7 @@ class SGLangRolloutServer:
         return "weights resumed but not loaded since (SGLang's memory saver keeps no copy): a weight update first"
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        await asyncio.to_thread(self.engine.flush_cache)
+        await self.thread.call(self.engine.flush_cache)
         return web.json_response({"success": True})
 
     # ---- weights ------------------------------------------------------------------------------------
@@ -211,7 +217,8 @@ class SGLangRolloutServer:
         log.info("sglang: %d tensors from shared buffers in %.4f s, weight_version=%s", len(req.tensors),
                  time.perf_counter() - t0, self.weight_version)  # fmt: skip
         return web.json_response({
-            "success": True, "message": f"loaded {len(req.tensors)} tensors", "weight_version": self.weight_version,
+            "success": True, "message": f"loaded {len(req.tensors)} tensors",
+            "weight_version": self.weight_version,
             "seconds": {"map": 0.0, "copy": time.perf_counter() - t0},
         })  # fmt: skip
 
@@ -242,9 +249,9 @@ class SGLangRolloutServer:
     async def _engine_call(
         self, method: str, weight_version: str | None = None, **kwargs: Any
     ) -> web.Response:
-        """Run `engine.<method>(**kwargs)` in a worker thread; SGLang answers (success, message). A weight
+        """Run `engine.<method>(**kwargs)` on the engine thread; SGLang answers (success, message). A weight
         update that succeeded with a `weight_version` makes it the server's (module docstring)."""
-        out = await asyncio.to_thread(getattr(self.engine, method), **kwargs)
+        out = await self.thread.call(getattr(self.engine, method), **kwargs)
         success, message = (out[0], out[1]) if isinstance(out, tuple) and len(out) >= 2 else (True, "")
         if not success:
             return _error(400, f"{method}: {message}")
@@ -294,11 +301,13 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except (SGLangBackendError, GuardAuthError) as exc:
         print(f"sglang backend: {exc}", file=sys.stderr)
         return 2
-    engine = start_engine(launch)
+    thread = EngineThread()  # builds the Engine and makes every call to it (engine_thread.py)
+    engine = asyncio.run(thread.call(start_engine, launch))
     log.info("sglang engine up: %s (token file %s)", " ".join(launch.to_argv()), token_file)
-    app = sglang_app(SGLangRolloutServer(launch, engine), token)
+    app = sglang_app(SGLangRolloutServer(launch, engine, thread), token)
     web.run_app(app, host=launch.host, port=launch.port)
-    engine.shutdown()
+    asyncio.run(thread.call(engine.shutdown))
+    thread.close()
     return 0
 
 
