@@ -69,9 +69,15 @@ class IpcTensorRef:
 
 
 def named_refs(req: IpcUpdateRequest) -> list[tuple[str, IpcTensorRef]]:
-    """(HF name, reference) for every weight of a validated request, in its order (a tied alias under both
-    names, as the request lists them)."""
+    """(HF name, reference) for every weight of a validated request, in its order, a tied weight under its
+    first name only (its second names the same slot: SGLang's model ties it itself, e.g. Qwen3's
+    `load_weights` loads a tied lm_head from model.embed_tokens.weight and has no "lm_head.weight" to load)."""
     files = [_FileBuffer(h) if h.kind == "file" else None for h in req.buffers]
-    return [
-        (t.name, IpcTensorRef(req.buffers[t.buffer], t.shape, t.offset, files[t.buffer])) for t in req.tensors
-    ]
+    seen: set[tuple[int, int, str, tuple[int, ...]]] = set()
+    out = []
+    for t in req.tensors:
+        if (key := (t.buffer, t.offset, t.dtype, t.shape)) in seen:
+            continue
+        seen.add(key)
+        out.append((t.name, IpcTensorRef(req.buffers[t.buffer], t.shape, t.offset, files[t.buffer])))
+    return out
