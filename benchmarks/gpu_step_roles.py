@@ -1,12 +1,18 @@
 """Seconds per phase of the job's step through its roles on one GPU, against each phase's floor (issue 22).
 
     python benchmarks/gpu_step_roles.py --shapes 32x4x128@0.6b --steps 5    # one shape per device call
+    python benchmarks/gpu_step_roles.py --shapes 32x4x128@0.6b --set rollout.backend=sglang   # SGLang
     python benchmarks/gpu_step_roles.py --merge a.json b.json                # fold results files into --out
 
 A shape is PROMPTSxSAMPLESxNEW_TOKENS@SIZE (SIZE: 0.6b or 1.7b, random Qwen3 shapes). Each runs
-`mopd-submit configs/local_gpu_colocated.yaml --local` (the megatron actor and teacher, the HF rollout
-engine, AWEX colocate, all on GPU 0) with the overrides of `gpu_memory.job_sets` (`data.eval.size: 0`,
-`--steps` steps), the models made once per size under `--models-root` by `gpu_step.py --make-models`. From
+`mopd-submit configs/local_gpu_colocated.yaml --local` as shipped (the megatron actor and teacher, the
+rollout backend and weight sync it names, all on GPU 0) with the overrides of `gpu_memory.job_sets`
+(`data.eval.size: 0`, `--steps` steps; none changes a backend), the models made once per size under
+`--models-root` by `gpu_step.py --make-models`, and the `--set`s given. `--set rollout.backend=sglang`
+without a `--set weight_sync.backend=...` also sets the weight sync that connects an actor and a colocated
+sglang engine on one GPU (`implied_sets`: ipc, from config/capabilities.py), recorded as `implied_sets`.
+Each record names the rollout backend and weight sync that ran (`backends`, from the run's resolved
+`config.yaml`), and is keyed SHAPE/ROLLOUT+SYNC (`result_key`), so runs of both backends share one file. From
 the run's metrics.jsonl, steps 2.. (step 1 is the warm-up): seconds per phase (`time/<phase>_s`, median),
 the step's tokens (`train/prompt_tokens`, `train/response_tokens`), peak reserved GiB per child and phase
 (`gpu_memory.child_peaks`, every step). Then, in this process, once the job has exited (the GPU its own
@@ -15,8 +21,8 @@ the bytes copied) and the bf16 matmul peak (8192³ GEMMs, `scoring_mfu.peak_bf16
 from those (`step_floors.py`), `phase_floor_ratio` per phase and `step_floor_ratio` (the step's seconds over
 the sum of its floors; issue 22 asks ≤ 10 at 32x4x128@0.6b, goal ≤ 5 and no phase above 10×).
 
-The results file (`--out`) keeps the shapes it has and replaces those run again (so one device call per
-shape builds it up); it is rewritten after each shape. A run stopped by `--deadline-s` reports the steps it
+The results file (`--out`) keeps the records it has and replaces those run again (so one device call per
+shape and backend builds it up); it is rewritten after each shape. A run stopped by `--deadline-s` reports the steps it
 finished. Prints one table per shape.
 """
 
@@ -43,6 +49,9 @@ from gpu_memory import CONFIG, child_peaks, job_sets, measured_totals, plan_agai
 from gpu_models import ensure_models  # noqa: E402
 from results_file import commit_of, write_results  # noqa: E402
 from step_floors import PHASES, Device, ModelShape, StepTokens, floor_ratios, phase_floors  # noqa: E402
+
+from mopd_hpc.config.capabilities import WEIGHT_SYNCS  # noqa: E402
+from mopd_hpc.records.run_dir import CONFIG_FILE  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = ("0.6b", "1.7b")
@@ -108,6 +117,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.steps < 2:
         p.error(f"--steps: {args.steps}; expected ≥ 2 (step 1 is the warm-up, excluded)")
     return args
+
+
+def _chosen(sets: Sequence[str]) -> dict[str, str]:
+    """KEY → VALUE of `--set KEY=VALUE` strings (the last wins, as mopd-submit applies them)."""
+    return dict(x.split("=", 1) for x in sets if "=" in x)
+
+
+def implied_sets(sets: Sequence[str]) -> list[str]:
+    """With rollout.backend=sglang and no weight_sync.backend among `sets`: the weight sync that connects an
+    actor and a colocated sglang engine on a GPU (`WEIGHT_SYNCS`; the shipped AWEX does not), with
+    `weight_sync.awex_mode=null` (the shipped `colocate` is AWEX's only); else []."""
+    chosen = _chosen(sets)
+    if chosen.get("rollout.backend") != "sglang" or "weight_sync.backend" in chosen:
+        return []
+    sync = next(n for n, s in WEIGHT_SYNCS.items()
+                if "sglang" in s.rollout_backends and ("colocated", "gpu") in s.layouts)  # fmt: skip
+    return [f"weight_sync.backend={sync}", "weight_sync.awex_mode=null"]
+
+
+def ran_backends(run_dir: Path, sets: Sequence[str]) -> dict[str, str]:
+    """The rollout backend, rollout mode and weight sync the job ran: its resolved `run_dir/config.yaml`, or,
+    when the job wrote none, CONFIG with `sets` applied to those fields ("source" says which)."""
+    import yaml
+
+    resolved = run_dir / CONFIG_FILE
+    doc = yaml.safe_load((resolved if resolved.exists() else CONFIG).read_text())
+    out = {"rollout": doc["rollout"]["backend"], "rollout_mode": doc["rollout"]["mode"],
+           "weight_sync": doc["weight_sync"]["backend"],
+           "source": "run_dir/config.yaml" if resolved.exists() else f"{CONFIG.name} + --set"}  # fmt: skip
+    if not resolved.exists():
+        chosen = _chosen(sets)
+        for field, key in (("rollout", "rollout.backend"), ("rollout_mode", "rollout.mode"),
+                           ("weight_sync", "weight_sync.backend")):  # fmt: skip
+            out[field] = chosen.get(key, out[field])
+    return out
+
+
+def result_key(shape: Shape, backends: dict[str, str]) -> str:
+    """SHAPE/ROLLOUT+SYNC, e.g. 32x4x128@0.6b/hf+awex: one record per shape and backend pair."""
+    return f"{shape.name}/{backends['rollout']}+{backends['weight_sync']}"
 
 
 def models_for(root: Path, size: str) -> Path:
@@ -207,7 +256,12 @@ def one_shape(
     shape: Shape, args: argparse.Namespace, t0: float, device_info: dict | None
 ) -> tuple[dict, dict]:
     models = models_for(args.models_root, shape.size)
-    sets = job_sets(models, args.steps, shape.prompts, shape.samples, shape.new_tokens) + args.extra_sets
+    implied = implied_sets(args.extra_sets)
+    sets = (
+        job_sets(models, args.steps, shape.prompts, shape.samples, shape.new_tokens)
+        + args.extra_sets
+        + implied
+    )
     run_dir = Path(tempfile.mkdtemp(prefix=f"gpu_step_roles_{shape.name}_")) / "run"
     keep = args.keep or run_dir.parent
     keep.mkdir(parents=True, exist_ok=True)
@@ -232,6 +286,8 @@ def one_shape(
             "size": shape.size,
         },  # fmt: skip
         "extra_sets": list(args.extra_sets),
+        "implied_sets": implied,
+        "backends": ran_backends(run_dir, sets),
         "exit_code": code,
         "stopped_at_deadline": code is None,
         "job_wall_s": round(wall, 1),
@@ -276,7 +332,7 @@ def table(name: str, r: dict[str, Any]) -> str:
 
 
 def merged(out: Path, more: dict[str, dict]) -> dict[str, Any]:
-    """The results of `out` (when present) with `more`'s shapes added or replaced."""
+    """The results of `out` (when present) with `more`'s records (by `result_key`) added or replaced."""
     result = json.loads(out.read_text()) if out.exists() else {}
     result |= {"benchmark": "gpu_step_roles", "config": str(CONFIG.relative_to(REPO)),
                "models": "random Qwen3 shapes (bf16, char tokenizer), student and teacher of one size",
@@ -301,8 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_info = None
     for shape in args.shapes:
         record, device_info = one_shape(shape, args, t0, device_info)
-        print(table(shape.name, record), flush=True)
-        write_results(args.out, merged(args.out, {shape.name: record}))
+        key = result_key(shape, record["backends"])
+        print(table(key, record), flush=True)
+        write_results(args.out, merged(args.out, {key: record}))
     return 0
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers_models import QWEN3_0_6B, QWEN3_1_7B
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -213,7 +214,40 @@ def test_one_shape_reads_the_run_and_prints_its_table(
     # 3 + 3 in step 3's train phase)
     plan = plan_of(seen["sets"], 139.8)
     assert record["plan"] == plan and record["plan_over_measured"] == round(plan["peak_gib"] / 6.0, 3)
+    # the config as shipped: no set of the benchmark's own changes a backend; the record names those that ran
+    assert not any(x.startswith(("rollout.backend", "weight_sync.", "rollout.mode")) for x in seen["sets"])
+    assert record["implied_sets"] == [] and record["backends"] == {
+        "rollout": "hf", "rollout_mode": "colocated", "weight_sync": "awex",
+        "source": "local_gpu_colocated.yaml + --set",
+    }  # fmt: skip
+    assert gpu_step_roles.result_key(args.shapes[0], record["backends"]) == "32x4x128@0.6b/hf+awex"
     text = gpu_step_roles.table("32x4x128@0.6b", record)
     assert "step_floor" not in text and "rollout" in text and "peak reserved GiB actor" in text
     assert f"plan / measured {record['plan_over_measured']}" in text
     assert f"{record['measured']['step_floor_ratio']:8.1f}" in text
+
+
+def test_sglang_runs_with_the_sync_that_reaches_it_and_names_both(tmp_path: Path) -> None:
+    """`--set rollout.backend=sglang` alone: the ipc sync (the only one that reaches a colocated sglang engine
+    on a GPU: config/capabilities.py) is implied and recorded; a run's resolved config.yaml names what ran."""
+    assert gpu_step_roles.implied_sets(["rollout.backend=sglang"]) == [
+        "weight_sync.backend=ipc", "weight_sync.awex_mode=null",
+    ]  # fmt: skip
+    assert gpu_step_roles.implied_sets(["rollout.backend=sglang", "weight_sync.backend=torch"]) == []
+    assert gpu_step_roles.implied_sets(["rollout.backend=hf"]) == gpu_step_roles.implied_sets([]) == []
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert gpu_step_roles.ran_backends(run_dir, ["rollout.backend=sglang", "weight_sync.backend=ipc"]) == {
+        "rollout": "sglang", "rollout_mode": "colocated", "weight_sync": "ipc",
+        "source": "local_gpu_colocated.yaml + --set",
+    }  # fmt: skip
+    resolved = yaml.safe_load(gpu_step_roles.CONFIG.read_text())
+    resolved["rollout"]["backend"], resolved["weight_sync"]["backend"] = "sglang", "ipc"
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved))
+    backends = gpu_step_roles.ran_backends(run_dir, [])
+    assert backends == {"rollout": "sglang", "rollout_mode": "colocated", "weight_sync": "ipc",
+                        "source": "run_dir/config.yaml"}  # fmt: skip
+    shape = gpu_step_roles.Shape(32, 4, 128, "0.6b")
+    assert gpu_step_roles.result_key(shape, backends) == "32x4x128@0.6b/sglang+ipc"
+    args = gpu_step_roles.parse_args(["--shapes", "32x4x128@0.6b", "--set", "rollout.backend=sglang"])
+    assert args.extra_sets == ["rollout.backend=sglang"]

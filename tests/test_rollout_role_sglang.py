@@ -1,5 +1,6 @@
 """The rollout role with `rollout.backend: sglang` (roles/rollout_sglang.py), wired to a stand-in with
-sglang.Engine's Python API (no real SGLang can be installed here: it pins torch 2.9.1).
+sglang.Engine's Python API, its methods' signatures as SGLang 0.5.17 defines them (srt/entrypoints/engine.py;
+SGLang itself runs on the GPU machines only).
 
 Real parts: the role's aiohttp server on 127.0.0.1 behind the job's token, its readiness probe and endpoint
 record, the trainer's rollout-phase client, and the trainer's torch weight sync (a real gloo group) into an
@@ -48,19 +49,25 @@ def free_ports(n: int) -> list[int]:
 
 
 class TPStandIn:
-    """sglang.Engine's Python API with `tp_size` workers: generation answers in SGLang 0.5.23's shapes
-    (output ids 5, 6 with log-probs −0.5, −0.75); each worker thread joins the weight-update group as
-    rank_offset + tp_rank and receives the broadcast tensors (SGLang's `init_weights_update_group` and
-    `update_weights_from_distributed` semantics, algo_awex.md §3.2)."""
+    """sglang.Engine's Python API with `tp_size` workers, SGLang 0.5.17's signatures: generation answers in
+    SGLang's shapes (output ids 5, 6 with log-probs −0.5, −0.75, meta_info.weight_version "default": 0.5.17's
+    Engine methods never set it); each worker thread joins the weight-update group as rank_offset + tp_rank and receives the
+    broadcast tensors (SGLang's `init_weights_update_group` and `update_weights_from_distributed` semantics,
+    algo_awex.md §3.2)."""
 
     def __init__(self, launch: SGLangLaunch, healthy: bool = True) -> None:
         self.launch, self.healthy = launch, healthy
+        self.thread = threading.get_ident()  # SGLang's Engine: every call from the thread that built it
         self.calls: list[tuple[str, Any]] = []
         self.groups: list[BroadcastGroup] = []
         self.received: list[dict[str, torch.Tensor]] = []
         self.shut = False
 
-    async def async_generate(self, **kw: Any) -> Any:
+    def on_its_thread(self) -> None:
+        assert threading.get_ident() == self.thread, "an Engine call off the thread that built it"
+
+    def generate(self, **kw: Any) -> Any:
+        self.on_its_thread()
         self.calls.append(("generate", kw))
         if not self.healthy:
             return []
@@ -88,7 +95,13 @@ class TPStandIn:
             raise errors[0]
         return out
 
-    def init_weights_update_group(self, **kw: Any) -> tuple[bool, str]:
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str = "nccl",
+    ) -> tuple[bool, str]:  # fmt: skip
+        kw = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                  world_size=world_size, group_name=group_name, backend=backend)  # fmt: skip
+        self.on_its_thread()
         self.calls.append(("init_group", kw))
         self.groups = self._on_workers(
             lambda r: BroadcastGroup.join(
@@ -103,7 +116,13 @@ class TPStandIn:
         )
         return True, "joined"
 
-    def update_weights_from_distributed(self, **kw: Any) -> tuple[bool, str]:
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", flush_cache: bool = True, load_format: str | None = None,
+    ) -> tuple[bool, str]:  # fmt: skip
+        kw = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
+                  load_format=load_format)  # fmt: skip
+        self.on_its_thread()
         self.calls.append(("update", kw))
         specs = [
             TensorSpec(n, d, tuple(s))
@@ -115,21 +134,26 @@ class TPStandIn:
         return True, "updated"
 
     def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        self.on_its_thread()
         self.calls.append(("destroy", group_name))
         for g in self.groups:
             g.close()
         return True, ""
 
-    def release_memory_occupation(self, tags: list[str]) -> None:
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.on_its_thread()
         self.calls.append(("release", tags))
 
-    def resume_memory_occupation(self, tags: list[str]) -> None:
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.on_its_thread()
         self.calls.append(("resume", tags))
 
     def flush_cache(self) -> None:
+        self.on_its_thread()
         self.calls.append(("flush", None))
 
     def shutdown(self) -> None:
+        self.on_its_thread()
         self.shut = True
 
 
@@ -174,6 +198,24 @@ async def wait_record(path: Path, task: asyncio.Task[None]) -> dict[str, Any]:
     raise AssertionError(f"{path} was never written")
 
 
+async def start_role(
+    role: RoleEnv, cfg: RunConfig, make: Any
+) -> tuple[asyncio.Task[None], asyncio.Event, dict[str, Any], Any]:
+    """`run_sglang` for `role` with the stand-in `make(launch)` builds, until its endpoint record is written:
+    (the role's task, its stop event, the record, the stand-in)."""
+    engines: list[Any] = []
+
+    def factory(launch: SGLangLaunch) -> Any:
+        engines.append(make(launch))
+        return engines[-1]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
+    record = await wait_record(endpoint_file(role.run_dir, "rollout", str(role.index)), task)
+    (engine,) = engines
+    return task, stop, record, engine
+
+
 class Actor:
     """The trainer engine's `named_weights()` for TorchSync."""
 
@@ -193,20 +235,15 @@ def test_sglang_role_serves_rollouts_and_weight_sync_to_a_tp2_engine(tmp_path: P
     write_run_dir_token(tmp_path)
     ports = free_ports(4)
     role, cfg = role_env(tmp_path, ports[:3]), sglang_config()
-    engines: list[TPStandIn] = []
-
-    def factory(launch: SGLangLaunch) -> TPStandIn:
-        engines.append(TPStandIn(launch))
-        return engines[-1]
 
     async def scenario() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
-        record = await wait_record(endpoint_file(tmp_path, "rollout", "0"), task)
-        (engine,) = engines
+        task, stop, record, engine = await start_role(role, cfg, TPStandIn)
         # the launch from the named leases and the config; readiness = SGLang's generating /health probe
         assert (engine.launch.port, engine.launch.nccl_port, engine.launch.dist_init_port) == tuple(ports[:3])
         assert engine.launch.tp_size == TP and engine.launch.model_path == cfg.models.actor.path
+        # decode CUDA graphs up to the step's rows of this (only) engine
+        rows = cfg.data.batch_size * cfg.data.samples_per_prompt
+        assert engine.launch.engine_kwargs()["cuda_graph_max_bs_decode"] == rows
         assert engine.calls[0] == ("generate", {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
         assert record == record | {
             "url": f"http://127.0.0.1:{ports[0]}",
@@ -236,6 +273,8 @@ def test_sglang_role_serves_rollouts_and_weight_sync_to_a_tp2_engine(tmp_path: P
                 for name, value in actor.weights.items():
                     assert torch.equal(worker[name], value) and worker[name].dtype == value.dtype
             assert (await client.model_info())["weight_version"] == "1"
+            (again,) = await generate([client], [[4]], sampling, n=1, seeds=[1])
+            assert again.weight_version == "1"  # the server's: SGLang 0.5.17 answers "default"
             await sync.close([client])
         stop.set()
         await task
@@ -250,18 +289,13 @@ def test_awex_instance_is_ready_by_model_info_not_a_generation(tmp_path: Path) -
     write_run_dir_token(tmp_path)
     ports = free_ports(3)
     role, cfg = role_env(tmp_path, ports), sglang_config(awex=True)
-    engines: list[TPStandIn] = []
-
-    def factory(launch: SGLangLaunch) -> TPStandIn:
-        engines.append(TPStandIn(launch, healthy=False))
-        return engines[-1]
 
     async def scenario() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
-        record = await wait_record(endpoint_file(tmp_path, "rollout", "0"), task)
-        assert record["backend"] == "sglang" and engines[0].launch.awex
-        assert engines[0].calls == []  # never probed with a generation
+        task, stop, record, engine = await start_role(
+            role, cfg, lambda launch: TPStandIn(launch, healthy=False)
+        )
+        assert record["backend"] == "sglang" and engine.launch.awex
+        assert engine.calls == []  # never probed with a generation
         stop.set()
         await task
 
@@ -275,3 +309,45 @@ def test_environment_that_breaks_mu_is_refused_before_the_engine_starts(tmp_path
     with pytest.raises(SGLangBackendError, match="temperature-1 log-probs"):
         asyncio.run(run_sglang(role, cfg, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, started.append))
     assert started == [] and not endpoint_file(tmp_path, "rollout", "0").exists()
+
+
+class EngineStarted(Exception):
+    """Raised by the stand-in sglang.Engine once it has seen its environment."""
+
+
+@pytest.mark.parametrize(("alloc", "refused"), [(None, False), ("max_split_size_mb:256", False),
+                                                ("expandable_segments:True", True)])  # fmt: skip
+def test_the_engine_starts_without_expandable_segments(tmp_path: Path, monkeypatch, alloc, refused) -> None:
+    """The role's entry point (`roles/rollout.py` main) with sglang: the environment the in-process Engine
+    starts in (and its scheduler processes inherit) has no expandable segments, so torch_memory_saver stays
+    on; the user's own expandable segments are refused before the Engine starts, naming the variable."""
+    import os
+    import sys
+    import types
+
+    from mopd_hpc.roles import rollout as rollout_main
+
+    if alloc is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc)
+    write_run_dir_token(tmp_path)
+    role, cfg = role_env(tmp_path, free_ports(3)), sglang_config()
+    seen: dict[str, Any] = {}
+
+    def engine(**kw: Any) -> None:  # sglang.Engine: reads the process environment as it starts
+        seen.update(alloc=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), saver=kw["enable_memory_saver"])
+        raise EngineStarted
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=engine))
+    monkeypatch.setattr(rollout_main, "start_server_role", lambda environ: (role, cfg))
+    if refused:
+        with pytest.raises(SGLangBackendError, match="PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'"):
+            rollout_main.main([])
+        assert seen == {}
+        return
+    with pytest.raises(EngineStarted):
+        rollout_main.main([])
+    assert seen == {"alloc": alloc, "saver": True}
+    # the hf backend keeps its expandable segments (its KV cache grows per decode step)
+    assert rollout_main.allocator_env({}, "hf") == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -36,6 +36,10 @@ def test_named_ports_map_to_server_args() -> None:
     assert (kw["port"], kw["nccl_port"], kw["dist_init_addr"]) == (31000, 31001, "10.1.2.3:31002")
     assert kw["enable_memory_saver"] is True and kw["tp_size"] == 2 and kw["base_gpu_id"] == 4
     assert kw["dp_size"] == 1 and kw["node_rank"] == 0
+    # what SGLang 0.5.17 started with on the H100 probe; decode graphs at SGLang's default size unless given
+    assert kw["skip_tokenizer_init"] and kw["disable_prefill_cuda_graph"]
+    assert (kw["attention_backend"], kw["sampling_backend"]) == ("triton", "pytorch")
+    assert "cuda_graph_max_bs_decode" not in kw
     argv = launch.to_argv()
     assert argv[argv.index("--port") + 1] == "31000"
     assert argv[argv.index("--nccl-port") + 1] == "31001"
@@ -132,13 +136,13 @@ def test_response_mapping_of_documented_shapes() -> None:
 
 
 class FakeSGLangEngine:
-    """Stands in for sglang.Engine's Python API; records calls; answers in SGLang 0.5.23's shapes."""
+    """Stands in for sglang.Engine's Python API; records calls; answers in SGLang 0.5.17's shapes."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.released: set[str] = set()
 
-    async def async_generate(self, **kw: Any) -> Any:
+    def generate(self, **kw: Any) -> Any:
         self.calls.append(("generate", kw))
         ids = kw["input_ids"]
         rows = ids if ids and isinstance(ids[0], list) else [ids]

@@ -2,14 +2,15 @@
 DESIGN.md §5), driven by the real controller over three steps.
 
 Real parts: the sglang rollout role (roles/rollout_sglang.py) serving on 127.0.0.1 behind the job's token, the
-controller with the torch train engine on the micro student (c_d = 0, GRPO: no teacher), the torch weight
-sync over a real gloo group into an engine of tensor-parallel size 2, the start and end evaluation on the
-engine. The Engine is tests/test_rollout_role_sglang.py's stand-in with sglang.Engine's Python API (no real
-SGLang can be installed here), made as strict as SGLang 0.5.23: it refuses to release a tag twice, to resume
-one that is held, to generate while its weights or KV cache are released, to load weights into released
-weights, it answers with the weight_version of its last update (SGLang's meta_info), and its memory methods
-must run off the server's event-loop thread (they run an event loop of their
-own in SGLang).
+controller with the torch train engine on the micro student (c_d = 0, GRPO: no teacher), the weight sync into
+an engine of tensor-parallel size 2 (the torch broadcast over a real gloo group, or the ipc sync's shared
+buffers through SGLang's update_weights_from_tensor: the one-GPU colocated path, a /dev/shm buffer here), the
+start and end evaluation on the engine. The Engine is tests/test_rollout_role_sglang.py's stand-in with
+sglang.Engine's Python API (0.5.17's signatures; SGLang itself runs on the GPU machines only), made as strict
+as SGLang: it refuses to release a tag twice, to resume one that is held, to generate while its weights or KV
+cache are released, to load weights into released weights, and its memory methods must run off the server's
+event-loop thread (they run an event loop of their own in SGLang); every rollout names the weight_version of
+the last update (the server's).
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
 from helpers_models import build_micro_models
-from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, wait_record
+from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, start_role
+from test_sglang_ipc import IpcStandIn
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.engines.weight_sync.ipc import tied_aliases
 from mopd_hpc.mopd.phases import Phase
 from mopd_hpc.records.metrics import read_metrics
-from mopd_hpc.records.run_dir import endpoint_file
-from mopd_hpc.roles.rollout_sglang import run_sglang
 from mopd_hpc.trainer.rollout_memory import CACHE_TAGS, RELEASED_TAGS, SYNC_TAGS, RolloutMemory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,22 +51,16 @@ class StrictStandIn(TPStandIn):
     def __init__(self, launch: Any) -> None:
         super().__init__(launch)
         self.released: set[str] = set()
-        self.weight_version = "default"
 
-    async def async_generate(self, **kw: Any) -> Any:
+    def generate(self, **kw: Any) -> Any:
         if self.released & {"weights", "kv_cache"}:
             raise RuntimeError(f"generate while {sorted(self.released)} are released")
-        out = await super().async_generate(**kw)
-        for item in out if isinstance(out, list) else [out]:  # SGLang's meta_info.weight_version
-            item["meta_info"]["weight_version"] = self.weight_version
-        return out
+        return super().generate(**kw)
 
-    def update_weights_from_distributed(self, **kw: Any) -> tuple[bool, str]:
+    def update_weights_from_distributed(self, *args: Any, **kw: Any) -> tuple[bool, str]:
         if "weights" in self.released:
             raise RuntimeError("update_weights_from_distributed into released weights")
-        answer = super().update_weights_from_distributed(**kw)
-        self.weight_version = kw.get("weight_version") or self.weight_version
-        return answer
+        return super().update_weights_from_distributed(*args, **kw)
 
     def _off_loop(self) -> None:
         with contextlib.suppress(RuntimeError):
@@ -82,6 +78,16 @@ class StrictStandIn(TPStandIn):
         assert set(tags) <= self.released, f"SGLang raises on resuming a tag that is held: {tags}"
         self.calls.append(("resume", list(tags)))
         self.released -= set(tags)
+
+
+class StrictIpcStandIn(StrictStandIn, IpcStandIn):
+    """The strict stand-in with SGLang 0.5.17's update_weights_from_tensor (tests/test_sglang_ipc.py), which
+    refuses to load into released weights."""
+
+    def update_weights_from_tensor(self, *args: Any, **kw: Any) -> tuple[bool, str]:
+        if "weights" in self.released:
+            raise RuntimeError("update_weights_from_tensor into released weights")
+        return super().update_weights_from_tensor(*args, **kw)
 
 
 def free_port() -> int:
@@ -135,19 +141,12 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
     from mopd_hpc.mopd.plan import ExecutionPlan
     from mopd_hpc.trainer.controller import Controller
     from mopd_hpc.trainer.data_setup import build_run_data
-    from mopd_hpc.trainer.weight_sync import SyncSettings, TorchSync
+    from mopd_hpc.trainer.weight_sync import IpcSync, SyncSettings, TorchSync
 
-    engines: list[StrictStandIn] = []
-
-    def factory(launch: Any) -> StrictStandIn:
-        engines.append(StrictStandIn(launch))
-        return engines[-1]
-
-    stop = asyncio.Event()
+    ipc = cfg.weight_sync.backend == "ipc"
     role = role_env(run_dir, free_ports(3))
-    task = asyncio.create_task(run_sglang(role, cfg, {}, factory, stop))
+    task, stop, record, stand_in = await start_role(role, cfg, StrictIpcStandIn if ipc else StrictStandIn)
     try:
-        record = await wait_record(endpoint_file(run_dir, "rollout", "0"), task)
         actor = cfg.models.actor
         engine = TorchTrainEngine.from_pretrained(
             actor.path, dtype=actor.dtype, device="cpu", optimizer=actor.optimizer, loss=cfg.loss,
@@ -162,7 +161,9 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
                 build_run_data(cfg),
                 rollout=[client],
                 teachers={},
-                sync=TorchSync(
+                sync=IpcSync(engine)
+                if ipc
+                else TorchSync(
                     engine, SyncSettings("127.0.0.1", free_port(), "gloo"), 60, ranks_per_server=TP
                 ),
                 run_dir=run_dir,
@@ -173,24 +174,35 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
     finally:
         stop.set()
         await task
-    return controller, outcome, engines[0]
+    return controller, outcome, stand_in
 
 
-def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(micro_models, tmp_path):
+@pytest.mark.parametrize("sync", ["torch", "ipc"])
+def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(micro_models, tmp_path, sync):
+    """The torch broadcast into the engine's TP workers, or the ipc sync's shared buffers through SGLang's
+    update_weights_from_tensor (the one-GPU colocated path): the same order of calls."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     write_run_dir_token(run_dir)
-    cfg = sglang_run_config(micro_models, run_dir)
+    cfg = sglang_run_config(micro_models, run_dir, **{"weight_sync.backend": sync})
     controller, outcome, engine = asyncio.run(controller_against_sglang_role(cfg, run_dir))
     assert (outcome.reason, outcome.step) == ("finished", STEPS)
 
-    calls = [(kind, kw) for kind, kw in engine.calls if kind in ("generate", "release", "resume", "update")]
+    loaded = {"names": list(engine.loaded[0])} if sync == "ipc" else {}
+    calls = [
+        ("update", loaded) if kind == "update_tensor" else (kind, kw)
+        for kind, kw in engine.calls
+        if kind in ("generate", "release", "resume", "update", "update_tensor")
+    ]
     names = [
-        (kind, tuple(kw) if kind in ("release", "resume") else kw.get("weight_version"))
-        if kind != "generate"
-        else ("generate", len(kw["input_ids"]) if isinstance(kw["input_ids"][0], list) else 1)
+        ("generate", len(kw["input_ids"]) if isinstance(kw["input_ids"][0], list) else 1)
+        if kind == "generate"
+        else (kind, tuple(kw) if kind in ("release", "resume") else len(kw["names"]))
         for kind, kw in calls
     ]
+    weights = len(list(controller.engine.named_weights()))  # the torch broadcast sends every name
+    if sync == "ipc":  # the ipc sync into SGLang a tied weight under its first name only
+        weights -= len(tied_aliases(controller.engine.named_weights()))
     rows = cfg.data.batch_size * cfg.data.samples_per_prompt
 
     def one_step(step: int) -> list[tuple[str, Any]]:
@@ -198,19 +210,25 @@ def test_colocated_sglang_releases_after_rollout_and_resumes_around_the_sync(mic
             ("generate", rows),  # ROLLOUT: the step's rows, with everything resident
             ("release", RELEASED_TAGS),  # leaving ROLLOUT
             ("resume", SYNC_TAGS),  # SYNC: weights back before the broadcast
-            ("update", str(step)),  # the broadcast into them: the weights of this step
+            ("update", weights),  # the broadcast into them: the weights of this step
             ("resume", CACHE_TAGS),  # SYNC done: KV cache and CUDA graphs back for the next rollout
         ]
 
     evaluation = [("generate", EVAL_SIZE)] * 2  # one request per route, chain and legs
     assert names == [
         ("generate", 1),  # the readiness probe: SGLang's generating /health
-        ("update", "0"),  # the initial weights (step 0)
+        ("update", weights),  # the initial weights (step 0)
         *evaluation,  # the start evaluation, after the initial sync
         *[call for step in range(1, STEPS + 1) for call in one_step(step)],
         *evaluation,  # the end evaluation, after the last sync: the engine generates after its resume
     ]
     assert engine.released == set()  # the run ends with everything resident
+    if sync == "ipc":  # every TP worker holds the actor's last weights, bit for bit
+        final = dict(controller.engine.named_weights())
+        tied = tied_aliases(final.items())  # SGLang's model ties these itself: sent under the first name
+        for worker in engine.loaded:
+            assert worker.keys() == final.keys() - tied.keys()
+            assert all(torch.equal(worker[n], final[n].detach()) for n in worker)
     assert controller.rollout_memory.active
     assert (
         controller.rollout_memory.calls

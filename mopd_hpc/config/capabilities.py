@@ -24,6 +24,7 @@ Imports no torch (it is read on the submit host in a second). The refusals' tabl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,14 @@ class RolloutBackendSpec:
     tensor_parallel: int | None  # GPUs per engine; None: any that fits a node
     package: str | None = None  # the Python package the role imports for it (checked where the job runs)
     stand_in_only: bool = False  # tested with a stand-in for the package only: --check warns
+    #: The package's versions the role has run with, as pip's (lowest inclusive, highest exclusive); also
+    #: pyproject's extra of the same name (tests/test_sglang_version.py checks the two agree).
+    versions: tuple[str, str] | None = None
+
+    @property
+    def version_range(self) -> str:
+        """The `versions` as a pip specifier, e.g. ">=0.5.17,<0.5.18" ("" when any version)."""
+        return f">={self.versions[0]},<{self.versions[1]}" if self.versions else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +174,10 @@ TEACHER_ENGINES: dict[str, TeacherEngineSpec] = {
 ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
     # transformers generate on one device: an engine of tensor_parallel > 1 would use one of its GPUs
     "hf": RolloutBackendSpec("hf", runs_in_job=True, devices=("cpu", "gpu"), tensor_parallel=1),
-    # roles/rollout_sglang.py: an in-process sglang.Engine, tensor parallel inside the engine; tested with a
-    # stand-in for sglang.Engine only (sglang pins torch 2.9.1: it cannot be installed on these machines)
+    # roles/rollout_sglang.py: an in-process sglang.Engine, tensor parallel inside the engine. Written against
+    # SGLang 0.5.17's source (it pins torch 2.11.0, the GPU machines' torch; 0.5.23 pins torch 2.14.1); CI runs
+    # a stand-in for sglang.Engine; the one-GPU colocated path (ipc weight sync, memory release/resume) is
+    # the one being verified on the GPU with SGLang 0.5.17 itself (issue 34): until then --check warns
     "sglang": RolloutBackendSpec(
         "sglang",
         runs_in_job=True,
@@ -174,6 +185,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
         tensor_parallel=None,
         package="sglang",
         stand_in_only=True,
+        versions=("0.5.17", "0.5.18"),
     ),
 }
 
@@ -184,12 +196,13 @@ WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
         rollout_backends=("hf", "sglang"),
         layouts=(("separated", "cpu"), ("separated", "gpu"), ("colocated", "cpu")),
     ),
-    # engines/weight_sync/ipc.py: shared buffers (CUDA IPC / a /dev/shm file), read by the hf server's
-    # /update_weights_from_ipc
+    # engines/weight_sync/ipc.py: shared buffers (CUDA IPC / a /dev/shm file), read by the rollout server's
+    # /update_weights_from_ipc: the hf server copies them into its parameters; the sglang server hands
+    # SGLang's `Engine.update_weights_from_tensor` references to them (engines/rollout/sglang_ipc.py)
     "ipc": WeightSyncSpec(
         "ipc",
         actor_engines=("torch", "megatron"),
-        rollout_backends=("hf",),
+        rollout_backends=("hf", "sglang"),
         layouts=(("colocated", "cpu"), ("colocated", "gpu")),
     ),
     # the job's AWEX reader is the hf rollout server's (/awex/init); the writer is the megatron actor's, on
@@ -454,6 +467,33 @@ def rollout_refusals(backend: str, tensor_parallel: int) -> list[Problem]:
             )
         ]
     return []
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string ("0.5.17.post1" → (0, 5, 17))."""
+    match = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(p) for p in match.group(0).split(".")) if match else ()
+
+
+def version_refusals(backend: str, installed: str | None, where: str = "this machine") -> list[Problem]:
+    """The rollout backend's package at version `installed` (None: not installed, said elsewhere) outside
+    the versions the role has run with (`RolloutBackendSpec.versions`), naming both."""
+    spec = ROLLOUT_BACKENDS[backend]
+    if spec.versions is None or installed is None:
+        return []
+    low, high = (_release(v) for v in spec.versions)
+    if low <= _release(installed) < high:
+        return []
+    return [
+        Problem(
+            "rollout.backend",
+            f"{spec.package} {installed} is installed on {where}; the {backend} backend has run with "
+            f"{spec.package}{spec.version_range} only",
+            backend,
+            f"pip install '{spec.package}{spec.version_range}', or rollout.backend: "
+            + " / ".join(n for n, s in ROLLOUT_BACKENDS.items() if n != backend and s.runs_in_job),
+        )
+    ]
 
 
 def weight_sync_refusals(

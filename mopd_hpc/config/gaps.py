@@ -10,6 +10,7 @@ queue wait, or a substitute engine silently.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import Any
 
@@ -19,6 +20,7 @@ from mopd_hpc.config.capabilities import (
     loss_refusals,
     rollout_refusals,
     teacher_refusals,
+    version_refusals,
     weight_sync_refusals,
 )
 from mopd_hpc.config.parallel import actor_world
@@ -54,13 +56,24 @@ def job_gaps(cfg: Any) -> list[Problem]:
     return out + loss_refusals(actor.engine, cfg.loss)
 
 
+def installed_version(package: str) -> str | None:
+    """The installed distribution's version of `package` (importlib.metadata), None when not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _backend_package(cfg: Any) -> list[Problem]:
     """The rollout backend's package where the job will run: on the local backend that is this machine, so
-    an sglang that does not import here is refused (on Slurm it is the rollout nodes', which the submit host
-    cannot see: `config_warnings` says so, and the role names the missing package at start)."""
+    an sglang that does not import here, or whose version is outside the range the role has run with
+    (`capabilities.version_refusals`), is refused (on Slurm it is the rollout nodes', which the submit host
+    cannot see: `config_warnings` says so, and the role checks both at start)."""
     package = ROLLOUT_BACKENDS[cfg.rollout.backend].package
-    if package is None or cfg.cluster.backend != "local" or importlib.util.find_spec(package) is not None:
+    if package is None or cfg.cluster.backend != "local":
         return []
+    if importlib.util.find_spec(package) is not None:
+        return version_refusals(cfg.rollout.backend, installed_version(package))
     return [
         Problem(
             "rollout.backend",

@@ -124,6 +124,15 @@ def refusal_rows() -> list[Row]:
                     f"install {spec.package}, or backend `hf`",
                 )
             )
+        if spec.versions is not None:
+            rows.append(
+                (
+                    "rollout.backend",
+                    f"`{name}` with cluster.backend `local` where `{spec.package}` is not "
+                    f"`{spec.version_range}` (checked again at the role's start)",
+                    f"`pip install '{spec.package}{spec.version_range}'`, or backend `hf`",
+                )
+            )
     for name, spec in WEIGHT_SYNCS.items():
         for what, table, supported in (
             ("models.actor.engine", actor, spec.actor_engines),

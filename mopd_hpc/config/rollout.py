@@ -98,8 +98,8 @@ class WeightSyncConfig(Section):
     backend: Literal["torch", "ipc", "awex"] = Field(
         "torch",
         description="'torch': torch.distributed broadcast (gloo on CPU, NCCL on GPU; on GPU separated only: "
-        "NCCL refuses two ranks on one GPU); 'ipc': shared buffers on one node (rollout.mode colocated, HF "
-        "rollout engine; CUDA IPC on GPU, a /dev/shm file on CPU); 'awex': AWEX writer/reader (megatron "
+        "NCCL refuses two ranks on one GPU); 'ipc': shared buffers on one node (rollout.mode colocated, HF or "
+        "sglang rollout engine; CUDA IPC on GPU, a /dev/shm file on CPU); 'awex': AWEX writer/reader (megatron "
         "actor; HF rollout engine at TP 1, or sglang).",
     )
     awex_mode: Literal["colocate", "separate"] | None = Field(

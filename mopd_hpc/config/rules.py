@@ -383,8 +383,10 @@ def config_warnings(cfg: Any) -> list[str]:
         out.append(
             Problem(
                 "rollout.backend",
-                f"the {backend.name} backend has been tested with a stand-in for its engine only, never with "
-                f"{backend.package} itself; {backend.package} must import on {where}",
+                f"the {backend.name} backend has been tested with a stand-in for its engine only, not yet "
+                f"with {backend.package}{backend.version_range} itself (its one-GPU colocated path, ipc weight "
+                f"sync and memory release, is being verified on a GPU: issue 34); {backend.package} must "
+                f"import on {where}",
                 backend.name,
             ).render()
         )

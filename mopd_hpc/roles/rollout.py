@@ -14,11 +14,14 @@ config `run_dir/config.yaml`:
     seed         run seed + engine index (rows without a sampling_seed)
     AWEX         weight_sync.backend awex: AWEX_MASTER_ADDR is set in this process's environment (awex reads
                  it itself; unset, it probes 8.8.8.8 for its own address): `awex_env`
-    allocator    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the environment sets it
+    allocator    hf: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the environment sets it
                  (`allocator_env`): the KV cache grows by one position per decode step, and with fixed
                  segments the caching allocator reserved 4× the cache (36 GiB for an 8.75 GiB cache at
                  64 × 4 × 256 on an H200, 120 GiB at 64 × 4 × 1024: the whole GPU of a colocated job). The
                  rollout engine only opens the actor's CUDA IPC handles (AWEX colocate), never exports its own.
+                 sglang: nothing is added (torch_memory_saver disables itself with expandable segments), and
+                 the environment the Engine starts in (this process's, after these additions) is the one
+                 `sglang_backend.check_environment` checks.
 
 Once the server listens it writes `run_dir/endpoints/rollout-<index>.json` atomically
 ({url, host, port, pid, index, job_id, model_path, backend}: roles/rollout_record.py) and serves until SIGTERM/SIGINT or until the actor
@@ -143,9 +146,13 @@ async def run(role: RoleEnv, args: ServerArgs) -> None:
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
-def allocator_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """{PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True} unless `environ` sets it (module docstring)."""
-    return {} if environ.get(ALLOC_CONF_ENV) else {ALLOC_CONF_ENV: "expandable_segments:True"}
+def allocator_env(environ: Mapping[str, str], backend: str = "hf") -> dict[str, str]:
+    """{PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True} for the hf backend unless `environ` sets it; {} for
+    sglang, whose memory saver (always on: `SGLangLaunch.enable_memory_saver`) disables itself with
+    expandable segments (module docstring)."""
+    if backend == "sglang" or environ.get(ALLOC_CONF_ENV):
+        return {}
+    return {ALLOC_CONF_ENV: "expandable_segments:True"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,8 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     del argv
     environ = dict(os.environ)
     role, cfg = start_server_role(environ)
-    os.environ.update(allocator_env(environ))  # before anything allocates on the GPU
-    os.environ.update(awex_env(role, cfg))  # the edge: awex reads it from os.environ itself
+    # before anything allocates on the GPU; awex reads its variable from os.environ itself
+    added = allocator_env(environ, cfg.rollout.backend) | awex_env(role, cfg)
+    os.environ.update(added)
+    environ |= added  # what the in-process Engine (and the processes it spawns) start with
     if cfg.rollout.backend == "sglang":
         from mopd_hpc.roles.rollout_sglang import run_sglang
 

@@ -8,11 +8,19 @@ From the guard-given environment and the run's config (roles/rollout.py reads bo
     tp_size      rollout.engines.tensor_parallel (the child's CUDA_VISIBLE_DEVICES holds the engine's GPUs;
                  base_gpu_id is its device index there)
     model        models.actor.path, dtype models.actor.dtype, seed run seed + engine index
+    graphs       decode CUDA graphs up to the rows this engine decodes in a step (`graph_rows`)
     AWEX         weight_sync.backend awex: AWEX's worker hooks installed before the Engine; the instance starts
                  with its weights released, so readiness is /model_info instead of the generating /health
                  (`readiness_path`)
     environment  `check_environment` refuses SGLANG_RETURN_ORIGINAL_LOGPROB=1 (μ would be T = 1 log-probs)
-                 and expandable_segments (the memory saver would be off)
+                 and expandable_segments (the memory saver would be off), in the environment the Engine
+                 starts with (roles/rollout.py `main` adds nothing to it for sglang)
+    version      an installed sglang outside the versions the role has run with
+                 (`config/capabilities.py` ROLLOUT_BACKENDS["sglang"].versions) is refused, naming both
+    weights      weight_sync.backend torch: the Engine's TP workers join the broadcast group; ipc (colocated):
+                 the actor's shared buffers reach SGLang's `update_weights_from_tensor` as references
+                 (engines/rollout/sglang_ipc.py); the server answers the step's weight_version with every
+                 rollout
 
 Memory: with `rollout.mode: colocated` the controller has the engine release kv_cache, weights and cuda_graph
 when the step leaves ROLLOUT and resume weights before, kv_cache and cuda_graph after the weight sync
@@ -22,8 +30,10 @@ Readiness: once our server listens, the role probes `readiness_path` with the jo
 200, and only then writes the endpoint record (roles/rollout_record.py). It serves until SIGTERM/SIGINT or the
 end of the job, then removes the record and shuts the Engine down.
 
-Tested with a stand-in that has sglang.Engine's Python API (tests/test_rollout_role_sglang.py; the memory
-calls over three controller steps: tests/test_sglang_phase_memory.py): no real SGLang has run here (it pins torch 2.9.1; the machines here have 2.11+).
+Tested in CI with a stand-in that has sglang.Engine's Python API as SGLang 0.5.17 defines it
+(tests/test_rollout_role_sglang.py; the ipc weight path: tests/test_sglang_ipc.py; the memory calls over three
+controller steps: tests/test_sglang_phase_memory.py); SGLang 0.5.17 itself runs on the GPU machines (torch
+2.11). Every call to the Engine is made on one thread, the one that built it (engine_thread.py).
 """
 
 from __future__ import annotations
@@ -37,7 +47,16 @@ from typing import Any
 import aiohttp
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch, check_environment, readiness_path
+from mopd_hpc.config.capabilities import version_refusals
+from mopd_hpc.config.gaps import installed_version
+from mopd_hpc.engines.rollout.engine_thread import EngineThread
+from mopd_hpc.engines.rollout.graph_shape import graph_rows
+from mopd_hpc.engines.rollout.sglang_backend import (
+    SGLangBackendError,
+    SGLangLaunch,
+    check_environment,
+    readiness_path,
+)
 from mopd_hpc.engines.rollout.sglang_server import SGLangRolloutServer, sglang_app, start_engine
 from mopd_hpc.engines.serving import start_app
 from mopd_hpc.records.job_end import stop_on_job_end
@@ -66,6 +85,9 @@ def sglang_launch(role: RoleEnv, cfg: RunConfig) -> SGLangLaunch:
         random_seed=cfg.seed + role.index,
         dtype=cfg.models.actor.dtype,
         awex=cfg.weight_sync.backend == "awex",
+        cuda_graph_max_bs=graph_rows(
+            cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count
+        ),
     )
 
 
@@ -94,16 +116,20 @@ async def run_sglang(
     `engine_factory` builds the Engine from the launch (`sglang.Engine`; tests pass a stand-in).
 
     Raises:
-        SGLangBackendError: the environment, a launch value, or sglang missing (named, with the way out).
+        SGLangBackendError: the environment, the installed sglang's version, a launch value, or sglang
+            missing (named, with the way out).
     """
     check_environment(environ)
+    if problems := version_refusals("sglang", installed_version("sglang"), where=f"node {role.host}"):
+        raise SGLangBackendError(problems[0].render())
     launch = sglang_launch(role, cfg)
     token = read_job_token(role)
-    engine = await asyncio.to_thread(engine_factory, launch)
+    thread = EngineThread()  # builds the Engine and makes every call to it (engine_thread.py)
+    engine = await thread.call(engine_factory, launch)
     endpoint = rollout_endpoint(role)
     endpoint.parent.mkdir(parents=True, exist_ok=True)
     runner, port, stop = await start_app(
-        sglang_app(SGLangRolloutServer(launch, engine), token), launch.host, launch.port, stop
+        sglang_app(SGLangRolloutServer(launch, engine, thread), token), launch.host, launch.port, stop
     )
     ender = asyncio.create_task(stop_on_job_end(role.run_dir, role.job_id, stop))
     try:
@@ -117,5 +143,6 @@ async def run_sglang(
             endpoint.unlink()
         await runner.cleanup()
         if hasattr(engine, "shutdown"):
-            await asyncio.to_thread(engine.shutdown)
+            await thread.call(engine.shutdown)
+        thread.close()
         log.info("sglang rollout engine %d stopped", role.index)

@@ -1,4 +1,5 @@
-"""The sglang rollout backend: our HTTP surface over an in-process `sglang.Engine` (SGLang 0.5.23).
+"""The sglang rollout backend: our HTTP surface over an in-process `sglang.Engine` (SGLang 0.5.17: the versions
+the role runs are `config/capabilities.py` ROLLOUT_BACKENDS["sglang"].versions).
 
 Why in-process: AWEX's reader hooks (`install_sglang_worker_hooks`, `Engine.execute_task_in_model_worker`)
 need the Python Engine, and SGLang's own HTTP server has no AWEX route (algo_awex.md §2.6). The server
@@ -12,11 +13,18 @@ Mapping rules (pure functions, tested without sglang in tests/test_sglang_backen
 - the memory saver is on (`enable_memory_saver`): /release_memory_occupation and /resume_memory_occupation
   with tags kv_cache, weights, cuda_graph need it; `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`
   silently disables torch_memory_saver (areal.md §4), so `check_environment` refuses it.
-- log-probs: SGLang returns log-probs of logits / temperature — the behavior policy μ the trainer needs.
+- log-probs: SGLang returns log-probs of logits / temperature — the behavior policy μ the trainer needs
+  (0.5.17 on the lead's H100 probe: within 0.045 nats of a direct bf16 forward at T = 0.7, 0.027 at T = 1;
+  at T = 0, greedy: the evaluation, where μ is not used, T = 1 log-probs).
   `SGLANG_RETURN_ORIGINAL_LOGPROB=1` would return T = 1 log-probs: refused by `check_environment`.
-- response shape (io_struct.py, 0.5.23): `meta_info.output_token_logprobs` is a list of
+- response shape (io_struct.py; 0.5.17 on the H100 probe): `meta_info.output_token_logprobs` is a list of
   (logprob, token_id, text|None) triples, one per output id; `input_token_logprobs[0]` is None (the first
   prompt token has no prediction). `check_item` validates both and builds a `GeneratedSample`.
+- kernels and graphs: what SGLang 0.5.17 started and sampled with on the lead's H100 probe
+  (benchmarks/sglang_probe.py): `skip_tokenizer_init` (the trainer sends input_ids; items carry no text),
+  attention_backend "triton", sampling_backend "pytorch", decode CUDA graphs up to the rows one engine decodes
+  (`cuda_graph_max_bs_decode`, `graph_shape.graph_rows`), no prefill CUDA graphs (`disable_prefill_cuda_graph`:
+  capturing them took 63 of a 95 s start there).
 - readiness: an ordinary instance keeps SGLang's generating `/health` probe (a 1-token generation);
   an AWEX-launched instance starts with its weights released (AWEX colocate `initialize()`), so a
   generating probe would fail: it is ready when `/model_info` answers (`readiness_path`).
@@ -57,7 +65,9 @@ class SGLangLaunch:
     Fields: model_path; host (our HTTP bind address and the dist-init host); port, nccl_port,
     dist_init_port (from the named leases); tp_size (GPUs of the engine); base_gpu_id (its first device in
     the child's CUDA_VISIBLE_DEVICES); mem_fraction_static (of the GPU, for weights + KV cache);
-    random_seed; dtype; enable_memory_saver (always True here); awex (launched for AWEX's reader).
+    random_seed; dtype; enable_memory_saver (always True here); awex (launched for AWEX's reader);
+    cuda_graph_max_bs (the largest decode batch captured in a CUDA graph: the rows one engine decodes in a
+    step; None: SGLang's default).
     """
 
     model_path: str
@@ -72,6 +82,7 @@ class SGLangLaunch:
     dtype: str = "bfloat16"
     enable_memory_saver: bool = True
     awex: bool = False
+    cuda_graph_max_bs: int | None = None
 
     @classmethod
     def from_ports(
@@ -100,6 +111,8 @@ class SGLangLaunch:
             raise SGLangBackendError(
                 f"tp_size={launch.tp_size}, base_gpu_id={launch.base_gpu_id}: expected >= 1, >= 0"
             )
+        if launch.cuda_graph_max_bs is not None and launch.cuda_graph_max_bs < 1:
+            raise SGLangBackendError(f"cuda_graph_max_bs={launch.cuda_graph_max_bs}: expected >= 1")
         if not 0 < launch.mem_fraction_static < 1:
             raise SGLangBackendError(f"mem_fraction_static={launch.mem_fraction_static}: expected (0, 1)")
         if not launch.enable_memory_saver:
@@ -113,8 +126,8 @@ class SGLangLaunch:
         return f"{self.host}:{self.dist_init_port}"
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `sglang.Engine(**kw)` (ServerArgs fields, SGLang 0.5.23)."""
-        return {
+        """Keyword arguments of `sglang.Engine(**kw)` (ServerArgs fields, SGLang 0.5.17; module docstring)."""
+        out = {
             "model_path": self.model_path,
             "host": self.host,
             "port": self.port,
@@ -129,7 +142,14 @@ class SGLangLaunch:
             "random_seed": self.random_seed,
             "dtype": self.dtype,
             "enable_memory_saver": True,
+            "skip_tokenizer_init": True,
+            "attention_backend": "triton",
+            "sampling_backend": "pytorch",
+            "disable_prefill_cuda_graph": True,
         }
+        if self.cuda_graph_max_bs is not None:
+            out["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs
+        return out
 
     def to_argv(self) -> list[str]:
         """The same settings as `python -m sglang.launch_server` flags (for logs and debugging)."""
@@ -181,7 +201,7 @@ def readiness_path(awex: bool) -> str:
 
 
 def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine.async_generate` for a validated /generate request.
+    """Keyword arguments of `sglang.Engine.generate` for a validated /generate request.
 
     A prompt with n > 1 is expanded to n rows (SGLang's own `n` handling differs between versions);
     rows are prompt-major, row i·n + j being copy j of prompt i (sampling_seed + j when seeded).
@@ -213,7 +233,7 @@ def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
 def check_item(
     item: Mapping[str, Any], prompt_ids: Sequence[int], return_logprob: bool, logprob_start_len: int = -1
 ) -> GeneratedSample:
-    """Validate one SGLang 0.5.23 response item and build the sample the trainer consumes.
+    """Validate one SGLang response item (0.5.17's shape) and build the sample the trainer consumes.
 
     Checks: `meta_info.output_token_logprobs` has one (logprob, token_id, text|None) triple per output id,
     in order, each logprob finite and ≤ 0; with logprob_start_len = 0, `input_token_logprobs` has one entry
@@ -259,7 +279,7 @@ def check_item(
                 and (not isinstance(inputs[0], list | tuple) or inputs[0][0] is not None)
             ):
                 raise SGLangBackendError(
-                    f"meta_info.input_token_logprobs[0]={inputs[0]!r}: expected None (SGLang 0.5.23: the first "
+                    f"meta_info.input_token_logprobs[0]={inputs[0]!r}: expected None (SGLang: the first "
                     "prompt token has no prediction)"
                 )
     else:

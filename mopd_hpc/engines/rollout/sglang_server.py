@@ -9,13 +9,24 @@ The launch and mapping rules (named ports, environment, readiness, request and r
   GET|POST /release_memory_occupation, /resume_memory_occupation {tags}; /flush_cache
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weights_from_disk {model_path, weight_version?}
+  POST /update_weights_from_ipc {buffers, tensors, weight_version}   a colocated actor's shared buffers
+                                     (weight_sync.backend ipc), into `Engine.update_weights_from_tensor`
+                                     as references the TP workers open (`sglang_ipc.py`)
 
-The weight and memory routes call the Engine's Python methods of the same names (SGLang 0.5.23, algo_awex.md
-§3.2) in a worker thread: a broadcast that waits for the trainer does not stop the server answering, and the
-Engine's synchronous methods (`self.loop.run_until_complete(...)` in SGLang 0.5.23) cannot run on the thread
-of the server's running loop. The engine's TP workers join the torch weight-sync group as ranks rank_offset …
-rank_offset + tp_size − 1 (the trainer gives each server tp_size ranks: engines/weight_sync/torch.py
-`ranks_per_server`).
+Every route calls the Engine's synchronous Python method of the same name (`generate` for /generate and the
+probe), with SGLang 0.5.17's signatures (`srt/entrypoints/engine.py`), on the server's one engine thread
+(`engine_thread.py`: the thread that built the Engine; SGLang's tokenizer manager lives on the Engine's own
+loop): a broadcast that waits for the trainer does not stop the server answering, and the Engine's methods
+(`self.loop.run_until_complete(...)`) never run on the thread of the server's running loop. The engine's TP
+workers join the torch weight-sync group as ranks rank_offset … rank_offset + tp_size − 1 (the trainer gives
+each server tp_size ranks: engines/weight_sync/torch.py `ranks_per_server`).
+
+Weight version: SGLang 0.5.17's Engine methods take no `weight_version` (its request records do; its HTTP
+server passes them), so SGLang answers "default" in every item (measured on an H100, the lead's probe). The
+server is the only writer of the Engine's weights: it keeps the version of the last successful update and
+answers it in every generated item's `meta_info.weight_version` (`generate`) and in /model_info, so each
+rollout names the step whose weights sampled it (the controller updates weights between phases, never
+during a generation).
 
 Memory: when a colocated step leaves ROLLOUT the trainer releases kv_cache, weights and cuda_graph, and
 resumes weights before the weight sync and kv_cache and cuda_graph after it (trainer/rollout_memory.py); a
@@ -28,6 +39,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -42,6 +54,7 @@ from mopd_hpc.engines.rollout.control import (
     add_memory_routes,
     add_weight_routes,
 )
+from mopd_hpc.engines.rollout.engine_thread import EngineThread
 from mopd_hpc.engines.rollout.fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GenerateRequest
 from mopd_hpc.engines.rollout.sglang_backend import (
@@ -59,15 +72,21 @@ log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
 
 
 class SGLangRolloutServer:
-    """The HTTP surface over an `sglang.Engine` (or any object with its Python API: async_generate,
+    """The HTTP surface over an `sglang.Engine` (or any object with its Python API: generate,
     release_memory_occupation, resume_memory_occupation, flush_cache, init_weights_update_group,
-    update_weights_from_distributed, update_weights_from_disk; get_server_info and
-    destroy_weights_update_group where it has them)."""
+    update_weights_from_distributed, update_weights_from_tensor, update_weights_from_disk; get_server_info
+    and destroy_weights_update_group where it has them)."""
 
-    def __init__(self, launch: SGLangLaunch, engine: Any) -> None:
+    def __init__(self, launch: SGLangLaunch, engine: Any, thread: EngineThread | None = None) -> None:
+        """`thread`: the one that built `engine` and makes every call to it (a new one when None)."""
         self.launch, self.engine = launch, engine
+        self.thread = thread or EngineThread()
         self.released: set[str] = set()
         self.weight_version = "default"
+        #: Weights resumed and not loaded since: SGLang's memory saver keeps no copy of released weights, so
+        #: they are garbage until the next update (the lead's H100 probe: greedy output changed, μ off by
+        #: up to 1.48 nats). Generation is refused (503) until an update has loaded them.
+        self.stale_weights = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -81,13 +100,17 @@ class SGLangRolloutServer:
         add_weight_routes(
             r, self.init_group, self.update_from_distributed, self.destroy_group, self.update_from_disk
         )
+        r.add_post("/update_weights_from_ipc", self.update_from_ipc)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        """SGLang's generating probe: one token from a one-token prompt; 503 while weights are released."""
-        if self.released:
-            return web.json_response({"error": f"released: {sorted(self.released)}"}, status=503)
-        out = await self.engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1})
+        """SGLang's generating probe: one token from a one-token prompt; 503 while weights are released or
+        stale (`stale_weights`)."""
+        if self.released or self.stale_weights:
+            return web.json_response({"error": self._not_ready()}, status=503)
+        out = await self.thread.call(
+            self.engine.generate, input_ids=[0], sampling_params={"max_new_tokens": 1}
+        )
         return web.Response(status=200 if out else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -112,19 +135,20 @@ class SGLangRolloutServer:
             kwargs = generate_kwargs(req)
         except (RolloutRequestError, ValueError) as exc:
             return _error(400, str(exc))
-        if "weights" in self.released:
-            return _error(503, "weights are released")
-        out = await self.engine.async_generate(**kwargs)
+        if "weights" in self.released or self.stale_weights:
+            return _error(503, self._not_ready())
+        out = await self.thread.call(self.engine.generate, **kwargs)
         items = out if isinstance(out, list) else [out]
         for k, item in enumerate(items):  # validate every item against the documented shape
             check_item(item, kwargs["input_ids"][k], req.return_logprob, req.logprob_start_len)
+            item["meta_info"]["weight_version"] = self.weight_version  # module docstring
         return web.json_response(items if req.is_batch or len(items) > 1 else items[0])
 
     async def release(self, request: web.Request) -> web.Response:
         tags = MemoryTagsRequest.from_json(await _json(request)).tags
         todo = [t for t in tags if t not in self.released]  # idempotent: SGLang raises on a repeated tag
-        if todo:  # in a worker thread: the Engine's sync methods run its own event loop to completion
-            await asyncio.to_thread(self.engine.release_memory_occupation, tags=todo)
+        if todo:
+            await self.thread.call(self.engine.release_memory_occupation, tags=todo)
             self.released.update(todo)
         return web.json_response({"success": True, "released": sorted(self.released)})
 
@@ -132,12 +156,18 @@ class SGLangRolloutServer:
         tags = MemoryTagsRequest.from_json(await _json(request)).tags
         todo = [t for t in tags if t in self.released]
         if todo:
-            await asyncio.to_thread(self.engine.resume_memory_occupation, tags=todo)
+            await self.thread.call(self.engine.resume_memory_occupation, tags=todo)
             self.released.difference_update(todo)
+            self.stale_weights |= "weights" in todo
         return web.json_response({"success": True, "released": sorted(self.released)})
 
+    def _not_ready(self) -> str:
+        if self.released:
+            return f"released: {sorted(self.released)}"
+        return "weights resumed but not loaded since (SGLang's memory saver keeps no copy): a weight update first"
+
     async def flush_cache(self, request: web.Request) -> web.Response:
-        await asyncio.to_thread(self.engine.flush_cache)
+        await self.thread.call(self.engine.flush_cache)
         return web.json_response({"success": True})
 
     # ---- weights ------------------------------------------------------------------------------------
@@ -157,16 +187,40 @@ class SGLangRolloutServer:
         return await self._engine_call("init_weights_update_group", **req.to_json())
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
-        """Receive one broadcast of the named tensors; weight_version becomes the request's."""
+        """Receive one broadcast of the named tensors; weight_version becomes the request's.
+        (abort_all_requests is not SGLang 0.5.17 Engine's: the controller updates between phases only.)"""
         try:
             req = DistributedUpdateRequest.from_json(await _json(request))
         except RolloutRequestError as exc:
             return _error(400, str(exc))
-        kwargs = req.to_json()
-        answer = await self._engine_call("update_weights_from_distributed", **kwargs)
-        if answer.status == 200 and req.weight_version is not None:
-            self.weight_version = req.weight_version
-        return answer
+        kwargs = {k: v for k, v in req.to_json().items() if k not in ("weight_version", "abort_all_requests")}
+        kwargs.setdefault("load_format", None)
+        return await self._engine_call("update_weights_from_distributed", req.weight_version, **kwargs)
+
+    async def update_from_ipc(self, request: web.Request) -> web.Response:
+        """A colocated actor's shared buffers into the Engine (`sglang_ipc.py`): 200 {"success",
+        "weight_version", "seconds": {"map": 0 (nothing is mapped here), "copy": the Engine's update}}."""
+        from mopd_hpc.engines.rollout.sglang_ipc import named_refs
+        from mopd_hpc.engines.weight_sync.ipc import IpcUpdateRequest
+
+        try:
+            req = IpcUpdateRequest.from_json(await _json(request))
+        except RolloutRequestError as exc:
+            return _error(400, str(exc))
+        t0 = time.perf_counter()
+        answer = await self._engine_call(
+            "update_weights_from_tensor", req.weight_version,
+            named_tensors=named_refs(req), load_format=None, flush_cache=True,
+        )  # fmt: skip
+        if answer.status != 200:
+            return answer
+        log.info("sglang: %d tensors from shared buffers in %.4f s, weight_version=%s", len(req.tensors),
+                 time.perf_counter() - t0, self.weight_version)  # fmt: skip
+        return web.json_response({
+            "success": True, "message": f"loaded {len(req.tensors)} tensors",
+            "weight_version": self.weight_version,
+            "seconds": {"map": 0.0, "copy": time.perf_counter() - t0},
+        })  # fmt: skip
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -186,17 +240,25 @@ class SGLangRolloutServer:
                 400, f"/update_weights_from_disk body={body!r}: expected {{'model_path': str, ...}}"
             )
         version = body.get("weight_version")
-        answer = await self._engine_call("update_weights_from_disk", model_path=body["model_path"])
-        if answer.status == 200 and version is not None:
-            self.weight_version = str(version)
-        return answer
+        return await self._engine_call(
+            "update_weights_from_disk",
+            None if version is None else str(version),
+            model_path=body["model_path"],
+        )
 
-    async def _engine_call(self, method: str, **kwargs: Any) -> web.Response:
-        """Run `engine.<method>(**kwargs)` in a worker thread; SGLang answers (success, message)."""
-        out = await asyncio.to_thread(getattr(self.engine, method), **kwargs)
+    async def _engine_call(
+        self, method: str, weight_version: str | None = None, **kwargs: Any
+    ) -> web.Response:
+        """Run `engine.<method>(**kwargs)` on the engine thread; SGLang answers (success, message). A weight
+        update that succeeded with a `weight_version` makes it the server's (module docstring)."""
+        out = await self.thread.call(getattr(self.engine, method), **kwargs)
         success, message = (out[0], out[1]) if isinstance(out, tuple) and len(out) >= 2 else (True, "")
         if not success:
             return _error(400, f"{method}: {message}")
+        if method.startswith("update_weights"):
+            self.stale_weights = False
+        if weight_version is not None:
+            self.weight_version = weight_version
         return web.json_response({"success": True, "message": message})
 
 
@@ -239,11 +301,13 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except (SGLangBackendError, GuardAuthError) as exc:
         print(f"sglang backend: {exc}", file=sys.stderr)
         return 2
-    engine = start_engine(launch)
+    thread = EngineThread()  # builds the Engine and makes every call to it (engine_thread.py)
+    engine = asyncio.run(thread.call(start_engine, launch))
     log.info("sglang engine up: %s (token file %s)", " ".join(launch.to_argv()), token_file)
-    app = sglang_app(SGLangRolloutServer(launch, engine), token)
+    app = sglang_app(SGLangRolloutServer(launch, engine, thread), token)
     web.run_app(app, host=launch.host, port=launch.port)
-    engine.shutdown()
+    asyncio.run(thread.call(engine.shutdown))
+    thread.close()
     return 0
 
 

@@ -367,10 +367,22 @@ def open_buffer(h: BufferHandle) -> torch.Tensor:
         return torch.from_file(h.path, shared=True, size=h.numel, dtype=dtype)
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size([h.numel]), (1,), h.tensor_offset, torch.storage.TypedStorage, dtype,
-        h.device, bytes.fromhex(h.handle), h.storage_size_bytes, h.storage_offset_bytes, False,
-        bytes.fromhex(h.ref_counter_handle), h.ref_counter_offset,
+    return rebuild_cuda_tensor(*cuda_rebuild_args(h, (h.numel,), 0))
+
+
+def cuda_rebuild_args(h: BufferHandle, shape: Sequence[int], offset: int) -> tuple[Any, ...]:
+    """The arguments of torch's `rebuild_cuda_tensor` (torch.multiprocessing.reductions, the order
+    `reduce_tensor` gives them) for a contiguous tensor of `shape` at element `offset` of buffer `h`: what
+    a CUDA tensor pickled by `ForkingPickler` carries, so any process of the node opens it (once per
+    handle: torch caches the storage)."""
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.insert(0, step)
+        step *= d
+    return (
+        torch.Tensor, torch.Size(shape), tuple(stride), h.tensor_offset + offset, torch.storage.TypedStorage,
+        getattr(torch, h.dtype), h.device, bytes.fromhex(h.handle), h.storage_size_bytes,
+        h.storage_offset_bytes, False, bytes.fromhex(h.ref_counter_handle), h.ref_counter_offset,
         bytes.fromhex(h.event_handle) if h.event_handle else None, h.event_sync_required,
     )  # fmt: skip
 
