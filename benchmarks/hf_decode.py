@@ -26,7 +26,8 @@ device memory:
 kv bytes per token = layers · 2 · kv_heads · head_dim · dtype bytes; the bandwidth is measured in the same run
 (the best of a few copies of a 1/4 GiB (CPU) or 4 GiB (GPU) buffer: 2 · bytes / seconds). `x_floor` is the
 measured time over the floor (1 = at the floor). The prefill is inside the measured time and not in the floor.
-Each run records the model's attention implementation (`attention`: the static decoders switch an SDPA model
+A compiled decoder's entry records its attention spans and the peak GiB reserved on the device while it ran
+(`peak_reserved_gib`: with the graph pools of every span). Each run records the model's attention implementation (`attention`: the static decoders switch an SDPA model
 to `engines/rollout/grouped_attention.py`; the engines share one model, so every row of a run shows it).
 """
 
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             for d, engine in engines.items():
                 if d == "loop" and rows * new > args.max_loop_tokens:
                     continue
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
                 seconds, tokens, warm = time_decoder(engine, rows, args.prompt_len, new)
                 entry = {
                     "decoder": d, "rows": rows, "new_tokens": new, "prompt_len": args.prompt_len,
@@ -220,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 if engine.compile_decode:
                     entry["compiled_active"] = engine.compile_active
                     entry["attention_spans"] = engine.attention_spans
+                    # the KV cache and the CUDA-graph pool (one graph per span) of this decoder, and any
+                    # earlier decoder's still held by torch's caching allocator
+                    entry["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
                 table.append(entry)
                 print(f"{d:>9} {rows:>5}x{new:<5} {seconds:9.3f} s {tokens / seconds:12.1f} tok/s "
                       f"floor {floor:8.4f} s  x{seconds / floor:8.1f}  (warm-up {warm:.1f} s, "

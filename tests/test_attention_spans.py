@@ -136,6 +136,30 @@ def test_attention_spans_below_one_are_refused(ckpt):
         static_engine(ckpt, torch.float32, 0)
 
 
+def test_dynamo_traces_the_decode_step_once_per_span(ckpt):
+    """The compiled path's tracing on CPU: torch.compile (dynamic=False, a backend that counts the graphs it
+    is given and runs them as traced) over the engine's model, as `_compiled_forward` calls it; 4 spans of a
+    128-slot cache give one graph per span the steps reach (96 and 128; the prefill is eager), and the
+    batch decodes as the eager engine does."""
+    rows = [
+        row(p, seed=i, max_new_tokens=40, temperature=0.9, ignore_eos=True) for i, p in enumerate(PROMPTS)
+    ]
+    expected = static_engine(ckpt, torch.float32, 4).generate(rows, Gate())
+    eng = static_engine(ckpt, torch.float32, 4)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    eng.compile_decode, eng._compiled = True, torch.compile(eng.model, backend=counting, dynamic=False)
+    got = eng.generate(rows, Gate())
+    assert eng.compile_active and len(graphs) == 2
+    assert sorted(shape[-1] for shape in eng._compiled_calls) == [96, 128]
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_spans_logprobs_equal_direct_forward_cuda_bf16_0_6b(tmp_path):
     """The compiled decode step over 3 spans (96, 192, 256 slots of a (6 rows, 256 slots) graph shape), bf16,
