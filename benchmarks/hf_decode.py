@@ -8,7 +8,12 @@ forward), on a random-weight Qwen3 shape, through `HFRolloutEngine.generate` as 
 The shapes and the checkpoint are `benchmarks/gpu_models.py`'s (SHAPES; make_checkpoint, seed 0, in the run's
 dtype). Each run is ROWS×NEW: ROWS rows of random prompts of --prompt-len tokens, temperature 1, distinct
 seeds, ignore_eos (every row decodes NEW tokens). Each decoder first decodes the same batch for 8 steps (then
-aborted: a warm-up of the same shapes, so a compiled forward is captured before the timing).
+aborted: a warm-up of the same shapes, so a compiled forward is captured before the timing); a compiled
+decoder decodes it whole, so that the graph of every attention span is compiled and captured before.
+
+Decoders: loop, static (eager, attending over the written slots), compiled (the static decoder's step in CUDA
+graphs attending over `--spans` spans of the cache, `graph_shape.attention_span`, issue 35) and
+compiled_full (the same over all cache slots at every step: the compiled step before issue 35).
 
 `--profile STEPS` also runs each decoder under torch.profiler for STEPS decoding steps of the last run's batch
 (after its timing) and records, per decoder, the wall time, the time the device was busy in kernels (CUDA;
@@ -21,7 +26,8 @@ device memory:
 kv bytes per token = layers · 2 · kv_heads · head_dim · dtype bytes; the bandwidth is measured in the same run
 (the best of a few copies of a 1/4 GiB (CPU) or 4 GiB (GPU) buffer: 2 · bytes / seconds). `x_floor` is the
 measured time over the floor (1 = at the floor). The prefill is inside the measured time and not in the floor.
-Each run records the model's attention implementation (`attention`: the static decoders switch an SDPA model
+A compiled decoder's entry records its attention spans and the peak GiB reserved on the device while it ran
+(`peak_reserved_gib`: with the graph pools of every span). Each run records the model's attention implementation (`attention`: the static decoders switch an SDPA model
 to `engines/rollout/grouped_attention.py`; the engines share one model, so every row of a run shows it).
 """
 
@@ -40,6 +46,8 @@ sys.path.insert(0, str(REPO))
 
 from gpu_models import SHAPES, make_checkpoint  # noqa: E402  (one home for the random Qwen3 checkpoints)
 from results_file import write_results  # noqa: E402
+
+from mopd_hpc.engines.rollout.graph_shape import SPANS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -102,7 +110,8 @@ def time_decoder(engine, rows: int, prompt_len: int, new: int) -> tuple[float, i
     """(seconds, tokens, warm-up seconds) of one batch; the warm-up includes any compilation."""
     batch = requests(rows, prompt_len, new, engine.vocab_size)
     t0 = time.perf_counter()
-    engine.generate(batch, OpenGate(steps=8))  # warm-up: the same shapes (cache, masks), 8 steps, then abort
+    # warm-up: the same shapes (cache, masks), 8 steps then abort; compiled: every step (each span's graph)
+    engine.generate(batch, OpenGate(steps=None if engine.compile_decode else 8))
     sync(engine.device)
     warm = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -153,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--runs", default="128x128,256x1024", help="ROWSxNEW,... ")
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--decoders", default="loop,static,compiled", help="of loop, static, compiled (cuda only)")
+    p.add_argument(
+        "--decoders",
+        default="loop,static,compiled",
+        help="of loop, static, compiled, compiled_full (cuda only)",
+    )
+    p.add_argument("--spans", type=int, default=SPANS, help="the compiled decoder's attention spans")
     p.add_argument(
         "--max-loop-tokens",
         type=int,
@@ -171,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     decoders = [d for d in args.decoders.split(",") if d]
-    if device.type != "cuda" and "compiled" in decoders:
-        decoders.remove("compiled")
-        print("hf_decode: compiled is CUDA-only; skipped")
+    for compiled in ("compiled", "compiled_full"):
+        if device.type != "cuda" and compiled in decoders:
+            decoders.remove(compiled)
+            print(f"hf_decode: {compiled} is CUDA-only; skipped")
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
     bw = bandwidth(device)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
@@ -185,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         first = HFRolloutEngine.load(str(ckpt), str(device), dtype_name, decoder="loop")
         engines = {  # one model, shared (the runs are sequential)
             d: HFRolloutEngine(
-                first.model, str(ckpt), first.device, first.dtype, decoder="static" if d == "compiled" else d,
-                compile_decode=d == "compiled",
+                first.model, str(ckpt), first.device, first.dtype,
+                decoder="static" if d.startswith("compiled") else d, compile_decode=d.startswith("compiled"),
+                attention_spans={"compiled": args.spans, "compiled_full": 1}.get(d),
             )
             for d in decoders
         }  # fmt: skip
@@ -195,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             for d, engine in engines.items():
                 if d == "loop" and rows * new > args.max_loop_tokens:
                     continue
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
                 seconds, tokens, warm = time_decoder(engine, rows, args.prompt_len, new)
                 entry = {
                     "decoder": d, "rows": rows, "new_tokens": new, "prompt_len": args.prompt_len,
@@ -202,8 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                     "floor_s": round(floor, 5), "x_floor": round(seconds / floor, 2),
                     "warmup_s": round(warm, 3), "attention": engine.model.config._attn_implementation,
                 }  # fmt: skip
-                if d == "compiled":
+                if engine.compile_decode:
                     entry["compiled_active"] = engine.compile_active
+                    entry["attention_spans"] = engine.attention_spans
+                    # the KV cache and the CUDA-graph pool (one graph per span) of this decoder, and any
+                    # earlier decoder's still held by torch's caching allocator
+                    entry["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
                 table.append(entry)
                 print(f"{d:>9} {rows:>5}x{new:<5} {seconds:9.3f} s {tokens / seconds:12.1f} tok/s "
                       f"floor {floor:8.4f} s  x{seconds / floor:8.1f}  (warm-up {warm:.1f} s, "

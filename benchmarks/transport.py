@@ -81,7 +81,7 @@ class FixedScores:
         self.device = torch.device("cpu")
         self.cache: dict[tuple[int, int, int | None], Any] = {}
 
-    def score(self, batch: Any, k: int | None = None) -> Any:
+    def score(self, batch: Any, k: int | None = None, *, host: bool = True) -> Any:  # CPU: host either way
         from mopd_hpc.mopd.topk import TeacherTopK
 
         key = (batch.batch_size, batch.response_width, k)

@@ -57,7 +57,7 @@ class FakeTPEngine:
     def vocab_size(self) -> int:
         return VOCAB
 
-    def score(self, batch: TokenBatch, k: int | None = None):
+    def score(self, batch: TokenBatch, k: int | None = None, *, host: bool = True):  # CPU: host either way
         mask = batch.attention_mask.unsqueeze(-1).float()
         h = (self.embed[batch.input_ids] * mask).cumsum(1) / mask.cumsum(1).clamp(min=1)
         part = h @ self.shard

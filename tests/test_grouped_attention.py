@@ -73,3 +73,19 @@ def test_other_calls_are_transformers_sdpa_exactly(q_len, mask_heads, kv):
     got, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=D**-0.5)
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=D**-0.5)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "prefill"])
+def test_a_mask_narrower_than_the_cache_attends_its_prefix(q_len):
+    """A mask of S < C slots (the static decoder's span of written slots): the attention over the first S slots
+    only, as if the cache had S slots, and as the full-width mask with the slots beyond S masked out."""
+    query, key, value, mask = tensors(q_len=q_len)
+    span = 7
+    module = Attn(H // KV)
+    got, _ = grouped_sdpa_attention(module, query, key, value, mask[..., :span], scaling=D**-0.5)
+    prefix = reference(query, key[:, :, :span], value[:, :, :span], mask[..., :span])
+    assert (got - prefix).abs().max() <= 1e-12
+    wide = mask.clone()
+    wide[..., span:] = False
+    full, _ = grouped_sdpa_attention(module, query, key, value, wide, scaling=D**-0.5)
+    assert (got - full).abs().max() <= 1e-12

@@ -337,7 +337,7 @@ def test_static_full_width_masks_equal_written_only(ckpt):
     outs = []
     for written_only in (False, True):
         cache = StaticCache(config=eng.model.config, max_cache_len=cache_length(srows)[1])
-        forward = eng._forward_static
+        forward, span = eng._forward_static, None
         if written_only:
             set_end = kv_view(cache)
             assert set_end is not None
@@ -346,9 +346,10 @@ def test_static_full_width_masks_equal_written_only(ckpt):
                 set_end(mask4d.shape[-1])
                 return eng._forward_static(ids, mask4d, pos, cache, cache_position)
 
-        outs.append(
-            decode_static(srows, forward, cache, Gate(), eng.device, eng._static_mask(), written_only)
-        )
+            def span(written):
+                return written
+
+        outs.append(decode_static(srows, forward, cache, Gate(), eng.device, eng._static_mask(), span))
     for a, b in zip(*outs, strict=True):
         assert a.output_ids == b.output_ids and a.finish == b.finish
         assert (torch.tensor(a.output_logprobs) - torch.tensor(b.output_logprobs)).abs().max() <= TOL
@@ -433,7 +434,7 @@ def test_padded_batch_decodes_as_the_unpadded_one(ckpt):
         assert cache_length(rows, length)[1] == (320 if padded else 64 + 64)
         cache = StaticCache(config=eng.model.config, max_cache_len=cache_length(rows, length)[1])
         got = decode_static(
-            rows, eng._forward_static, cache, Gate(), eng.device, eng._static_mask(), False, length
+            rows, eng._forward_static, cache, Gate(), eng.device, eng._static_mask(), None, length
         )
         assert len(got) == len(rows)
         if padded:

@@ -257,7 +257,7 @@ class NanEngine:
 
     vocab_size = 16
 
-    def score(self, batch: TokenBatch, top_k: int | None):
+    def score(self, batch: TokenBatch, top_k: int | None, *, host: bool = True):  # CPU: host either way
         lp = torch.full((batch.batch_size, batch.response_width), -0.5)
         lp[0, 0] = float("-inf")
         if batch.batch_size > 1:

@@ -49,7 +49,7 @@ class NonFiniteEngine:
 
         self.residency = Residency(torch.nn.Linear(1, 1), self.device)
 
-    def score(self, batch: TokenBatch, k: int | None = None):
+    def score(self, batch: TokenBatch, k: int | None = None, *, host: bool = True):  # CPU: host either way
         g = torch.Generator().manual_seed(batch.batch_size)
         shape = (batch.batch_size, batch.response_width)
         lp = -torch.rand(shape, generator=g) * 5

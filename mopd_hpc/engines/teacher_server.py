@@ -45,12 +45,7 @@ from mopd_hpc.engines.buffer_pool import BufferPool
 from mopd_hpc.engines.peak_memory import PeakTracker, add_peaks_route, peak_middleware
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.teacher_generate import GreedyRequestError, generate_route
-from mopd_hpc.engines.teacher_wire import (
-    decode_score_request,
-    first_nan,
-    floor_nonfinite,
-    score_answer,
-)
+from mopd_hpc.engines.teacher_wire import PackedAnswer, decode_score_request, pack_answer
 from mopd_hpc.engines.torch_engine import TorchScoringEngine
 from mopd_hpc.engines.wire import WireError
 from mopd_hpc.engines.wire_http import accepts_frame, is_frame, read_frame, send_frame
@@ -202,8 +197,8 @@ class TeacherServer:
             req = ScoreRequest.from_json(await request.json(), vocab)
             batch, top_k = TokenBatch.from_rows(req.input_ids, req.response_start, self.pad_id), req.top_k
         async with self.lock:
-            logprobs, top = await asyncio.to_thread(self._score, batch, top_k)
-        if (nan := first_nan(logprobs, batch.response_lengths)) is not None:
+            answer = await asyncio.to_thread(self._score, batch, top_k)
+        if (nan := answer.nan) is not None:
             b, t, count = nan
             raise NonFiniteScoreError(
                 f"teacher {self.teacher_id!r}: its log-prob of row {b}'s response token {t} is NaN ({count} NaN "
@@ -211,23 +206,23 @@ class TeacherServer:
                 "nothing of this batch is answered"
             )
         if accepts_frame(request):
-            ids, vals = (None, None) if top is None else (top.indices, top.logprobs)
-            frame = score_answer(batch.response_lengths, logprobs, ids, vals, self._identity(), vocab)
-            return await send_frame(request, frame, self.pieces)
-        body: dict[str, Any] = {"logprobs": batch.unpad_response_values(floor_nonfinite(logprobs))}
-        if top is not None:
-            lengths = batch.response_lengths.tolist()
-            values = floor_nonfinite(top.logprobs)
-            body["topk_ids"] = [top.indices[b, :n].tolist() for b, n in enumerate(lengths)]
-            body["topk_logprobs"] = [values[b, :n].tolist() for b, n in enumerate(lengths)]
+            return await send_frame(request, answer.frame(self._identity()), self.pieces)
+        body: dict[str, Any] = {"logprobs": answer.rows(answer.logprobs)}
+        if answer.topk_ids is not None and answer.topk_logprobs is not None:
+            body["topk_ids"] = answer.rows(answer.topk_ids)
+            body["topk_logprobs"] = answer.rows(answer.topk_logprobs)
         return web.json_response(body | self._identity())
 
     async def generate_greedy(self, request: web.Request) -> web.Response:
         return web.json_response(await generate_route(self, await request.json()) | self._identity())
 
-    def _score(self, batch: TokenBatch, top_k: int | None) -> tuple[Any, Any]:
-        """The engine's score (CPU tensors), then its buffers given back to the device (module docstring)."""
-        answer = self.engine.score(batch, top_k)
+    def _score(self, batch: TokenBatch, top_k: int | None) -> PackedAnswer:
+        """The engine's score left on its device, packed there and copied to the host once
+        (`teacher_wire.pack_answer`), then the device's buffers given back (module docstring)."""
+        logprobs, top = self.engine.score(batch, top_k, host=False)
+        ids, vals = (None, None) if top is None else (top.indices, top.logprobs)
+        answer = pack_answer(batch.response_lengths, logprobs, ids, vals, self.engine.vocab_size)
+        del logprobs, top, ids, vals
         if self.peaks.active:
             import torch
 

@@ -91,8 +91,11 @@ class TPLeader:
         values = [op, b, length, width, -1 if k is None else k, pad]
         _broadcast(torch.tensor(values, dtype=torch.int64, device=self.comm_device), self.group)
 
-    def score(self, batch: TokenBatch, k: int | None = None) -> tuple[torch.Tensor, Any]:
-        """Broadcast the batch, then this shard's forward: ([B, T] float32 log-probs, top-k or None)."""
+    def score(
+        self, batch: TokenBatch, k: int | None = None, *, host: bool = True
+    ) -> tuple[torch.Tensor, Any]:
+        """Broadcast the batch, then this shard's forward: ([B, T] float32 log-probs, top-k or None); host:
+        the engine's (`score`)."""
         with self._lock:
             self._header(SCORE, batch, k)
             d = self.comm_device
@@ -101,7 +104,7 @@ class TPLeader:
             _broadcast(batch.response_mask.to(d, torch.uint8).contiguous(), self.group)
             _broadcast(batch.response_start.to(d, torch.int64).contiguous(), self.group)
             self.requests += 1
-            return self.engine.score(batch, k)
+            return self.engine.score(batch, k, host=host)
 
     def offload(self) -> Any:
         with self._lock:

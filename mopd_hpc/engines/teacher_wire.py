@@ -238,3 +238,85 @@ def score_answer(
         vals = tuple(topk_logprobs[b, :n] for b, n in enumerate(rows))
         tensors["topk_logprobs"] = Packed(vals, torch.float32, f)
     return layout(tensors, identity)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedAnswer:
+    """A /score answer packed where the engine scored it and copied to the host once (`pack_answer`).
+
+    Attributes:
+        lengths: [B] int64 CPU, |response_b|; N = lengths.sum().
+        logprobs: [N] float32 CPU, non-finite values already `LOGPROB_FLOOR`.
+        topk_ids: [N, K] int32 CPU (int64 for a vocabulary beyond INT32_MAX), or None.
+        topk_logprobs: [N, K] float32 CPU, floored, or None.
+        nan: (row, response position, count) of the first NaN log-prob before flooring (`first_nan`), or None.
+    """
+
+    lengths: torch.Tensor
+    logprobs: torch.Tensor
+    topk_ids: torch.Tensor | None
+    topk_logprobs: torch.Tensor | None
+    nan: tuple[int, int, int] | None
+
+    def frame(self, identity: Mapping[str, Any]) -> FrameLayout:
+        """The answer frame (module docstring), byte for byte `score_answer`'s of the same scores; every
+        tensor is sent from its own memory (one contiguous CPU tensor each, nothing left to cast or floor)."""
+        tensors: dict[str, torch.Tensor | Packed] = {"lengths": self.lengths, "logprobs": self.logprobs}
+        if self.topk_ids is not None and self.topk_logprobs is not None:
+            tensors |= {"topk_ids": self.topk_ids, "topk_logprobs": self.topk_logprobs}
+        return layout(tensors, identity)
+
+    def rows(self, values: torch.Tensor) -> list[list[Any]]:
+        """Packed [N, ...] values → per-row nested lists (the JSON answer's shape)."""
+        return [part.tolist() for part in values.split(self.lengths.tolist())]
+
+
+def pack_answer(
+    lengths: torch.Tensor,
+    logprobs: torch.Tensor,
+    topk_ids: torch.Tensor | None,
+    topk_logprobs: torch.Tensor | None,
+    vocab_size: int,
+) -> PackedAnswer:
+    """An engine's padded scores → the packed answer, built on the scores' device (the real positions
+    gathered, non-finite values floored, ids cast) and copied to the host in ONE device→host copy of one
+    byte buffer, with no host sync before it and no per-row work.
+
+    Args:
+        lengths: [B] int (any device), |response_b| ≤ T.
+        logprobs: [B, T] float, on the engine's device; topk_ids / topk_logprobs: [B, T, K] int and float
+            on the same device, or both None.
+        vocab_size: V; ids are int32 when V − 1 <= INT32_MAX, else int64 (as `score_answer`).
+    """
+    device, (rows, width) = logprobs.device, logprobs.shape
+    host_lengths = lengths.to("cpu", torch.int64)
+    total = int(host_lengths.sum())
+    count = host_lengths.to(device)
+    row = torch.repeat_interleave(torch.arange(rows, device=device), count, output_size=total)  # [N]
+    first = torch.cumsum(count, 0) - count  # [B] packed index of each row's first position
+    flat = row * width + torch.arange(total, device=device) - first[row]  # [N] index into [B·T]
+    lp = logprobs.reshape(-1)[flat]
+    nan = torch.isnan(lp)
+    head = torch.stack([nan.sum(), nan.to(torch.uint8).argmax() if total else nan.sum()]).to(torch.int64)
+    # head and ids (int64 or int32) first: every part starts at a multiple of its element size in the buffer
+    parts = {"head": head}
+    if topk_ids is not None and topk_logprobs is not None:
+        k = topk_ids.shape[-1]
+        id_dtype = torch.int32 if vocab_size - 1 <= INT32_MAX else torch.int64
+        parts["topk_ids"] = topk_ids.reshape(-1, k)[flat].to(id_dtype)
+        parts["topk_logprobs"] = floor_nonfinite(topk_logprobs.reshape(-1, k)[flat])
+    parts["logprobs"] = floor_nonfinite(lp)
+    buffer = torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts.values()]).cpu()
+    host, at = {}, 0
+    for name, p in parts.items():
+        size = p.numel() * p.element_size()
+        host[name] = buffer[at : at + size].view(p.dtype).reshape(p.shape)
+        at += size
+    nan_count, nan_at = host["head"].tolist()
+    where = None
+    if nan_count:
+        b = int(torch.searchsorted(torch.cumsum(host_lengths, 0), nan_at, right=True))
+        where = (b, nan_at - int(host_lengths[:b].sum()), nan_count)
+    return PackedAnswer(
+        host_lengths, host["logprobs"], host.get("topk_ids"), host.get("topk_logprobs"), where
+    )

@@ -60,10 +60,14 @@ class TorchScoringEngine:
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
-    def score(self, batch: TokenBatch, k: int | None = None) -> tuple[torch.Tensor, TeacherTopK | None]:
+    def score(
+        self, batch: TokenBatch, k: int | None = None, *, host: bool = True
+    ) -> tuple[torch.Tensor, TeacherTopK | None]:
         """One forward: ([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None).
 
-        Rows are scored `max_batch_rows` at a time; results are on the CPU.
+        Rows are scored `max_batch_rows` at a time, their results kept on the device and joined there; host
+        (default): then copied to the CPU; False: left on the engine's device (the teacher server packs them
+        there, `teacher_wire.pack_answer`, and copies the packed answer to the host once).
         Raises:
             EngineError: the weights are offloaded, or k < 1.
         """
@@ -76,13 +80,16 @@ class TorchScoringEngine:
             for start in range(0, batch.batch_size, self.max_batch_rows):
                 part = batch.rows(start, start + self.max_batch_rows).to(self.device)
                 logits = self.forward.response_logits(part)
-                lps.append(self.forward.token_logprobs(logits, part).cpu())
+                lps.append(self.forward.token_logprobs(logits, part))
                 if k is not None:
                     top = TeacherTopK.from_logits(logits, k)
-                    ids.append(top.indices.cpu())
-                    vals.append(top.logprobs.float().cpu())
-        topk = TeacherTopK(torch.cat(ids), torch.cat(vals)) if k is not None else None
-        return torch.cat(lps), topk
+                    ids.append(top.indices)
+                    vals.append(top.logprobs.float())
+                del logits
+        out = [torch.cat(lps), *((torch.cat(ids), torch.cat(vals)) if k is not None else ())]
+        if host:
+            out = [t.cpu() for t in out]
+        return out[0], (TeacherTopK(out[1], out[2]) if k is not None else None)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         return self.score(batch)[0]

@@ -155,10 +155,10 @@ def token_logprobs(
             f"index has shape {list(index.shape)}; expected {list(logits.shape[:-1])} or "
             f"{list(logits.shape[:-1])} + [K] for logits {list(logits.shape)}"
         )
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n_vocab):
-        raise LogprobError(
-            f"index holds values in [{int(index.min())}, {int(index.max())}]; expected [0, {n_vocab})"
-        )
+    if index.numel():
+        low, high = torch.stack(torch.aminmax(index)).tolist()  # one host sync for both bounds
+        if low < 0 or high >= n_vocab:
+            raise LogprobError(f"index holds values in [{low}, {high}]; expected [0, {n_vocab})")
     if backend == "naive" or logits.dtype == torch.float64:
         return naive_token_logprobs(logits, index)
     can_triton = logits.is_cuda and single and triton_available()

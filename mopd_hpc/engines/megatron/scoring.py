@@ -131,8 +131,11 @@ class MegatronScoringEngine:
             ]
             return torch.cat(parts, dim=0).float().cpu()
 
-    def score(self, batch: TokenBatch, k: int | None = None) -> tuple[torch.Tensor, TeacherTopK | None]:
-        """([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None), on the CPU.
+    def score(
+        self, batch: TokenBatch, k: int | None = None, *, host: bool = True
+    ) -> tuple[torch.Tensor, TeacherTopK | None]:
+        """([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None), on the CPU
+        (host False, with k: on the engine's device, for `teacher_wire.pack_answer`).
 
         Without k: the labels path (`logprobs`). With k: one forward without labels, then log-probs and top-k
         from the vocab-parallel logits (`vocab_parallel_score`, module docstring: collectives over the TP
@@ -160,11 +163,14 @@ class MegatronScoringEngine:
                 lp, top_ids, top_lp = vocab_parallel_score(
                     logits, rank * logits.shape[-1], self.vocab_size, token, k, gather, reduce
                 )
-                lps.append(torch.where(mask, lp, 0.0).cpu())
-                ids.append(top_ids.cpu())
-                vals.append(top_lp.cpu())
+                lps.append(torch.where(mask, lp, 0.0))
+                ids.append(top_ids)
+                vals.append(top_lp)
                 del logits
-        return torch.cat(lps), TeacherTopK(torch.cat(ids), torch.cat(vals))
+        out = [torch.cat(lps), torch.cat(ids), torch.cat(vals)]
+        if host:
+            out = [t.cpu() for t in out]
+        return out[0], TeacherTopK(out[1], out[2])
 
     def topk(self, batch: TokenBatch, k: int) -> TeacherTopK:
         """The teacher's top-k per response position (any tensor_parallel; see `score`)."""

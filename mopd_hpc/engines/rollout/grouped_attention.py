@@ -20,6 +20,11 @@ which is the same attention (each query head h attends with key/value head h // 
 `repeat_kv`), reading each cache slot once. Every other call (prefill, q > 1, a per-head mask, a position
 bias, softcap, g = 1) is transformers' own `sdpa_attention_forward`.
 
+A mask narrower than the cache (attention_mask [..., S], S < C) names the slots attended: the first S, the
+keys and values read as that prefix (views, no copy) in both branches, so that a decode step reads only
+the slots the static decoder has written, rounded up to a span (issue 35; `graph_shape.attention_span`).
+transformers' own path would instead cut the mask to the keys' length, which needs S >= C.
+
 `use_grouped_attention(model)` registers the function with transformers' AttentionInterface (and the SDPA mask
 builder with its AttentionMaskInterface, for 2D masks) under `NAME` and switches an SDPA model to it.
 """
@@ -48,10 +53,14 @@ def grouped_sdpa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, q, D], key/value [B, K, C, D], attention_mask
-    bool or additive [B, 1 or H, q, C] or None; returns (output [B, q, H, D] contiguous, None). For q = 1 with
-    H > K and a mask shared by the heads, one SDPA call over the K heads (module docstring); else
-    `sdpa_attention_forward` unchanged."""
+    bool or additive [B, 1 or H, q, S] or None; returns (output [B, q, H, D] contiguous, None). S < C: only the
+    first S slots are attended (module docstring). For q = 1 with H > K and a mask shared by the heads, one
+    SDPA call over the K heads (module docstring); else `sdpa_attention_forward` unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None and attention_mask.shape[-1] < key.shape[-2]:
+        span = attention_mask.shape[-1]  # the written slots' prefix of a static cache
+        key, value = key[:, :, :span], value[:, :, :span]
 
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q_len, dim = query.shape

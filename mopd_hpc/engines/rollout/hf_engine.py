@@ -16,7 +16,8 @@ device, not a config field):
   draws differ from the loop's (another uniform per (seed, step)); μ is computed by the same code. Batches
   with a row asking input log-probs (logprob_start_len >= 0) or top log-probs, or a model whose attention
   is neither SDPA nor eager, run on the loop decoder. An SDPA model is switched to `grouped_attention.py`
-  (its one-token step reads each K/V cache slot once, not through `repeat_kv` copies) with this decoder.
+  (its one-token step reads each K/V cache slot once, not through `repeat_kv` copies) with this decoder;
+  its compiled step then attends over the written slots rounded up to one of a few spans (`attention_spans`).
 
 Thread model: `generate` runs in the scheduler's worker thread; every forward pass and every weight
 change holds `self.lock`, taken per decoding step, so weights can change between two steps of a batch
@@ -34,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mopd_hpc.engines.rollout.graph_shape import SPANS, attention_span
 from mopd_hpc.engines.rollout.grouped_attention import NAME as GROUPED_SDPA
 from mopd_hpc.engines.rollout.grouped_attention import use_grouped_attention
 from mopd_hpc.engines.rollout.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
@@ -43,6 +45,16 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODERS = ("auto", "loop", "static")
+
+
+def allow_recompiles(entries: int) -> None:
+    """Raise torch dynamo's per-frame recompile limit (process-wide) to at least `entries`: the compiled decode
+    forward keeps one graph per (rows, cache length, attention span), and past the limit dynamo would run
+    the forward eagerly without saying so in the result."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), entries))
 
 
 class WeightLoadError(ValueError):
@@ -102,6 +114,7 @@ class HFRolloutEngine:
         decoder: str = "auto",
         compile_decode: bool | None = None,
         graph_shape: tuple[int, int] | None = None,
+        attention_spans: int | None = None,
     ) -> None:
         """decoder: "auto" ("static" on CUDA, "loop" elsewhere), "loop" or "static" (see the module docstring).
         With "static", an SDPA model's attention becomes `grouped_attention.grouped_sdpa_attention` (the same
@@ -120,9 +133,14 @@ class HFRolloutEngine:
         that decode nothing, `static_decoder.padding_rows`; a cache of that many slots), so that batches of
         other sizes and prompt widths replay the graphs of one compilation; a batch that does not fit gets
         its own shape (and compilation). None: each batch's own shape.
+        attention_spans (static decoder on the grouped attention only; None = `graph_shape.SPANS` with
+        compile_decode, else the written slots exactly through `static_decoder.kv_view`): each step attends
+        over the first `graph_shape.attention_span(n, C, attention_spans)` cache slots, n those written (one
+        CUDA graph per span: up to that many compilations per shape); 1: all C slots (the layout before
+        issue 35). Eagerly the spans decode as the written slots do, up to float rounding.
         Raises:
             ValueError: an unknown decoder, compile_decode=True off CUDA or with the loop decoder, or a
-                graph_shape entry < 1.
+                graph_shape entry or attention_spans < 1.
         """
         if decoder not in DECODERS:
             raise ValueError(f"decoder={decoder!r}: expected one of {DECODERS}")
@@ -134,15 +152,18 @@ class HFRolloutEngine:
             )
         if graph_shape is not None and min(graph_shape) < 1:
             raise ValueError(f"graph_shape={graph_shape}: expected (rows >= 1, cache length >= 1)")
+        if attention_spans is not None and attention_spans < 1:
+            raise ValueError(f"attention_spans={attention_spans}: expected >= 1")
         if compile_decode is None:
             compile_decode = device.type == "cuda" and self.decoder == "static"
         self.compile_decode = compile_decode
+        self.attention_spans = SPANS if attention_spans is None and compile_decode else attention_spans
         # the static decoder's masked one-token step, without transformers' repeat_kv copies of the cache
         self.grouped_attention = self.decoder == "static" and use_grouped_attention(model)
         self.graph_shape = graph_shape
         self.compile_active = False
         self._compiled: Any = None
-        self._compiled_calls = 0
+        self._compiled_calls: dict[tuple[int, ...], int] = {}  # calls per (ids, mask) shape
         self._kept_cache: tuple[tuple[int, int], Any] | None = None
         self.model = model
         self.model_path = model_path
@@ -170,11 +191,12 @@ class HFRolloutEngine:
         decoder: str = "auto",
         compile_decode: bool | None = None,
         graph_shape: tuple[int, int] | None = None,
+        attention_spans: int | None = None,
     ) -> HFRolloutEngine:
         """Load an HF checkpoint directory onto `device` ("cpu", "cuda", "cuda:N") in `dtype`.
 
         dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". decoder, compile_decode,
-        graph_shape: see `__init__`.
+        graph_shape, attention_spans: see `__init__`.
         Raises:
             ValueError: unknown dtype, device or decoder.
         """
@@ -193,7 +215,7 @@ class HFRolloutEngine:
         model = model.to(dev).eval()
         model.requires_grad_(False)
         dtype_ = next(model.parameters()).dtype
-        return cls(model, model_path, dev, dtype_, decoder, compile_decode, graph_shape)
+        return cls(model, model_path, dev, dtype_, decoder, compile_decode, graph_shape, attention_spans)
 
     # ---- decoding -------------------------------------------------------------------------------
 
@@ -226,11 +248,12 @@ class HFRolloutEngine:
     def _compiled_forward(self, ids, mask4d, pos, kwargs) -> torch.Tensor | None:
         """The decode forward through the compiled model; None (and compiling off) once it failed."""
         cache = kwargs[self._cache_kw]
-        # For the first calls (compilation, CUDA-graph warm-up and recording), snapshot the cache's write
-        # offsets (StaticLayer advances its own in place), so that an eager retry after a failure mid-call
-        # writes where this call should have.
+        # For the first calls of each shape (its compilation, CUDA-graph warm-up and recording), snapshot the
+        # cache's write offsets (StaticLayer advances its own in place), so that an eager retry after a
+        # failure mid-call writes where this call should have.
         offsets = None
-        if self._compiled_calls < 3:
+        shape = (*ids.shape, *mask4d.shape)
+        if self._compiled_calls.get(shape, 0) < 3:
             offsets = [
                 (layer, layer.cumulative_length.clone())
                 for layer in getattr(cache, "layers", [])
@@ -238,11 +261,12 @@ class HFRolloutEngine:
             ]
         try:
             if self._compiled is None:
+                allow_recompiles(4 * (self.attention_spans or 1))
                 self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
             torch.compiler.cudagraph_mark_step_begin()
             out = self._compiled(input_ids=ids, attention_mask=mask4d, position_ids=pos, **kwargs).logits
             self.compile_active = True
-            self._compiled_calls += 1
+            self._compiled_calls[shape] = self._compiled_calls.get(shape, 0) + 1
             return out[:, -1].clone()  # the graph's output buffer is overwritten by the next replay
         except Exception:  # noqa: BLE001 - any compile/capture failure: decode eagerly, say so
             log.exception("compiled decode forward failed; decoding eagerly from now on")
@@ -315,16 +339,24 @@ class HFRolloutEngine:
             if len(srows) <= graph_rows and cache_length(srows)[1] <= graph_length:
                 srows += padding_rows(graph_rows - len(srows))
                 min_length = graph_length
-        cache = self._static_cache(len(srows), cache_length(srows, min_length)[1])
-        forward, written_only = self._forward_static, False
-        if not self.compile_decode and (set_end := kv_view(cache)) is not None:
-            written_only = True
+        length = cache_length(srows, min_length)[1]
+        cache = self._static_cache(len(srows), length)
+        forward, span = self._forward_static, None
+        if self.grouped_attention and self.attention_spans is not None:  # it reads the prefix its mask spans
+
+            def span(written: int, length=length, spans=self.attention_spans) -> int:
+                return attention_span(written, length, spans)
+
+        elif not self.compile_decode and (set_end := kv_view(cache)) is not None:
+
+            def span(written: int) -> int:
+                return written
 
             def forward(ids, mask4d, pos, cache, cache_position, set_end=set_end):
                 set_end(mask4d.shape[-1])
                 return self._forward_static(ids, mask4d, pos, cache, cache_position)
 
-        outs = decode_static(srows, forward, cache, gate, self.device, mask_value, written_only, min_length)
+        outs = decode_static(srows, forward, cache, gate, self.device, mask_value, span, min_length)
         version = self.weight_version  # the version at completion, as SGLang reports it
         return [
             RowResult(

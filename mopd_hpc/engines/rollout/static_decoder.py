@@ -7,9 +7,12 @@ Layout: prompts are padded on the left to W (a multiple of `BUCKET`, to limit di
 prompt of row b fills cache slots [W - len_b, W), its t-th new token slot W + t. The attention mask is a
 prepared 4D mask over all C slots (True/0 where the key is the row's real token at or before the query;
 a padded query sees only itself, so no row of the softmax is empty), so the model's own mask builder and
-its cache offsets are bypassed; position ids count real tokens only, as in the loop decoder. Eagerly, the
-cache's layers return only the slots written so far (`kv_view`) and the mask spans those, so attention
-reads the real length; with CUDA graphs every step spans all C slots (one shape).
+its cache offsets are bypassed; position ids count real tokens only, as in the loop decoder. The mask of
+a forward spans the first `span(n)` slots of the cache, n the slots written once it has run (W at the
+prefill, W + t + 1 at step t): eagerly, the written slots exactly, the cache's layers returning only those
+(`kv_view`); with CUDA graphs, n rounded up to one of a few spans (`graph_shape.attention_span`, one graph
+each), the attention reading the prefix of the cache its mask spans (`grouped_attention.py`); or all C
+slots (span None: one shape, for any attention).
 
 Each step samples every row in one batched op: μ from `sampling.behavior_logprobs`, the draw from
 `sampling.sample_with_uniforms` with the uniform `counter_rng.uniforms(key(seed), t)`, so a row's tokens
@@ -106,7 +109,7 @@ def decode_static(
     gate: Any,
     device: torch.device,
     mask_value: Callable[[torch.Tensor], torch.Tensor],
-    written_only: bool = False,
+    span: Callable[[int], int] | None = None,
     min_length: int = 0,
 ) -> list[StaticOut]:
     """Decode `rows` as one batch into `cache` (C = cache_length(rows, min_length)[1] slots); one result per
@@ -114,9 +117,10 @@ def decode_static(
 
     mask_value maps the boolean "may attend" mask to what the attention implementation takes (itself for
     SDPA, 0/−inf-like additive floats for eager). gate.between_steps() is asked before every step.
-    written_only: the masks span only the slots written so far (W at the prefill, W + t + 1 at step t), for
-    a cache whose layers return only those slots (`kv_view`); False: all C slots (a fixed shape, for CUDA
-    graphs).
+    span: the width of a forward's mask (the slots its attention reads) once n slots are written (W at the
+    prefill, W + t + 1 at step t), n <= span(n) <= C: the identity for a cache whose layers return only the
+    written slots (`kv_view`), `graph_shape.attention_span` for an attention that reads the prefix its mask
+    spans (`grouped_attention.py`); None: all C slots (a fixed shape, for CUDA graphs on any attention).
     """
     n = len(rows)
     width, clen = cache_length(rows, min_length)
@@ -149,15 +153,14 @@ def decode_static(
     stopped = torch.zeros(n, dtype=torch.bool, device=device)
     finish_step = torch.full((n,), -1, dtype=torch.long, device=device)
     aborted_at: int | None = None
+    width_of = (lambda written: clen) if span is None else span
     if steps > 0:
         q = torch.arange(width, device=device)
         see = (slots[None, None, :] <= q[None, :, None]) & (
             real[:, None, :] | (slots[None, None, :] == q[None, :, None])
         )  # [B, W, C]
         pos = (q[None, :] - pad[:, None]).clamp(min=0)
-        if written_only:
-            see = see[:, :, :width]
-        last = forward(ids, mask_value(see[:, None]), pos, cache, q)
+        last = forward(ids, mask_value(see[:, None, :, : width_of(width)]), pos, cache, q)
         for t in range(steps):
             if not gate.between_steps():
                 aborted_at = t
@@ -175,7 +178,8 @@ def decode_static(
             if t + 1 == steps or ((t + 1) % CHECK_EVERY == 0 and bool(done.all())):
                 break
             slot = width + t
-            mask = real[:, : slot + 1] if written_only else real & (slots[None, :] <= slot)
+            end = width_of(slot + 1)
+            mask = real[:, :end] & (slots[None, :end] <= slot)
             last = forward(
                 out.token_ids[:, None],
                 mask_value(mask[:, None, None, :]),
