@@ -169,6 +169,12 @@ def _warnings(cfg: RunConfig) -> str:
     return "\n".join(submit_warnings(cfg))
 
 
+def _memory(cfg: RunConfig) -> str:
+    from mopd_hpc.launch.memory_check import memory_check
+
+    return repr(memory_check(cfg, local_memory=lambda: None))
+
+
 def _data(cfg: RunConfig) -> str:
     from mopd_hpc.trainer.data_setup import build_run_data
 
@@ -272,6 +278,7 @@ OBSERVERS: dict[str, Callable[..., str]] = {
     "plan": _plan,
     "dry_run": _dry_run,
     "warnings": _warnings,
+    "memory": _memory,
     "data": _data,
     "rollout": _rollout,
     "timeline": _timeline,
@@ -429,6 +436,7 @@ MUTATIONS: dict[str, M] = {
     "rollout.forked": ("het", {}, {"rollout.forked": False}, "refused"),
     # eager decoding frees the KV cache after each batch: the plan holds it in the rollout phase only
     "rollout.compile_decode": ("gpu", {}, {"rollout.compile_decode": False}, "dry_run"),
+    "rollout.graph_rows": ("gpu", {}, {"rollout.graph_rows": 1}, "dry_run"),
     "weight_sync.backend": (
         "gpu",
         {},
@@ -464,12 +472,13 @@ for _group_name, _base in (("trainer", "het"), ("rollout", "het"), ("group", "cp
         {f"{_g}.gpus_per_node": 1, "weight_sync.backend": "torch"},
         "plan",
     )
-    MUTATIONS[f"{_g}.gpu_memory_gb"] = (
-        _base,
-        {"cluster.backend": "slurm", f"{_g}.gpus_per_node": 1, "models.actor.path": "@big"},
-        {f"{_g}.gpu_memory_gb": 1e-4},
-        "warnings",
-    )
+    for _field, _value in (("gpu_memory_gb", 1e-4), ("gpu_type", "A100-40GB")):
+        MUTATIONS[f"{_g}.{_field}"] = (
+            _base,
+            {"cluster.backend": "slurm", f"{_g}.gpus_per_node": 1, "models.actor.path": "@big"},
+            {f"{_g}.{_field}": _value},
+            "memory",
+        )
     MUTATIONS[f"{_g}.actor_ranks_per_node"] = (
         _base,
         {f"{_g}.cpus_per_task": 2},
@@ -585,6 +594,11 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
         "cpu",
         {},
         {"cluster.group.gpu_memory_gb": 1e-4},
+    ),
+    ("cluster.*.gpu_type", "the group's gpus_per_node is 0"): (
+        "cpu",
+        {},
+        {"cluster.group.gpu_type": "H100-80GB"},
     ),
 }
 

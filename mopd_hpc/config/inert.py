@@ -163,11 +163,14 @@ INERT: tuple[InertField, ...] = (
         lambda c: c.data.eval.size == 0,
         "no held-out split is drawn (trainer/data_setup.py eval_prompts)",
     ),
-    InertField(
-        "cluster.*.gpu_memory_gb",
-        "the group's gpus_per_node is 0",
-        lambda c: any(g.gpus_per_node == 0 for g in c.cluster.groups().values()),
-        "a group without GPUs has no GPU memory plan to check (plan/memory_plan.py)",
+    *(
+        InertField(
+            f"cluster.*.{name}",
+            "the group's gpus_per_node is 0",
+            lambda c: any(g.gpus_per_node == 0 for g in c.cluster.groups().values()),
+            "a group without GPUs has no GPU memory plan to check (plan/memory_plan.py)",
+        )
+        for name in ("gpu_memory_gb", "gpu_type")
     ),
 )
 

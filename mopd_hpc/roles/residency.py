@@ -1,7 +1,7 @@
 """The actor's residency decision in the job (issue 21 item 4): which teachers leave the GPU between phases.
 
 Rank 0 reads the job plan (`run_dir/plan.json`, written by mopd-submit), detects its GPU's memory
-(`torch.cuda.get_device_properties(...).total_memory`, used where a group has no `cluster.<group>.gpu_memory_gb`)
+(`torch.cuda.get_device_properties(...).total_memory`, used where a group has no `cluster.<group>.gpu_memory_gb` or `gpu_type`)
 and takes `plan.residency_plan.planned_residency`'s decision; the decision's lines go to the actor's output.
 On CPU nothing moves: no decision (the controller moves no teacher).
 """
