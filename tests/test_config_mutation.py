@@ -5,7 +5,7 @@ The fields are enumerated from the RunConfig type tree (a new field without a mu
 `test_every_field_has_a_mutation`). Each mutation names the observable it must change, computed by the code
 the job runs on the submit host or in its roles:
 
-    plan      launch/placement.place_children (the children, GPUs, ports, rank env) and the actor's shape
+    plan      plan/placement.place_children (the children, GPUs, ports, rank env) and the actor's shape
     dry_run   `mopd-submit --dry-run` (warnings, rank map, memory plan, the sbatch command and script)
     warnings  the warnings `--check` prints (cli/submit.py submit_warnings)
     data      trainer/data_setup.build_run_data: the first step's draws, the sources, the held-out prompts
@@ -146,7 +146,7 @@ def base_doc(name: str, files: SimpleNamespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- observers
 def _plan(cfg: RunConfig) -> str:
     from mopd_hpc.config.parallel import ActorParallel
-    from mopd_hpc.launch.placement import place_children
+    from mopd_hpc.plan.placement import place_children
 
     return place_children(cfg).to_json() + repr(ActorParallel.from_config(cfg))
 
@@ -169,6 +169,12 @@ def _warnings(cfg: RunConfig) -> str:
     from mopd_hpc.cli.submit import submit_warnings
 
     return "\n".join(submit_warnings(cfg))
+
+
+def _memory(cfg: RunConfig) -> str:
+    from mopd_hpc.launch.memory_check import memory_check
+
+    return repr(memory_check(cfg, local_memory=lambda: None))
 
 
 def _data(cfg: RunConfig) -> str:
@@ -222,7 +228,7 @@ class _Client:
 
 
 def _rollout(cfg: RunConfig) -> str:
-    from mopd_hpc.launch.placement import place_children
+    from mopd_hpc.plan.placement import place_children
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.rollout_phase import step_rollouts
 
@@ -328,6 +334,7 @@ OBSERVERS: dict[str, Callable[..., str]] = {
     "plan": _plan,
     "dry_run": _dry_run,
     "warnings": _warnings,
+    "memory": _memory,
     "data": _data,
     "rollout": _rollout,
     "timeline": _timeline,
@@ -493,6 +500,7 @@ MUTATIONS: dict[str, M] = {
     "rollout.forked": ("het", {}, {"rollout.forked": False}, "refused"),
     # eager decoding frees the KV cache after each batch: the plan holds it in the rollout phase only
     "rollout.compile_decode": ("gpu", {}, {"rollout.compile_decode": False}, "dry_run"),
+    "rollout.graph_rows": ("gpu", {}, {"rollout.graph_rows": 1}, "dry_run"),
     "weight_sync.backend": (
         "gpu",
         {},
@@ -528,12 +536,13 @@ for _group_name, _base in (("trainer", "het"), ("rollout", "het"), ("group", "cp
         {f"{_g}.gpus_per_node": 1, "weight_sync.backend": "torch"},
         "plan",
     )
-    MUTATIONS[f"{_g}.gpu_memory_gb"] = (
-        _base,
-        {"cluster.backend": "slurm", f"{_g}.gpus_per_node": 1, "models.actor.path": "@big"},
-        {f"{_g}.gpu_memory_gb": 1e-4},
-        "warnings",
-    )
+    for _field, _value in (("gpu_memory_gb", 1e-4), ("gpu_type", "A100-40GB")):
+        MUTATIONS[f"{_g}.{_field}"] = (
+            _base,
+            {"cluster.backend": "slurm", f"{_g}.gpus_per_node": 1, "models.actor.path": "@big"},
+            {f"{_g}.{_field}": _value},
+            "memory",
+        )
     MUTATIONS[f"{_g}.actor_ranks_per_node"] = (
         _base,
         {f"{_g}.cpus_per_task": 2},
@@ -656,6 +665,11 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
         "cpu",
         {},
         {"cluster.group.gpu_memory_gb": 1e-4},
+    ),
+    ("cluster.*.gpu_type", "the group's gpus_per_node is 0"): (
+        "cpu",
+        {},
+        {"cluster.group.gpu_type": "H100-80GB"},
     ),
 }
 

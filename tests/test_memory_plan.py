@@ -1,4 +1,4 @@
-"""The memory plan before anything starts (`engines/memory_plan.py`): per GPU of the job plan, each child's
+"""The memory plan before anything starts (`plan/memory_plan.py`): per GPU of the job plan, each child's
 holdings from the config and the models' config.json (`engines/memory_model.py`), the largest phase, the
 `cluster.<group>.gpu_memory_gb` warning, and `mopd-submit --dry-run` / `--check` printing them.
 
@@ -19,9 +19,10 @@ import pytest
 from helpers_models import QWEN3_0_6B, QWEN3_1_7B, write_stub_checkpoint
 
 from mopd_hpc.config import load_run_config
-from mopd_hpc.engines import memory_plan as mp
 from mopd_hpc.engines.memory_model import ModelShape, default_micro_batch_tokens, micro_batch_bytes
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan import memory_fit as mf
+from mopd_hpc.plan import memory_plan as mp
+from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"
@@ -32,6 +33,11 @@ GIB = 2**30
 def plan_of(sets: list[str], read=lambda path: QWEN3_0_6B):
     cfg = load_run_config(str(CONFIG), sets, False)
     return cfg, mp.memory_plan(cfg, place_children(cfg), read)
+
+
+def refusals(sets: list[str], read=lambda path: QWEN3_0_6B) -> list[str]:
+    cfg = load_run_config(str(CONFIG), sets, False)
+    return mf.memory_refusals(cfg, place_children(cfg), read)
 
 
 def holdings(gpu: mp.GpuMemory) -> dict[tuple[str, str], mp.Holding]:
@@ -77,16 +83,32 @@ def test_the_colocated_gpu_plan_from_the_formulas() -> None:
 WHOLE = "models.actor.micro_batch_tokens=81920"
 
 
-def test_gpu_memory_gb_warns_when_the_plan_exceeds_it() -> None:
-    _, gpus = plan_of([*OOM, WHOLE, "cluster.group.gpu_memory_gb=140"])
-    (warning,) = mp.memory_warnings(gpus)
-    peak = gpus[0].peak()[0] / GIB
-    assert warning.startswith("cluster.group.gpu_memory_gb: the memory plan of node 0 GPU 0 is ")
-    assert f"{peak:.1f} GiB in the train phase, more than the GPU's 140 GiB" in warning
-    assert "largest: actor 0 activations" in warning and "micro_batch_tokens" in warning
+def test_a_plan_over_the_gpu_is_refused_with_the_micro_batch_that_fits() -> None:
+    """The whole 64 × 4 × 256 step in one micro-batch on 140 GiB: refused, naming the train phase, the actor's
+    activations and the largest whole-row budget that fits — which, applied, fits, and one row more does not."""
+    sets = [*OOM, WHOLE, "cluster.group.gpu_memory_gb=140"]
+    cfg, gpus = plan_of(sets)
+    ((over,),) = [mf.overflows(cfg, place_children(cfg), lambda path: QWEN3_0_6B)]
+    (refusal,) = refusals(sets)
+    assert refusal.startswith(
+        "cluster.group.gpu_memory_gb (140 GiB): the memory plan of cluster.group node 0 GPU 0 needs "
+        f"{over.need / GIB:.1f} GiB in the train phase, more than the GPU has (largest holding: actor 0's "
+        "activations (81,920 positions a micro-batch)"
+    )
+    assert over.need == gpus[0].peak()[0] + 3 * mp.CUDA_CONTEXT_BYTES  # the teacher offloaded: no room
+    budget = int(refusal.split("models.actor.micro_batch_tokens ≤ ")[1].split(" ")[0].replace(",", ""))
+    assert f"({budget // 320} rows of 320; now 81,920)" in refusal  # whole rows of 64 + 256 positions
+    assert "activation_checkpointing: true" in refusal  # recompute alone fits the step too
+    assert (
+        refusals([*OOM, "cluster.group.gpu_memory_gb=140", f"models.actor.micro_batch_tokens={budget}"]) == []
+    )
+    assert refusals(
+        [*OOM, "cluster.group.gpu_memory_gb=140", f"models.actor.micro_batch_tokens={budget + 320}"]
+    )
     # A micro-batch budget brings the same step under the GPU's memory.
     _, fits = plan_of([*OOM, "cluster.group.gpu_memory_gb=140", "models.actor.micro_batch_tokens=16384"])
-    assert mp.memory_warnings(fits) == [] and fits[0].peak()[0] < 100 * GIB
+    assert refusals([*OOM, "cluster.group.gpu_memory_gb=140", "models.actor.micro_batch_tokens=16384"]) == []
+    assert fits[0].peak()[0] < 100 * GIB
     assert "16,320 positions" in "\n".join(mp.format_memory_plan(fits))  # whole rows of 320 positions
     # Recompute shrinks the activations too.
     _, ckpt = plan_of([*OOM, WHOLE, "models.actor.activation_checkpointing=true"])
@@ -110,7 +132,7 @@ def test_a_null_budget_with_the_gpus_memory_known_is_the_one_the_engine_derives(
     act = h["actor 0", "activations"]
     assert act.what.startswith(f"activations ({positions:,} positions")
     assert act.bytes == micro_batch_bytes(shape, "bfloat16", "megatron", positions, positions * 256 // 320)
-    assert mp.memory_warnings(gpus) == [] and gpu.peak()[0] <= 140 * GIB
+    assert refusals([*OOM, "cluster.group.gpu_memory_gb=140"]) == [] and gpu.peak()[0] <= 140 * GIB
     # Detected in the job instead of configured: the same plan.
     _, detected = plan_of(OOM)
     cfg2 = load_run_config(str(CONFIG), OOM, False)
@@ -170,7 +192,7 @@ def test_unreadable_models_and_cpu_jobs() -> None:
         "they are: in the job, or with --local"
     ]
     assert all("not readable here: not planned" in c.note for c in gpus[0].children)  # residency's reason
-    assert mp.memory_warnings(gpus) == []
+    assert mf.memory_refusals(cfg, place_children(cfg), lambda path: None, capacity_gib=1.0) == []
     # Only the teacher's config.json unreadable: the GPU's plan without it, the teacher named once.
     _, part = plan_of([], read=lambda path: None if "teacher" in path else QWEN3_0_6B)
     lines = mp.format_memory_plan(part)
@@ -183,7 +205,7 @@ def test_unreadable_models_and_cpu_jobs() -> None:
     cpu = load_run_config(str(REPO / "configs" / "local_cpu.yaml"), [], False)
     assert mp.memory_plan(cpu, place_children(cpu)) == ()
     assert mp.format_memory_plan(()) == ["# memory plan: no GPU in this job"]
-    assert mp.plan_warnings(cpu, place_children(cpu)) == []
+    assert mf.memory_refusals(cpu, place_children(cpu), capacity_gib=1.0) == []
 
 
 def test_constants_follow_the_engines_defaults() -> None:
@@ -206,20 +228,39 @@ def mopd_submit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_dry_run_prints_the_plan_and_check_warns(tmp_path: Path) -> None:
+#: A step whose rollout KV cache outgrows an 80 GiB card: 256 × 4 rows × (64 + 2,048) slots on one engine.
+LONG = ["data.batch_size=256", "rollout.sampling.max_new_tokens=2048", "cluster.group.gpu_type=H100-80GB"]
+
+
+def test_check_refuses_a_plan_over_the_gpu_and_the_way_out_it_names_passes(tmp_path: Path) -> None:
+    """`mopd-submit --check` (a real subprocess, stub checkpoints of the 0.6B shape): the KV cache of the
+    1,024 rows of a step is refused on an H100 naming the rollout phase's culprit and `rollout.graph_rows ≤ N`;
+    --check with that N passes, with N + 1 it is refused; --dry-run still prints the plan, with the refusal as a
+    warning."""
     for name in ("student", "teacher"):  # --check opens the files a child reads: a tokenizer, weights too
         write_stub_checkpoint(tmp_path / name, QWEN3_0_6B)
     sets = [f"models.actor.path={tmp_path / 'student'}", f"models.teachers.0.path={tmp_path / 'teacher'}"]
-    sets += [f"models.tokenizer.path={tmp_path / 'student'}", *OOM, WHOLE, "cluster.group.gpu_memory_gb=140"]
+    sets += [f"models.tokenizer.path={tmp_path / 'student'}", *LONG]
     flags = [arg for s in sets for arg in ("--set", s)]
+    check = mopd_submit(str(CONFIG), "--check", *flags, cwd=tmp_path)
+    assert check.returncode == 2, check.stdout
+    assert "the memory plan does not fit the GPU" in check.stderr
+    assert (
+        "cluster.group.gpu_type (H100-80GB: 79.6 GiB): the memory plan of cluster.group node 0 GPU 0"
+        in check.stderr
+    )
+    assert "(largest holding: rollout 0's KV cache (1024 rows × 2112 slots), 231.0 GiB)" in check.stderr
+    n = int(check.stderr.split("rollout.graph_rows ≤ ")[1].split(" ")[0])
+    assert 1 <= n < 1024 and "(now 1024)" in check.stderr
+    fits = mopd_submit(str(CONFIG), "--check", *flags, "--set", f"rollout.graph_rows={n}", cwd=tmp_path)
+    assert fits.returncode == 0, fits.stderr
+    over = mopd_submit(str(CONFIG), "--check", *flags, "--set", f"rollout.graph_rows={n + 1}", cwd=tmp_path)
+    assert over.returncode == 2 and "rollout.graph_rows ≤ " in over.stderr
     dry = mopd_submit(str(CONFIG), "--dry-run", *flags, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
     assert "# memory plan per GPU (estimates, GiB; engines/memory_model.py):" in dry.stdout
-    assert "#   cluster.group node 0 GPU 0: " in dry.stdout and " of 140 at most (in train)" in dry.stdout
-    assert "# warning: cluster.group.gpu_memory_gb: the memory plan of node 0 GPU 0 is" in dry.stdout
-    check = mopd_submit(str(CONFIG), "--check", *flags, cwd=tmp_path)
-    assert check.returncode == 0, check.stderr
-    assert "# warning: cluster.group.gpu_memory_gb: the memory plan" in check.stdout
+    assert "#   cluster.group node 0 GPU 0: " in dry.stdout and " of 79.6 at most (in " in dry.stdout
+    assert "# warning: cluster.group.gpu_type (H100-80GB: 79.6 GiB): the memory plan" in dry.stdout
 
 
 # --- weight_sync.backend: ipc (engines/weight_sync/ipc.py) --------------------------------------------------
@@ -266,18 +307,19 @@ def test_the_ipc_buffer_is_resident_on_actor_rank_0_as_measured() -> None:
 def test_the_ipc_buffer_warns_and_moves_the_teacher_out() -> None:
     """--check's over-capacity warning and the residency decision count the buffer: a GPU sized between the
     AWEX plan and the ipc plan warns with ipc only, and a teacher that stays with AWEX leaves with ipc."""
-    from mopd_hpc.engines.residency_plan import planned_residency
+    from mopd_hpc.plan.residency_plan import planned_residency
 
     _, awex = plan_of([*OOM, FIXED])
     (gpu,) = awex
     buffer = mp.ipc_buffer_bytes(ModelShape.from_hf_config(QWEN3_0_6B), "bfloat16")
-    between = (gpu.peak()[0] + buffer // 2) / GIB
+    from mopd_hpc.plan.residency_plan import gpu_bytes
+
+    between = (gpu_bytes(gpu, frozenset())[0] + buffer // 2) / GIB  # the teacher offloaded: the least need
     sets = [*OOM, FIXED, f"cluster.group.gpu_memory_gb={between}"]
-    assert mp.memory_warnings(plan_of(sets)[1]) == []
-    (warning,) = mp.memory_warnings(plan_of([*sets, *IPC])[1])
-    assert "in the train phase, more than the GPU's" in warning
+    assert refusals(sets) == []
+    (refusal,) = refusals([*sets, *IPC])
+    assert "in the train phase, more than the GPU has" in refusal
     # The teacher resident in every phase: fits with AWEX, not with the buffer too.
-    from mopd_hpc.engines.residency_plan import gpu_bytes
 
     need, _ = gpu_bytes(gpu, frozenset({"teacher"}))
     room = (need + buffer // 2) / GIB

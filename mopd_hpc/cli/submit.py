@@ -13,7 +13,7 @@
 - `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
 - `--dry-run`: print the config warnings (as --check does, one a line), the rank map (component, node, role,
   index, GPUs, named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch
-  broadcast rank for `torch`), the memory plan per GPU (`engines/memory_plan.py`), then the sbatch command
+  broadcast rank for `torch`), the memory plan per GPU (`plan/memory_plan.py`), then the sbatch command
   and script; no Slurm needed.
 - Every submit prints the config warnings before the rank map. A local run refuses (exit 2, before anything
   starts) a model directory or jsonl file that does not exist here, but for the tiny models `--local` builds
@@ -49,16 +49,17 @@ from mopd_hpc.config import ConfigError, RunConfig, load_run_config
 from mopd_hpc.config.inert import inert_warnings
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
 from mopd_hpc.config.rules import job_gaps
-from mopd_hpc.engines.memory_plan import format_memory_plan, memory_warnings
-from mopd_hpc.engines.residency_plan import planned_residency, residency_modes, residency_warnings
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
+from mopd_hpc.launch.memory_check import memory_check
 from mopd_hpc.launch.model_check import prepare_models, resolution_notes
 from mopd_hpc.launch.paths import local_path_errors, path_warnings
 from mopd_hpc.launch.pipe_out import PipeOut
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.resume import ResumeError, check_resume, resume_choice
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
+from mopd_hpc.plan.memory_plan import format_memory_plan
+from mopd_hpc.plan.placement import place_children
+from mopd_hpc.plan.residency_plan import planned_residency, residency_modes, residency_warnings
 from mopd_hpc.records.run_dir import CONFIG_FILE
 from mopd_hpc.runtime import run_lock
 from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
@@ -126,22 +127,28 @@ def summary(cfg: RunConfig) -> str:
 
 def submit_warnings(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
     """Every warning --check prints: the config's own (`RunConfig.warnings`), the fields set where they have
-    no effect (`config/inert.py`), the paths missing here, then the GPUs whose memory plan exceeds
-    `cluster.<group>.gpu_memory_gb` (`engines/memory_plan.py`; none when the job cannot be placed: that error
-    comes with the plan)."""
+    no effect (`config/inert.py`), the paths missing here, then the GPUs that do not fit with their `always`
+    teachers resident (`plan/residency_plan.py`; none when the job cannot be placed: that error comes with the
+    plan). A plan over the GPUs' memory is not a warning: `memory_check` refuses it."""
     inert = [p.render() for p in inert_warnings(cfg)]
-    return [*cfg.warnings(), *inert, *path_warnings(cfg, cwd), *_memory_warnings(cfg)]
+    return [*cfg.warnings(), *inert, *path_warnings(cfg, cwd), *_residency_warnings(cfg)]
 
 
-def _memory_warnings(cfg: RunConfig) -> list[str]:
-    if not any(g.gpu_memory_gb for g in cfg.cluster.groups().values()):
+def _residency_warnings(cfg: RunConfig) -> list[str]:
+    if not any(g.capacity_field for g in cfg.cluster.groups().values()):
         return []
     try:
         plan = place_children(cfg)
     except (PlanError, ParallelError):
         return []
     _, gpus = planned_residency(cfg, plan)
-    return memory_warnings(gpus) + residency_warnings(gpus, residency_modes(cfg))
+    return residency_warnings(gpus, residency_modes(cfg))
+
+
+def _memory_refusal(refusals: Sequence[str]) -> str:
+    return _bulleted(
+        "the memory plan does not fit the GPU (plan/memory_fit.py; --dry-run prints it):", refusals
+    )
 
 
 def _bulleted(head: str, problems: Sequence[str], tail: str = "") -> str:
@@ -186,10 +193,15 @@ def check(config: str, overrides: Sequence[str], force_local: bool, out: TextIO,
         if gaps := job_gaps(written):  # the fields only: a hub id's resolution does not change them
             print(f"mopd-submit: {_gaps_refusal(gaps, 'its fields are valid, and it also asks')}", file=err)
         return EXIT_USAGE
-    if gaps := job_gaps(cfg):
+    gaps, memory = job_gaps(cfg), memory_check(cfg)
+    if gaps:
         print(f"mopd-submit: {_gaps_refusal(gaps)}", file=err)
+    if memory.refusals:
+        print(f"mopd-submit: {_memory_refusal(memory.refusals)}", file=err)
+    if gaps or memory.refusals:
         return EXIT_USAGE
-    print_config(cfg, out, source=config, notes=resolution_notes(written, cfg))
+    notes = [*resolution_notes(written, cfg), *([memory.unchecked] if memory.unchecked else [])]
+    print_config(cfg, out, source=config, notes=notes)
     return 0
 
 
@@ -264,6 +276,9 @@ def execute(
             plan = plan.as_probe()
         elif not args.render and not args.dry_run and (gaps := job_gaps(cfg)):
             raise UsageError(_gaps_refusal(gaps))
+        memory = memory_check(cfg)
+        if not plan.probe and not args.render and not args.dry_run and memory.refusals:
+            raise UsageError(_memory_refusal(memory.refusals))
         runs_here = cfg.cluster.backend == "local" and not args.render and not args.dry_run
         if runs_here and not plan.probe and (absent := local_path_errors(cfg)):
             raise UsageError(
@@ -278,7 +293,7 @@ def execute(
         print(str(exc) if isinstance(exc, ConfigError) else f"mopd-submit: {exc}", file=err)
         return EXIT_USAGE
     console = Console(file=out, soft_wrap=False, width=None if out.isatty() else 160)
-    warnings = submit_warnings(cfg)
+    warnings = submit_warnings(cfg) + [*memory.refusals, *([memory.unchecked] if memory.unchecked else [])]
     if args.dry_run:
         for warning in warnings:
             print(f"# warning: {warning}", file=out)

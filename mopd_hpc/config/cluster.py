@@ -22,6 +22,14 @@ DEFAULT_SIGNAL = "B:USR2@120"
 SIGNAL_PATTERN = re.compile(
     r"^(?:(?P<flags>[RB]{1,2}):)?(?P<sig>(?:SIG)?[A-Z][A-Z0-9]*|[0-9]{1,2})(?:@(?P<s>[0-9]+))?$"
 )
+#: One GPU's memory in GiB (2^30 bytes) per `cluster.<group>.gpu_type`: nvidia-smi's memory.total of each model
+#: (H100 SXM 80GB: 81,559 MiB; H200 SXM: 143,771 MiB; A100 SXM 80GB: 81,920 MiB; A100 40GB: 40,960 MiB) / 1024.
+GPU_TYPE_GIB: dict[str, float] = {
+    "H100-80GB": 79.6,
+    "H200-141GB": 140.4,
+    "A100-80GB": 80.0,
+    "A100-40GB": 40.0,
+}
 #: `#SBATCH` options that the config sets itself; `extra_sbatch` must not set them a second time.
 MANAGED_SBATCH_OPTIONS: dict[str, str] = {
     "--nodes": "cluster.<group>.nodes",
@@ -82,11 +90,46 @@ class GroupConfig(Section):
         gt=0,
         allow_inf_nan=False,
         description="Memory of one GPU of the group, in GiB (2^30 bytes, as torch reports it; an H200 has "
-        "about 140); --check warns when the memory plan of a GPU exceeds it; null = not checked.",
+        "about 140); --check refuses a memory plan of a GPU over it, naming a way out that fits; null = "
+        "gpu_type's, else this machine's GPU with the local backend, else not checked.",
+    )
+    gpu_type: Literal["H100-80GB", "H200-141GB", "A100-80GB", "A100-40GB"] | None = Field(
+        None,
+        description="The group's GPU model: its memory (GPU_TYPE_GIB) is the one --check holds the memory plan "
+        "to, as gpu_memory_gb would; set one of the two.",
     )
     partition: NonEmptyStr | None = Field(None, description="Slurm partition; null = the cluster default.")
     account: NonEmptyStr | None = Field(None, description="Slurm account; null = the user's default.")
     qos: NonEmptyStr | None = Field(None, description="Slurm QOS; null = the default.")
+
+    @model_validator(mode="after")
+    def _one_capacity(self) -> GroupConfig:
+        if self.gpu_memory_gb is not None and self.gpu_type is not None:
+            known = GPU_TYPE_GIB[self.gpu_type]
+            raise_if_any(
+                [
+                    Problem(
+                        "gpu_type",
+                        f"the GPU's memory is given twice: gpu_type {self.gpu_type} ({known:g} GiB) and "
+                        f"gpu_memory_gb {self.gpu_memory_gb:g}",
+                        self.gpu_type,
+                        "set one of gpu_type and gpu_memory_gb",
+                    )
+                ]
+            )
+        return self
+
+    @property
+    def capacity_gib(self) -> float | None:
+        """One GPU's memory in GiB: gpu_memory_gb, else gpu_type's (GPU_TYPE_GIB), else None (unknown)."""
+        if self.gpu_memory_gb is not None:
+            return self.gpu_memory_gb
+        return GPU_TYPE_GIB[self.gpu_type] if self.gpu_type is not None else None
+
+    @property
+    def capacity_field(self) -> str:
+        """The field that gives `capacity_gib` ('gpu_memory_gb', 'gpu_type'), '' when none does."""
+        return "gpu_memory_gb" if self.gpu_memory_gb is not None else ("gpu_type" if self.gpu_type else "")
 
     @property
     def gpus(self) -> int:

@@ -53,17 +53,37 @@ class RolloutConfig(Section):
         "the memory plan counts them). false: eager decoding, the KV cache held in the rollout phase only. "
         "The CPU loop decoder is never compiled; with backend sglang (its own CUDA graphs) only true.",
     )
+    graph_rows: int | None = Field(
+        None,
+        ge=1,
+        description="hf backend: rows one engine decodes together at most — its static KV cache (graph_rows × "
+        "graph_length slots) and, on CUDA, its compiled decode step hold that many rows; a step's share of an "
+        "engine is decoded in ⌈share / graph_rows⌉ batches (each row keeps its own sampling seed). null = "
+        "the engine's whole share, ⌈batch_size / engines.count⌉ × samples_per_prompt. --check names the largest "
+        "that fits the GPU when the memory plan does not.",
+    )
     forked: StrictBool = Field(
         True,
         description="Rollout engines run as children forked by the node's guard, so that a rollout crash or "
         "offload never takes the actor down. Must be true: the job starts every engine that way (one rollout "
-        "child per engine, launch/placement.py); false is refused.",
+        "child per engine, plan/placement.py); false is refused.",
     )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
-        raise_if_any(unforked_rollout(self) + uncompiled_sglang(self))
+        raise_if_any(unforked_rollout(self) + uncompiled_sglang(self) + sglang_graph_rows(self))
         return self
+
+
+def sglang_graph_rows(rollout: RolloutConfig) -> list[Problem]:
+    """`graph_rows` with backend sglang is refused: it bounds the hf engine's static KV cache, and sglang sizes
+    its own KV pool (accepting it would ignore it). Paths relative to `rollout`."""
+    if rollout.graph_rows is None or rollout.backend != "sglang":
+        return []
+    why = "it bounds the hf engine's static KV cache; sglang sizes a KV pool of its own"
+    return [
+        Problem("graph_rows", why, rollout.graph_rows, "leave rollout.graph_rows out with backend sglang")
+    ]
 
 
 def uncompiled_sglang(rollout: RolloutConfig) -> list[Problem]:
@@ -79,7 +99,7 @@ def uncompiled_sglang(rollout: RolloutConfig) -> list[Problem]:
 
 def unforked_rollout(rollout: RolloutConfig) -> list[Problem]:
     """`forked: false` is refused: the job has no other way to start a rollout engine than as a child of the
-    node's guard (launch/placement.py gives every engine its own rollout child), so accepting false would
+    node's guard (plan/placement.py gives every engine its own rollout child), so accepting false would
     run the forked engines anyway, the setting silently ignored (issue 19). Paths relative to `rollout`."""
     if rollout.forked:
         return []

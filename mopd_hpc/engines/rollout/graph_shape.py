@@ -33,10 +33,12 @@ def graph_length(max_prompt_tokens: int, max_new_tokens: int) -> int:
     return round_up(max_prompt_tokens) + round_up(max_new_tokens)
 
 
-def graph_rows(batch_size: int, samples_per_prompt: int, engines: int) -> int:
-    """Rows of a step's rollouts one engine decodes at most: ⌈batch_size / engines⌉ prompts ×
-    samples_per_prompt (`trainer/rollout_phase.engine_blocks` splits the step's prompts so)."""
-    return -(-batch_size // engines) * samples_per_prompt
+def graph_rows(batch_size: int, samples_per_prompt: int, engines: int, bound: int | None = None) -> int:
+    """Rows one engine decodes together at most: its share of a step's rollouts, ⌈batch_size / engines⌉
+    prompts × samples_per_prompt (`trainer/rollout_phase.engine_blocks` splits the step's prompts so), at most
+    `bound` (`rollout.graph_rows`; None: no bound)."""
+    share = -(-batch_size // engines) * samples_per_prompt
+    return share if bound is None else min(share, bound)
 
 
 def span_step(length: int, spans: int = SPANS) -> int:

@@ -5,7 +5,8 @@ Each child's holdings are either resident through the step, or held in one phase
 - actor (train engine, per rank): weights, optimizer state and (megatron) the fp32 grad buffer, resident;
   torch's gradients and the activations of one micro-batch in `train`: whole rows of max_prompt_tokens +
   max_new_tokens positions within `micro_batch_tokens`; null: with the GPU's memory known (the group's
-  `gpu_memory_gb`, else the `capacity_gib` the job detected), the budget the engine derives at each step
+  `capacity_gib`: `gpu_memory_gb` or `gpu_type`'s, else the `capacity_gib` given: detected in the job, or this
+  machine's GPU at --check), the budget the engine derives at each step
   (`memory_model.default_micro_batch_tokens` of what the train phase leaves free: the GPU less every
   child's train-phase holdings and `CUDA_CONTEXT_BYTES` per child), else the rank's whole shard
   (batch_size·samples_per_prompt/dp rows); with a KL penalty (rl_coefficient > 0, kl_coefficient > 0) its
@@ -13,12 +14,13 @@ Each child's holdings are either resident through the step, or held in one phase
   would hold them, in `teacher` (`engines/reference.py`: onloaded only while it scores);
 - teacher (scoring): its scoring buffers in `teacher` (released after each score), its weights in `teacher`
   too when it is offloaded between phases, resident when it stays (`resident_teachers`; which teachers stay
-  is `engines/residency_plan.py`'s decision from this plan); buffers: the rows the teacher role scores at a time
+  is `plan/residency_plan.py`'s decision from this plan); buffers: the rows the teacher role scores at a time
   (`TEACHER_ROWS`, fewer when their float32 logits exceed `SCORING_BUDGET_BYTES`), the logits
   the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
   top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
 - rollout engine (the actor's model): weights, resident; hf: the static KV cache of its largest batch
-  (`engines/rollout/graph_shape.py`: graph_rows × graph_length slots, every batch padded to it on CUDA),
+  (`engines/rollout/graph_shape.py`: graph_rows × graph_length slots, every batch padded to it on CUDA; at
+  most `rollout.graph_rows` rows),
   held in every phase with `rollout.compile_decode` (the compiled decoder's CUDA graphs hold its addresses:
   `HFRolloutEngine.release_cache`), in `rollout` only without, and the sampling buffers, in `rollout`;
   with `rollout.compile_decode`, also the CUDA-graph pool of the compiled decode step (one step's logits
@@ -34,8 +36,8 @@ over several GPUs (a rollout engine's tensor parallelism) puts 1/its GPUs on eac
 cannot be read here (a Slurm path that exists on the cluster only) is left out, with a note; `--dry-run` then
 names each such file once, with the children it concerns.
 
-`--dry-run` prints the plan (`format_memory_plan`); `--check`, `--dry-run` and every submit warn where a plan
-exceeds `cluster.<group>.gpu_memory_gb` (`memory_warnings`). The figures are what torch's caching allocator
+`--dry-run` prints the plan (`format_memory_plan`); `--check` and every submit refuse a plan over the GPU's
+memory where it is known (`plan/memory_fit.py`). The figures are what torch's caching allocator
 reserves per child (`memory/<child>/<phase>/reserved_gib`); the CUDA context of each process is not in them.
 """
 
@@ -115,7 +117,8 @@ class ChildMemory:
 
 @dataclass(frozen=True, slots=True)
 class GpuMemory:
-    """One GPU: its group, node and ordinal, the children on it, the group's `gpu_memory_gb` (or None)."""
+    """One GPU: its group, node and ordinal, the children on it, its memory in GiB (`capacity_gib`: the group's
+    `gpu_memory_gb` or `gpu_type`'s, else the one given to `memory_plan`; None when unknown)."""
 
     group: str
     node: int
@@ -231,7 +234,9 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
         pool = int(SGLANG_MEM_FRACTION * capacity_gib * GIB) - weights.bytes
         label = f"KV pool (mem_fraction_static {SGLANG_MEM_FRACTION})"
         return weights, Holding(label, max(0, pool), phase)
-    rows = graph_rows(cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count)
+    rows = graph_rows(
+        cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count, cfg.rollout.graph_rows
+    )
     length = graph_length(cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens)
     kv = rows * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b // share
     held = None if cfg.rollout.compile_decode else "rollout"  # eager: released after each batch
@@ -282,12 +287,13 @@ def memory_plan(
     capacity_gib: float | None = None,
     resident_teachers: frozenset[str] = frozenset(),
 ) -> tuple[GpuMemory, ...]:
-    """Every GPU of `plan` (a `launch.placement.place_children(cfg)`) with its children's holdings
+    """Every GPU of `plan` (a `plan.placement.place_children(cfg)`) with its children's holdings
     (module docstring); () for a job without GPUs.
 
     Args:
         read: a model directory's config.json (None when absent).
-        capacity_gib: one GPU's memory where a group has no `gpu_memory_gb` (what the job detected), GiB.
+        capacity_gib: one GPU's memory where a group has no `gpu_memory_gb` or `gpu_type` (what the job
+            detected, or this machine's GPU at --check), GiB.
         resident_teachers: ids of the teachers whose weights stay on the GPU between phases.
     """
     groups = list(cfg.cluster.groups().items())
@@ -296,13 +302,13 @@ def memory_plan(
     for child in plan.children:
         if not child.gpus:
             continue
-        capacity = groups[child.het_group][1].gpu_memory_gb or capacity_gib
+        capacity = groups[child.het_group][1].capacity_gib or capacity_gib
         memory = _child(cfg, child, parallel, capacity, read, resident_teachers)
         for gpu in child.compute_gpus(cfg.rollout.engines.tensor_parallel):
             per_gpu.setdefault((child.het_group, child.node_index, gpu), []).append((child, memory))
     out = []
     for (g, node, gpu), pairs in sorted(per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2]))):
-        capacity = groups[g][1].gpu_memory_gb or capacity_gib
+        capacity = groups[g][1].capacity_gib or capacity_gib
         children = [memory for _, memory in pairs]
         if capacity is not None and cfg.models.actor.micro_batch_tokens is None:
             children = [_derived_budget(cfg, spec, memory, children, parallel, capacity, read)
@@ -404,34 +410,3 @@ def _unplanned_lines(gpus: tuple[GpuMemory, ...], whole: bool) -> list[str]:
     for note, keys in other.items():
         out.append(f"{head}{_children(keys)}: {note}")
     return out
-
-
-def memory_warnings(gpus: tuple[GpuMemory, ...]) -> list[str]:
-    """One line per GPU whose plan exceeds its group's `gpu_memory_gb`, naming the field, both sizes, the
-    phase and its largest holding, and the ways out."""
-    out = []
-    for gpu in gpus:
-        peak, phase = gpu.peak()
-        if gpu.capacity_gib is None or peak <= gpu.capacity_gib * GIB:
-            continue
-        held = [
-            (h.bytes, f"{c.label} {h.what}")
-            for c in gpu.children
-            for h in c.holdings
-            if h.phase in (None, phase)
-        ]
-        biggest = max(held)[1] if held else "-"
-        out.append(
-            f"cluster.{gpu.group}.gpu_memory_gb: the memory plan of node {gpu.node} GPU {gpu.gpu} is "
-            f"{_gib(peak)} GiB in the {phase} phase, more than the GPU's {gpu.capacity_gib:g} GiB (largest: "
-            f"{biggest}); expected it to fit: lower models.actor.micro_batch_tokens, set "
-            "models.actor.activation_checkpointing, or spread the children over more GPUs"
-        )
-    return out
-
-
-def plan_warnings(cfg: Any, plan: JobPlan, read: ConfigReader = read_model_config) -> list[str]:
-    """`memory_warnings` of `memory_plan(cfg, plan)`; [] when no group sets gpu_memory_gb (nothing read)."""
-    if not any(g.gpu_memory_gb for g in cfg.cluster.groups().values()):
-        return []
-    return memory_warnings(memory_plan(cfg, plan, read))

@@ -1,5 +1,5 @@
 """Residency by need (issue 21 item 4): which teachers leave their GPU between phases, decided from the memory
-plan (`engines/memory_plan.py`) and the GPU's memory. A pure function: no torch, no device.
+plan (`plan/memory_plan.py`) and the GPU's memory. A pure function: no torch, no device.
 
 A teacher on a GPU is either resident (its weights stay through every phase of the step) or offloaded at the
 drain and onloaded when scoring starts (the controller's DRAIN and TEACHER phases). Its scoring buffers are
@@ -14,7 +14,7 @@ released after each score either way (they are the plan's `teacher`-phase holdin
 "Fits" on one GPU: for every phase of the plan (rollout, teacher, train), Σ over its children of what they hold
 in that phase, a resident teacher's weights counted in every phase, plus `CUDA_CONTEXT_BYTES` per child, is at
 most the GPU's memory. Under `auto` every teacher starts resident; then the one with the largest weights
-leaves, one at a time, until the GPU fits (a GPU holds a few teachers: the greedy order is enough). A GPU whose memory is unknown (no `gpu_memory_gb`, nothing detected) keeps nothing
+leaves, one at a time, until the GPU fits (a GPU holds a few teachers: the greedy order is enough). A GPU whose memory is unknown (no `gpu_memory_gb` or `gpu_type`, nothing detected) keeps nothing
 resident under `auto`, nor does a GPU with a child the plan could not size (a config.json not readable
 here). A teacher over several GPUs (tensor parallel) is offloaded when any of them needs it.
 """
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mopd_hpc.engines.memory_plan import (
+from mopd_hpc.plan.memory_plan import (
     CUDA_CONTEXT_BYTES,
     GIB,
     PHASES,
@@ -106,7 +106,7 @@ def decide_residency(gpus: tuple[GpuMemory, ...], modes: Mapping[str, str]) -> R
         if not auto:
             continue
         unknown = (
-            f"its memory is unknown; set cluster.{gpu.group}.gpu_memory_gb"
+            f"its memory is unknown; set cluster.{gpu.group}.gpu_memory_gb or gpu_type"
             if gpu.capacity_gib is None
             else next((f"{c.label} is not planned ({c.note})" for c in gpu.children if not c.holdings), None)
         )
@@ -171,7 +171,7 @@ def planned_residency(
     """The decision for `cfg`'s job `plan` and the memory plan it leads to: decided from the plan with every
     teacher but the `never` ones resident (the actor's derived micro-batch budget then leaves room for them),
     then planned again with the teachers that stay. `capacity_gib`: one GPU's memory where a group has no
-    `gpu_memory_gb` (what the job detected)."""
+    `gpu_memory_gb` or `gpu_type` (what the job detected)."""
     modes = residency_modes(cfg)
     candidates = frozenset(t for t, mode in modes.items() if mode != "never")
     first = memory_plan(cfg, plan, read, capacity_gib=capacity_gib, resident_teachers=candidates)
