@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from mopd_hpc.runtime.layout import (
+from mopd_hpc.plan.transfer_ranks import (
     ChildPlacement,
     LayoutError,
     RolloutLayout,

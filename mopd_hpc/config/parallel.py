@@ -4,7 +4,7 @@
     shape = ActorParallel.from_config(cfg)          # world 2 = dp 2 × tp 1 × pp 1
     shape.dp_rank(rank), shape.tp_rank(rank)        # rank = MOPD_RANK of an actor child
 
-World (`actor_world`): one actor rank per trainer slot, as `launch/placement.py` lays the actor out:
+World (`actor_world`): one actor rank per trainer slot, as `plan/placement.py` lays the actor out:
 - a group with GPUs: nodes × gpus_per_node (one rank per GPU), less the teachers' own GPUs
   (nodes × teacher_gpus_per_node, cluster.teacher_placement own_gpus) and the rollout engines' GPUs
   (rollout.engines count·tensor_parallel) in the colocated shape with rollout.mode separated;
@@ -109,7 +109,7 @@ def teacher_gpus(cluster: Any, rollout: Any) -> TeacherGpus:
 def teacher_replicas(cfg: Any, teacher: Any) -> int:
     """The scoring servers of `teacher` (a `TeacherConfig` of the validated `cfg`): its `replicas`, or when
     null, on GPUs the teachers' GPUs (`teacher_gpus`) ÷ its tensor_parallel (one replica per
-    tensor-parallel group of them, `launch/placement.py`), on CPU 1."""
+    tensor-parallel group of them, `plan/placement.py`), on CPU 1."""
     if teacher.replicas is not None:
         return int(teacher.replicas)
     gpus = teacher_gpus(cfg.cluster, cfg.rollout)

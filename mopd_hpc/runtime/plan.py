@@ -1,6 +1,6 @@
 """The job plan: every child of the job, where it runs and what it gets, decided before anything starts.
 
-`launch.placement.place_children(cfg)` lays a RunConfig out into a `JobPlan`: one `ChildSpec` per process a guard
+`plan.placement.place_children(cfg)` lays a RunConfig out into a `JobPlan`: one `ChildSpec` per process a guard
 will spawn: its role and index, its het group and node index *within the group* (hosts are not known
 before the allocation), its GPUs (ordinals into the node's GPUs, as strings; the guard maps them to the
 tokens it sees), its named ports (leased at start), its rank environment (MOPD_RANK, MOPD_WORLD_SIZE,
@@ -193,7 +193,7 @@ class GroupPlan:
 
 @dataclass(frozen=True, slots=True)
 class JobPlan:
-    """Every child of one job. Build with `launch.placement.place_children(cfg)` or `JobPlan.from_dict(...)`.
+    """Every child of one job. Build with `plan.placement.place_children(cfg)` or `JobPlan.from_dict(...)`.
 
     Attributes:
         name: the run's name.

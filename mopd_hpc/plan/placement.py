@@ -24,7 +24,7 @@ Rules (DESIGN.md §1, §4; config rules in `config/rules.py` already hold when t
 - **GPU visibility**: in `separated` mode a child sees only its own GPUs; in `colocated` mode every child
   sees all GPUs of its node and `device_index` says where it starts (AWEX's colocate reader pairs trainer
   and rollout ranks on the same device ordinal).
-- Transfer ranks come from `runtime.layout.assign_transfer_ranks` (dense, unique, GPU exclusivity of
+- Transfer ranks come from `plan.transfer_ranks.assign_transfer_ranks` (dense, unique, GPU exclusivity of
   actor and rollout); its colocated (host, device) pairing is checked for `weight_sync.backend: awex`
   only (torch.distributed sync has no such need). Teachers are checked here: they share GPUs with the
   actor (and in colocated mode with rollout) by design, never with another rank of the same teacher.
@@ -36,8 +36,8 @@ from collections import Counter
 from typing import Any
 
 from mopd_hpc.config.parallel import ActorParallel, ParallelError, teacher_replicas
+from mopd_hpc.plan.transfer_ranks import ChildPlacement, LayoutError, RolloutLayout, assign_transfer_ranks
 from mopd_hpc.runtime import child_env
-from mopd_hpc.runtime.layout import ChildPlacement, LayoutError, RolloutLayout, assign_transfer_ranks
 from mopd_hpc.runtime.plan import ChildSpec, GroupPlan, JobPlan, PlanError
 
 #: Named ports per role (DESIGN.md §4: ports are named, never positional).
