@@ -215,7 +215,7 @@ def teacher_lines(plan: JobPlan) -> list[str]:
         if child.role != "teacher" or child_env.TEACHER_ID not in env:
             continue
         replica = int(env.get(child_env.TEACHER_REPLICA, "0"))
-        gpu = child.gpus[child.device_index or 0] if child.gpus else None
+        gpu = next(iter(child.compute_gpus()), None)
         group = f"{plan.groups[child.het_group].name} " if plan.het_size > 1 else ""
         found.setdefault(env[child_env.TEACHER_ID], {}).setdefault(replica, []).append(
             (f"{group}node {child.node_index}", "cpu" if gpu is None else gpu)

@@ -127,7 +127,11 @@ class ChildSpec:
 
     def compute_gpus(self, rollout_tp: int = 1) -> tuple[str, ...]:
         """The node GPU ordinals it computes on (a subset of `gpus`, which colocated children see whole): a
-        rollout engine's `rollout_tp` GPUs from its `device_index`, any other child's one device; () on CPU."""
+        rollout engine's `rollout_tp` GPUs from its `device_index`, any other child's one device; () on CPU.
+        `device_index` None is the first visible GPU (what the child does without MOPD_BASE_GPU_ID,
+        `runtime/child_device.py`). The one rule for a child's GPUs: the placement's GPU-sharing check, the
+        transfer ranks, the memory plan and the rank map all read it. A rollout engine given fewer than
+        `rollout_tp` GPUs from its device gets fewer (the transfer ranks refuse it)."""
         if not self.gpus:
             return ()
         base = self.device_index or 0
