@@ -195,6 +195,14 @@ def test_the_teacher_group_is_only_where_the_placement_asks_for_it() -> None:
     assert [p.render() for p in info.value.problems] == [
         "cluster.teacher: set, but teacher_placement is 'colocated' (use trainer and rollout)"
     ]
+    # no teacher started (c_d = 0): a teacher het group would have no child, its step would end the job
+    no_teacher = ["loss.distillation_coefficient=0", "loss.rl_coefficient=1", "data.samples_per_prompt=2"]
+    with pytest.raises(ConfigError) as info:
+        load_run_config(CONFIGS / "slurm_het_teachers_cpu.yaml", no_teacher)
+    assert [p.render() for p in info.value.problems] == [
+        "cluster.teacher_placement: gives the teachers resources of their own, but no teacher is started "
+        "(loss.distillation_coefficient is 0) (got 'own_group'; colocated, or a distillation_coefficient > 0)"
+    ]
     with pytest.raises(ConfigError) as info:
         load_run_config(CONFIGS / "slurm_het_teachers_cpu.yaml", ["cluster.teacher.actor_ranks_per_node=2"])
     assert (

@@ -22,7 +22,7 @@ from mopd_hpc.config.data import unevaluated_sources
 from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message
 from mopd_hpc.config.problems import Problem, join_path, known, needs_gpus
-from mopd_hpc.config.teacher_rules import teacher_layout, teacher_residency
+from mopd_hpc.config.teacher_rules import teacher_layout, teacher_residency, teachers_started
 
 RuleFn = Callable[[Any], Iterator[Problem]]
 
@@ -176,6 +176,7 @@ def _actor_layout(c: Any) -> Iterator[Problem]:
 
 rule("models", "cluster", "rollout")(teacher_layout)
 rule("models", "cluster")(teacher_residency)
+rule("cluster", "loss")(teachers_started)
 
 
 @rule("rollout", "cluster")

@@ -5,7 +5,10 @@ teachers' GPUs hold (config/parallel.py `teacher_gpus`), registered in config/ru
 - a replica's tensor_parallel GPUs stay inside one node: tensor_parallel divides the teachers' GPUs per node;
 - replicas · tensor_parallel fit the teachers' GPUs (the actor's when colocated: the replicas share them);
 - a teacher with GPUs of its own is never offloaded: `residency: never` is refused there (nothing else
-  computes on those GPUs, so offloading frees memory for no one and costs a load per step).
+  computes on those GPUs, so offloading frees memory for no one and costs a load per step);
+- GPUs or a het group of the teachers' own need teachers: with loss.distillation_coefficient 0 none is
+  started (mopd/plan.py ExecutionPlan), so they would sit idle (own_gpus) or end the job at once (own_group:
+  a het component without a child ends its step, and the batch shell stops the job when one step ends).
 """
 
 from __future__ import annotations
@@ -73,3 +76,15 @@ def teacher_residency(c: Any) -> Iterator[Problem]:
                 teacher.residency,
                 "auto (resident on its own GPUs), or teacher_placement: colocated",
             )
+
+
+def teachers_started(c: Any) -> Iterator[Problem]:
+    """A placement of the teachers' own where no teacher is started (module docstring)."""
+    if c.cluster.teacher_placement != "colocated" and c.loss.distillation_coefficient == 0:
+        yield Problem(
+            "cluster.teacher_placement",
+            "gives the teachers resources of their own, but no teacher is started (loss.distillation_coefficient "
+            "is 0)",
+            c.cluster.teacher_placement,
+            "colocated, or a distillation_coefficient > 0",
+        )
