@@ -134,8 +134,8 @@ def test_rank_map_shows_each_actor_ranks_dp_and_tp() -> None:
     assert re.search(r"│ 0:trainer │ 1 +│ actor +│ 1 +│ 1 +│ 0 +│ - +│ cpu +│ -", text)
     assert text.rstrip().splitlines()[-3:] == [
         "actor: world 2 = dp 2 × tp 1 × pp 1 (cluster.trainer.nodes × actor_ranks_per_node = 2 × 1)",
-        "teacher chain: 1 replica(s) × tp 1 — replica 0 on node 0 cpu",
-        "teacher legs: 1 replica(s) × tp 1 — replica 0 on node 0 cpu",
+        "teacher chain: 1 replica(s) × tp 1 — replica 0 on trainer node 0 cpu",
+        "teacher legs: 1 replica(s) × tp 1 — replica 0 on trainer node 0 cpu",
     ]
 
 

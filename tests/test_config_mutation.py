@@ -525,29 +525,69 @@ MUTATIONS: dict[str, M] = {
     "cluster.max_requeues": ("cpu", {}, {"cluster.max_requeues": 1}, "dry_run"),
     "cluster.extra_sbatch": ("cpu", {}, {"cluster.extra_sbatch": ["--constraint=h200"]}, "dry_run"),
 }
-for _group_name, _base in (("trainer", "het"), ("rollout", "het"), ("group", "cpu")):
+#: the het base with the teachers in their own het group `teacher` (CPU)
+TEACHER_GROUP = {
+    "cluster.teacher_placement": "own_group",
+    "cluster.teacher": {"nodes": 1, "cpus_per_task": 1},
+}
+MUTATIONS["cluster.teacher_placement"] = ("het", {}, TEACHER_GROUP, "plan")
+for _group_name, _base, _setup in (
+    ("trainer", "het", {}), ("teacher", "het", TEACHER_GROUP), ("rollout", "het", {}), ("group", "cpu", {}),
+):  # fmt: skip
     _g = f"cluster.{_group_name}"
     for _field, _value in GROUP_SCRIPT:
-        MUTATIONS[f"{_g}.{_field}"] = (_base, {}, {f"{_g}.{_field}": _value}, "dry_run")
-    MUTATIONS[f"{_g}.nodes"] = (_base, {}, {f"{_g}.nodes": 3}, "plan")
+        MUTATIONS[f"{_g}.{_field}"] = (_base, _setup, {f"{_g}.{_field}": _value}, "dry_run")
+    MUTATIONS[f"{_g}.nodes"] = (_base, _setup, {f"{_g}.nodes": 3}, "plan")
     MUTATIONS[f"{_g}.gpus_per_node"] = (
         _base,
-        {"cluster.backend": "slurm"},
+        {**_setup, "cluster.backend": "slurm"},
         {f"{_g}.gpus_per_node": 1, "weight_sync.backend": "torch"},
         "plan",
     )
     for _field, _value in (("gpu_memory_gb", 1e-4), ("gpu_type", "A100-40GB")):
         MUTATIONS[f"{_g}.{_field}"] = (
             _base,
-            {"cluster.backend": "slurm", f"{_g}.gpus_per_node": 1, "models.actor.path": "@big"},
+            {**_setup, "cluster.backend": "slurm", f"{_g}.gpus_per_node": 1, "models.actor.path": "@big",
+             "models.teachers[0].path": "@big"},
             {f"{_g}.{_field}": _value},
             "memory",
-        )
+        )  # fmt: skip
     MUTATIONS[f"{_g}.actor_ranks_per_node"] = (
         _base,
-        {f"{_g}.cpus_per_task": 2},
+        {**_setup, f"{_g}.cpus_per_task": 2},
         {f"{_g}.actor_ranks_per_node": 2},
-        "refused" if _group_name == "rollout" else "plan",
+        "refused" if _group_name in ("rollout", "teacher") else "plan",
+    )
+# the teachers' own GPUs of the actor's group: one more moves an actor rank's GPU to the teachers
+_OWN_GPUS = {
+    "cluster.teacher_placement": "own_gpus",
+    "weight_sync.backend": "torch",
+    "weight_sync.awex_mode": None,
+}
+MUTATIONS["cluster.trainer.teacher_gpus_per_node"] = (
+    "het",
+    {**_OWN_GPUS, "cluster.backend": "slurm", "cluster.trainer.gpus_per_node": 3,
+     "cluster.trainer.teacher_gpus_per_node": 1},
+    {"cluster.trainer.teacher_gpus_per_node": 2},
+    "plan",
+)  # fmt: skip
+MUTATIONS["cluster.group.teacher_gpus_per_node"] = (
+    "gpu",
+    {**_OWN_GPUS, "cluster.group.gpus_per_node": 3, "cluster.group.teacher_gpus_per_node": 1},
+    {"cluster.group.teacher_gpus_per_node": 2},
+    "plan",
+)
+for _group_name, _setup in (("rollout", {}), ("teacher", TEACHER_GROUP)):  # only the actor's group gives GPUs
+    MUTATIONS[f"cluster.{_group_name}.teacher_gpus_per_node"] = (
+        "het",
+        {
+            **_setup,
+            "cluster.backend": "slurm",
+            f"cluster.{_group_name}.gpus_per_node": 2,
+            "weight_sync.backend": "torch",
+        },  # fmt: skip
+        {f"cluster.{_group_name}.teacher_gpus_per_node": 1},
+        "refused",
     )
 
 

@@ -20,7 +20,7 @@ from mopd_hpc.config.schema import strip, union_members
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| `([^`]+)`[^|]*\|", re.MULTILINE)
 #: The het groups' fields are one GroupConfig, documented once under cluster.group.
-SAME_AS_GROUP = re.compile(r"^cluster\.(trainer|rollout)\.")
+SAME_AS_GROUP = re.compile(r"^cluster\.(trainer|teacher|rollout)\.")
 
 
 def models_of(tp: object) -> tuple[type[BaseModel], ...]:

@@ -4,7 +4,11 @@ het group 1 (rollout: 2 engines, one per node) → metrics, checkpoints, evaluat
 and rollout engines by their advertised node names, the rollout engines join the actor's gloo weight-sync group
 across nodes, and the job ends COMPLETED when the actor is done (the servers stop on its end-of-job marker).
 
-A second test sends Slurm's checkpoint signal (USR2 to the batch shell, as `--signal=B:USR2@...` does) mid-run:
+A second test runs the same job with the teachers in their own het group (configs/slurm_het_teachers_cpu.yaml:
+trainer / teacher / rollout, one node, one node, two nodes): the actor scores over the network at the teacher
+node's address, no teacher runs on the trainer node, and the three components end COMPLETED.
+
+A third test sends Slurm's checkpoint signal (USR2 to the batch shell, as `--signal=B:USR2@...` does) mid-run:
 the actor checkpoints, the job requeues under the same job id, and the rerun resumes, with no lost and no
 repeated step (the end-of-job marker of the first run must not stop the rerun's servers). Needs root.
 """
@@ -26,6 +30,7 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "slurm_het_cpu.yaml"
+TEACHER_GROUP_CONFIG = REPO / "configs" / "slurm_het_teachers_cpu.yaml"
 SUBMIT = Path(sys.executable).with_name("mopd-submit")
 ROUTES = ("chain", "legs")
 CHILDREN = {("actor", 0), ("teacher", 0), ("teacher", 1), ("rollout", 0), ("rollout", 1)}
@@ -42,7 +47,7 @@ def micro_models(tmp_path_factory) -> Path:
     return out
 
 
-def submit(cluster, models: Path, run_dir: Path, *overrides: str) -> str:
+def submit(cluster, models: Path, run_dir: Path, *overrides: str, config: Path = CONFIG) -> str:
     sets = [
         f"models.actor.path={models / 'student'}",
         f"models.teachers[0].path={models / 'teacher_chain_sum'}",
@@ -51,7 +56,7 @@ def submit(cluster, models: Path, run_dir: Path, *overrides: str) -> str:
         "data.eval.size=8",
         *overrides,
     ]
-    argv = [str(SUBMIT), str(CONFIG), "--run-dir", str(run_dir)]
+    argv = [str(SUBMIT), str(config), "--run-dir", str(run_dir)]
     for item in sets:
         argv += ["--set", item]
     proc = subprocess.run(
@@ -83,10 +88,10 @@ def events(run_dir: Path) -> list[dict]:
     ]
 
 
-def assert_clean_end(cluster, run_dir: Path, job_id: str) -> None:
-    """Both het components COMPLETED, every child exited 0, no process and no port lease of the job left."""
+def assert_clean_end(cluster, run_dir: Path, job_id: str, components: int = 2) -> None:
+    """Every het component COMPLETED, every child exited 0, no process and no port lease of the job left."""
     states = wait_for(lambda: sacct_states(cluster, job_id), 60, f"sacct to record the end of job {job_id}")
-    assert states == {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"}
+    assert states == {f"{job_id}+{i}": "COMPLETED" for i in range(components)}
     exits = [e for e in events(run_dir) if e["event"] == "exit"]
     assert {(e["role"], e["index"]) for e in exits} == CHILDREN
     assert all(e["exit_code"] == 0 and e["signal"] is None for e in exits), exits
@@ -128,11 +133,7 @@ def test_three_steps_of_the_het_job_on_micro_models(
         assert_steps(lines, 3)
         # step s samples with the weights the actor broadcast after step s-1 (version 0: the initial sync)
         assert [line["rollout/weight_version"] for line in lines] == [0.0, 1.0, 2.0]
-        record = json.loads((run_dir / "eval.json").read_text())
-        assert sorted(record["routes"]) == sorted(ROUTES)
-        for route in record["routes"].values():
-            assert sorted(route) == ["n", "student_end", "student_start", "teacher"] and route["n"] == 8
-            assert all(0.0 <= route[k] <= 1.0 for k in ("teacher", "student_start", "student_end"))
+        assert_eval(run_dir, 8)
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
             "latest", "step_000002", "step_000003"]  # fmt: skip
         assert (run_dir / "student_final" / "model.safetensors").is_file()
@@ -158,6 +159,50 @@ def test_three_steps_of_the_het_job_on_micro_models(
         assert_clean_end(slurm_cluster, run_dir, job_id)
         batch_log = (run_dir / "logs" / f"batch.{job_id}.log").read_text()
         for group in ("0 (trainer)", "1 (rollout)"):
+            assert f"step of het group {group} exited with code 0" in batch_log, batch_log
+    finally:
+        stop(slurm_cluster, job_id)
+
+
+def assert_eval(run_dir: Path, n: int) -> None:
+    """eval.json holds every route's teacher, start and end accuracies over `n` held-out prompts."""
+    record = json.loads((run_dir / "eval.json").read_text())
+    assert sorted(record["routes"]) == sorted(ROUTES)
+    for route in record["routes"].values():
+        assert sorted(route) == ["n", "student_end", "student_start", "teacher"] and route["n"] == n
+        assert all(0.0 <= route[k] <= 1.0 for k in ("teacher", "student_start", "student_end"))
+
+
+def test_teachers_in_their_own_het_group(slurm_cluster, micro_models: Path, tmp_path: Path) -> None:
+    require_netns(slurm_cluster)
+    wait_idle(slurm_cluster)
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm_cluster, micro_models, run_dir, "steps=2", config=TEACHER_GROUP_CONFIG)
+    try:
+        wait_for(lambda: job_gone(slurm_cluster, job_id), JOB_S, f"job {job_id} to end")
+        assert_steps(metrics(run_dir), 2)
+        assert_eval(run_dir, 8)
+        # the rank map (run_dir/plan.json) puts the teachers in het group 1 `teacher`, none on a trainer node
+        plan = json.loads((run_dir / "plan.json").read_text())
+        assert [g["name"] for g in plan["groups"]] == ["trainer", "teacher", "rollout"]
+        placed = {(c["role"], c["index"]): (c["het_group"], c["node_index"]) for c in plan["children"]}
+        assert placed == {("actor", 0): (0, 0), ("teacher", 0): (1, 0), ("teacher", 1): (1, 0),
+                          ("rollout", 0): (2, 0), ("rollout", 1): (2, 1)}  # fmt: skip
+        # and so they ran: four nodes, the teachers' one neither the trainer's nor a rollout node
+        spawns = {(e["role"], e["index"]): e["host"] for e in events(run_dir) if e["event"] == "spawn"}
+        trainer_host, teacher_host = spawns["actor", 0], spawns["teacher", 0]
+        rollout_hosts = [spawns["rollout", 0], spawns["rollout", 1]]
+        assert spawns["teacher", 1] == teacher_host
+        assert len({trainer_host, teacher_host, *rollout_hosts}) == 4
+        # the actor scored over the network, at the teacher node's own address
+        actor_out = (run_dir / "logs" / trainer_host / "actor-0.g1.out").read_text()
+        urls = re.findall(r"http://([\w.-]+):\d+", actor_out.split("\n", 1)[0])
+        addrs = slurm_cluster.node_addrs
+        assert urls == [addrs[h] for h in (*rollout_hosts, teacher_host, teacher_host)], actor_out[:300]
+        assert "evaluation at the end" in actor_out
+        assert_clean_end(slurm_cluster, run_dir, job_id, components=3)
+        batch_log = (run_dir / "logs" / f"batch.{job_id}.log").read_text()
+        for group in ("0 (trainer)", "1 (teacher)", "2 (rollout)"):
             assert f"step of het group {group} exited with code 0" in batch_log, batch_log
     finally:
         stop(slurm_cluster, job_id)

@@ -1,8 +1,17 @@
 """The `cluster:` section: backend (local or Slurm), job shape, and the resources of each het group.
 
 Shapes (DESIGN.md §1, sbatch_templates/): 'heterogeneous' is a Slurm het job with component 0 = the
-`trainer` group (actor and teachers) and component 1 = the `rollout` group; 'colocated' is one
+`trainer` group (actor and teachers) and the last component = the `rollout` group; 'colocated' is one
 component, `group`, where actor, teachers and rollout share the nodes.
+
+Teacher placement (`teacher_placement`; NeMo-RL and verl likewise give a teacher or generation worker group
+its own resource pool or share the policy's):
+- 'colocated' (default): each teacher's replicas time-share the actor's GPUs (the phase machine slices them);
+- 'own_gpus': the last `teacher_gpus_per_node` GPUs of every node of the trainer group (`trainer`, or `group`)
+  are the teachers' only; the actor (and, in the colocated shape, the rollout engines) get the others;
+- 'own_group': the teachers run in their own het group `teacher` (component 1, between `trainer` and
+  `rollout`; shape heterogeneous only), on its GPUs, or on its CPUs when it has none.
+A teacher with GPUs of its own is never offloaded between phases (nothing else computes there).
 """
 
 from __future__ import annotations
@@ -82,6 +91,13 @@ class GroupConfig(Section):
         "node's cpus_per_task); null = 1. Only on the group that holds the actor; on a GPU group the ranks "
         "are its GPUs (null or 1).",
     )
+    teacher_gpus_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="With cluster.teacher_placement own_gpus, on the group that holds the actor: its last "
+        "teacher_gpus_per_node GPUs of each node are the teachers' own (the actor gets the others); "
+        "null = none (required with own_gpus, refused otherwise).",
+    )
     mem_gb: int | None = Field(
         None, ge=1, description="Memory per node, in GB; null = the partition default."
     )
@@ -137,6 +153,11 @@ class GroupConfig(Section):
         return self.nodes * self.gpus_per_node
 
     @property
+    def teacher_gpus(self) -> int:
+        """GPUs per node given to the teachers alone (teacher_gpus_per_node, null = 0)."""
+        return self.teacher_gpus_per_node or 0
+
+    @property
     def actor_slots_per_node(self) -> int:
         """Actor ranks a node of this group can hold: one per GPU, else actor_ranks_per_node (null = 1)."""
         return self.gpus_per_node or (self.actor_ranks_per_node or 1)
@@ -151,13 +172,29 @@ class ClusterConfig(Section):
         "`mopd-submit --local` overrides it to 'local'."
     )
     shape: Literal["heterogeneous", "colocated"] = Field(
-        description="'heterogeneous': `trainer` + `rollout` groups (a Slurm het job); 'colocated': one `group`."
+        description="'heterogeneous': `trainer` + `rollout` groups (a Slurm het job; with teacher_placement "
+        "own_group also `teacher` between them); 'colocated': one `group`."
+    )
+    teacher_placement: Literal["colocated", "own_gpus", "own_group"] = Field(
+        "colocated",
+        description="Where the teachers' replicas run: 'colocated' on the actor's GPUs, time-sliced by the "
+        "phases; 'own_gpus' on the last `teacher_gpus_per_node` GPUs of each node of the actor's group, theirs "
+        "alone; 'own_group' in their own het group `cluster.teacher` (shape heterogeneous). Replicas × "
+        "tensor_parallel are sized by the teachers' GPUs; a teacher with GPUs of its own is never offloaded.",
     )
     trainer: GroupConfig | None = Field(
-        None, description="Het group 0 (actor, teachers); shape heterogeneous."
+        None,
+        description="Het group 0 (actor, and teachers unless teacher_placement is own_group); shape "
+        "heterogeneous.",
+    )
+    teacher: GroupConfig | None = Field(
+        None,
+        description="Het group 1 (the teachers' scoring servers), between trainer and rollout; shape "
+        "heterogeneous with teacher_placement own_group only.",
     )
     rollout: GroupConfig | None = Field(
-        None, description="Het group 1 (rollout engines); shape heterogeneous."
+        None,
+        description="The last het group (rollout engines: 1, or 2 after a teacher group); shape heterogeneous.",
     )
     group: GroupConfig | None = Field(None, description="The single group; shape colocated.")
     time_min: int = Field(60, ge=1, description="Job time limit, in minutes.")
@@ -202,16 +239,34 @@ class ClusterConfig(Section):
         assert group is not None  # validated
         return group
 
+    @property
+    def teacher_group(self) -> GroupConfig:
+        """The group the teachers run in: `teacher` with teacher_placement own_group, else the actor's."""
+        return self.teacher if self.teacher_placement == "own_group" and self.teacher else self.trainer_group
+
+    @property
+    def teacher_group_name(self) -> str:
+        """The name of `teacher_group` ('teacher', 'trainer' or 'group')."""
+        if self.teacher_placement == "own_group" and self.teacher is not None:
+            return "teacher"
+        return "trainer" if self.shape == "heterogeneous" else "group"
+
     def groups(self) -> dict[str, GroupConfig]:
-        """Het groups by name, in component order ({'trainer', 'rollout'} or {'group'})."""
-        names = ("trainer", "rollout") if self.shape == "heterogeneous" else ("group",)
+        """Het groups by name, in component order ({'trainer', ['teacher',] 'rollout'} or {'group'})."""
+        names = ("trainer", "teacher", "rollout") if self.shape == "heterogeneous" else ("group",)
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def _needed(self) -> tuple[str, ...]:
+        if self.shape == "colocated":
+            return ("group",)
+        own = self.teacher_placement == "own_group"
+        return ("trainer", "teacher", "rollout") if own else ("trainer", "rollout")
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
         problems = []
-        needed = {"heterogeneous": ("trainer", "rollout"), "colocated": ("group",)}[self.shape]
-        for name in ("trainer", "rollout", "group"):
+        needed = self._needed()
+        for name in ("trainer", "teacher", "rollout", "group"):
             value = getattr(self, name)
             if name in needed and value is None:
                 problems.append(
@@ -220,14 +275,14 @@ class ClusterConfig(Section):
                     )
                 )
             elif name not in needed and value is not None:
-                problems.append(
-                    Problem(
-                        name,
-                        f"set, but shape {self.shape!r} has no such group",
-                        expected=f"use {' and '.join(needed)}",
-                    )
+                why = (
+                    f"set, but teacher_placement is {self.teacher_placement!r}"
+                    if name == "teacher" and self.shape == "heterogeneous"
+                    else f"set, but shape {self.shape!r} has no such group"
                 )
+                problems.append(Problem(name, why, expected=f"use {' and '.join(needed)}"))
         problems.extend(self._actor_ranks_problems(needed))
+        problems.extend(self._teacher_placement_problems(needed))
         if self.backend == "local" and self.shape == "heterogeneous":
             for name in needed:
                 group = getattr(self, name)
@@ -254,6 +309,58 @@ class ClusterConfig(Section):
         raise_if_any(problems)
         return self
 
+    def _teacher_placement_problems(self, names: tuple[str, ...]) -> list[Problem]:
+        """own_group needs the heterogeneous shape; teacher_gpus_per_node only with own_gpus, on the actor's
+        group, at least one GPU left to the actor on each node."""
+        problems = []
+        if self.teacher_placement == "own_group" and self.shape == "colocated":
+            problems.append(
+                Problem(
+                    "teacher_placement",
+                    "a teacher het group needs a heterogeneous job (shape colocated is one group)",
+                    self.teacher_placement,
+                    "shape: heterogeneous with a `teacher` group, or teacher_placement: own_gpus",
+                )
+            )
+        actor_group = "trainer" if self.shape == "heterogeneous" else "group"
+        for name in names:
+            group = getattr(self, name)
+            if group is None or group.teacher_gpus_per_node is None:
+                continue
+            path = join_path(name, "teacher_gpus_per_node")
+            if name != actor_group:
+                problems.append(
+                    Problem(path, f"only the actor's group ({actor_group}) gives GPUs to the teachers",
+                            group.teacher_gpus_per_node, f"null; set it on cluster.{actor_group}")
+                )  # fmt: skip
+            elif self.teacher_placement != "own_gpus":
+                problems.append(
+                    Problem(path, f"set, but teacher_placement is {self.teacher_placement!r}",
+                            group.teacher_gpus_per_node, "null, or teacher_placement: own_gpus")
+                )  # fmt: skip
+            elif group.teacher_gpus_per_node >= group.gpus_per_node:
+                problems.append(
+                    Problem(
+                        path,
+                        f"leaves no GPU of a node to the actor (cluster.{name}.gpus_per_node is {group.gpus_per_node})",
+                        group.teacher_gpus_per_node,
+                        f"below {group.gpus_per_node}, or teacher_placement: own_group (a teacher het group)"
+                        if group.gpus_per_node
+                        else "give the group GPUs, or teacher_placement: own_group (a teacher het group)",
+                    )
+                )
+        group = getattr(self, actor_group)
+        if self.teacher_placement == "own_gpus" and group is not None and group.teacher_gpus_per_node is None:
+            problems.append(
+                Problem(
+                    join_path(actor_group, "teacher_gpus_per_node"),
+                    "teacher_placement own_gpus gives the teachers GPUs of the actor's nodes: how many per node",
+                    None,
+                    "the teachers' GPUs per node (≥ 1, below gpus_per_node), or teacher_placement: colocated",
+                )
+            )
+        return problems
+
     def _actor_ranks_problems(self, names: tuple[str, ...]) -> list[Problem]:
         """actor_ranks_per_node above 1 only on a CPU group that holds the actor (`trainer` or `group`)."""
         problems = []
@@ -263,11 +370,11 @@ class ClusterConfig(Section):
             if ranks in (None, 1):
                 continue
             path = join_path(name, "actor_ranks_per_node")
-            if name == "rollout":
+            if name in ("rollout", "teacher"):
                 problems.append(
                     Problem(
                         path,
-                        "the rollout group holds no actor rank",
+                        f"the {name} group holds no actor rank",
                         ranks,
                         "null; set it on cluster.trainer (the group of the actor)",
                     )

@@ -46,8 +46,9 @@ def job_gaps(cfg: Any) -> list[Problem]:
             group_path=world.group_path,
         )
     estimator = cfg.loss.estimator if cfg.loss.distillation_coefficient > 0 else None
+    teacher_device = "gpu" if cfg.cluster.teacher_group.gpus_per_node else "cpu"  # the teachers' group
     for i, teacher in enumerate(cfg.models.teachers):
-        out += teacher_refusals(i, teacher.engine, device, teacher.tensor_parallel, estimator)
+        out += teacher_refusals(i, teacher.engine, teacher_device, teacher.tensor_parallel, estimator)
     out += rollout_refusals(cfg.rollout.backend, cfg.rollout.engines.tensor_parallel)
     out += _backend_package(cfg)
     out += weight_sync_refusals(

@@ -85,7 +85,7 @@ INERT: tuple[InertField, ...] = (
     InertField(
         "models.teachers[].residency",
         "the teachers' group has no GPUs",
-        lambda c: c.cluster.trainer_group.gpus_per_node == 0,
+        lambda c: c.cluster.teacher_group.gpus_per_node == 0,
         "no effect on a group without GPUs: nothing moves between phases on CPU (roles/residency.py "
         "teachers_to_offload)",
     ),

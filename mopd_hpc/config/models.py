@@ -101,9 +101,10 @@ class TeacherConfig(Section):
         None,
         ge=1,
         description="Scoring servers of this teacher, each with its own endpoint; the rows of a step are split "
-        "across them, balanced by tokens. null = derived: on GPUs the actor's GPUs ÷ tensor_parallel (one "
-        "replica per tensor-parallel group of the actor's GPUs), on CPU 1. On GPUs a replica takes "
-        "tensor_parallel of the actor's GPUs (replicas·tensor_parallel at most the actor's GPUs).",
+        "across them, balanced by tokens. null = derived: on GPUs the teachers' GPUs ÷ tensor_parallel (one "
+        "replica per tensor-parallel group of them; the teachers' GPUs are the actor's, or their own: "
+        "cluster.teacher_placement), on CPU 1. On GPUs a replica takes tensor_parallel of the teachers' GPUs "
+        "(replicas·tensor_parallel at most their number).",
     )
     residency: Literal["auto", "always", "never"] = Field(
         "auto",

@@ -5,7 +5,8 @@
     shape.dp_rank(rank), shape.tp_rank(rank)        # rank = MOPD_RANK of an actor child
 
 World (`actor_world`): one actor rank per trainer slot, as `plan/placement.py` lays the actor out:
-- a group with GPUs: nodes × gpus_per_node (one rank per GPU), less the rollout engines' GPUs
+- a group with GPUs: nodes × gpus_per_node (one rank per GPU), less the teachers' own GPUs
+  (nodes × teacher_gpus_per_node, cluster.teacher_placement own_gpus) and the rollout engines' GPUs
   (rollout.engines count·tensor_parallel) in the colocated shape with rollout.mode separated;
 - a group without GPUs: nodes × actor_ranks_per_node (`cluster.<group>.actor_ranks_per_node`, null = 1).
 
@@ -57,6 +58,10 @@ def actor_world(cluster: Any, rollout: Any) -> ActorWorld:
         return ActorWorld(group.nodes * per_node, how, where)
     size = group.nodes * group.gpus_per_node
     how = f"{where}.nodes × gpus_per_node = {group.nodes} × {group.gpus_per_node}"
+    if group.teacher_gpus:
+        how = f"{where}.nodes × (gpus_per_node − teacher_gpus_per_node) = {group.nodes} × "
+        how += f"({group.gpus_per_node} − {group.teacher_gpus})"
+        size = group.nodes * (group.gpus_per_node - group.teacher_gpus)
     if cluster.shape == "colocated" and rollout.mode == "separated":
         engines = rollout.engines
         how += f" − rollout.engines count·tensor_parallel {engines.count}·{engines.tensor_parallel}"
@@ -64,15 +69,53 @@ def actor_world(cluster: Any, rollout: Any) -> ActorWorld:
     return ActorWorld(size, how, where)
 
 
+@dataclass(frozen=True, slots=True)
+class TeacherGpus:
+    """The GPUs the teachers' replicas are laid over (`cluster.teacher_placement`), each teacher from the first.
+
+    Attributes:
+        size: GPUs in all (0: a group without GPUs; the replicas then go round-robin over its nodes).
+        per_node: of them on each node (a replica's tensor_parallel GPUs never span nodes).
+        own: True when no other role computes on them (teacher_placement own_gpus or own_group).
+        how: the count in field names, e.g. "cluster.trainer.nodes × teacher_gpus_per_node = 1 × 2".
+        group_path: the YAML path of the group they are in ("cluster.trainer", "cluster.teacher", ...).
+    """
+
+    size: int
+    per_node: int
+    own: bool
+    how: str
+    group_path: str
+
+
+def teacher_gpus(cluster: Any, rollout: Any) -> TeacherGpus:
+    """The teachers' GPUs of a validated `ClusterConfig` and `RolloutConfig` (`TeacherGpus`): the actor's
+    (`actor_world`) when colocated, the trainer nodes' `teacher_gpus_per_node` with own_gpus, the `teacher`
+    group's with own_group."""
+    placement = cluster.teacher_placement
+    group, name = cluster.teacher_group, cluster.teacher_group_name
+    where = f"cluster.{name}"
+    if placement == "own_group":
+        how = f"{where}.nodes × gpus_per_node = {group.nodes} × {group.gpus_per_node}"
+        return TeacherGpus(group.gpus, group.gpus_per_node, True, how, where)
+    if placement == "own_gpus":
+        how = f"{where}.nodes × teacher_gpus_per_node = {group.nodes} × {group.teacher_gpus}"
+        return TeacherGpus(group.nodes * group.teacher_gpus, group.teacher_gpus, True, how, where)
+    world = actor_world(cluster, rollout)
+    size = world.size if group.gpus_per_node else 0
+    return TeacherGpus(size, group.gpus_per_node, False, f"the actor's GPUs: {world.how}", where)
+
+
 def teacher_replicas(cfg: Any, teacher: Any) -> int:
     """The scoring servers of `teacher` (a `TeacherConfig` of the validated `cfg`): its `replicas`, or when
-    null, on a trainer group with GPUs the actor's world ÷ its tensor_parallel (one replica per
-    tensor-parallel group of the actor's GPUs, `plan/placement.py`), on CPU 1."""
+    null, on GPUs the teachers' GPUs (`teacher_gpus`) ÷ its tensor_parallel (one replica per
+    tensor-parallel group of them, `plan/placement.py`), on CPU 1."""
     if teacher.replicas is not None:
         return int(teacher.replicas)
-    if cfg.cluster.trainer_group.gpus_per_node == 0:
+    gpus = teacher_gpus(cfg.cluster, cfg.rollout)
+    if gpus.size == 0:
         return 1
-    return max(1, actor_world(cfg.cluster, cfg.rollout).size // teacher.tensor_parallel)
+    return max(1, gpus.size // teacher.tensor_parallel)
 
 
 def divisors(n: int) -> str:

@@ -79,6 +79,16 @@ class Problem:
         return f"{self.path}: {self.message}{tail}" if self.path else f"{self.message}{tail}"
 
 
+def needs_gpus(path: str, what: str, value: object, group_path: str, way_out: str = "use 1") -> Problem:
+    """`what` (at `path`, set to `value`) cannot run on the group at `group_path`, which has no GPUs."""
+    return Problem(
+        path,
+        f"{what} needs GPUs, but {group_path}.gpus_per_node is 0",
+        value,
+        f"{way_out}, or give the group GPUs",
+    )
+
+
 class RuleViolation(ValueError):
     """Raised by a cross-field validator; carries every problem it found (paths relative to its section)."""
 

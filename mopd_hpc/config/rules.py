@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mopd_hpc.config.capabilities import ACTOR_ENGINES, ROLLOUT_BACKENDS, TEACHER_ENGINES, optimizer_refusals
+from mopd_hpc.config.capabilities import ACTOR_ENGINES, ROLLOUT_BACKENDS, optimizer_refusals
 from mopd_hpc.config.data import unevaluated_sources
 from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message
-from mopd_hpc.config.problems import Problem, join_path, known
+from mopd_hpc.config.problems import Problem, join_path, known, needs_gpus
+from mopd_hpc.config.teacher_rules import teacher_layout, teacher_residency, teachers_started
 
 RuleFn = Callable[[Any], Iterator[Problem]]
 
@@ -102,24 +103,15 @@ def _source_routes(c: Any) -> Iterator[Problem]:
             )
 
 
-def _needs_gpus(path: str, what: str, value: object, group_path: str, way_out: str = "use 1") -> Problem:
-    return Problem(
-        path,
-        f"{what} needs GPUs, but {group_path}.gpus_per_node is 0",
-        value,
-        f"{way_out}, or give the group GPUs",
-    )
-
-
 def _parallel_problems(
     path: str, tp: int, pp: int, gpus_per_node: int, gpus: int, group_path: str, gpus_label: str = ""
 ) -> Iterator[Problem]:
     """tp must divide the group's GPUs per node (TP stays inside a node); tp·pp must divide its GPUs."""
     if gpus_per_node == 0:
         if tp > 1:
-            yield _needs_gpus(f"{path}.tensor_parallel", "tensor parallelism", tp, group_path)
+            yield needs_gpus(f"{path}.tensor_parallel", "tensor parallelism", tp, group_path)
         if pp > 1:
-            yield _needs_gpus(f"{path}.pipeline_parallel", "pipeline parallelism", pp, group_path)
+            yield needs_gpus(f"{path}.pipeline_parallel", "pipeline parallelism", pp, group_path)
         return
     if gpus_per_node % tp:
         yield Problem(
@@ -154,7 +146,7 @@ def _actor_layout(c: Any) -> Iterator[Problem]:
     world = actor_world(c.cluster, c.rollout)
     where = world.group_path
     if "cpu" not in ACTOR_ENGINES[actor.engine].devices and group.gpus_per_node == 0:
-        yield _needs_gpus(
+        yield needs_gpus(
             "models.actor.engine", f"the {actor.engine} engine", actor.engine, where, "use engine: torch"
         )
         return
@@ -182,36 +174,9 @@ def _actor_layout(c: Any) -> Iterator[Problem]:
         )
 
 
-@rule("models", "cluster")
-def _teacher_layout(c: Any) -> Iterator[Problem]:
-    group, where = c.cluster.trainer_group, _trainer_path(c.cluster)
-    for i, teacher in enumerate(c.models.teachers):
-        path = join_path("models", "teachers", i)
-        if "cpu" not in TEACHER_ENGINES[teacher.engine].devices and group.gpus_per_node == 0:
-            yield _needs_gpus(
-                f"{path}.engine", f"the {teacher.engine} engine", teacher.engine, where, "use engine: torch"
-            )
-            continue
-        yield from _parallel_problems(
-            path, teacher.tensor_parallel, 1, group.gpus_per_node, group.gpus, where
-        )
-
-
-@rule("models", "cluster", "rollout")
-def _teacher_replicas(c: Any) -> Iterator[Problem]:
-    """A replica takes tensor_parallel of the actor's GPUs (plan/placement.py): they must fit."""
-    slots = actor_world(c.cluster, c.rollout).size
-    for i, teacher in enumerate(c.models.teachers):
-        path = join_path("models", "teachers", i)
-        wanted = (teacher.replicas or 0) * teacher.tensor_parallel
-        if c.cluster.trainer_group.gpus_per_node and wanted > slots > 0:
-            yield Problem(
-                f"{path}.replicas",
-                f"replicas·tensor_parallel = {teacher.replicas}·{teacher.tensor_parallel} exceeds the actor's "
-                f"{slots} GPUs, which the teacher's replicas share",
-                teacher.replicas,
-                f"at most {slots // teacher.tensor_parallel}, or null (derived)",
-            )
+rule("models", "cluster", "rollout")(teacher_layout)
+rule("models", "cluster")(teacher_residency)
+rule("cluster", "loss")(teachers_started)
 
 
 @rule("rollout", "cluster")
@@ -226,22 +191,32 @@ def _rollout_layout(c: Any) -> Iterator[Problem]:
             "rollout.mode: separated, or cluster.shape: colocated",
         )
     if "cpu" not in ROLLOUT_BACKENDS[rollout.backend].devices and group.gpus_per_node == 0:
-        yield _needs_gpus(
+        yield needs_gpus(
             "rollout.backend", f"the {rollout.backend} backend", rollout.backend, where, "use backend: hf"
         )
         return
-    engines = rollout.engines
-    yield from _parallel_problems(
-        "rollout.engines", engines.tensor_parallel, 1, group.gpus_per_node, group.gpus, where
-    )
+    engines, tp = rollout.engines, rollout.engines.tensor_parallel
+    per_node = group.gpus_per_node - group.teacher_gpus  # the teachers' own GPUs are not the engines'
+    gpus, label = group.nodes * per_node, f"the {group.nodes * per_node} GPUs of {where}"
+    if group.teacher_gpus:
+        label += " not the teachers' own"
+        if per_node % tp:
+            yield Problem(
+                "rollout.engines.tensor_parallel",
+                f"must divide the GPUs per node the teachers leave ({where}.gpus_per_node − "
+                f"teacher_gpus_per_node = {per_node})",
+                tp,
+                f"a divisor of {per_node}: {divisors(per_node)}",
+            )
+    else:
+        yield from _parallel_problems("rollout.engines", tp, 1, group.gpus_per_node, group.gpus, where)
     # an engine wider than the whole group is the tensor_parallel problem above, not a count problem
-    fits = engines.tensor_parallel <= group.gpus
-    if group.gpus_per_node and fits and engines.count * engines.tensor_parallel > group.gpus:
+    if group.gpus_per_node and tp <= gpus and engines.count * tp > gpus:
         yield Problem(
             "rollout.engines.count",
-            f"count·tensor_parallel = {engines.count}·{engines.tensor_parallel} exceeds the {group.gpus} GPUs of {where}",
+            f"count·tensor_parallel = {engines.count}·{tp} exceeds {label}",
             engines.count,
-            f"at most {group.gpus // engines.tensor_parallel}",
+            f"at most {gpus // tp}",
         )
 
 
@@ -298,14 +273,14 @@ def _awex_colocate(c: Any) -> Iterator[Problem]:
     if c.weight_sync.awex_mode not in (None, "colocate"):
         return
     group, engines = c.cluster.trainer_group, c.rollout.engines
-    infer_world = engines.count * engines.tensor_parallel
-    if group.gpus_per_node and infer_world != group.gpus:
+    infer_world, actor_gpus = engines.count * engines.tensor_parallel, actor_world(c.cluster, c.rollout).size
+    if group.gpus_per_node and infer_world != actor_gpus:
         yield Problem(
             "rollout.engines",
-            f"AWEX colocate pairs each of the actor's {group.gpus} GPUs with one rollout rank, but "
+            f"AWEX colocate pairs each of the actor's {actor_gpus} GPUs with one rollout rank, but "
             f"count·tensor_parallel = {engines.count}·{engines.tensor_parallel} = {infer_world}",
             infer_world,
-            f"count·tensor_parallel = {group.gpus}, or rollout.mode: separated (AWEX separate mode)",
+            f"count·tensor_parallel = {actor_gpus}, or rollout.mode: separated (AWEX separate mode)",
         )
 
 

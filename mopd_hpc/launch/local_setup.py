@@ -51,8 +51,7 @@ def builds_tiny_models(cfg: RunConfig) -> bool:
     """Whether missing builder-named models of `cfg` are built on first use: only for a CPU run (the tiny
     models are CPU models; a GPU config's `student`/`teacher` directories are made otherwise, e.g. by
     benchmarks/gpu_step.py --make-models)."""
-    groups = (cfg.cluster.trainer_group, cfg.cluster.rollout_group)
-    return all(group.gpus_per_node == 0 for group in groups)
+    return all(group.gpus_per_node == 0 for group in cfg.cluster.groups().values())
 
 
 def awaits_build(cfg: RunConfig, path: Path) -> bool:

@@ -206,28 +206,29 @@ def shape_line(parallel: ActorParallel) -> str:
 
 
 def teacher_lines(plan: JobPlan) -> list[str]:
-    """One line per teacher of `plan`: its replicas and the GPUs each computes on, e.g. "teacher chain: 2
-    replica(s) × tp 1 — replica 0 on node 0 GPU 0, replica 1 on node 0 GPU 1" (CPU: "on node 0 cpu")."""
-    found: dict[str, dict[int, list[str]]] = {}
+    """One line per teacher of `plan`: its replicas and the node and GPUs each computes on, e.g. "teacher chain: 2
+    replica(s) × tp 1 — replica 0 on node 0 GPU 0; replica 1 on node 0 GPU 1" (CPU: "on node 0 cpu"); in a plan
+    of several het groups the node is named with its group: "on teacher node 1 GPUs 0,1"."""
+    found: dict[str, dict[int, list[tuple[str, str]]]] = {}
     for child in plan.children:
         env = child.env_dict
         if child.role != "teacher" or child_env.TEACHER_ID not in env:
             continue
         replica = int(env.get(child_env.TEACHER_REPLICA, "0"))
         gpu = next(iter(child.compute_gpus()), None)
-        where = f"GPU {gpu}" if gpu is not None else "cpu"
+        group = f"{plan.groups[child.het_group].name} " if plan.het_size > 1 else ""
         found.setdefault(env[child_env.TEACHER_ID], {}).setdefault(replica, []).append(
-            f"{child.het_group}:{child.node_index}:{where}"
+            (f"{group}node {child.node_index}", "cpu" if gpu is None else gpu)
         )
     lines = []
     for teacher, replicas in found.items():
         tp = max(len(v) for v in replicas.values())
         parts = []
         for r, places in sorted(replicas.items()):
-            nodes = sorted({p.split(":")[1] for p in places})
-            gpus = [p.split(":", 2)[2] for p in places]
-            shown = gpus[0] if len(gpus) == 1 else "GPUs " + ",".join(g.removeprefix("GPU ") for g in gpus)
-            parts.append(f"replica {r} on node {','.join(nodes)} {shown}")
+            nodes = ", ".join(dict.fromkeys(node for node, _ in places))
+            gpus = [g for _, g in places]
+            shown = "cpu" if gpus == ["cpu"] else ("GPU " if len(gpus) == 1 else "GPUs ") + ",".join(gpus)
+            parts.append(f"replica {r} on {nodes} {shown}")
         lines.append(f"teacher {teacher}: {len(replicas)} replica(s) × tp {tp} — " + "; ".join(parts))
     return lines
 

@@ -11,24 +11,28 @@ Rules (DESIGN.md §1, §4; config rules in `config/rules.py` already hold when t
   Rank 0 gets the `master` port (the actor group's torch.distributed rendezvous) and, with
   `weight_sync.backend: torch`, the `nccl` port (the weight-sync group's store, trainer → rollout engines).
 - **teacher**: for each teacher (none when loss.distillation_coefficient is 0: ExecutionPlan), R replicas
-  (`config/parallel.py teacher_replicas`: `models.teachers[i].replicas`, null = the actor's GPUs ÷ its
-  tensor_parallel on GPUs, 1 on CPU), each a scoring server of its own. On a GPU group replica r takes the
-  actor slots [r·tp, (r+1)·tp) (the actor's GPUs: the phase machine time-slices them, DESIGN.md §3): one
-  child per GPU, MOPD_RANK / MOPD_WORLD_SIZE its rank in the replica's tensor-parallel group; rank 0 (the
-  leader) serves `http`, and with tp > 1 leases `master` (the group's rendezvous). On a CPU group one
-  child per replica (tp is 1 there), replica r on node r mod nodes, serving `http`. Every teacher child
-  carries MOPD_TEACHER_ID and MOPD_TEACHER_REPLICA; indices count on over the teachers in config order.
+  (`config/parallel.py teacher_replicas`: `models.teachers[i].replicas`, null = the teachers' GPUs ÷ its
+  tensor_parallel on GPUs, 1 on CPU), each a scoring server of its own. The teachers' GPUs follow
+  `cluster.teacher_placement` (`config/parallel.py teacher_gpus`): `colocated`, the actor's slots (the phase
+  machine time-slices them, DESIGN.md §3); `own_gpus`, the last `teacher_gpus_per_node` GPUs of each node of
+  the actor's group (the actor and, in the colocated shape, the rollout engines take the others); `own_group`,
+  the GPUs of the `teacher` het group. On GPUs replica r takes [r·tp, (r+1)·tp) of them: one child per GPU,
+  MOPD_RANK / MOPD_WORLD_SIZE its rank in the replica's tensor-parallel group; rank 0 (the leader) serves
+  `http`, and with tp > 1 leases `master` (the group's rendezvous). On a CPU group one child per replica (tp
+  is 1 there), replica r on node r mod nodes, serving `http`. Every teacher child carries MOPD_TEACHER_ID
+  and MOPD_TEACHER_REPLICA; indices count on over the teachers in config order.
 - **rollout**: engine e takes GPUs [e·tp, (e+1)·tp) of the rollout group (an engine never spans nodes:
   tp divides gpus_per_node); without GPUs engines go round-robin over the nodes. Ports http, nccl,
   dist_init (SGLang's --port, --nccl-port, --dist-init-addr).
 - **GPU visibility**: in `separated` mode a child sees only its own GPUs; in `colocated` mode every child
   sees all GPUs of its node and `device_index` says where it starts (AWEX's colocate reader pairs trainer
-  and rollout ranks on the same device ordinal).
+  and rollout ranks on the same device ordinal), except a teacher on GPUs of its own, which sees its GPU.
 - Transfer ranks come from `plan.transfer_ranks.assign_transfer_ranks`; its colocated (node, device) pairing
   is checked for `weight_sync.backend: awex` only (torch.distributed sync has no such need).
 - No GPU is given to two children that run at the same time, checked here on the GPUs each child computes
   on (`ChildSpec.compute_gpus`): teachers share GPUs with the actor (and in colocated mode every role with
-  the others) by design, never with another rank of the same teacher; children of one role never share.
+  the others) by design, never with another rank of the same teacher; children of one role never share;
+  a teacher on GPUs of its own (`cluster.teacher_placement` own_gpus, own_group) shares them with no other role.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from mopd_hpc.config.parallel import ActorParallel, ParallelError, teacher_replicas
+from mopd_hpc.config.parallel import ActorParallel, ParallelError, teacher_gpus, teacher_replicas
 from mopd_hpc.plan.transfer_ranks import LayoutError, assign_transfer_ranks
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.plan import ChildSpec, GroupPlan, JobPlan, PlanError
@@ -122,11 +126,13 @@ def place_children(cfg: Any) -> JobPlan:
     groups = tuple(
         GroupPlan(name, i, g.nodes, g.gpus_per_node) for i, (name, g) in enumerate(cluster.groups().items())
     )
-    trainer_hg, rollout_hg = 0, (1 if het else 0)
+    het_group = {g.name: g.het_group for g in groups}
+    trainer_hg, rollout_hg = 0, het_group["rollout" if het else "group"]
     tg, rg = cluster.trainer_group, cluster.rollout_group
     count, tp = rollout.engines.count, rollout.engines.tensor_parallel
-    rollout_slots = _slots(rg.nodes, rg.gpus_per_node)
-    actor_slots = _slots(tg.nodes, tg.gpus_per_node, tg.actor_slots_per_node)
+    # the teachers' own GPUs (teacher_placement own_gpus) are the last of each node: neither actor nor rollout
+    rollout_slots = _slots(rg.nodes, rg.gpus_per_node - rg.teacher_gpus)
+    actor_slots = _slots(tg.nodes, tg.gpus_per_node - tg.teacher_gpus, tg.actor_slots_per_node)
     if rg.gpus_per_node:
         need = count * tp
         split = not het and not colocated  # one group: rollout takes its last GPUs, the actor the rest
@@ -153,30 +159,7 @@ def place_children(cfg: Any) -> JobPlan:
             _child("actor", rank, trainer_hg, node, [gpu], tg.gpus_per_node, colocated, ports, env)
         )
     teachers = cfg.models.teachers if cfg.loss.distillation_coefficient > 0 else []
-    if not tg.gpus_per_node:
-        children += _cpu_teachers(cfg, teachers, trainer_hg, tg.nodes)
-        teachers = []
-    index = 0
-    for k, teacher in enumerate(teachers):
-        ttp, replicas = teacher.tensor_parallel, teacher_replicas(cfg, teacher)
-        if teacher.replicas is None and world % ttp:
-            raise PlanError(
-                f"models.teachers[{k}] ({teacher.id!r}): tensor_parallel={ttp} does not divide the actor's "
-                f"{world} ranks, whose GPUs the teacher shares; choose a divisor of {world}, or set replicas"
-            )
-        if replicas * ttp > world:
-            raise PlanError(
-                f"models.teachers[{k}] ({teacher.id!r}): replicas·tensor_parallel = {replicas}·{ttp} exceeds the "
-                f"actor's {world} GPUs, which the teacher's replicas share; at most {world // ttp} replica(s)"
-            )
-        for r in range(replicas):
-            for q, (node, gpu) in enumerate(actor_slots[r * ttp : (r + 1) * ttp]):
-                ports = (("http", "master") if ttp > 1 else ("http",)) if q == 0 else ()
-                env = {**_rank_env(q, ttp, q, ttp), **_teacher_env(teacher.id, r)}
-                children.append(
-                    _child("teacher", index, trainer_hg, node, [gpu], tg.gpus_per_node, colocated, ports, env)
-                )
-                index += 1
+    children += _place_teachers(cfg, teachers, actor_slots, het_group[cluster.teacher_group_name], colocated)
     engine_local = _local_ranks([engine[0][0] for engine in engines])
     for e, (engine, (lr, lw)) in enumerate(zip(engines, engine_local, strict=True)):
         if len({n for n, _ in engine}) != 1:
@@ -196,6 +179,8 @@ def place_children(cfg: Any) -> JobPlan:
                 env,
             )
         )
+    if cluster.teacher_placement != "colocated":
+        _check_own_teacher_gpus(children, tp)
     children = _with_transfer_ranks(children, count, tp, cfg.weight_sync.backend == "awex", rollout.mode)
     check_gpu_sharing(children, rollout.mode, tp)
     children.sort(key=lambda c: (c.het_group, c.node_index, ROLE_ORDER[c.role], c.index))
@@ -214,9 +199,49 @@ def _teacher_env(teacher_id: str, replica: int) -> dict[str, str]:
     return {child_env.TEACHER_ID: teacher_id, child_env.TEACHER_REPLICA: str(replica)}
 
 
+def _place_teachers(
+    cfg: Any, teachers: Any, actor_slots: list[Slot], het_group: int, colocated: bool
+) -> list[ChildSpec]:
+    """The teacher children (module docstring): over the teachers' GPUs (`config/parallel.py teacher_gpus`:
+    the actor's slots, the trainer nodes' last teacher_gpus_per_node GPUs, or the `teacher` group's), each
+    teacher's replica r on GPUs [r·tp, (r+1)·tp) of them; on a group without GPUs `_cpu_teachers`. A teacher
+    on GPUs of its own sees only its GPU (nothing pairs it with another role's device ordinals)."""
+    cluster = cfg.cluster
+    group, own = cluster.teacher_group, cluster.teacher_placement != "colocated"
+    if not group.gpus_per_node:
+        return _cpu_teachers(cfg, teachers, het_group, group.nodes)
+    if cluster.teacher_placement == "own_gpus":  # the last teacher_gpus_per_node GPUs of each node
+        first = group.gpus_per_node - group.teacher_gpus
+        pool = [(n, first + g) for n in range(group.nodes) for g in range(group.teacher_gpus)]
+    else:  # own_group: the teacher group's GPUs; colocated: the actor's
+        pool = _slots(group.nodes, group.gpus_per_node) if own else actor_slots
+    how = teacher_gpus(cluster, cfg.rollout).how
+    whose = f"the teachers' {len(pool)} GPUs ({how})" if own else f"the actor's {len(pool)} ranks"
+    out: list[ChildSpec] = []
+    for k, teacher in enumerate(teachers):
+        ttp, replicas = teacher.tensor_parallel, teacher_replicas(cfg, teacher)
+        if teacher.replicas is None and len(pool) % ttp:
+            raise PlanError(
+                f"models.teachers[{k}] ({teacher.id!r}): tensor_parallel={ttp} does not divide {whose}, whose "
+                f"GPUs the teacher's replicas take; choose a divisor of {len(pool)}, or set replicas"
+            )
+        if replicas * ttp > len(pool):
+            raise PlanError(
+                f"models.teachers[{k}] ({teacher.id!r}): replicas·tensor_parallel = {replicas}·{ttp} exceeds "
+                f"{whose}; at most {len(pool) // ttp} replica(s)"
+            )
+        for r in range(replicas):
+            for q, (node, gpu) in enumerate(pool[r * ttp : (r + 1) * ttp]):
+                ports = (("http", "master") if ttp > 1 else ("http",)) if q == 0 else ()
+                env = {**_rank_env(q, ttp, q, ttp), **_teacher_env(teacher.id, r)}
+                out.append(_child("teacher", len(out), het_group, node, [gpu], group.gpus_per_node,
+                                  colocated and not own, ports, env))  # fmt: skip
+    return out
+
+
 def _cpu_teachers(cfg: Any, teachers: Any, het_group: int, nodes: int) -> list[ChildSpec]:
-    """One child per replica of each teacher on a CPU trainer group (rank 0 of 1, `http`), replica r on node
-    r mod nodes; indices count on over the teachers."""
+    """One child per replica of each teacher on a CPU group (rank 0 of 1, `http`), replica r on node r mod
+    nodes; indices count on over the teachers."""
     out: list[ChildSpec] = []
     for teacher in teachers:
         for r in range(teacher_replicas(cfg, teacher)):
@@ -260,3 +285,17 @@ def check_gpu_sharing(children: list[ChildSpec], mode: str, tp: int) -> None:
                         f"{child.label}, which run at the same time ({mode} mode); give each its own GPU"
                     )
             owners.setdefault(key, []).append(child)
+
+
+def _check_own_teacher_gpus(children: list[ChildSpec], tp: int) -> None:
+    """With the teachers on GPUs of their own, no actor or rollout child computes on a teacher's GPU."""
+    teacher_gpus_used = {
+        (c.het_group, c.node_index, g): c for c in children if c.role == "teacher" for g in c.compute_gpus(tp)
+    }
+    for child in children:
+        for gpu in child.compute_gpus(tp) if child.role != "teacher" else ():
+            if (teacher := teacher_gpus_used.get((child.het_group, child.node_index, gpu))) is not None:
+                raise PlanError(
+                    f"GPU {gpu} of het group {child.het_group} node {child.node_index} is {teacher.label}'s own "
+                    f"(cluster.teacher_placement) but {child.label} computes on it"
+                )

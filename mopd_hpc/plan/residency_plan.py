@@ -9,7 +9,9 @@ released after each score either way (they are the plan's `teacher`-phase holdin
 - `always`: resident (the user's choice; `residency_warnings` says so when the plan does not fit with it);
 - `never`: offloaded at every drain (the least memory between phases; every step pays one offload and one
   onload of the weights: 0.3 s for a 0.6B teacher on an H200, issue 21);
-- `auto` (the default): resident when every GPU it is on still fits with it resident, else offloaded.
+- `auto` (the default): resident when every GPU it is on still fits with it resident, else offloaded; a
+  teacher on GPUs of its own (`cluster.teacher_placement` own_gpus or own_group: no child but teachers
+  computes there) is resident whatever the GPU's memory: offloading it would free memory for no one.
 
 "Fits" on one GPU: for every phase of the plan (rollout, teacher, train), Σ over its children of what they hold
 in that phase, a resident teacher's weights counted in every phase, plus `CUDA_CONTEXT_BYTES` per child, is at
@@ -104,6 +106,12 @@ def decide_residency(gpus: tuple[GpuMemory, ...], modes: Mapping[str, str]) -> R
                     offload.add(child.teacher)
         auto = [c for c in teachers if modes.get(c.teacher, "auto") == "auto"]
         if not auto:
+            continue
+        if len(teachers) == len(gpu.children):  # the teachers' own GPU: nothing else would use the memory
+            for child in auto:
+                reasons.setdefault(
+                    child.teacher, f"teacher {child.teacher}: resident (GPUs of its own: {where})"
+                )
             continue
         unknown = (
             f"its memory is unknown; set cluster.{gpu.group}.gpu_memory_gb or gpu_type"
