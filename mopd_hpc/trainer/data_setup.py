@@ -19,6 +19,7 @@ from typing import Any
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.data import JsonlSource, Prompt, PromptSource, ReasoningGymSource, make_source
+from mopd_hpc.data.scoring import Scoring
 from mopd_hpc.mopd.routing import RoutedDataset, RoutedSource
 
 
@@ -61,9 +62,10 @@ def build_run_data(cfg: RunConfig) -> RunData:
                 task_args=spec.task_args,
                 seed=cfg.seed,
                 size=train_size(cfg),
+                scoring=Scoring.from_source_config(spec),
             )
         else:
-            source = make_source("jsonl", spec.name, path=spec.path)
+            source = make_source("jsonl", spec.name, path=spec.path, scoring=Scoring.from_source_config(spec))
         sources[spec.name] = source
         routed.append(RoutedSource(spec.name, spec.route, source))
     weights: dict[str, float] | None = None
@@ -84,7 +86,13 @@ def eval_prompts(cfg: RunConfig) -> dict[str, tuple[Prompt, ...]]:
             continue
         # split "train" with seed = eval.seed: RNG seeds eval.seed + [0, size), as data.eval documents.
         held = ReasoningGymSource.create(
-            f"{spec.name}/eval", spec.task, spec.task_args, seed=cfg.data.eval.seed, split="train", size=size
+            f"{spec.name}/eval",
+            spec.task,
+            spec.task_args,
+            seed=cfg.data.eval.seed,
+            split="train",
+            size=size,
+            scoring=Scoring.from_source_config(spec),
         )
         out.setdefault(spec.route, []).extend(held[i] for i in range(size))
     return {route: tuple(prompts) for route, prompts in out.items()}

@@ -39,6 +39,7 @@ from typing import Any, TextIO
 
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.data import Prompt
+from mopd_hpc.data.chat import encode_prompts
 from mopd_hpc.data.evaluation import evaluate_prompts
 from mopd_hpc.data.rewards import is_correct, score_completion
 from mopd_hpc.engines.rollout.client import RolloutClient
@@ -113,7 +114,7 @@ async def student_accuracy_on_engines(
 ) -> EngineEval:
     """route → greedy accuracy of the weights the rollout engines hold now (module docstring).
 
-    Prompts are encoded as `data.evaluation.greedy_complete` encodes them (the tokenizer's special tokens)
+    Prompts are encoded as `data.evaluation.greedy_complete` encodes them (`data.chat.encode_prompt`)
     and the new tokens decoded the same way (special tokens skipped). Raises as `engine_greedy`.
     """
     accuracy: dict[str, float] = {}
@@ -122,7 +123,7 @@ async def student_accuracy_on_engines(
     for route, items in prompts.items():
         if not items:
             continue
-        ids = [tokenizer(p.text)["input_ids"] for p in items]
+        ids = encode_prompts(tokenizer, items)
         samples = await engine_greedy(clients, ids, max_new_tokens, tokenizer.eos_token_id)
         texts = tuple(tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in samples)
         accuracy[route] = _accuracy(items, texts)
@@ -151,14 +152,14 @@ async def teacher_accuracy(
     """route → {teacher id: greedy accuracy} for every teacher with a positive weight on the route.
 
     Each teacher generates on its own server (`generators`, engines/teacher_generate.py): the actor process
-    loads no teacher. Prompts are encoded as `data.evaluation.greedy_complete` encodes them (the tokenizer's
-    special tokens; the server left-pads) and the new tokens decoded the same way, so on the same weights and
+    loads no teacher. Prompts are encoded as `data.evaluation.greedy_complete` encodes them (`data.chat.encode_prompt`; the
+    server left-pads) and the new tokens decoded the same way, so on the same weights and
     dtype the accuracy equals the in-process greedy evaluation's.
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     out: dict[str, dict[str, float]] = {route: {} for route in prompts}
     for route, items in prompts.items():
-        ids = [tokenizer(p.text)["input_ids"] for p in items]
+        ids = encode_prompts(tokenizer, items)
         for teacher, weight in route_weights[route].items():
             if weight <= 0 or teacher not in generators or not items:
                 continue
