@@ -98,3 +98,25 @@ def test_a_chat_jsonl_source_reaches_the_rollout_phase_templated(tokenizer_dirs,
 def test_a_chat_prompt_needs_a_tokenizer_with_a_chat_template() -> None:
     with pytest.raises(DataSourceError, match="template 'chat' but the tokenizer .* has no chat_template"):
         encode_prompt(build_char_tokenizer(), chat_prompt("1+1=", None, {}))
+
+
+def test_check_refuses_a_chat_source_whose_tokenizer_has_no_template(tokenizer_dirs, tmp_path: Path) -> None:
+    from mopd_hpc.config import load_run_config
+    from mopd_hpc.data.chat import has_chat_template
+    from mopd_hpc.launch.model_check import chat_template_problems
+
+    plain = tmp_path / "plain"
+    save_char_tokenizer(build_char_tokenizer(), plain)
+    assert has_chat_template(tokenizer_dirs[0]) and not has_chat_template(plain)
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_run_config(
+        repo / "configs" / "local_cpu.yaml", overrides=["data.sources[1].template=chat"], force_local=True
+    )
+    assert chat_template_problems(cfg, tokenizer_dirs[0]) == []
+    (problem,) = chat_template_problems(cfg, plain)
+    assert problem.render() == (
+        f"data.sources[1].template: the tokenizer (models.tokenizer.path: {plain}) holds no chat template "
+        "(got 'chat'; template: raw, or a tokenizer whose tokenizer_config.json (or chat_template.jinja) holds one)"
+    )
+    raw = load_run_config(repo / "configs" / "local_cpu.yaml", force_local=True)
+    assert chat_template_problems(raw, plain) == []

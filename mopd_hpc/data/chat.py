@@ -16,7 +16,10 @@ every model matches), so the student and the teachers see the same ids:
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from mopd_hpc.data.errors import DataSourceError
@@ -73,3 +76,17 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
     """`encode_prompt` of each prompt, in order."""
     return [encode_prompt(tokenizer, p) for p in prompts]
+
+
+def has_chat_template(directory: str | os.PathLike[str]) -> bool:
+    """Whether the tokenizer directory holds a chat template where transformers looks for one: a non-empty
+    `chat_template` in tokenizer_config.json, or a `chat_template.jinja` / `chat_template.json` file (read from
+    the files, transformers not imported: `mopd-submit --check` calls it)."""
+    d = Path(directory)
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
