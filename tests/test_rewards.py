@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from test_cli_check import mopd_submit
 
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.data import Prompt, score_completion
@@ -176,26 +176,17 @@ def test_config_refuses_bad_reward_fields_naming_each(user_module: Path) -> None
     assert [s.reward for s in good.data.sources] == ["my_rewards:length_reward", "math"]
 
 
-def check(*sets: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
-    args = [a for s in sets for a in ("--set", s)]
-    return subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", "--check", "configs/local_cpu.yaml", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+def check(*sets: str) -> subprocess.CompletedProcess[str]:
+    return mopd_submit("--check", "configs/local_cpu.yaml", *(a for s in sets for a in ("--set", s)))
 
 
-def test_check_refuses_a_bad_reward_path_naming_the_field_and_accepts_a_good_one(user_module: Path) -> None:
+def test_check_refuses_a_bad_reward_path_naming_the_field_and_accepts_a_good_one(
+    user_module: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bad = check("data.sources[0].reward=my_rewards_absent:score")
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "data.sources[0].reward: module 'my_rewards_absent' does not import" in bad.stderr
-    good = check("data.sources[0].reward=my_rewards:length_reward", pythonpath=user_module)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(user_module), os.environ.get("PYTHONPATH", "")]))
+    good = check("data.sources[0].reward=my_rewards:length_reward")
     assert good.returncode == 0, good.stdout + good.stderr
     assert "my_rewards:length_reward" in good.stdout
