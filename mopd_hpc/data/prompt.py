@@ -12,7 +12,6 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from mopd_hpc.config.rewards import BUILTIN_REWARDS, DEFAULT_REWARD
 from mopd_hpc.data.errors import PromptRecordError
 
 SourceKind = Literal["reasoning_gym", "jsonl"]
@@ -94,6 +93,8 @@ class Prompt:
             PromptRecordError: an unknown kind, a negative index, an empty text, a non-string
                 answer, a reasoning-gym prompt without a task, or non-JSON arguments/entry.
         """
+        from mopd_hpc.config.rewards import DEFAULT_REWARD  # deferred: the config package costs ≈ 0.4 s
+
         return cls(
             kind=kind,
             source=source,
@@ -152,6 +153,8 @@ class Prompt:
                 raise PromptRecordError(f"Prompt.{name}: must encode a JSON object (got {parsed!r})")
 
     def _validate_reward(self) -> None:
+        from mopd_hpc.config.rewards import BUILTIN_REWARDS  # deferred, as in `create`
+
         if self.reward not in BUILTIN_REWARDS and ":" not in self.reward:
             raise PromptRecordError(
                 f"Prompt.reward: expected one of {BUILTIN_REWARDS} or 'module:function' (got {self.reward!r})"
