@@ -56,8 +56,9 @@ def test_the_gsm8k_recipe_runs_on_the_sample_and_feeds_the_example_config(tmp_pa
         {"prompt": row["question"], "answer": final, "source": "gsm8k"}
         for row, final in zip(sample, FINALS, strict=True)
     ]
-    checked = mopd_data("check", out)
+    checked = mopd_data("check", out, "--reward", "math")
     assert checked.returncode == 0 and "rows read: 6" in checked.stdout, checked.stderr
+    assert "answers the math reward cannot read: 0" in checked.stdout
 
     # the example config on the converted file: its source, its chat template fields and its math reward
     cfg = load_run_config(GSM8K_CONFIG, overrides=[f"data.sources[0].path={out}"])

@@ -62,12 +62,13 @@ class ConvertReport:
         return [
             f"rows read: {self.rows} (prompt from {self.prompt_key!r}, answer from {self.answer_key!r})",
             f"rows written: {self.written}",
-            f"duplicate prompts: {len(self.duplicates)}{_rows(self.duplicates)}",
-            f"empty answers: {len(self.empty_answers)}{_rows(self.empty_answers)}",
+            f"duplicate prompts: {len(self.duplicates)}{rows_note(self.duplicates)}",
+            f"empty answers: {len(self.empty_answers)}{rows_note(self.empty_answers)}",
         ]
 
 
-def _rows(rows: Sequence[int]) -> str:
+def rows_note(rows: Sequence[int]) -> str:
+    """` (rows 1, 3, ...)` for a report line; empty for no rows."""
     if not rows:
         return ""
     shown = ", ".join(map(str, rows[:SHOWN_ROWS]))

@@ -88,7 +88,7 @@ def math_reward(completion: str, answer: str) -> float:
 
     timeout = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     gold = parse(final_math_answer(answer), parsing_timeout=timeout)
-    if not gold:
+    if not gold:  # `parses_as_math` is this test, for `mopd-data check --reward math`
         raise DataSourceError(
             f"reward math: the reference answer {answer[:80]!r} holds no number or expression that "
             "math-verify parses; expected e.g. '72', '#### 1,234', '\\boxed{\\frac{1}{2}}'"
@@ -97,6 +97,14 @@ def math_reward(completion: str, answer: str) -> float:
     if not pred:
         return 0.0
     return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+
+
+def parses_as_math(answer: str) -> bool:
+    """Whether `math_reward` can read a reference answer (its final answer parses with math-verify)."""
+    from math_verify import parse
+
+    timeout = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    return bool(parse(final_math_answer(answer), parsing_timeout=timeout))
 
 
 @functools.cache
