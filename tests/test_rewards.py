@@ -162,11 +162,15 @@ def test_config_refuses_bad_reward_fields_naming_each(user_module: Path) -> None
         "data.sources[0].reward=no_colon": "data.sources[0].reward: not an import path",
         "data.sources[1].reward=regex": "data.sources[1].reward_pattern: reward 'regex' needs a pattern",
         "data.sources[1].reward_pattern=x": "data.sources[1].reward_pattern: applies to reward 'regex' only",
+        "data.sources[1].reward=regex,data.sources[1].reward_pattern=''": "data.sources[1].reward_pattern: reward 'regex' needs a pattern (got ''; a Python regex)",
+        "data.sources[1].reward=regex,data.sources[1].reward_pattern='('": "data.sources[1].reward_pattern: not a valid regex",
         "data.sources[0].system_prompt=hi": "data.sources[0].system_prompt: applies to template 'chat' only",
     }
     for override, message in sets.items():
         with pytest.raises(ConfigError) as err:
-            load_run_config(REPO / "configs" / "local_cpu.yaml", overrides=[override], force_local=True)
+            load_run_config(
+                REPO / "configs" / "local_cpu.yaml", overrides=override.split(","), force_local=True
+            )
         assert message in str(err.value), (override, str(err.value))
     good = load_run_config(
         REPO / "configs" / "local_cpu.yaml",

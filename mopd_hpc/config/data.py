@@ -96,8 +96,10 @@ def scoring_problems(source: Any) -> list[Problem]:
         except ImportPathError as exc:
             problems.append(Problem("reward", str(exc), reward, way))
     pattern = source.reward_pattern
-    if reward == "regex" and pattern is None:
-        problems.append(Problem("reward_pattern", "reward 'regex' needs a pattern", None, "a Python regex"))
+    if reward == "regex" and not pattern:
+        problems.append(
+            Problem("reward_pattern", "reward 'regex' needs a pattern", pattern, "a Python regex")
+        )
     elif reward != "regex" and pattern is not None:
         problems.append(Problem("reward_pattern", "applies to reward 'regex' only", pattern, "remove it"))
     elif pattern is not None:
