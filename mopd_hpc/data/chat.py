@@ -74,8 +74,16 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """`encode_prompt` of each prompt, in order."""
-    return [encode_prompt(tokenizer, p) for p in prompts]
+    """`encode_prompt` of each prompt, in order; the raw ones in one batched tokenizer call."""
+    raw = [i for i, p in enumerate(prompts) if p.chat is None]
+    out: list[list[int]] = [[] for _ in prompts]
+    if raw:
+        for i, ids in zip(raw, tokenizer([prompts[i].text for i in raw])["input_ids"], strict=True):
+            out[i] = list(ids)
+    for i, p in enumerate(prompts):
+        if p.chat is not None:
+            out[i] = encode_prompt(tokenizer, p)
+    return out
 
 
 def has_chat_template(directory: str | os.PathLike[str]) -> bool:
