@@ -135,6 +135,13 @@ def write_stub_checkpoint(path: Path, config: dict) -> Path:
     return path
 
 
+#: A chat template in the tiny tokenizer's alphabet (roles, contents, the generation prompt).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }},{% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
 def hub_cache_for(configs: list[Path], root: Path) -> Path:
     """A hub cache under `root` holding every hub id the run configs `configs` name as a model path
     (Qwen/Qwen3-0.6B, ...), each one micro model with the tiny tokenizer: `mopd-submit` resolves the ids and
@@ -150,6 +157,9 @@ def hub_cache_for(configs: list[Path], root: Path) -> Path:
         if is_hub_id(m.value) and not (REPO_ROOT / m.value).is_dir()
     ]
     model = save_micro_model_dir(root / "micro")
+    # the hub's chat models ship a chat template (Qwen3: in tokenizer_config.json); a stand-in in the tiny
+    # tokenizer's alphabet, as transformers also reads it, so a `template: chat` source passes --check
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     for repo_id in dict.fromkeys(ids):
         write_hub_snapshot(root / "cache", repo_id, model)
     return root / "cache"

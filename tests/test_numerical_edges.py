@@ -147,8 +147,9 @@ class Src:
 
 
 def collect(outputs: list[list[int]], logprobs: list[list[float]], step: int = 3):
-    class S:
+    class S:  # a raw prompt (data/chat.py encodes it as it is)
         text = "q"
+        chat = None
 
     routed = [RoutedSample(route="chain", source="s", index=i, sample=S()) for i in range(len(outputs))]
     sampling = type("Sampling", (), {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0})()

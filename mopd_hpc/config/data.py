@@ -7,12 +7,14 @@ classes when the config is built (an unknown task or argument is a config error,
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from mopd_hpc.config.base import Section
 from mopd_hpc.config.problems import Problem, join_path, known, raise_if_any
+from mopd_hpc.config.rewards import BUILTIN_REWARDS, ImportPathError, load_object
 from mopd_hpc.config.types import Identifier, NonEmptyStr
 
 #: reasoning-gym arguments set by mopd_hpc itself (seed from the run seed / data.eval.seed, size from
@@ -64,6 +66,50 @@ def reasoning_gym_problems(task: str, task_args: dict[str, Any]) -> list[Problem
     return []
 
 
+def scoring_problems(source: Any) -> list[Problem]:
+    """Problems of a source's template and reward fields (paths relative to the source).
+
+    A chat field on a raw source is refused (nothing in a config is ignored); the reward must be a built-in
+    the kind takes, or a `module:function` that imports here (so `--check` names a bad path); `regex` needs a
+    `reward_pattern` that compiles, and no other reward takes one.
+    """
+    problems = []
+    if source.template == "raw":
+        for name in ("system_prompt", "chat_template_kwargs"):
+            if getattr(source, name):
+                problems.append(
+                    Problem(
+                        name,
+                        "applies to template 'chat' only",
+                        getattr(source, name),
+                        "set template: chat, or remove it",
+                    )
+                )
+    reward = source.reward
+    way = f"one of {', '.join(BUILTIN_REWARDS)}, or an importable 'module:function'"
+    if reward is None or reward in BUILTIN_REWARDS:
+        if reward == "reasoning_gym" and source.kind != "reasoning_gym":
+            problems.append(Problem("reward", "scores reasoning-gym sources only", reward, way))
+    else:
+        try:
+            load_object(reward)
+        except ImportPathError as exc:
+            problems.append(Problem("reward", str(exc), reward, way))
+    pattern = source.reward_pattern
+    if reward == "regex" and not pattern:
+        problems.append(
+            Problem("reward_pattern", "reward 'regex' needs a pattern", pattern, "a Python regex")
+        )
+    elif reward != "regex" and pattern is not None:
+        problems.append(Problem("reward_pattern", "applies to reward 'regex' only", pattern, "remove it"))
+    elif pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            problems.append(Problem("reward_pattern", f"not a valid regex: {exc}", pattern, "a Python regex"))
+    return problems
+
+
 class _SourceBase(Section):
     kind: str = Field(description="Source kind ('reasoning_gym' or 'jsonl').")
     name: Identifier = Field(description="Source name; unique; names its metrics.")
@@ -75,6 +121,37 @@ class _SourceBase(Section):
         description="Sampling weight for mixture 'weighted' (relative, normalized over sources); "
         "must be absent for the other mixtures.",
     )
+    template: Literal["raw", "chat"] = Field(
+        "raw",
+        description="How a prompt is encoded: 'raw' (its text, with the tokenizer's special tokens) or 'chat' "
+        "(the text as the user turn, through the tokenizer's chat template with the generation prompt; "
+        "student and teachers get the same ids).",
+    )
+    system_prompt: str | None = Field(
+        None, description="The chat's system turn (template 'chat' only); null = none."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables passed to the chat template (template 'chat' only), e.g. "
+        "{enable_thinking: false} for Qwen3.",
+    )
+    reward: str | None = Field(
+        None,
+        description="What scores a completion: 'reasoning_gym' (the dataset's score_answer; reasoning-gym "
+        "sources only), 'exact', 'regex' (with reward_pattern), 'math' (math-verify on the final answer: "
+        "\\boxed{}, '#### N'), or a user's 'module:function' called as function(completion, answer, entry) "
+        "-> float in [0, 1], imported at --check; null = the kind's default (reasoning_gym / exact).",
+    )
+    reward_pattern: str | None = Field(
+        None,
+        description="Regex of reward 'regex': its last match in the completion (first group, if any), "
+        "stripped, must equal the answer.",
+    )
+
+    @model_validator(mode="after")
+    def _check_scoring(self) -> _SourceBase:
+        raise_if_any(scoring_problems(self))
+        return self
 
 
 class ReasoningGymSource(_SourceBase):

@@ -24,6 +24,11 @@ class JsonlFormatError(DataSourceError):
         )
 
 
+class RewardError(DataSourceError):
+    """A reward that cannot be used: a scorer raised, or returned NaN, ±inf, a value outside [0, 1] or not a
+    number. The message names the source, the row (the prompt's 0-based index) and the reward."""
+
+
 class PromptRecordError(ValueError):
     """A `Prompt` record (or its serialized form) is malformed."""
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mopd_hpc.data.chat import encode_prompt
 from mopd_hpc.data.prompt import Prompt
 from mopd_hpc.data.rewards import is_correct, score_completion
 
@@ -38,15 +39,15 @@ class EvalResult:
 def greedy_complete(
     model: Any,
     tokenizer: Any,
-    texts: Sequence[str],
+    texts: Sequence[str | Prompt],
     *,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> list[str]:
     """Greedy completions of `texts` (decoded, special tokens skipped; not stripped).
 
-    Prompts are encoded with the tokenizer's special tokens (BOS first for the tiny models) and
-    left-padded in batches of `batch_size`; generation stops at EOS or after `max_new_tokens`.
+    A text is encoded with the tokenizer's special tokens (BOS first for the tiny models), a `Prompt` as
+    `data.chat.encode_prompt` encodes it (its source's template); both are left-padded in batches of `batch_size`; generation stops at EOS or after `max_new_tokens`.
     Batched results equal one-prompt-at-a-time results (tested).
     """
     import torch
@@ -58,7 +59,13 @@ def greedy_complete(
         with torch.inference_mode():
             for start in range(0, len(texts), batch_size):
                 chunk = list(texts[start : start + batch_size])
-                enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
+                ids = [
+                    encode_prompt(tokenizer, t) if isinstance(t, Prompt) else tokenizer(t)["input_ids"]
+                    for t in chunk
+                ]
+                enc = tokenizer.pad(
+                    {"input_ids": ids}, return_tensors="pt", padding=True, padding_side="left"
+                )
                 out = model.generate(
                     input_ids=enc["input_ids"],
                     attention_mask=enc["attention_mask"],
@@ -91,7 +98,7 @@ def evaluate_prompts(
     if not prompts:
         raise ValueError(f"evaluate_prompts: no prompts to evaluate (source {source!r})")
     completions = greedy_complete(
-        model, tokenizer, [p.text for p in prompts], max_new_tokens=max_new_tokens, batch_size=batch_size
+        model, tokenizer, list(prompts), max_new_tokens=max_new_tokens, batch_size=batch_size
     )
     rewards = [score_completion(p, c) for p, c in zip(prompts, completions, strict=True)]
     return EvalResult(

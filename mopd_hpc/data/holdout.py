@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from mopd_hpc.data.errors import DataSourceError, SourceIndexError
 from mopd_hpc.data.prompt import Prompt
+from mopd_hpc.data.scoring import Scoring
 from mopd_hpc.data.sources import JsonlSource, PromptSource
 
 #: The suffix of a held-out split's source name (reasoning-gym's `held_out()` names it so too).
@@ -88,13 +89,16 @@ def split_rows(source: PromptSource, fraction: float, seed: int) -> tuple[RowSub
     return RowSubset(source, train), RowSubset(source, sorted(chosen), source.name + EVAL_SUFFIX)
 
 
-def held_out_file(source: PromptSource, path: str | os.PathLike[str]) -> RowSubset:
-    """Every row of the jsonl file `path`, as the held-out split of `source` (scored by `source.score`).
+def held_out_file(
+    source: PromptSource, path: str | os.PathLike[str], scoring: Scoring | None = None
+) -> RowSubset:
+    """Every row of the jsonl file `path`, as the held-out split of `source` (scored by `source.score`), its
+    prompts carrying `scoring`'s reward and template as the source's own rows do (None: exact match, raw).
 
     Raises:
         DataSourceError / JsonlFormatError: the file cannot be read, is empty or has a malformed line.
     """
-    rows = JsonlSource.from_path(source.name, path)
+    rows = JsonlSource.from_path(source.name, path, scoring)
     return RowSubset(_Scored(rows, source), range(len(rows)), source.name + EVAL_SUFFIX)
 
 

@@ -45,6 +45,12 @@ class Prompt:
         task_args_json: canonical JSON of the task's keyword arguments (`{}` for jsonl).
         entry_json: canonical JSON of the reasoning-gym entry (`question`, `answer`, `metadata`)
             passed to the dataset's `score_answer`; for jsonl `{"answer": ..., "prompt": ...}`.
+        reward: what scores a completion (`mopd_hpc.data.rewards.score_completion`): a built-in
+            (`reasoning_gym`, `exact`, `regex`, `math`) or a user's `module:function`.
+        reward_pattern: the regex of reward `regex`; empty for every other reward.
+        chat_json: empty for a raw prompt (the text is tokenized as it is); for a chat prompt, canonical
+            JSON `{"system": str | null, "kwargs": {...}}`: the text is the user turn of a chat, encoded
+            through the tokenizer's chat template (`mopd_hpc.data.chat.encode_prompt`).
 
     Build it with `Prompt.create(...)`, which canonicalizes the JSON fields; direct construction
     validates too (`__post_init__`).
@@ -58,6 +64,9 @@ class Prompt:
     task: str
     task_args_json: str
     entry_json: str
+    reward: str
+    reward_pattern: str
+    chat_json: str
 
     @classmethod
     def create(
@@ -71,13 +80,21 @@ class Prompt:
         task: str = "",
         task_args: dict[str, Any] | None = None,
         entry: dict[str, Any] | None = None,
+        reward: str | None = None,
+        reward_pattern: str = "",
+        chat: dict[str, Any] | None = None,
     ) -> Prompt:
-        """Build a validated `Prompt`; `task_args` and `entry` are stored as canonical JSON.
+        """Build a validated `Prompt`; `task_args`, `entry` and `chat` are stored as canonical JSON.
+
+        `reward` None is the kind's default (`DEFAULT_REWARD`: reasoning_gym / exact); `chat` None is a
+        raw prompt, else `{"system": str | None, "kwargs": dict}`.
 
         Raises:
             PromptRecordError: an unknown kind, a negative index, an empty text, a non-string
                 answer, a reasoning-gym prompt without a task, or non-JSON arguments/entry.
         """
+        from mopd_hpc.config.rewards import DEFAULT_REWARD  # deferred: the config package costs ≈ 0.4 s
+
         return cls(
             kind=kind,
             source=source,
@@ -87,6 +104,9 @@ class Prompt:
             task=task,
             task_args_json=canonical_json(task_args or {}),
             entry_json=canonical_json(entry or {}),
+            reward=DEFAULT_REWARD.get(kind, "") if reward is None else reward,
+            reward_pattern=reward_pattern,
+            chat_json="" if chat is None else canonical_json(chat),
         )
 
     def __post_init__(self) -> None:
@@ -97,7 +117,17 @@ class Prompt:
             raise PromptRecordError(f"Prompt.kind: unknown kind (got {self.kind!r}; known: {SOURCE_KINDS})")
         if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
             raise PromptRecordError(f"Prompt.index: must be an int >= 0 (got {self.index!r})")
-        for name in ("source", "text", "answer", "task", "task_args_json", "entry_json"):
+        for name in (
+            "source",
+            "text",
+            "answer",
+            "task",
+            "task_args_json",
+            "entry_json",
+            "reward",
+            "reward_pattern",
+            "chat_json",
+        ):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise PromptRecordError(
@@ -111,13 +141,38 @@ class Prompt:
             raise PromptRecordError(
                 f"Prompt.task: a reasoning_gym prompt needs a task name (got {self.task!r})"
             )
-        for name in ("task_args_json", "entry_json"):
+        self._validate_reward()
+        for name in ("task_args_json", "entry_json", "chat_json"):
+            if name == "chat_json" and not self.chat_json:
+                continue
             try:
                 parsed = json.loads(getattr(self, name))
             except json.JSONDecodeError as exc:
                 raise PromptRecordError(f"Prompt.{name}: not valid JSON ({exc})") from exc
             if not isinstance(parsed, dict):
                 raise PromptRecordError(f"Prompt.{name}: must encode a JSON object (got {parsed!r})")
+
+    def _validate_reward(self) -> None:
+        from mopd_hpc.config.rewards import BUILTIN_REWARDS  # deferred, as in `create`
+
+        if self.reward not in BUILTIN_REWARDS and ":" not in self.reward:
+            raise PromptRecordError(
+                f"Prompt.reward: expected one of {BUILTIN_REWARDS} or 'module:function' (got {self.reward!r})"
+            )
+        if self.reward == "reasoning_gym" and self.kind != "reasoning_gym":
+            raise PromptRecordError(
+                f"Prompt.reward: 'reasoning_gym' scores reasoning-gym prompts only (kind {self.kind!r})"
+            )
+        if (self.reward == "regex") != bool(self.reward_pattern):
+            raise PromptRecordError(
+                f"Prompt.reward_pattern: needed by reward 'regex' and by no other "
+                f"(reward {self.reward!r}, pattern {self.reward_pattern!r})"
+            )
+
+    @property
+    def chat(self) -> dict[str, Any] | None:
+        """None for a raw prompt, else `{"system": str | None, "kwargs": dict}` (a fresh dict)."""
+        return json.loads(self.chat_json) if self.chat_json else None
 
     @property
     def task_args(self) -> dict[str, Any]:

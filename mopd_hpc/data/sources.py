@@ -29,6 +29,7 @@ from mopd_hpc.data.errors import DataSourceError, JsonlFormatError, SourceIndexE
 from mopd_hpc.data.formatting import format_prompt
 from mopd_hpc.data.prompt import SOURCE_KINDS, Prompt
 from mopd_hpc.data.rewards import create_reasoning_gym_dataset, score_completion
+from mopd_hpc.data.scoring import Scoring
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[str, ...] = get_args(Split)
@@ -61,14 +62,23 @@ class ReasoningGymSource:
     seed, split, i): two processes building the same source see the same prompts.
     """
 
-    __slots__ = ("name", "task", "task_args", "seed", "split", "size", "_dataset")
+    __slots__ = ("name", "task", "task_args", "seed", "split", "size", "_dataset", "scoring")
 
     def __init__(
-        self, name: str, task: str, task_args: dict[str, Any], seed: int, split: str, size: int, dataset: Any
+        self,
+        name: str,
+        task: str,
+        task_args: dict[str, Any],
+        seed: int,
+        split: str,
+        size: int,
+        dataset: Any,
+        scoring: Scoring,
     ) -> None:
         self.name, self.task, self.task_args = name, task, task_args
         self.seed, self.split, self.size = seed, split, size
         self._dataset = dataset
+        self.scoring = scoring
 
     @classmethod
     def create(
@@ -80,6 +90,7 @@ class ReasoningGymSource:
         seed: int = 0,
         split: str = "train",
         size: int | None = None,
+        scoring: Scoring | None = None,
     ) -> ReasoningGymSource:
         """Validate the arguments and build the source.
 
@@ -91,6 +102,8 @@ class ReasoningGymSource:
             seed: the base seed, 0 <= seed < EVAL_SEED_OFFSET - SPLIT_SPAN.
             split: `train` or `eval` (see the module docstring for the RNG seeds each uses).
             size: number of prompts, 1..SPLIT_SPAN; default `DEFAULT_SIZE[split]`.
+            scoring: the reward and the prompt template of every prompt (default: the dataset's own
+                `score_answer`, raw text).
         Raises:
             DataSourceError: an unknown task or split, arguments the task rejects, or a seed or size
                 out of range.
@@ -110,7 +123,7 @@ class ReasoningGymSource:
         args = dict(task_args or {})
         rg_seed = seed + (EVAL_SEED_OFFSET if split == "eval" else 0)
         dataset = create_reasoning_gym_dataset(task, args, seed=rg_seed, size=size)
-        return cls(name, task, args, seed, split, size, dataset)
+        return cls(name, task, args, seed, split, size, dataset, scoring or Scoring())
 
     @property
     def rng_seeds(self) -> range:
@@ -129,7 +142,13 @@ class ReasoningGymSource:
                 f"source {self.name!r}: held_out() of an eval split (call it on the train split)"
             )
         return ReasoningGymSource.create(
-            name or f"{self.name}/eval", self.task, self.task_args, seed=self.seed, split="eval", size=size
+            name or f"{self.name}/eval",
+            self.task,
+            self.task_args,
+            seed=self.seed,
+            split="eval",
+            size=size,
+            scoring=self.scoring,
         )
 
     def __len__(self) -> int:
@@ -147,10 +166,12 @@ class ReasoningGymSource:
             task=self.task,
             task_args=self.task_args,
             entry=entry,
+            **self.scoring.prompt_fields(),
         )
 
     def score(self, prompt: Prompt, completion: str) -> float:
-        """The dataset's own `score_answer` of the completion (see `mopd_hpc.data.rewards`)."""
+        """The prompt's reward (`mopd_hpc.data.rewards.score_completion`; default the dataset's own
+        `score_answer`)."""
         return score_completion(prompt, completion)
 
     def __repr__(self) -> str:
@@ -164,7 +185,8 @@ class JsonlSource:
     """Users' own prompts: one JSON object per line, `{"prompt": "<text>", "answer": "<text>"}`.
 
     Blank lines are skipped (line numbers in errors still count them); other keys are kept in the
-    prompt's entry. The reward is the exact match of the stripped answer (`mopd_hpc.data.rewards`).
+    prompt's entry. The reward is the source's `scoring` (default: the exact match of the stripped answer;
+    `mopd_hpc.data.rewards`).
     A jsonl source has no held-out split of its own: give the evaluation prompts as a second file.
     """
 
@@ -174,8 +196,10 @@ class JsonlSource:
         self.name, self.path, self._prompts = name, path, prompts
 
     @classmethod
-    def from_path(cls, name: str, path: str | os.PathLike[str]) -> JsonlSource:
-        """Read and validate the whole file.
+    def from_path(
+        cls, name: str, path: str | os.PathLike[str], scoring: Scoring | None = None
+    ) -> JsonlSource:
+        """Read and validate the whole file; `scoring`: reward and template (default exact match, raw).
 
         Raises:
             DataSourceError: the file cannot be read or holds no prompt.
@@ -199,6 +223,7 @@ class JsonlSource:
                         text=obj["prompt"],
                         answer=obj["answer"],
                         entry=obj,
+                        **(scoring or Scoring()).prompt_fields(),
                     )
                 )
         if not prompts:
@@ -213,7 +238,7 @@ class JsonlSource:
         return self._prompts[index]
 
     def score(self, prompt: Prompt, completion: str) -> float:
-        """Exact match of the stripped answer: 1.0 or 0.0."""
+        """The prompt's reward (`mopd_hpc.data.rewards.score_completion`; default exact match)."""
         return score_completion(prompt, completion)
 
     def __repr__(self) -> str:
@@ -230,11 +255,13 @@ def make_source(
     seed: int = 0,
     split: str = "train",
     size: int | None = None,
+    scoring: Scoring | None = None,
 ) -> ReasoningGymSource | JsonlSource:
     """Build a source from the fields of a run.yaml `data.sources[]` entry.
 
     `reasoning_gym` needs `task` (and takes task_args, seed, split, size); `jsonl` needs `path`
-    (a jsonl source ignores seed and size, and has only a train split).
+    (a jsonl source ignores seed and size, and has only a train split); `scoring` is the entry's reward
+    and prompt template fields.
 
     Raises:
         DataSourceError: unknown kind, a missing or misplaced field, or an error of the source.
@@ -244,7 +271,9 @@ def make_source(
             raise DataSourceError(
                 f"source {name!r}: kind reasoning_gym needs `task` and no `path` (got task={task!r}, path={path!r})"
             )
-        return ReasoningGymSource.create(name, task, task_args, seed=seed, split=split, size=size)
+        return ReasoningGymSource.create(
+            name, task, task_args, seed=seed, split=split, size=size, scoring=scoring
+        )
     if kind == "jsonl":
         if path is None or task is not None or task_args:
             raise DataSourceError(
@@ -254,7 +283,7 @@ def make_source(
             raise DataSourceError(
                 f"source {name!r}: a jsonl source has no {split!r} split; give the eval prompts as another file"
             )
-        return JsonlSource.from_path(name, path)
+        return JsonlSource.from_path(name, path, scoring)
     raise DataSourceError(f"source {name!r}: kind: unknown kind {kind!r} (known: {SOURCE_KINDS})")
 
 

@@ -11,7 +11,8 @@
 3. when the files are sound, the compatibility rule the actor applies at start (mopd/compatibility.py: every
    scored teacher shares the actor's tokenizer, the teachers one architecture) is applied here, and a
    megatron actor or teacher must be an architecture the megatron converter maps (dense Qwen3,
-   `config.capabilities.MEGATRON_ARCHITECTURES`: an MoE checkpoint is refused naming its architecture).
+   `config.capabilities.MEGATRON_ARCHITECTURES`: an MoE checkpoint is refused naming its architecture), and a
+   source with `template: chat` needs a tokenizer that holds a chat template.
 
 A directory that does not exist here is not this module's: launch/paths.py warns of it (a Slurm submit; the
 path may exist on the cluster alone) or refuses it (a local run). A path not read by this job (a declared
@@ -127,6 +128,7 @@ def file_problems(cfg: RunConfig, paths: list[ModelPath], base: Path | None = No
             Problem(field, text) for text in directory_problems(directory, tokenizer=True, weights=weights)
         ]
     problems += architecture_problems(cfg, here)
+    problems += chat_template_problems(cfg, here.get("models.tokenizer.path"))
     actor_field, tok_field = "models.actor.path", "models.tokenizer.path"
     teachers = [
         (mp.field, here.get(mp.field)) for mp in paths if mp.field.startswith("models.teachers") and mp.read
@@ -150,6 +152,25 @@ def file_problems(cfg: RunConfig, paths: list[ModelPath], base: Path | None = No
             Problem(field, str(error), expected="every scored teacher must use the actor's tokenizer")
         )
     return problems
+
+
+def chat_template_problems(cfg: RunConfig, tokenizer_dir: Path | None) -> list[Problem]:
+    """One problem per source with template 'chat' when the tokenizer directory (read here) holds no chat
+    template (`data.chat.has_chat_template`): its prompts could not be encoded at the first step."""
+    from mopd_hpc.data.chat import has_chat_template
+
+    chat = [i for i, s in enumerate(cfg.data.sources) if s.template == "chat"]
+    if not chat or tokenizer_dir is None or has_chat_template(tokenizer_dir):
+        return []
+    return [
+        Problem(
+            f"data.sources[{i}].template",
+            f"the tokenizer (models.tokenizer.path: {tokenizer_dir}) holds no chat template",
+            "chat",
+            "template: raw, or a tokenizer whose tokenizer_config.json (or chat_template.jinja) holds one",
+        )
+        for i in chat
+    ]
 
 
 def _engine(cfg: RunConfig, field: str) -> str | None:

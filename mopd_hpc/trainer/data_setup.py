@@ -24,6 +24,7 @@ from typing import Any
 from mopd_hpc.config import RunConfig
 from mopd_hpc.data import Prompt, PromptSource, ReasoningGymSource, make_source
 from mopd_hpc.data.holdout import RowSubset, held_out_file, scorer_name, split_rows
+from mopd_hpc.data.scoring import Scoring
 from mopd_hpc.mopd.routing import RoutedDataset, RoutedSource
 
 
@@ -75,13 +76,14 @@ def build_run_data(cfg: RunConfig) -> RunData:
                 task_args=spec.task_args,
                 seed=cfg.seed,
                 size=train_size(cfg),
+                scoring=Scoring.from_source_config(spec),
             )
         else:
-            source = make_source("jsonl", spec.name, path=spec.path)
+            source = make_source("jsonl", spec.name, path=spec.path, scoring=Scoring.from_source_config(spec))
             if spec.eval_fraction is not None:
                 source, held[spec.name] = split_rows(source, spec.eval_fraction, cfg.data.eval.seed)
             elif spec.eval_path is not None and cfg.data.eval.size > 0:
-                held[spec.name] = held_out_file(source, spec.eval_path)
+                held[spec.name] = held_out_file(source, spec.eval_path, Scoring.from_source_config(spec))
         sources[spec.name] = source
         routed.append(RoutedSource(spec.name, spec.route, source))
     weights: dict[str, float] | None = None
@@ -114,6 +116,7 @@ def eval_prompts(
                 seed=cfg.data.eval.seed,
                 split="train",
                 size=size,
+                scoring=Scoring.from_source_config(spec),
             )
         elif held and spec.name in held:
             split = held[spec.name]

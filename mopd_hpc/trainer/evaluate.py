@@ -46,6 +46,7 @@ from typing import Any, TextIO
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.config.rollout import SamplingConfig
 from mopd_hpc.data import Prompt
+from mopd_hpc.data.chat import encode_prompts
 from mopd_hpc.data.evaluation import evaluate_prompts
 from mopd_hpc.data.rewards import is_correct, score_completion
 from mopd_hpc.engines.rollout.client import RolloutClient
@@ -124,9 +125,9 @@ async def student_accuracy_on_engines(
 ) -> EngineEval:
     """route → greedy accuracy (pass@1) of the weights the rollout engines hold now (module docstring).
 
-    Prompts are encoded as `data.evaluation.greedy_complete` encodes them (the tokenizer's special tokens)
-    and the new tokens decoded the same way (special tokens skipped); `score` is the reward. Raises as
-    `engine_greedy`.
+    Prompts are encoded as `data.evaluation.greedy_complete` encodes them (`data.chat.encode_prompts`: raw
+    text or the source's chat template) and the new tokens decoded the same way (special tokens skipped);
+    `score` is the reward. Raises as `engine_greedy`.
     """
 
     async def greedy(ids: list[list[int]]) -> list[GeneratedSample]:
@@ -178,7 +179,7 @@ async def _per_route(
     for route, items in prompts.items():
         if not items:
             continue
-        samples = await generate_fn([tokenizer(p.text)["input_ids"] for p in items])
+        samples = await generate_fn(encode_prompts(tokenizer, items))
         texts = tuple(tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in samples)
         accuracy[route] = _accuracy([p for p in items for _ in range(copies)], texts, score)
         completions[route] = texts
@@ -207,14 +208,14 @@ async def teacher_accuracy(
     """route → {teacher id: greedy accuracy} for every teacher with a positive weight on the route.
 
     Each teacher generates on its own server (`generators`, engines/teacher_generate.py): the actor process
-    loads no teacher. Prompts are encoded as `data.evaluation.greedy_complete` encodes them (the tokenizer's
-    special tokens; the server left-pads) and the new tokens decoded the same way, so on the same weights and
+    loads no teacher. Prompts are encoded as `data.evaluation.greedy_complete` encodes them (`data.chat.encode_prompt`; the
+    server left-pads) and the new tokens decoded the same way, so on the same weights and
     dtype the accuracy equals the in-process greedy evaluation's.
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     out: dict[str, dict[str, float]] = {route: {} for route in prompts}
     for route, items in prompts.items():
-        ids = [tokenizer(p.text)["input_ids"] for p in items]
+        ids = encode_prompts(tokenizer, items)
         for teacher, weight in route_weights[route].items():
             if weight <= 0 or teacher not in generators or not items:
                 continue

@@ -1,14 +1,14 @@
 """ROLLOUT: the step's prompts → responses with their behavior log-probs μ, and their rewards.
 
-The prompts are encoded with the shared tokenizer (special tokens included: `<bos>` first for the tiny
-models) and spread over the rollout engines in contiguous blocks; every prompt is sampled
+The prompts are encoded with the shared tokenizer as their sources say (`data.chat`: raw text with the
+special tokens, `<bos>` first for the tiny models, or the tokenizer's chat template) and spread over the rollout engines in contiguous blocks; every prompt is sampled
 `samples_per_prompt` times (SGLang `n`; copy j of prompt i at row i·n + j, so GRPO groups are contiguous).
 Each prompt carries its own `sampling_seed`, a hash of (run seed, step, prompt position): a rerun of a
 step (after a resume) samples the same responses from the same weights.
 
 μ(y_t) is the engine's log-probability of the sampled token under the exact distribution it sampled from
 (`return_logprob`); it is kept as it came, immutable, up to the loss (DESIGN.md §3). The reward of every
-response is its source's own `score` (reasoning-gym `score_answer`), computed for monitoring even when no
+response is its source's own `score` (its `reward`: reasoning-gym `score_answer`, a verifier, a user's function), computed for monitoring even when no
 loss term uses it; accuracy counts rewards of exactly 1.
 
 Shape legend: B = prompts · samples_per_prompt rows, T response positions.
@@ -26,6 +26,7 @@ import torch
 
 from mopd_hpc.config.rollout import SamplingConfig
 from mopd_hpc.data import PromptSource, is_correct
+from mopd_hpc.data.chat import encode_prompts as encode_each
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
@@ -84,8 +85,9 @@ def sampling_seed(seed: int, step: int, position: int) -> int:
 
 
 def encode_prompts(tokenizer: Any, draws: Sequence[RoutedSample], max_prompt_tokens: int) -> list[list[int]]:
-    """Token ids of each prompt text (special tokens added). Raises RolloutPhaseError for a long prompt."""
-    encoded = tokenizer([d.sample.text for d in draws])["input_ids"]
+    """Token ids of each prompt (`data.chat.encode_prompt`: raw text with the special tokens added, or the chat
+    template's rendering). Raises RolloutPhaseError for a long prompt."""
+    encoded = encode_each(tokenizer, [d.sample for d in draws])
     for draw, ids in zip(draws, encoded, strict=True):
         if len(ids) > max_prompt_tokens:
             raise RolloutPhaseError(

@@ -1,0 +1,126 @@
+"""A local CPU job on a jsonl source scored by the math verifier, with the RL term on: `mopd-submit --local`
+on micro models whose student was first taught the file's sums, so its answers are right and its mean reward
+is not zero. The references are in GSM8K's form (`#### 5`): exact match would score the student's `5` as 0,
+the math verifier scores it 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers_models import build_micro_models, load_builder
+from test_controller import micro_config
+
+from mopd_hpc.data import JsonlSource, score_completion
+from mopd_hpc.data.evaluation import greedy_complete
+from mopd_hpc.data.scoring import Scoring
+from mopd_hpc.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, save_char_tokenizer
+from mopd_hpc.records.metrics import read_metrics
+
+#: chain_sum-like prompts in the tiny tokenizer's alphabet; references in GSM8K's `#### N` form.
+SUMS = [("2+3=", "5"), ("4+4=", "8"), ("1+6=", "7"), ("3+6=", "9")]
+STEPS = 3
+
+
+def teach_student(student_dir: Path, steps: int = 300) -> None:
+    """Overwrite the micro student with one SFT-trained on SUMS (`<bos> prompt answer <eos>`, loss on the
+    answer and EOS), the builder's micro student architecture; seconds on one core."""
+    from transformers import Qwen3ForCausalLM
+
+    builder = load_builder()
+    spec = next(s for s in builder.MICRO_SPECS if s.name == "student")
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(builder.qwen3_config(spec))
+    rows = [
+        (
+            [BOS_ID, *tok(p, add_special_tokens=False)["input_ids"]],
+            [*tok(a, add_special_tokens=False)["input_ids"], EOS_ID],
+        )
+        for p, a in SUMS
+    ]
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), PAD_ID)
+    labels = torch.full((len(rows), width), -100)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(student_dir)
+    save_char_tokenizer(tok, student_dir)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models")
+    assert build_micro_models(out) == 0
+    teach_student(out / "student")
+    return out
+
+
+def test_a_jsonl_source_scored_by_the_math_verifier_earns_reward_with_the_rl_term(
+    models: Path, tmp_path: Path
+):
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": f"#### {a}"}) + "\n" for p, a in SUMS))
+    source = JsonlSource.from_path("sums", data, Scoring(reward="math"))
+    # the student answers right before the run: the premise of a non-zero reward
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    student = AutoModelForCausalLM.from_pretrained(models / "student")
+    completions = greedy_complete(student, AutoTokenizer.from_pretrained(models / "student"), list(source))
+    assert [c.strip() for c in completions] == [a for _, a in SUMS]
+    assert [score_completion(p, c) for p, c in zip(source, completions, strict=True)] == [1.0] * len(SUMS)
+    assert score_completion(JsonlSource.from_path("x", data)[0], "5") == 0.0  # exact match: '5' != '#### 5'
+
+    run_dir = tmp_path / "run"
+    config = micro_config(
+        models,
+        run_dir,
+        tmp_path / "c.yaml",
+        **{
+            "steps": STEPS,
+            "data.samples_per_prompt": 2,
+            "data.eval.size": 0,
+            "loss.estimator": "topk",
+            "loss.rl_coefficient": 1.0,
+        },
+    )
+    doc = yaml.safe_load(config.read_text())
+    doc["data"]["sources"][0] = {
+        "name": "sums",
+        "kind": "jsonl",
+        "path": str(data),
+        "route": "chain",
+        "reward": "math",
+    }
+    config.write_text(yaml.safe_dump(doc))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = read_metrics(run_dir / "metrics.jsonl")
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    rewards = [line["reward/chain"] for line in lines]
+    assert all(0.0 <= r <= 1.0 for r in rewards)
+    assert sum(rewards) / len(rewards) >= 0.5, rewards  # sampled at temperature 1 from a taught student
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["data"]["sources"][0]["reward"] == "math"
