@@ -79,7 +79,7 @@ def moe_checkpoint(tmp_path_factory) -> Path:
     return out
 
 
-def test_an_moe_checkpoint_is_refused_for_megatron_naming_the_architecture(moe_checkpoint: Path) -> None:
+def test_an_moe_checkpoint_is_refused_for_megatron_until_its_gpu_test_has_run(moe_checkpoint: Path) -> None:
     path = str(moe_checkpoint)
     overrides = [
         f"models.actor.path={path}",
@@ -91,9 +91,12 @@ def test_an_moe_checkpoint_is_refused_for_megatron_naming_the_architecture(moe_c
         prepare_models(cfg, str(CODER))
     text = str(err.value)
     assert "models.actor.path" in text and "models.teachers[0].path" in text
-    assert "is a Qwen3MoeForCausalLM (mixture of experts: its expert weights are not mapped)" in text
+    assert (
+        "the megatron engine maps Qwen3MoeForCausalLM checkpoints (engines/megatron/convert.py) but has not run "
+        "one on GPUs: tests/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU) has not run" in text
+    )
     assert "models.actor.engine: torch" in text and "models.teachers[0].engine: torch" in text
-    # the torch engine loads any transformers causal LM: no architecture refusal
+    # the torch engine loads a Qwen3-MoE checkpoint: no architecture refusal
     torch_cfg = load_run_config(
         CODER,
         [
@@ -104,3 +107,58 @@ def test_an_moe_checkpoint_is_refused_for_megatron_naming_the_architecture(moe_c
         ],
     )
     prepare_models(torch_cfg, str(CODER))
+
+
+@pytest.mark.parametrize(
+    ("architectures", "model_type", "torch_refused"),
+    [
+        (["LlamaForCausalLM"], "llama", None),
+        (None, "llama", None),  # no `architectures`: the class of its model_type
+        (["MistralForCausalLM"], "mistral", "MistralForCausalLM"),
+        (None, "gemma3", "model_type 'gemma3'"),
+    ],
+)
+def test_model_families_other_architectures_are_refused_naming_them(
+    moe_checkpoint: Path, tmp_path: Path, architectures, model_type, torch_refused
+) -> None:
+    """config/capabilities.py MODEL_FAMILIES: Llama loads on the torch engines and waits for its GPU test on
+    megatron; an architecture of no declared family is refused on either engine, named."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(moe_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = model_type
+    config.pop("architectures")
+    if architectures:
+        config["architectures"] = architectures
+    (ckpt / "config.json").write_text(json.dumps(config))
+    overrides = [
+        f"models.actor.path={ckpt}",
+        f"models.tokenizer.path={ckpt}",
+        f"models.teachers.0.path={ckpt}",
+    ]
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, overrides), str(CODER))
+    text = str(err.value)
+    shown = torch_refused or "LlamaForCausalLM"
+    assert f"is a {shown}" in text and "models.actor.path" in text and "models.teachers[0].path" in text
+    torch_cfg = load_run_config(
+        CODER,
+        [
+            *overrides,
+            "models.actor.engine=torch",
+            "models.teachers.0.engine=torch",
+            "weight_sync.backend=torch",
+        ],
+    )
+    if torch_refused is None:
+        prepare_models(torch_cfg, str(CODER))
+        return
+    with pytest.raises(ConfigError) as err:
+        prepare_models(torch_cfg, str(CODER))
+    text = str(err.value)
+    assert (
+        "the job's engines load Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM checkpoints only "
+        f"(config/capabilities.py MODEL_FAMILIES); {ckpt} is a {torch_refused}" in text
+    )

@@ -116,12 +116,56 @@ class WeightSyncSpec:
     untested: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFamilySpec:
+    """A checkpoint family the engines load (`MODEL_FAMILIES`).
+
+    Attributes:
+        architecture: config.json `architectures[0]` (the transformers causal-LM class).
+        model_type: config.json `model_type` (names the class when `architectures` is absent).
+        moe: a mixture of experts (a router and experts in its MLP layers): the router losses
+            (`loss.router_*`) and rollout routing replay (`rollout.routing_replay`) apply to it.
+        engines: the actor/teacher engines that load it.
+        untested: (engine, the GPU test that has not run) for an engine that maps the family but has not run
+            it on GPUs (named in the refusal).
+    """
+
+    architecture: str
+    model_type: str
+    moe: bool
+    engines: tuple[str, ...] = ("torch", "megatron")
+    untested: tuple[tuple[str, str], ...] = ()
+
+    def untested_by(self, engine: str) -> str:
+        """The GPU test that has not run `engine` with this family ('' when it has run)."""
+        return dict(self.untested).get(engine, "")
+
+
 # ---------------------------------------------------------------------------------------- the declarations
 
-#: The checkpoint architectures (config.json `architectures[0]`) the megatron engines load: the HF ⇄
-#: megatron converter (engines/megatron/convert.py) maps dense Qwen3 only; an MoE checkpoint
-#: (Qwen3MoeForCausalLM: Qwen3-Coder-30B-A3B, 480B-A35B) has expert weights it does not map.
-MEGATRON_ARCHITECTURES = ("Qwen3ForCausalLM",)
+#: The model families the job's engines load, by config.json `architectures[0]` (issue 33). The torch
+#: engines and the hf rollout load each with transformers' class; the megatron engines through the HF ⇄
+#: megatron converter (engines/megatron/convert.py), which maps all three: Llama and the MoE experts and
+#: router have not run through megatron on GPUs yet (`untested`).
+MODEL_FAMILIES: dict[str, ModelFamilySpec] = {
+    "Qwen3ForCausalLM": ModelFamilySpec("Qwen3ForCausalLM", "qwen3", moe=False),
+    # Qwen3-Coder-30B-A3B, Qwen3-30B-A3B, 235B-A22B: 128 experts, 8 routed per token
+    "Qwen3MoeForCausalLM": ModelFamilySpec(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        moe=True,
+        untested=(("megatron", "tests/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU)"),),
+    ),
+    # Llama 3.x (3.1/3.2/3.3: the llama3 RoPE scaling of its config.json)
+    "LlamaForCausalLM": ModelFamilySpec(
+        "LlamaForCausalLM",
+        "llama",
+        moe=False,
+        untested=(("megatron", "tests/test_megatron_llama_gpu.py (megatron Llama logits = HF's, 1 GPU)"),),
+    ),
+}
+#: The causal-LM class transformers picks for a config.json without `architectures`, by its model_type.
+MODEL_TYPE_ARCHITECTURES = {spec.model_type: name for name, spec in MODEL_FAMILIES.items()}
 
 ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
     "torch": ActorEngineSpec(
@@ -536,3 +580,35 @@ def weight_sync_refusals(
                 but=backend,
             ),
         )
+
+
+def model_family_refusals(field: str, engine: str | None, architecture: str, where: str) -> list[Problem]:
+    """What the job does not load of the checkpoint at `field` (`models.actor.path`, `models.teachers[i].path`)
+    read by `engine` (None: the rollout's, transformers): an `architecture` (config.json `architectures[0]`)
+    of no declared family, or one `engine` has not run on GPUs; `where` names the directory."""
+    spec = MODEL_FAMILIES.get(architecture)
+    names = " / ".join(MODEL_FAMILIES)
+    engine_field = field.removesuffix(".path") + ".engine"
+    if spec is None or (engine is not None and engine not in spec.engines):
+        return [
+            Problem(
+                field,
+                f"the job's engines load {names} checkpoints only (config/capabilities.py MODEL_FAMILIES); "
+                f"{where} is a {architecture}",
+                architecture,
+                f"a checkpoint of {names}",
+            )
+        ]
+    untested = spec.untested_by(engine) if engine is not None else ""
+    if not untested:
+        return []
+    ways = [f"{engine_field}: {e}" for e in spec.engines if e != engine and not spec.untested_by(e)]
+    return [
+        Problem(
+            field,
+            f"the {engine} engine maps {architecture} checkpoints (engines/megatron/convert.py) but has not run "
+            f"one on GPUs: {untested} has not run; {where} is a {architecture}",
+            architecture,
+            ", or ".join(ways) or "another engine",
+        )
+    ]
