@@ -162,3 +162,31 @@ def test_model_families_other_architectures_are_refused_naming_them(
         "the job's engines load Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM checkpoints only "
         f"(config/capabilities.py MODEL_FAMILIES); {ckpt} is a {torch_refused}" in text
     )
+
+
+def test_router_losses_are_refused_for_a_dense_actor(moe_checkpoint: Path) -> None:
+    """loss.router_* act on a mixture-of-experts actor's routers: for a dense one `--check` refuses them."""
+    dense = moe_checkpoint.parent / "micro" / "student"
+    torch_engines = [
+        "models.actor.engine=torch",
+        "models.teachers.0.engine=torch",
+        "weight_sync.backend=torch",
+    ]
+    for actor, refused in ((dense, True), (moe_checkpoint, False)):
+        overrides = [
+            f"models.actor.path={actor}",
+            f"models.tokenizer.path={actor}",
+            f"models.teachers.0.path={actor}",
+            "loss.router_z_loss_coefficient=0.01",
+            "loss.router_aux_loss_coefficient=0.001",
+            *torch_engines,
+        ]
+        cfg = load_run_config(CODER, overrides)
+        if not refused:
+            prepare_models(cfg, str(CODER))
+            continue
+        with pytest.raises(ConfigError) as err:
+            prepare_models(cfg, str(CODER))
+        text = str(err.value)
+        for field in ("loss.router_z_loss_coefficient", "loss.router_aux_loss_coefficient"):
+            assert f"{field}: the actor ({dense}) is a dense Qwen3ForCausalLM: it has no router" in text

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.capabilities import MODEL_TYPE_ARCHITECTURES, model_family_refusals
+from mopd_hpc.config.capabilities import MODEL_FAMILIES, MODEL_TYPE_ARCHITECTURES, model_family_refusals
 from mopd_hpc.config.problems import Problem
 from mopd_hpc.launch.hub_cache import (
     HubNotCachedError,
@@ -184,6 +184,29 @@ def architecture_problems(cfg: RunConfig, here: dict[str, Path]) -> list[Problem
         arch = read_architecture(directory)
         if arch is not None:
             out += model_family_refusals(field, _engine(cfg, field), arch, str(directory))
+        if arch in MODEL_FAMILIES and field == "models.actor.path" and not MODEL_FAMILIES[arch].moe:
+            out += dense_actor_problems(cfg, arch)
+    return out
+
+
+def dense_actor_problems(cfg: RunConfig, arch: str) -> list[Problem]:
+    """The settings that act on a mixture-of-experts actor's routers, set for a dense actor of `arch`."""
+    out = []
+    loss = cfg.loss
+    for name, value, off in (
+        ("router_aux_loss_coefficient", loss.router_aux_loss_coefficient or 0.0, "null or 0"),
+        ("router_z_loss_coefficient", loss.router_z_loss_coefficient, "0"),
+    ):
+        if value > 0:
+            out.append(
+                Problem(
+                    f"loss.{name}",
+                    f"the actor ({cfg.models.actor.path}) is a dense {arch}: it has no router to apply a "
+                    "router loss to",
+                    value,
+                    f"{off}, or a mixture-of-experts actor",
+                )
+            )
     return out
 
 

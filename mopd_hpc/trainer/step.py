@@ -24,7 +24,12 @@ from mopd_hpc.engines.batch import TrainBatch
 from mopd_hpc.mopd.grpo import grpo_advantages
 from mopd_hpc.mopd.loss import importance_weights
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY, TRAIN_PREPARE_KEY
+from mopd_hpc.records.metrics_schema import (
+    ROUTER_KEYS,
+    TRAIN_FORWARD_BACKWARD_KEY,
+    TRAIN_OPTIMIZER_KEY,
+    TRAIN_PREPARE_KEY,
+)
 from mopd_hpc.trainer.rollout_phase import Rollouts
 from mopd_hpc.trainer.shards import Shard
 from mopd_hpc.trainer.step_record import ControlRecord
@@ -158,6 +163,9 @@ def step_metrics(
     values["train/prompt_tokens"] = float(sum(rollouts.starts))  # the rows' prompts (each sample's copy)
     if "mopd/teacher_refused_tokens" in stats:  # −inf teacher log-probs taken as the floor (mopd/targets.py)
         values["mopd/teacher_refused_tokens"] = stats["mopd/teacher_refused_tokens"]
+    for key in ROUTER_KEYS:  # a mixture-of-experts actor with a router loss (engines/moe_routing.py)
+        if key in stats:
+            values[key] = stats[key]
     if loss.estimator == "topk" and "topk/teacher_mass" in stats:
         values["topk/teacher_mass"] = stats["topk/teacher_mass"]
     return values

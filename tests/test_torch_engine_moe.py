@@ -1,0 +1,122 @@
+"""The torch train engine on a micro Qwen3-MoE student (real transformers forward passes): the router losses in
+the train step, and rollout routing replay.
+
+Oracles: a reference step computed by hand on a second copy of the model — the MOPD gradient (the engine with
+its router losses off) plus the gradient of c_lb·(transformers' own `aux_loss`, Switch Transformer) + c_z·(the
+ST-MoE z-loss written out from the `router_logits` transformers returns), then torch's AdamW; for replay, a
+forward of transformers' MoE blocks with the selection forced by monkeypatching their router.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from mopd_hpc.config.loss import LossConfig
+from mopd_hpc.config.models import OptimizerConfig
+from mopd_hpc.engines.batch import TokenBatch, TrainBatch
+from mopd_hpc.engines.protocol import EngineError
+from mopd_hpc.engines.torch_engine import TorchTrainEngine
+from mopd_hpc.mopd import aggregate_teacher_targets
+
+VOCAB = 32
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+OUTPUTS = [[11, 12, 13, 14], [15], [16, 17]]
+EXPERTS, TOP_K = 4, 2
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def save_micro_moe(path: Path, seed: int = 0, aux: float = 0.05) -> Path:
+    """2 layers, 4 experts of f_e 16, top 2, router_aux_loss_coef `aux`; the router weights drawn large
+    (transformers initializes them to 0) so that routing depends on the token."""
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, router_aux_loss_coef=aux, initializer_range=0.2, norm_topk_prob=True,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    return save_micro_moe(tmp_path_factory.mktemp("moe") / "student")
+
+
+def make_engine(path: Path, **loss: object) -> TorchTrainEngine:
+    return TorchTrainEngine.from_pretrained(
+        path, dtype="float32", device="cpu", optimizer=OptimizerConfig(lr=1e-2, grad_clip=None),
+        loss=LossConfig(**loss),
+    )  # fmt: skip
+
+
+def train_batch(engine: TorchTrainEngine) -> TrainBatch:
+    tokens = TokenBatch.from_samples(PROMPTS, OUTPUTS, pad_id=0)
+    mu = engine.logprobs(tokens)
+    teacher = torch.where(tokens.response_mask, mu - 0.3 * torch.arange(4.0), 0.0)
+    targets = aggregate_teacher_targets({"t": teacher}, [{"t": 1.0}] * tokens.batch_size)
+    return TrainBatch.create(tokens, mu.clone(), targets=targets)
+
+
+def test_moe_train_step_equals_a_reference_step_by_hand(moe: Path) -> None:
+    engine = make_engine(moe, router_z_loss_coefficient=0.01)  # c_lb: the config's router_aux_loss_coef
+    assert (engine.router_aux, engine.router_z, engine.router_top_k) == (0.05, 0.01, TOP_K)
+    batch = train_batch(engine)
+    tokens = batch.tokens
+
+    # the MOPD term's gradient: the same engine without router losses
+    plain = make_engine(moe, router_aux_loss_coefficient=0.0)
+    mopd_loss, _, _ = plain.compute_loss(batch)
+    mopd_loss.backward()
+    grads = {n: p.grad.clone() for n, p in plain.model.named_parameters()}
+
+    # the router losses by hand, on transformers' own forward of a second copy
+    ref = Qwen3MoeForCausalLM.from_pretrained(str(moe), dtype=torch.float32)
+    out = ref(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_router_logits=True)
+    mask = tokens.attention_mask.reshape(-1).float()
+    z = sum((torch.logsumexp(r, -1) ** 2 * mask).sum() for r in out.router_logits) / (2 * mask.sum())
+    router = 0.05 * out.aux_loss + 0.01 * z
+    router.backward()
+    for n, p in ref.named_parameters():
+        p.grad = p.grad + grads[n] if p.grad is not None else grads[n]
+    adam = torch.optim.AdamW(
+        list(ref.parameters()), lr=1e-2, weight_decay=OptimizerConfig(lr=1.0).weight_decay
+    )
+    adam.step()
+
+    stats = engine.train_step(batch)
+    assert stats["router/load_balancing_loss"] == pytest.approx(float(out.aux_loss.detach()), rel=1e-5)
+    assert stats["router/z_loss"] == pytest.approx(float(z.detach()), rel=1e-5)
+    assert stats["loss"] == pytest.approx(float((mopd_loss + router).detach()), rel=1e-5)
+    assert 1.0 < float(out.aux_loss.detach()) < EXPERTS  # routing is not balanced: the term has a gradient
+    moved = 0
+    for (name, p), q in zip(engine.model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-6, msg=name)
+        moved += int("mlp.gate" in name and not torch.equal(p, saved_weight(moe, name)))
+    assert moved == 2  # both routers were trained
+
+
+def saved_weight(path: Path, name: str) -> torch.Tensor:
+    """The weight `name` of the checkpoint at `path` (a router's: stored under the same name)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))[name]
+
+
+def test_router_losses_are_refused_for_a_dense_model(tmp_path: Path) -> None:
+    from helpers_models import save_micro_qwen3
+
+    dense = save_micro_qwen3(tmp_path / "dense", 0, vocab_size=VOCAB)
+    engine = make_engine(dense)
+    assert (engine.router_aux, engine.routing.moe) == (0.0, False)
+    with pytest.raises(EngineError, match="router_z_loss_coefficient=0.5: the actor .* is a dense model"):
+        make_engine(dense, router_z_loss_coefficient=0.5)
