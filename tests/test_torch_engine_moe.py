@@ -120,3 +120,75 @@ def test_router_losses_are_refused_for_a_dense_model(tmp_path: Path) -> None:
     assert (engine.router_aux, engine.routing.moe) == (0.0, False)
     with pytest.raises(EngineError, match="router_z_loss_coefficient=0.5: the actor .* is a dense model"):
         make_engine(dense, router_z_loss_coefficient=0.5)
+
+
+def hand_moe_forward(block: torch.nn.Module, forced: torch.Tensor):
+    """A transformers Qwen3-MoE block's forward written out token by token: the experts `forced` [N, k] where
+    ≥ 0, else the router's own top k; the weights the router's softmax at those experts, renormalized."""
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        b, n, h = hidden.shape
+        flat = hidden.reshape(-1, h)
+        probs = torch.softmax(flat @ block.gate.weight.T, dim=-1, dtype=torch.float32)
+        own = probs.topk(TOP_K, dim=-1).indices
+        ids = torch.where(forced >= 0, forced, own)
+        rows = []
+        for i in range(flat.shape[0]):
+            w = probs[i, ids[i]] / probs[i, ids[i]].sum()
+            out = torch.zeros(h)
+            for slot, e in enumerate(ids[i].tolist()):
+                gate, up = (block.experts.gate_up_proj[e] @ flat[i]).chunk(2)
+                out = out + w[slot] * (block.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+            rows.append(out)
+        return torch.stack(rows).reshape(b, n, h)
+
+    return forward
+
+
+def test_replayed_experts_give_the_log_probs_of_a_forward_with_those_experts(moe: Path) -> None:
+    engine = make_engine(moe, router_aux_loss_coefficient=0.0)
+    batch = train_batch(engine)
+    tokens = batch.tokens
+    mask = tokens.response_mask
+    b, n = tokens.input_ids.shape
+
+    # the experts to force: each response position's k least likely ones, per layer (never the router's own)
+    ref = Qwen3MoeForCausalLM.from_pretrained(str(moe), dtype=torch.float32)
+    with torch.no_grad():
+        own = ref(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_router_logits=True)
+    least = torch.stack([r.topk(TOP_K, dim=-1, largest=False).indices for r in own.router_logits], dim=1)
+    least = least.reshape(b, n, 2, TOP_K)  # [B, L, M, k]
+    routed = torch.full((b, tokens.response_width, 2, TOP_K), -1, dtype=torch.int16)
+    at = torch.arange(b)[:, None].expand_as(mask)
+    routed[mask] = least[at[mask], tokens.logit_positions[mask]].to(torch.int16)
+    replayed = TrainBatch.create(
+        tokens, batch.behavior_logprobs, targets=batch.targets, routed_experts=routed
+    )
+
+    # the reference: transformers' model with every MoE block's forward written out with the forced experts
+    forced = torch.full((b, n, 2, TOP_K), -1, dtype=torch.int64)
+    forced[at[mask], tokens.logit_positions[mask]] = routed[mask].long()
+    for index, layer in enumerate(ref.model.layers):
+        layer.mlp.forward = hand_moe_forward(layer.mlp, forced[:, :, index].reshape(-1, TOP_K))
+    logits = ref(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).logits
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, tokens.input_ids[..., None].roll(-1, 1))[
+        ..., 0
+    ]
+    expected = torch.where(mask, expected[at, tokens.logit_positions], 0.0)
+
+    engine.train_module.train()
+    _, logprobs, _ = engine.compute_loss(replayed)
+    torch.testing.assert_close(logprobs.double(), expected.detach(), rtol=0, atol=2e-5)
+    # the gate weights come from the current router: its weights get a gradient through the replayed forward
+    logprobs.sum().backward()
+    engine.routing.end()
+    for layer in engine.model.model.layers:
+        assert float(layer.mlp.gate.weight.grad.abs().sum()) > 0
+    plain = engine.logprobs(tokens)  # the router's own choice
+    assert float(((plain - logprobs.detach()).abs() * mask).max()) > 1e-2
+    with pytest.raises(EngineError, match="routed_experts records 3 MoE layers × 2 experts per token"):
+        engine._replay(
+            TrainBatch.create(
+                tokens, batch.behavior_logprobs, routed_experts=routed.repeat(1, 1, 2, 1)[:, :, :3]
+            )
+        )

@@ -310,8 +310,26 @@ class TorchTrainEngine:
     def _replay(self, batch: TrainBatch) -> torch.Tensor | None:
         """[B, L, M, k] expert ids to replay at every position of `batch` (−1: the router's own choice), from
         its `routed_experts` [B, T, M, k] recorded at the positions that predict each response token
-        (`logit_positions`); None without a recording."""
-        return None
+        (`logit_positions`); None without a recording.
+
+        Raises:
+            EngineError: a recording for a dense model, or of another layer count M or top k than the model's.
+        """
+        recorded = batch.routed_experts
+        if recorded is None:
+            return None
+        layers, k = len(self.routing.routers), self.router_top_k
+        if tuple(recorded.shape[2:]) != (layers, k):
+            raise EngineError(
+                f"routed_experts records {recorded.shape[2]} MoE layers × {recorded.shape[3]} experts per token; "
+                f"the actor {self.path} has {layers} MoE layers routing to {k} experts"
+            )
+        tokens = batch.tokens
+        mask = tokens.response_mask
+        replay = torch.full((*tokens.input_ids.shape, layers, k), -1, dtype=torch.int64, device=mask.device)
+        rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+        replay[rows[mask], tokens.logit_positions[mask]] = recorded.to(mask.device)[mask].long()
+        return replay
 
     def train_step(
         self,
