@@ -190,3 +190,54 @@ def test_router_losses_are_refused_for_a_dense_actor(moe_checkpoint: Path) -> No
         text = str(err.value)
         for field in ("loss.router_z_loss_coefficient", "loss.router_aux_loss_coefficient"):
             assert f"{field}: the actor ({dense}) is a dense Qwen3ForCausalLM: it has no router" in text
+
+
+def test_moe_settings_the_engines_do_not_run_are_refused_naming_the_field() -> None:
+    """rollout.routing_replay (megatron actor, sglang rollout), the router losses (megatron) and expert_parallel
+    > 1 (naming the GPU test that has not run) through job_gaps: config/capabilities.py moe_refusals."""
+    cfg = load_run_config(
+        CODER,
+        [
+            "rollout.routing_replay=true",
+            "models.actor.expert_parallel=2",
+            "loss.router_z_loss_coefficient=0.01",
+            "rollout.backend=sglang",
+        ],
+    )
+    gaps = [p for p in job_gaps(cfg) if p.path in ("rollout.routing_replay", "models.actor.expert_parallel")]
+    gaps += [p for p in job_gaps(cfg) if p.path.startswith("loss.router")]
+    text = "\n".join(f"{p.path}: {p.message} ({p.expected})" for p in gaps)
+    assert (
+        "rollout.routing_replay: the megatron actor engine does not replay the rollout's routed experts"
+        in text
+    )
+    assert "rollout.routing_replay: the sglang rollout backend does not answer the routed experts" in text
+    assert (
+        "models.actor.expert_parallel: the actor role runs the megatron engine at expert_parallel ≤ 1: "
+        "expert_parallel 2 has not run on GPUs: tests/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs) "
+        "has not run" in text
+    )
+    assert "loss.router_z_loss_coefficient: the megatron actor engine adds no router loss" in text
+    assert "models.actor.engine: torch" in text
+
+
+def test_routing_replay_and_expert_parallel_are_refused_for_a_dense_actor(moe_checkpoint: Path) -> None:
+    dense = moe_checkpoint.parent / "micro" / "student"
+    overrides = [
+        f"models.actor.path={dense}",
+        f"models.tokenizer.path={dense}",
+        f"models.teachers.0.path={dense}",
+        "models.actor.engine=torch",
+        "models.teachers.0.engine=torch",
+        "weight_sync.backend=torch",
+        "rollout.routing_replay=true",
+        "models.actor.expert_parallel=2",
+    ]
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, overrides), str(CODER))
+    text = str(err.value)
+    assert (
+        f"rollout.routing_replay: the actor ({dense}) is a dense Qwen3ForCausalLM: it has no routed experts"
+        in text
+    )
+    assert f"models.actor.expert_parallel: the actor ({dense}) is a dense Qwen3ForCausalLM" in text

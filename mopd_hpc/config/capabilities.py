@@ -52,6 +52,10 @@ class ActorEngineSpec:
         data_parallel_cpu, data_parallel_gpu: the largest data-parallel size on each device kind (None: any).
         untested: the GPU test that has not run beyond those sizes (named in the refusal; "" when the
             limit is the engine's own).
+        router_losses: it adds a mixture-of-experts actor's router losses (`loss.router_*`).
+        routing_replay: its forward replays the rollout's routed experts (`rollout.routing_replay`).
+        expert_parallel: the largest expert-parallel size it runs; expert_parallel_untested: the GPU test
+            that has not run beyond it ("" when the limit is the engine's own).
     """
 
     name: str
@@ -67,6 +71,10 @@ class ActorEngineSpec:
     data_parallel_cpu: int | None
     data_parallel_gpu: int | None
     untested: str = ""
+    router_losses: bool = False
+    routing_replay: bool = False
+    expert_parallel: int = 1
+    expert_parallel_untested: str = ""
 
     def data_parallel(self, device: str) -> int | None:
         return self.data_parallel_gpu if device == "gpu" else self.data_parallel_cpu
@@ -92,6 +100,7 @@ class RolloutBackendSpec:
     tensor_parallel: int | None  # GPUs per engine; None: any that fits a node
     package: str | None = None  # the Python package the role imports for it (checked where the job runs)
     stand_in_only: bool = False  # tested with a stand-in for the package only: --check warns
+    routed_experts: bool = False  # answers each token's routed experts (rollout routing replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +190,9 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         pipeline_parallel=1,
         data_parallel_cpu=None,  # DDP over gloo (issue 16)
         data_parallel_gpu=1,  # DDP over NCCL has not run in the job yet
+        router_losses=True,  # engines/moe_routing.py
+        routing_replay=True,
+        expert_parallel=1,  # transformers' MoE blocks hold every expert on the rank
     ),
     "megatron": ActorEngineSpec(
         name="megatron",
@@ -198,6 +210,9 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         data_parallel_cpu=None,
         data_parallel_gpu=1,
         untested="tests/test_megatron_actor_group_gpu.py (2 GPUs)",
+        # megatron-core's MoELayer shards experts over an expert-parallel group; EP 1 holds them all
+        expert_parallel=1,
+        expert_parallel_untested="tests/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs)",
     ),
 }
 
@@ -208,7 +223,9 @@ TEACHER_ENGINES: dict[str, TeacherEngineSpec] = {
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
     # transformers generate on one device: an engine of tensor_parallel > 1 would use one of its GPUs
-    "hf": RolloutBackendSpec("hf", runs_in_job=True, devices=("cpu", "gpu"), tensor_parallel=1),
+    "hf": RolloutBackendSpec(
+        "hf", runs_in_job=True, devices=("cpu", "gpu"), tensor_parallel=1, routed_experts=True
+    ),
     # roles/rollout_sglang.py: an in-process sglang.Engine, tensor parallel inside the engine; tested with a
     # stand-in for sglang.Engine only (sglang pins torch 2.9.1: it cannot be installed on these machines)
     "sglang": RolloutBackendSpec(
@@ -612,3 +629,60 @@ def model_family_refusals(field: str, engine: str | None, architecture: str, whe
             ", or ".join(ways) or "another engine",
         )
     ]
+
+
+def moe_refusals(
+    engine: str, rollout_backend: str, loss: Any, routing_replay: bool, expert_parallel: int
+) -> list[Problem]:
+    """The mixture-of-experts settings the actor engine `engine` and the rollout `rollout_backend` do not run:
+    the router losses, rollout routing replay, an expert-parallel size above the declared one (naming the GPU
+    test that has not run). Whether the actor has routers at all is the model check's (launch/model_check.py)."""
+    spec, out = ACTOR_ENGINES[engine], []
+    aux = loss.router_aux_loss_coefficient
+    if not spec.router_losses and ((aux or 0.0) > 0 or loss.router_z_loss_coefficient > 0):
+        field = "router_aux_loss_coefficient" if (aux or 0.0) > 0 else "router_z_loss_coefficient"
+        out.append(
+            Problem(
+                f"loss.{field}",
+                f"the {engine} actor engine adds no router loss (its MoE layers' own aux loss is off)",
+                getattr(loss, field),
+                "0" + _others(ACTOR_ENGINES, "models.actor.engine", lambda s: s.router_losses, but=engine),
+            )
+        )
+    if routing_replay and not spec.routing_replay:
+        out.append(
+            Problem(
+                "rollout.routing_replay",
+                f"the {engine} actor engine does not replay the rollout's routed experts",
+                True,
+                "false"
+                + _others(ACTOR_ENGINES, "models.actor.engine", lambda s: s.routing_replay, but=engine),
+            )
+        )
+    if routing_replay and not ROLLOUT_BACKENDS[rollout_backend].routed_experts:
+        out.append(
+            Problem(
+                "rollout.routing_replay",
+                f"the {rollout_backend} rollout backend does not answer the routed experts of its tokens",
+                True,
+                "false"
+                + _others(
+                    ROLLOUT_BACKENDS, "rollout.backend", lambda s: s.routed_experts, but=rollout_backend
+                ),
+            )
+        )
+    if expert_parallel > spec.expert_parallel:
+        why = (
+            f"expert_parallel {expert_parallel} has not run on GPUs: {spec.expert_parallel_untested} has not run"
+            if spec.expert_parallel_untested
+            else f"the {engine} engine holds every expert on each rank"
+        )
+        out.append(
+            Problem(
+                "models.actor.expert_parallel",
+                f"the actor role runs the {engine} engine at expert_parallel ≤ {spec.expert_parallel}: {why}",
+                expert_parallel,
+                f"expected ≤ {spec.expert_parallel}",
+            )
+        )
+    return out

@@ -53,6 +53,14 @@ class RolloutConfig(Section):
         "the memory plan counts them). false: eager decoding, the KV cache held in the rollout phase only. "
         "The CPU loop decoder is never compiled; with backend sglang (its own CUDA graphs) only true.",
     )
+    routing_replay: StrictBool = Field(
+        False,
+        description="Rollout routing replay (R3) for a mixture-of-experts actor: the rollout engines record the "
+        "experts each response token was routed to in every MoE layer, and the actor's forward routes each "
+        "token to them (the gate weights from its current router, differentiable), so that π_θ and μ use "
+        "the same experts. hf backend (its loop decoder, eager) and torch actor only; a dense actor is "
+        "refused at --check.",
+    )
     forked: StrictBool = Field(
         True,
         description="Rollout engines run as children forked by the node's guard, so that a rollout crash or "

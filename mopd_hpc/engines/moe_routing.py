@@ -8,6 +8,8 @@ softmax over the E logits at the k selected experts, renormalized to sum 1 when 
 
 - while `capturing`, each router call's logits [N, E] (N = B·L positions, carrying the gradient) are appended
   to `captured`, in layer order;
+- while `recording`, each router call's selected ids [N, k] are appended to `recorded` (the rollout's record
+  of the experts each token was routed to, `last_position_routes`);
 - while `replay` is set ([B, L, M, k] int64 expert ids for the M MoE layers, −1 = the router's own choice at
   that position), the hook returns the recorded ids as the selection, and as scores the current router's
   softmax probabilities at those ids (renormalized when `norm_topk_prob`): the selection is fixed, the gate
@@ -49,7 +51,8 @@ class RouterHooks:
         self.captured: list[torch.Tensor] = []
         #: [B, L, M, k] int64 expert ids to replay (−1: the router's own choice), or None.
         self.replay: torch.Tensor | None = None
-        self._calls = 0
+        self.recording = False
+        self.recorded: list[torch.Tensor] = []
         for index, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(index))
 
@@ -70,6 +73,8 @@ class RouterHooks:
                 scores = picked.to(logits.dtype)
             if self.capturing:
                 self.captured.append(logits)
+            if self.recording:
+                self.recorded.append(ids.detach())
             return logits, scores, ids
 
         return hook
@@ -85,6 +90,13 @@ class RouterHooks:
         self.capturing = False
         out, self.captured = self.captured, []
         return out
+
+    def last_position_routes(self, rows: int) -> torch.Tensor:
+        """The ids recorded since the last call, of a forward over `rows` rows: each row's last position's
+        [M, k] (the position whose logits give the next token), as [rows, M, k] int16 on the CPU."""
+        out, self.recorded = self.recorded, []
+        last = [ids.reshape(rows, -1, ids.shape[-1])[:, -1] for ids in out]
+        return torch.stack(last, dim=1).to(device="cpu", dtype=torch.int16)
 
     def end(self) -> None:
         """The backward ended: no replay."""

@@ -207,6 +207,25 @@ def dense_actor_problems(cfg: RunConfig, arch: str) -> list[Problem]:
                     f"{off}, or a mixture-of-experts actor",
                 )
             )
+    if cfg.rollout.routing_replay:
+        out.append(
+            Problem(
+                "rollout.routing_replay",
+                f"the actor ({cfg.models.actor.path}) is a dense {arch}: it has no routed experts to replay",
+                True,
+                "false, or a mixture-of-experts actor",
+            )
+        )
+    for name in ("expert_parallel",):
+        if getattr(cfg.models.actor, name) > 1:
+            out.append(
+                Problem(
+                    f"models.actor.{name}",
+                    f"the actor ({cfg.models.actor.path}) is a dense {arch}: it has no experts to shard",
+                    getattr(cfg.models.actor, name),
+                    "1",
+                )
+            )
     return out
 
 
