@@ -58,8 +58,8 @@ class RolloutConfig(Section):
         description="Rollout routing replay (R3) for a mixture-of-experts actor: the rollout engines record the "
         "experts each response token was routed to in every MoE layer, and the actor's forward routes each "
         "token to them (the gate weights from its current router, differentiable), so that π_θ and μ use "
-        "the same experts. hf backend (its loop decoder, eager) and torch actor only; a dense actor is "
-        "refused at --check.",
+        "the same experts. hf backend (its loop decoder, eager: compile_decode false on a GPU rollout group) "
+        "and torch actor only; a dense actor is refused at --check.",
     )
     forked: StrictBool = Field(
         True,

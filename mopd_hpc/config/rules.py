@@ -320,6 +320,21 @@ def _kl_needs_rl(c: Any) -> Iterator[Problem]:
         )
 
 
+@rule("rollout", "cluster")
+def _replay_uncompiled(c: Any) -> Iterator[Problem]:
+    """Rollout routing replay records the experts in the hf engine's eager loop decoder: the compiled decode
+    step (compile_decode, on a GPU rollout group) would not run, so asking for both is refused."""
+    rollout = c.rollout
+    if rollout.routing_replay and rollout.compile_decode and c.cluster.rollout_group.gpus_per_node:
+        yield Problem(
+            "rollout.compile_decode",
+            "rollout.routing_replay records the routed experts in the hf engine's eager loop decoder: the "
+            "compiled decode step would not run",
+            True,
+            "compile_decode: false with routing_replay: true",
+        )
+
+
 @rule("loss", "data")
 def _grpo_group(c: Any) -> Iterator[Problem]:
     uses_rewards = c.loss.rl_coefficient > 0 or c.loss.orm_alpha > 0
