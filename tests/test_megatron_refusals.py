@@ -219,7 +219,9 @@ def test_moe_settings_the_engines_do_not_run_are_refused_naming_the_field() -> N
     )
     assert "loss.router_z_loss_coefficient: the megatron actor engine adds no router loss" in text
     assert "models.actor.engine: torch" in text
-    with pytest.raises(ConfigError, match="rollout.compile_decode: rollout.routing_replay records the routed"):
+    with pytest.raises(
+        ConfigError, match="rollout.compile_decode: rollout.routing_replay records the routed"
+    ):
         load_run_config(CODER, ["rollout.routing_replay=true", "rollout.backend=hf"])
 
 

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_auth import TOKEN
+from helpers_models import MOE_TOP_K as TOP_K
+from helpers_models import save_micro_moe
 from test_rollout_server import start_server, stop_server
-from test_torch_engine_moe import TOP_K, make_engine, save_micro_moe
+from test_torch_engine_moe import make_engine
 from transformers import Qwen3MoeForCausalLM
 
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch

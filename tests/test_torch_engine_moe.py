@@ -4,7 +4,7 @@ the train step, and rollout routing replay.
 Oracles: a reference step computed by hand on a second copy of the model — the MOPD gradient (the engine with
 its router losses off) plus the gradient of c_lb·(transformers' own `aux_loss`, Switch Transformer) + c_z·(the
 ST-MoE z-loss written out from the `router_logits` transformers returns), then torch's AdamW; for replay, a
-forward of transformers' MoE blocks with the selection forced by monkeypatching their router.
+forward of transformers' MoE blocks written out token by token with the selection forced.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from helpers_models import MOE_EXPERTS as EXPERTS
+from helpers_models import MOE_TOP_K as TOP_K
+from helpers_models import save_micro_moe
+from transformers import Qwen3MoeForCausalLM
 
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
@@ -25,26 +28,8 @@ from mopd_hpc.mopd import aggregate_teacher_targets
 VOCAB = 32
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 OUTPUTS = [[11, 12, 13, 14], [15], [16, 17]]
-EXPERTS, TOP_K = 4, 2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def save_micro_moe(path: Path, seed: int = 0, aux: float = 0.05) -> Path:
-    """2 layers, 4 experts of f_e 16, top 2, router_aux_loss_coef `aux`; the router weights drawn large
-    (transformers initializes them to 0) so that routing depends on the token."""
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, router_aux_loss_coef=aux, initializer_range=0.2, norm_topk_prob=True,
-    )  # fmt: skip
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 1.0)
-    model.save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

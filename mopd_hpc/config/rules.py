@@ -325,7 +325,8 @@ def _replay_uncompiled(c: Any) -> Iterator[Problem]:
     """Rollout routing replay records the experts in the hf engine's eager loop decoder: the compiled decode
     step (compile_decode, on a GPU rollout group) would not run, so asking for both is refused."""
     rollout = c.rollout
-    if rollout.routing_replay and rollout.compile_decode and c.cluster.rollout_group.gpus_per_node:
+    gpu = c.cluster.rollout_group.gpus_per_node > 0
+    if rollout.routing_replay and rollout.compile_decode and rollout.backend == "hf" and gpu:
         yield Problem(
             "rollout.compile_decode",
             "rollout.routing_replay records the routed experts in the hf engine's eager loop decoder: the "
