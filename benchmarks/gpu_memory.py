@@ -15,7 +15,7 @@ teacher residency auto). From its metrics.jsonl:
   the steps;
 - the GPU's measured total per phase (rollout, teacher, drain, train, sync): Σ over the children of their
   peak in that phase (a server without a request in it: its `held`), and the largest;
-- the memory plan (`engines/residency_plan.planned_residency` with the GPU's memory as the job detects it):
+- the memory plan (`plan/residency_plan.planned_residency` with the GPU's memory as the job detects it):
   per phase and its largest, the ratio plan / measured (issue 21 asks for 1 ≤ ratio ≤ 1.25), and the
   residency decision.
 
@@ -44,9 +44,9 @@ from gpu_models import ensure_models  # noqa: E402
 from results_file import commit_of, write_results  # noqa: E402
 
 from mopd_hpc.config import load_run_config  # noqa: E402
-from mopd_hpc.engines.memory_plan import GIB, PHASES  # noqa: E402
-from mopd_hpc.engines.residency_plan import gpu_bytes, planned_residency  # noqa: E402
-from mopd_hpc.launch.placement import place_children  # noqa: E402
+from mopd_hpc.plan.memory_plan import GIB, PHASES  # noqa: E402
+from mopd_hpc.plan.placement import place_children  # noqa: E402
+from mopd_hpc.plan.residency_plan import gpu_bytes, planned_residency  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"

@@ -13,7 +13,7 @@ import pytest
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel, ParallelError, RankCoords, actor_world
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan.placement import place_children
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LOCAL = CONFIGS / "local_cpu.yaml"

@@ -17,8 +17,8 @@ from mopd_hpc.cli import submit
 from mopd_hpc.config import load_run_config
 from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.launch.from_config import jobspec_from_config
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import print_rank_map, rank_map_rows, shape_line
+from mopd_hpc.plan.placement import place_children
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DP2 = CONFIGS / "local_cpu_dp2.yaml"

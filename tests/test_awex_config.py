@@ -22,7 +22,7 @@ from mopd_hpc.engines.weight_sync.awex import (
     require_awex,
     write_meta_server_address,
 )
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.runtime.plan import JobPlan
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """AWEX from every rank of a TP = 2 megatron actor to HF rollout engines (issue 18), parameters bitwise equal
 after each update:
 - colocate (2 GPUs): actor ranks 0 and 1 on GPUs 0 and 1, HF engines 0 and 1 on the same GPUs (every process
-  sees both GPUs and starts on its own ordinal, as `launch/placement.py` places colocated children); awex
+  sees both GPUs and starts on its own ordinal, as `plan/placement.py` places colocated children); awex
   pairs trainer rank r with the rollout rank on its (host, device) and moves the weights by CUDA IPC;
 - separate (4 GPUs): actor ranks on GPUs 0 and 1, HF engines on GPUs 2 and 3, one NCCL group of 4 ranks.
 

@@ -19,9 +19,9 @@ from mopd_hpc.cli import debug_run, debug_shell, submit
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.debug_session import Allocation, AllocationShapeError, check_fit
 from mopd_hpc.launch.debug_shell import job_run_dir, parse_scontrol_job, shell_argv
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import broadcast_rank, rank_map_rows
 from mopd_hpc.logs.index import append_job_index
+from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -5,7 +5,7 @@ The fields are enumerated from the RunConfig type tree (a new field without a mu
 `test_every_field_has_a_mutation`). Each mutation names the observable it must change, computed by the code
 the job runs on the submit host or in its roles:
 
-    plan      launch/placement.place_children (the children, GPUs, ports, rank env) and the actor's shape
+    plan      plan/placement.place_children (the children, GPUs, ports, rank env) and the actor's shape
     dry_run   `mopd-submit --dry-run` (warnings, rank map, memory plan, the sbatch command and script)
     warnings  the warnings `--check` prints (cli/submit.py submit_warnings)
     data      trainer/data_setup.build_run_data: the first step's draws, the sources, the held-out prompts
@@ -144,7 +144,7 @@ def base_doc(name: str, files: SimpleNamespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- observers
 def _plan(cfg: RunConfig) -> str:
     from mopd_hpc.config.parallel import ActorParallel
-    from mopd_hpc.launch.placement import place_children
+    from mopd_hpc.plan.placement import place_children
 
     return place_children(cfg).to_json() + repr(ActorParallel.from_config(cfg))
 
@@ -208,7 +208,7 @@ class _Client:
 
 
 def _rollout(cfg: RunConfig) -> str:
-    from mopd_hpc.launch.placement import place_children
+    from mopd_hpc.plan.placement import place_children
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.rollout_phase import step_rollouts
 

@@ -31,8 +31,8 @@ from mopd_hpc.launch.debug_session import (
 )
 from mopd_hpc.launch.debug_shell import job_run_dir, parse_scontrol_job, shell_argv
 from mopd_hpc.launch.from_config import jobspec_from_config
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rundir import prepare_run_dir
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.runtime.plan import JobPlan
 
 REPO = Path(__file__).resolve().parents[1]

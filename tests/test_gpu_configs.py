@@ -15,8 +15,8 @@ from helpers_models import hub_cache_for
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.problems import ConfigError
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import rank_map_rows
+from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"

@@ -15,7 +15,7 @@ import pytest
 from test_guard import RunningGuard, raw, start_guard, stop_guard, wait_until
 
 from mopd_hpc.config import load_run_config
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.runtime.guard.client import GuardForbiddenError
 from mopd_hpc.runtime.guard.env_policy import REDACTED, denial
 from mopd_hpc.runtime.guard.spawn_env import check_overrides

@@ -5,7 +5,7 @@ import b` (resolved to the submodule `a.b` when it is one, else to the package `
 functions included, imports under `if TYPE_CHECKING:` excluded (they never run). The layers, top to bottom, are
 `LAYERS` below; the README's architecture paragraph states the same order:
 
-    cli → launch → logs (the summarizer) → roles → trainer → engines → mopd, data → runtime → records → config, atomic
+    cli → launch → logs (the summarizer) → roles → plan → trainer → engines → mopd, data → runtime → records → config, atomic
 
 """
 
@@ -23,9 +23,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mopd_hpc"
 #: a layer are independent of each other. `logs` is the summarizer (it reads what the layers below write).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),  # mopd-submit, mopd-logs, mopd-debug, mopd-guard
-    ("launch",),  # placement (config → plan), render, submit, local backend, local-run preparation
+    ("launch",),  # render, submit, local backend, local-run preparation
     ("logs",),  # the summarizer: reads the run directory, sacct, the job index
     ("roles",),  # one entry point per child role
+    ("plan",),  # decided before anything starts: placement, transfer ranks, the memory and residency plans
     ("trainer",),  # the controller loop, checkpoints, evaluation
     ("engines",),  # train/scoring engines, rollout servers, weight sync
     ("mopd", "data"),  # the algorithm; datasets and rewards

@@ -1,4 +1,4 @@
-"""The memory plan before anything starts (`engines/memory_plan.py`): per GPU of the job plan, each child's
+"""The memory plan before anything starts (`plan/memory_plan.py`): per GPU of the job plan, each child's
 holdings from the config and the models' config.json (`engines/memory_model.py`), the largest phase, the
 `cluster.<group>.gpu_memory_gb` warning, and `mopd-submit --dry-run` / `--check` printing them.
 
@@ -19,9 +19,9 @@ import pytest
 from helpers_models import QWEN3_0_6B, QWEN3_1_7B, write_stub_checkpoint
 
 from mopd_hpc.config import load_run_config
-from mopd_hpc.engines import memory_plan as mp
 from mopd_hpc.engines.memory_model import ModelShape, default_micro_batch_tokens, micro_batch_bytes
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan import memory_plan as mp
+from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"
@@ -266,7 +266,7 @@ def test_the_ipc_buffer_is_resident_on_actor_rank_0_as_measured() -> None:
 def test_the_ipc_buffer_warns_and_moves_the_teacher_out() -> None:
     """--check's over-capacity warning and the residency decision count the buffer: a GPU sized between the
     AWEX plan and the ipc plan warns with ipc only, and a teacher that stays with AWEX leaves with ipc."""
-    from mopd_hpc.engines.residency_plan import planned_residency
+    from mopd_hpc.plan.residency_plan import planned_residency
 
     _, awex = plan_of([*OOM, FIXED])
     (gpu,) = awex
@@ -277,7 +277,7 @@ def test_the_ipc_buffer_warns_and_moves_the_teacher_out() -> None:
     (warning,) = mp.memory_warnings(plan_of([*sets, *IPC])[1])
     assert "in the train phase, more than the GPU's" in warning
     # The teacher resident in every phase: fits with AWEX, not with the buffer too.
-    from mopd_hpc.engines.residency_plan import gpu_bytes
+    from mopd_hpc.plan.residency_plan import gpu_bytes
 
     need, _ = gpu_bytes(gpu, frozenset({"teacher"}))
     room = (need + buffer // 2) / GIB

@@ -12,9 +12,9 @@ import pytest
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.from_config import guard_command, jobspec_from_config
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import compact_ranges, rank_map_rows
 from mopd_hpc.launch.render import render
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.runtime.guard.autostart import assign_node, map_gpus
 from mopd_hpc.runtime.plan import ChildSpec, JobPlan, PlanError, child_environment
 

@@ -9,8 +9,8 @@ import pytest
 from rich.console import Console
 
 from mopd_hpc.config import load_run_config
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import model_cell, probe_report_table, rank_map_rows
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.roles.probe import weight_sync_backend
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

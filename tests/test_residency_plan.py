@@ -1,4 +1,4 @@
-"""Residency by need (`engines/residency_plan.py`): which teachers leave the GPU between phases, decided from
+"""Residency by need (`plan/residency_plan.py`): which teachers leave the GPU between phases, decided from
 the memory plan and the GPU's memory — from plans of configs/local_gpu_colocated.yaml (Qwen3-0.6B shapes) and
 from hand-made plans; the controller offloads exactly the decided teachers at the drain.
 """
@@ -13,9 +13,9 @@ import pytest
 from helpers_models import QWEN3_0_6B
 
 from mopd_hpc.config import load_run_config
-from mopd_hpc.engines import memory_plan as mp
-from mopd_hpc.engines import residency_plan as rp
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan import memory_plan as mp
+from mopd_hpc.plan import residency_plan as rp
+from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"

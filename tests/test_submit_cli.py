@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from mopd_hpc.cli import submit
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -1,7 +1,7 @@
 """The teacher role's tensor-parallel replica (roles/teacher_replica.py) as the guard starts it: a TP = 2
 replica is two real processes of `python tests/teacher_replica_prog.py` (the role's own entry point,
 `roles.teacher.main`, with a stand-in shard engine on CPU), each in the environment the job plan gives its
-child (`launch/placement.py` + `runtime/plan.py child_environment` + the guard's identity keys and leased
+child (`plan/placement.py` + `runtime/plan.py child_environment` + the guard's identity keys and leased
 ports; the plan's GPUs replaced by none), in a run directory with the run's config.yaml and the job's token.
 
 Config: configs/local_gpu_colocated.yaml on a 2-GPU node with the teacher at tensor_parallel 2 (one replica:
@@ -39,7 +39,7 @@ from teacher_tp_prog import VOCAB
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.teacher_client import TeacherClient
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.records.job_end import write_job_end
 from mopd_hpc.records.run_dir import CONFIG_FILE, teacher_endpoint_file, teacher_rendezvous_file
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError

@@ -26,8 +26,8 @@ from mopd_hpc.engines.teacher_serve import teacher_app
 from mopd_hpc.engines.teacher_server import TeacherServer
 from mopd_hpc.engines.teacher_wire import ScoreTensors
 from mopd_hpc.engines.torch_scoring import TorchScoringEngine
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rankmap import print_rank_map, rank_map_rows, teacher_lines
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.records.run_dir import rollout_ready_file, teacher_endpoint_file
 from mopd_hpc.roles.endpoints import EndpointTimeoutError, wait_for_endpoints
 from mopd_hpc.runtime.http_auth import protect

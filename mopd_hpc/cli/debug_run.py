@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.cli.base import EXIT_USAGE
-from mopd_hpc.launch.placement import place_children
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.records.run_dir import JOB_FILE
 
 if TYPE_CHECKING:

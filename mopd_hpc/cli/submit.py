@@ -13,7 +13,7 @@
 - `--render PATH`: write the sbatch script to PATH and exit 0 (review or hand-edit it, then `sbatch` it).
 - `--dry-run`: print the config warnings (as --check does, one a line), the rank map (component, node, role,
   index, GPUs, named ports, and the weight sync: AWEX transfer rank for `weight_sync.backend: awex`, torch
-  broadcast rank for `torch`), the memory plan per GPU (`engines/memory_plan.py`), then the sbatch command
+  broadcast rank for `torch`), the memory plan per GPU (`plan/memory_plan.py`), then the sbatch command
   and script; no Slurm needed.
 - Every submit prints the config warnings before the rank map. A local run refuses (exit 2, before anything
   starts) a model directory or jsonl file that does not exist here, but for the tiny models `--local` builds
@@ -49,16 +49,16 @@ from mopd_hpc.config import ConfigError, RunConfig, load_run_config
 from mopd_hpc.config.inert import inert_warnings
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
 from mopd_hpc.config.rules import job_gaps
-from mopd_hpc.engines.memory_plan import format_memory_plan, memory_warnings
-from mopd_hpc.engines.residency_plan import planned_residency, residency_modes, residency_warnings
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
 from mopd_hpc.launch.model_check import prepare_models, resolution_notes
 from mopd_hpc.launch.paths import local_path_errors, path_warnings
 from mopd_hpc.launch.pipe_out import PipeOut
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.resume import ResumeError, check_resume, resume_choice
 from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
+from mopd_hpc.plan.memory_plan import format_memory_plan, memory_warnings
+from mopd_hpc.plan.placement import place_children
+from mopd_hpc.plan.residency_plan import planned_residency, residency_modes, residency_warnings
 from mopd_hpc.records.run_dir import CONFIG_FILE
 from mopd_hpc.runtime import run_lock
 from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
@@ -127,7 +127,7 @@ def summary(cfg: RunConfig) -> str:
 def submit_warnings(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
     """Every warning --check prints: the config's own (`RunConfig.warnings`), the fields set where they have
     no effect (`config/inert.py`), the paths missing here, then the GPUs whose memory plan exceeds
-    `cluster.<group>.gpu_memory_gb` (`engines/memory_plan.py`; none when the job cannot be placed: that error
+    `cluster.<group>.gpu_memory_gb` (`plan/memory_plan.py`; none when the job cannot be placed: that error
     comes with the plan)."""
     inert = [p.render() for p in inert_warnings(cfg)]
     return [*cfg.warnings(), *inert, *path_warnings(cfg, cwd), *_memory_warnings(cfg)]

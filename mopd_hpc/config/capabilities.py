@@ -11,7 +11,7 @@ below, nothing else: e.g. a reference model for the KL penalty is `reference=Tru
 it; megatron top-k is `"topk"` in its `estimators`.
 
 What each role starts: the actor role one process per trainer slot (`config/parallel.py` actor_world), the
-engine's tp·pp·dp ranks; the teacher role one process per rank of each replica (`launch/placement.py`): at
+engine's tp·pp·dp ranks; the teacher role one process per rank of each replica (`plan/placement.py`): at
 tensor_parallel 1 one server, above it a leader serving HTTP plus tensor_parallel − 1 followers holding the
 other shards (roles/teacher_replica.py); the rollout role one server per `rollout.engines.count`. A teacher
 engine's tensor_parallel below is the largest replica that has run with it: the role's leader/follower path

@@ -60,7 +60,7 @@ def _no_distillation(cfg: Any) -> bool:
     return cfg.loss.distillation_coefficient == 0
 
 
-_NO_TEACHER = "no teacher is loaded or scored (launch/placement.py starts none; mopd/plan.py ExecutionPlan)"
+_NO_TEACHER = "no teacher is loaded or scored (plan/placement.py starts none; mopd/plan.py ExecutionPlan)"
 
 INERT: tuple[InertField, ...] = (
     InertField("models.actor.id", "always", lambda c: True, "a label in mopd-submit's summary line only"),
@@ -167,7 +167,7 @@ INERT: tuple[InertField, ...] = (
         "cluster.*.gpu_memory_gb",
         "the group's gpus_per_node is 0",
         lambda c: any(g.gpus_per_node == 0 for g in c.cluster.groups().values()),
-        "a group without GPUs has no GPU memory plan to check (launch/memory_plan.py)",
+        "a group without GPUs has no GPU memory plan to check (plan/memory_plan.py)",
     ),
 )
 

@@ -117,7 +117,7 @@ class TeacherConfig(Section):
         "the memory plan of every GPU it is on fits with it there (the GPU's memory: "
         "cluster.<group>.gpu_memory_gb, else detected in the job), else offloaded at the drain and onloaded "
         "when scoring starts; 'always' stays resident; 'never' is offloaded at every drain. Its scoring "
-        "buffers are released after each score either way (engines/residency_plan.py).",
+        "buffers are released after each score either way (plan/residency_plan.py).",
     )
 
 

@@ -4,7 +4,7 @@
     shape = ActorParallel.from_config(cfg)          # world 2 = dp 2 × tp 1 × pp 1
     shape.dp_rank(rank), shape.tp_rank(rank)        # rank = MOPD_RANK of an actor child
 
-World (`actor_world`): one actor rank per trainer slot, as `launch/placement.py` lays the actor out:
+World (`actor_world`): one actor rank per trainer slot, as `plan/placement.py` lays the actor out:
 - a group with GPUs: nodes × gpus_per_node (one rank per GPU), less the rollout engines' GPUs
   (rollout.engines count·tensor_parallel) in the colocated shape with rollout.mode separated;
 - a group without GPUs: nodes × actor_ranks_per_node (`cluster.<group>.actor_ranks_per_node`, null = 1).
@@ -67,7 +67,7 @@ def actor_world(cluster: Any, rollout: Any) -> ActorWorld:
 def teacher_replicas(cfg: Any, teacher: Any) -> int:
     """The scoring servers of `teacher` (a `TeacherConfig` of the validated `cfg`): its `replicas`, or when
     null, on a trainer group with GPUs the actor's world ÷ its tensor_parallel (one replica per
-    tensor-parallel group of the actor's GPUs, `launch/placement.py`), on CPU 1."""
+    tensor-parallel group of the actor's GPUs, `plan/placement.py`), on CPU 1."""
     if teacher.replicas is not None:
         return int(teacher.replicas)
     if cfg.cluster.trainer_group.gpus_per_node == 0:

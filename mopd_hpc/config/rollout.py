@@ -65,7 +65,7 @@ class RolloutConfig(Section):
         True,
         description="Rollout engines run as children forked by the node's guard, so that a rollout crash or "
         "offload never takes the actor down. Must be true: the job starts every engine that way (one rollout "
-        "child per engine, launch/placement.py); false is refused.",
+        "child per engine, plan/placement.py); false is refused.",
     )
 
     @model_validator(mode="after")
@@ -87,7 +87,7 @@ def uncompiled_sglang(rollout: RolloutConfig) -> list[Problem]:
 
 def unforked_rollout(rollout: RolloutConfig) -> list[Problem]:
     """`forked: false` is refused: the job has no other way to start a rollout engine than as a child of the
-    node's guard (launch/placement.py gives every engine its own rollout child), so accepting false would
+    node's guard (plan/placement.py gives every engine its own rollout child), so accepting false would
     run the forked engines anyway, the setting silently ignored (issue 19). Paths relative to `rollout`."""
     if rollout.forked:
         return []

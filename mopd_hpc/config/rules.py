@@ -199,7 +199,7 @@ def _teacher_layout(c: Any) -> Iterator[Problem]:
 
 @rule("models", "cluster", "rollout")
 def _teacher_replicas(c: Any) -> Iterator[Problem]:
-    """A replica takes tensor_parallel of the actor's GPUs (launch/placement.py): they must fit."""
+    """A replica takes tensor_parallel of the actor's GPUs (plan/placement.py): they must fit."""
     slots = actor_world(c.cluster, c.rollout).size
     for i, teacher in enumerate(c.models.teachers):
         path = join_path("models", "teachers", i)

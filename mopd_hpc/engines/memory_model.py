@@ -1,6 +1,6 @@
 """GPU memory of the engines from model shapes (config.json) and step sizes: pure arithmetic, no torch.
 
-Used by the `--dry-run` memory plan (`engines/memory_plan.py`) and by the train engines' default micro-batch
+Used by the `--dry-run` memory plan (`plan/memory_plan.py`) and by the train engines' default micro-batch
 budget on CUDA (`default_micro_batch_tokens`). Estimates, in bytes; b = bytes per element of the model dtype.
 
 Train state per actor rank (TP size t, DP size n; P parameters, `ModelShape.params`):

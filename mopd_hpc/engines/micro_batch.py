@@ -97,7 +97,7 @@ def release_activations(device: torch.device) -> None:
     """At the end of a train step on CUDA: the caching allocator's unused blocks (the step's activations,
     logits and their gradients) go back to the device, so that the children sharing the GPU (teachers, the
     rollout engine) have them in the other phases, as the memory plan counts activations in `train` only
-    (`engines/memory_plan.py`; measured on an H200 at 64 x 4 x 1024 with the ipc sync, where nothing else
+    (`plan/memory_plan.py`; measured on an H200 at 64 x 4 x 1024 with the ipc sync, where nothing else
     released them: the actor kept 49.8 GiB reserved through the teacher phase, 1 % over the plan). The next
     step allocates them again. No-op off CUDA."""
     if device.type == "cuda":

@@ -16,7 +16,7 @@ serving the actor's path):
 - colocated GPU memory: the reference holds device memory only while it scores (after the rollout, before
   the train step, the actor's activations and gradients not yet allocated), then gives it back; a server
   would need its own GPU (separated) or its own residency protocol and port (colocated), and the job plan
-  (`launch/placement.py`) a child more;
+  (`plan/placement.py`) a child more;
 - the drain: the reference's device memory is released inside the TEACHER phase of the step, before the
   rank's drain receipt (`trainer/rank_step.py`), so "drained like every other consumer" holds by
   construction, and TRAIN (the phase machine leaves DRAIN only after every receipt) never overlaps it.

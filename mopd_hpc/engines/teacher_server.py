@@ -14,7 +14,7 @@ A teacher child loads its checkpoint ONCE and serves forward-only scoring of the
   POST /memory_peaks  peak GPU memory per phase since the last call (`engines/peak_memory.py`; {} on CPU)
 
 On CUDA the scoring buffers are given back to the device after each /score (`torch.cuda.empty_cache`): a
-teacher that stays resident between phases holds its weights only (`engines/residency_plan.py`).
+teacher that stays resident between phases holds its weights only (`plan/residency_plan.py`).
 
 `response_start[b]` is the index in row b where the response begins (≥ 1: the first response token is
 predicted from the last prompt position). Binary transport (DESIGN.md §7): a /score request may be a frame

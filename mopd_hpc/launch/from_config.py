@@ -13,8 +13,8 @@ from pathlib import Path
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.launch.jobspec import Component, JobSpec
-from mopd_hpc.launch.placement import place_children
 from mopd_hpc.launch.rundir import RunDir
+from mopd_hpc.plan.placement import place_children
 from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan
 
 #: The repository's node launcher (beside the package in a source checkout / editable install).
@@ -43,7 +43,7 @@ def jobspec_from_config(
         cfg: the validated run config.
         run_dir: the run directory every node sees (cfg.run_dir made absolute, or --run-dir).
         python: the interpreter whose venv holds `mopd-guard` (sys.executable at the CLI edge).
-        plan: the job plan, for each component's roles (default: `launch.placement.place_children(cfg)`).
+        plan: the job plan, for each component's roles (default: `plan.placement.place_children(cfg)`).
     Raises:
         JobSpecError: a value cannot be rendered into a working script. PlanError: the layout is invalid.
     """

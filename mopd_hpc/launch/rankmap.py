@@ -214,7 +214,7 @@ def teacher_lines(plan: JobPlan) -> list[str]:
         if child.role != "teacher" or child_env.TEACHER_ID not in env:
             continue
         replica = int(env.get(child_env.TEACHER_REPLICA, "0"))
-        gpu = child.gpus[child.device_index or 0] if child.gpus else None
+        gpu = next(iter(child.compute_gpus()), None)
         where = f"GPU {gpu}" if gpu is not None else "cpu"
         found.setdefault(env[child_env.TEACHER_ID], {}).setdefault(replica, []).append(
             f"{child.het_group}:{child.node_index}:{where}"

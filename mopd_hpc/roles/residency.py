@@ -2,7 +2,7 @@
 
 Rank 0 reads the job plan (`run_dir/plan.json`, written by mopd-submit), detects its GPU's memory
 (`torch.cuda.get_device_properties(...).total_memory`, used where a group has no `cluster.<group>.gpu_memory_gb`)
-and takes `engines.residency_plan.planned_residency`'s decision; the decision's lines go to the actor's output.
+and takes `plan.residency_plan.planned_residency`'s decision; the decision's lines go to the actor's output.
 On CPU nothing moves: no decision (the controller moves no teacher).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any, TextIO
 
-from mopd_hpc.engines.memory_plan import GIB, format_memory_plan
-from mopd_hpc.engines.residency_plan import planned_residency
+from mopd_hpc.plan.memory_plan import GIB, format_memory_plan
+from mopd_hpc.plan.residency_plan import planned_residency
 from mopd_hpc.records.run_dir import PLAN_FILE
 from mopd_hpc.runtime.plan import JobPlan, PlanError
 

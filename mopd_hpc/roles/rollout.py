@@ -84,7 +84,7 @@ def server_args(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str]) -> Se
         dtype=cfg.models.actor.dtype,
         max_batch_rows=cfg.data.batch_size * cfg.data.samples_per_prompt,
         # CUDA: every batch (this engine's share of the step's rollouts, the evaluation's greedy rows) that
-        # fits replays one compiled shape (engines/memory_plan.py counts its KV cache)
+        # fits replays one compiled shape (plan/memory_plan.py counts its KV cache)
         graph_rows=graph_rows(cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count),
         graph_length=graph_length(cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens),
         compile_decode=cfg.rollout.compile_decode,

@@ -11,7 +11,7 @@ actor announces the end of the job (`records/job_end.py`), then exits 0. SIGUSR2
 nothing to checkpoint).
 
 At tensor_parallel 1 a replica is this one process (`teacher_serve.serve`). Above, the replica is
-tensor_parallel children, MOPD_RANK / MOPD_WORLD_SIZE their rank in its TP group (launch/placement.py): they
+tensor_parallel children, MOPD_RANK / MOPD_WORLD_SIZE their rank in its TP group (plan/placement.py): they
 form the replica's world over the leader's rendezvous, each builds its shard engine, the leader (rank 0)
 serves HTTP and the followers run the same forwards until the leader's STOP (roles/teacher_replica.py; a rank
 lost ends the replica with a non-zero exit). What each engine serves, tensor_parallel included, is declared in

@@ -2,7 +2,7 @@
 children of one replica form the replica's world, each builds its shard engine, the leader serves HTTP and the
 followers run the same forwards (engines/teacher_tp.py).
 
-Who is who (launch/placement.py): one child per GPU of the replica, MOPD_RANK / MOPD_WORLD_SIZE its rank in the
+Who is who (plan/placement.py): one child per GPU of the replica, MOPD_RANK / MOPD_WORLD_SIZE its rank in the
 replica's TP group (the world is the replica, nothing else); rank 0, the leader, leases the ports `http` and
 `master`. `replica_spec` reads them (with the role's device and the config), None at tensor_parallel 1.
 

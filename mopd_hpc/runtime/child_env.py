@@ -2,7 +2,7 @@
 and nowhere else.
 
 Writers: the guard (`runtime/guard/children.py`: the identity keys, named ports, CUDA_VISIBLE_DEVICES), the
-job plan (`launch/placement.py`: each child's rank variables and role specifics; `runtime/plan.py
+job plan (`plan/placement.py`: each child's rank variables and role specifics; `runtime/plan.py
 child_environment`: backend, het group and size, transfer ranks, base GPU). Readers: `RankTopology.from_env`
 (`runtime/topology_env.py`), the role environment (`roles/env.py` `RoleEnv`, its device
 `runtime/child_device.py`), the probe, the rank map. Every other module uses these constants: a test

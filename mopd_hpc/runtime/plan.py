@@ -1,6 +1,6 @@
 """The job plan: every child of the job, where it runs and what it gets, decided before anything starts.
 
-`launch.placement.place_children(cfg)` lays a RunConfig out into a `JobPlan`: one `ChildSpec` per process a guard
+`plan.placement.place_children(cfg)` lays a RunConfig out into a `JobPlan`: one `ChildSpec` per process a guard
 will spawn: its role and index, its het group and node index *within the group* (hosts are not known
 before the allocation), its GPUs (ordinals into the node's GPUs, as strings; the guard maps them to the
 tokens it sees), its named ports (leased at start), its rank environment (MOPD_RANK, MOPD_WORLD_SIZE,
@@ -127,7 +127,11 @@ class ChildSpec:
 
     def compute_gpus(self, rollout_tp: int = 1) -> tuple[str, ...]:
         """The node GPU ordinals it computes on (a subset of `gpus`, which colocated children see whole): a
-        rollout engine's `rollout_tp` GPUs from its `device_index`, any other child's one device; () on CPU."""
+        rollout engine's `rollout_tp` GPUs from its `device_index`, any other child's one device; () on CPU.
+        `device_index` None is the first visible GPU (what the child does without MOPD_BASE_GPU_ID,
+        `runtime/child_device.py`). The one rule for a child's GPUs: the placement's GPU-sharing check, the
+        transfer ranks, the memory plan and the rank map all read it. A rollout engine given fewer than
+        `rollout_tp` GPUs from its device gets fewer (the transfer ranks refuse it)."""
         if not self.gpus:
             return ()
         base = self.device_index or 0
@@ -193,7 +197,7 @@ class GroupPlan:
 
 @dataclass(frozen=True, slots=True)
 class JobPlan:
-    """Every child of one job. Build with `launch.placement.place_children(cfg)` or `JobPlan.from_dict(...)`.
+    """Every child of one job. Build with `plan.placement.place_children(cfg)` or `JobPlan.from_dict(...)`.
 
     Attributes:
         name: the run's name.

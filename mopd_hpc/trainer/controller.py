@@ -11,7 +11,7 @@ Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; �
              (`trainer/rank_step.py`): only the rows of routes that weight a teacher go to it; with a KL
              penalty (c_rl > 0, β > 0) every rank's reference model scores its shard too, even when c_d = 0
     DRAIN    every rank's drain receipt gathered here; then the teachers may be released: on GPU the ones
-             the residency decision offloads (`offload_teachers`, `engines/residency_plan.py`) leave, the
+             the residency decision offloads (`offload_teachers`, `plan/residency_plan.py`) leave, the
              others stay resident; nothing to do on CPU
     TRAIN    one `train_step` of the engine on every rank's shard (the loss normalized over the whole step)
     SYNC     weights → rollout engines from this rank only: one copy per engine (`trainer/weight_sync.py`,

@@ -16,7 +16,7 @@ all), so no request is running (SGLang asserts an idle scheduler).
 
 When: `rollout.mode: colocated` with `rollout.backend: sglang` (`RolloutMemory.from_config`). The hf backend
 is not moved: it frees its KV cache and sampling buffers after each batch itself (`HFRolloutEngine.
-release_cache`) and keeps its weights, as the memory plan counts them (`engines/memory_plan.py`); a separated
+release_cache`) and keeps its weights, as the memory plan counts them (`plan/memory_plan.py`); a separated
 engine has its GPUs to itself. Otherwise every call here is a no-op.
 
 Errors: a server that refuses raises `RolloutServerError` (its status and message) and ends the step (the

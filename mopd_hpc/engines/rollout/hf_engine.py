@@ -521,7 +521,7 @@ class HFRolloutEngine:
         """Release the weights between phases: moved to host memory on GPU, or kept in place (a no-op) on CPU
         and with the compiled decoder, whose CUDA graphs hold the parameters' addresses (moving them back
         would give new ones, and a graph recording per weight sync; the memory plan counts the rollout
-        engine's weights as resident, `engines/memory_plan.py`). Either way generation is refused until
+        engine's weights as resident, `plan/memory_plan.py`). Either way generation is refused until
         `onload_weights`. Returns what was done."""
         with self.lock:
             self.weights_on_device = False

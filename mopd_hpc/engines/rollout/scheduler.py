@@ -13,7 +13,7 @@ Pause (`/pause_generation`, SGLang 0.5.23 semantics):
 `resume()` (`/continue_generation`) lets everything proceed.
 
 After each batch the engine's cached blocks go back to the device (`HFRolloutEngine.release_cache`): in a
-colocated job the KV cache is the rollout phase's only (engines/memory_plan.py).
+colocated job the KV cache is the rollout phase's only (plan/memory_plan.py).
 
 `exclusive()` holds new batches back and waits for the running one to finish, for operations that need
 an idle engine (memory release); it raises `EngineBusyError` when rows are paused in place.

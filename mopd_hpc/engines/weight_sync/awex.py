@@ -1,7 +1,7 @@
 """AWEX weight sync (awex 0.9.0): the job plan → AWEX configuration, and the 0.9.0 gaps handled explicitly.
 
 What AWEX needs (algo_awex.md §2, areal.md §4) and where it comes from here:
-- transfer ranks: `JobPlan` children carry them (runtime/layout.py; AWEX's numbering: rollout engine e,
+- transfer ranks: `JobPlan` children carry them (plan/transfer_ranks.py; AWEX's numbering: rollout engine e,
   rank j → e·(tp·pp) + j; trainer rank r → infer_world + r); `AwexJobConfig.from_plan` re-derives them
   with AWEX's formula and refuses a plan that disagrees;
 - the MetaServer address: the actor's rank 0 starts the MetaServer and writes `run_dir/awex_meta_server.json`

@@ -13,7 +13,7 @@ What every rank holds (HF canonical names, what AWEX's converters produce):
 
 The plan is the same in both AWEX modes: separate mode sends it over one NCCL group; colocate mode has each
 trainer rank's send plan executed by the rollout rank on its GPU (awex's NCCLWeightsReader, CUDA IPC), which
-needs the (host, device) bijection that `runtime/layout.py` checks.
+needs the (host, device) bijection that `plan/transfer_ranks.py` checks.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ any process of the node that sees the device); on CPU a file under /dev/shm mapp
 (`torch.from_file(shared=True)`). No pickle crosses the boundary: the handle is bytes (hex) and integers.
 The sender owns the memory (files are unlinked by `close`); the receiver keeps its mapping until the buffer
 id changes. Memory: the buffers stay allocated on the actor's device (one copy of the HF weights; the memory plan
-counts them: `engines/memory_plan.py` ipc_buffer_bytes).
+counts them: `plan/memory_plan.py` ipc_buffer_bytes).
 
 Tied weights are stored once: a name whose tensor is the same view of the same storage as an earlier name's
 (the torch engine's state_dict gives a tied `lm_head.weight` that is `model.embed_tokens.weight`) is an alias

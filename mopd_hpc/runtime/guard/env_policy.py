@@ -5,7 +5,7 @@ The guard runs only registered role modules, but an environment can make any pro
 `LD_PRELOAD` loads a library into every process, `PATH` decides what `gcc` or `nvidia-smi` is. A spawn
 override whose key is in `DENIED_KEYS` or starts with a prefix of `DENIED_PREFIXES` is refused (HTTP 403
 naming the key) before any port is leased or any process started. The job's own plan sets only `MOPD_*`
-keys (runtime/plan.py `child_environment`, launch/placement.py), so nothing it needs is refused; the guard's
+keys (runtime/plan.py `child_environment`, plan/placement.py), so nothing it needs is refused; the guard's
 own environment (inherited by every child, PYTHONPATH included) is not an override and is not filtered.
 
 Sources of the list:

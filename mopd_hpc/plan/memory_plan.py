@@ -13,7 +13,7 @@ Each child's holdings are either resident through the step, or held in one phase
   would hold them, in `teacher` (`engines/reference.py`: onloaded only while it scores);
 - teacher (scoring): its scoring buffers in `teacher` (released after each score), its weights in `teacher`
   too when it is offloaded between phases, resident when it stays (`resident_teachers`; which teachers stay
-  is `engines/residency_plan.py`'s decision from this plan); buffers: the rows the teacher role scores at a time
+  is `plan/residency_plan.py`'s decision from this plan); buffers: the rows the teacher role scores at a time
   (`TEACHER_ROWS`, fewer when their float32 logits exceed `SCORING_BUDGET_BYTES`), the logits
   the engine keeps for them (torch: response positions in the model dtype, plus a float32 log-softmax for
   top-k; megatron: every position's logits and a float32 log-softmax of the response positions);
@@ -282,7 +282,7 @@ def memory_plan(
     capacity_gib: float | None = None,
     resident_teachers: frozenset[str] = frozenset(),
 ) -> tuple[GpuMemory, ...]:
-    """Every GPU of `plan` (a `launch.placement.place_children(cfg)`) with its children's holdings
+    """Every GPU of `plan` (a `plan.placement.place_children(cfg)`) with its children's holdings
     (module docstring); () for a job without GPUs.
 
     Args:

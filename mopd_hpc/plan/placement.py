@@ -24,10 +24,11 @@ Rules (DESIGN.md §1, §4; config rules in `config/rules.py` already hold when t
 - **GPU visibility**: in `separated` mode a child sees only its own GPUs; in `colocated` mode every child
   sees all GPUs of its node and `device_index` says where it starts (AWEX's colocate reader pairs trainer
   and rollout ranks on the same device ordinal).
-- Transfer ranks come from `runtime.layout.assign_transfer_ranks` (dense, unique, GPU exclusivity of
-  actor and rollout); its colocated (host, device) pairing is checked for `weight_sync.backend: awex`
-  only (torch.distributed sync has no such need). Teachers are checked here: they share GPUs with the
-  actor (and in colocated mode with rollout) by design, never with another rank of the same teacher.
+- Transfer ranks come from `plan.transfer_ranks.assign_transfer_ranks`; its colocated (node, device) pairing
+  is checked for `weight_sync.backend: awex` only (torch.distributed sync has no such need).
+- No GPU is given to two children that run at the same time, checked here on the GPUs each child computes
+  on (`ChildSpec.compute_gpus`): teachers share GPUs with the actor (and in colocated mode every role with
+  the others) by design, never with another rank of the same teacher; children of one role never share.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from collections import Counter
 from typing import Any
 
 from mopd_hpc.config.parallel import ActorParallel, ParallelError, teacher_replicas
+from mopd_hpc.plan.transfer_ranks import LayoutError, assign_transfer_ranks
 from mopd_hpc.runtime import child_env
-from mopd_hpc.runtime.layout import ChildPlacement, LayoutError, RolloutLayout, assign_transfer_ranks
 from mopd_hpc.runtime.plan import ChildSpec, GroupPlan, JobPlan, PlanError
 
 #: Named ports per role (DESIGN.md §4: ports are named, never positional).
@@ -196,7 +197,7 @@ def place_children(cfg: Any) -> JobPlan:
             )
         )
     children = _with_transfer_ranks(children, count, tp, cfg.weight_sync.backend == "awex", rollout.mode)
-    _check_gpu_sharing(children, rollout.mode, tp)
+    check_gpu_sharing(children, rollout.mode, tp)
     children.sort(key=lambda c: (c.het_group, c.node_index, ROLE_ORDER[c.role], c.index))
     return JobPlan(
         name=cfg.name,
@@ -224,27 +225,12 @@ def _cpu_teachers(cfg: Any, teachers: Any, het_group: int, nodes: int) -> list[C
     return out
 
 
-def _placement(child: ChildSpec, with_gpus: bool) -> ChildPlacement:
-    device = child.device_index
-    if device is None and child.role == "actor" and child.gpus:
-        device = 0
-    return ChildPlacement(
-        role=child.role,
-        index=child.index,
-        host=f"group{child.het_group}-node{child.node_index}",
-        gpu_tokens=child.gpus if with_gpus else (),
-        local_device_index=device if with_gpus else None,
-    )
-
-
 def _with_transfer_ranks(
     children: list[ChildSpec], count: int, tp: int, awex: bool, mode: str
 ) -> list[ChildSpec]:
-    """Children with their AWEX transfer ranks; LayoutError becomes PlanError."""
-    pairs = mode == "separated" or awex
-    placements = [_placement(c, with_gpus=pairs) for c in children if c.role in ("actor", "rollout")]
+    """Children with their AWEX transfer ranks (`plan/transfer_ranks.py`); LayoutError becomes PlanError."""
     try:
-        layout = assign_transfer_ranks(placements, RolloutLayout(count, tp), mode if pairs else "separated")
+        layout = assign_transfer_ranks(children, count, tp, pair_colocated=awex and mode == "colocated")
     except LayoutError as exc:
         raise PlanError(f"job layout: {exc}") from None
     out = []
@@ -254,18 +240,13 @@ def _with_transfer_ranks(
     return out
 
 
-def _used(child: ChildSpec, tp: int) -> list[str]:
-    """GPU ordinals (of its node) a child computes on."""
-    return list(child.compute_gpus(tp))
-
-
-def _check_gpu_sharing(children: list[ChildSpec], mode: str, tp: int) -> None:
+def check_gpu_sharing(children: list[ChildSpec], mode: str, tp: int) -> None:
     """No GPU given to two children that run at the same time (DESIGN.md §4), teachers included: children
     of one role (one teacher id) never share; actor and teachers share by design; in colocated mode
     every role shares with the others."""
     owners: dict[tuple[int, int, str], list[ChildSpec]] = {}
     for child in children:
-        for gpu in _used(child, tp):
+        for gpu in child.compute_gpus(tp):
             key = (child.het_group, child.node_index, gpu)
             for other in owners.get(key, []):
                 same = other.role == child.role and (

@@ -1,5 +1,5 @@
 """Residency by need (issue 21 item 4): which teachers leave their GPU between phases, decided from the memory
-plan (`engines/memory_plan.py`) and the GPU's memory. A pure function: no torch, no device.
+plan (`plan/memory_plan.py`) and the GPU's memory. A pure function: no torch, no device.
 
 A teacher on a GPU is either resident (its weights stay through every phase of the step) or offloaded at the
 drain and onloaded when scoring starts (the controller's DRAIN and TEACHER phases). Its scoring buffers are
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mopd_hpc.engines.memory_plan import (
+from mopd_hpc.plan.memory_plan import (
     CUDA_CONTEXT_BYTES,
     GIB,
     PHASES,
