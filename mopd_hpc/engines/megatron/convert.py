@@ -123,7 +123,8 @@ class Qwen3Shape:
         for bias in ("attention_bias", "mlp_bias"):
             if get(bias, False):
                 raise ConversionError(f"{bias}=True: the converter maps bias-free linear layers only")
-        experts = int(get("num_experts", 0) or 0)
+        # transformers 5 writes config.json's `num_experts` as `num_local_experts`
+        experts = int(get("num_experts", 0) or get("num_local_experts", 0) or 0)
         moe_layers: tuple[int, ...] = ()
         if experts:
             step, dense = int(get("decoder_sparse_step", 1) or 1), set(get("mlp_only_layers", None) or ())
