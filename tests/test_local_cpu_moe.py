@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers_models import load_builder
-from test_controller import assert_metrics
+from test_controller import assert_metrics, micro_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,19 +36,10 @@ def micro_models(tmp_path_factory) -> Path:
 
 
 def test_local_cpu_moe_runs_two_steps_and_writes_its_evaluation(micro_models: Path, tmp_path: Path) -> None:
-    doc = yaml.safe_load((REPO / "configs" / "local_cpu_moe.yaml").read_text())
     run_dir = tmp_path / "run"
-    doc["run_dir"] = str(run_dir)
-    doc["models"]["actor"]["path"] = doc["models"]["tokenizer"]["path"] = str(micro_models / "student_moe")
-    for teacher, name in zip(
-        doc["models"]["teachers"], ("teacher_chain_sum", "teacher_leg_counting"), strict=True
-    ):
-        teacher["path"] = str(micro_models / name)
-    doc.update(steps=2, checkpoint_interval=2)
-    doc["data"]["batch_size"] = 8
-    doc["data"]["eval"]["size"] = 8
-    config = tmp_path / "moe.yaml"
-    config.write_text(yaml.safe_dump(doc))
+    config = micro_config(
+        micro_models, run_dir, tmp_path / "moe.yaml", "local_cpu_moe.yaml", "student_moe", steps=2
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
     proc = subprocess.run(
         [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
