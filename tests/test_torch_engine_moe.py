@@ -177,3 +177,20 @@ def test_replayed_experts_give_the_log_probs_of_a_forward_with_those_experts(moe
                 tokens, batch.behavior_logprobs, routed_experts=routed.repeat(1, 1, 2, 1)[:, :, :3]
             )
         )
+
+
+def test_a_moe_teacher_scores_the_log_probs_of_transformers_own_forward(moe: Path) -> None:
+    """A Qwen3-MoE teacher through the torch scoring engine: its log-probs are transformers' full forward's."""
+    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+
+    tokens = TokenBatch.from_samples(PROMPTS, OUTPUTS, pad_id=0)
+    scorer = TorchScoringEngine.from_pretrained(moe, dtype="float32", device="cpu")
+    ref = Qwen3MoeForCausalLM.from_pretrained(str(moe), dtype=torch.float32)
+    for b, (prompt, output) in enumerate(zip(PROMPTS, OUTPUTS, strict=True)):
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(input_ids=torch.tensor([prompt + output])).logits[0].double(), -1)
+        want = torch.tensor(
+            [float(logp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(output)], dtype=torch.float64
+        )
+        got = scorer.logprobs(tokens)[b, : len(output)].double()
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
