@@ -19,6 +19,10 @@ parameter is in one matmul, the tied embedding once, as the lm_head; attention's
   forward: the sampled estimator's labels path; `extra_forward` adds a separate log-prob forward, 2·P·tokens);
 - sync: one device copy of the weights, 2·W / HBM;
 - drain: 0 (its seconds are reported as they are; a ratio to 0 is left out).
+
+A mixture-of-experts shape (Qwen3-MoE) computes with its active parameters: P in every FLOP count above is
+the parameters one token uses (k of the E experts of each MoE layer, the router whole), while W (the sync)
+holds every expert and a decode step reads the experts its rows can reach, min(E, rows·k) per MoE layer.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ PHASES = ("rollout", "teacher", "drain", "train", "sync")
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """A dense Qwen3 shape (no biases; q/k norms), from its HF config.json."""
+    """A Qwen3 shape (no biases; q/k norms), dense or Qwen3-MoE (experts E, expert_intermediate f_e,
+    experts_per_token k, moe_layers of the layers), from its HF config.json."""
 
     layers: int
     hidden: int
@@ -49,6 +54,10 @@ class ModelShape:
     vocab: int
     tied: bool
     dtype_bytes: int = BF16_BYTES
+    experts: int = 0
+    expert_intermediate: int = 0
+    experts_per_token: int = 0
+    moe_layers: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
@@ -59,7 +68,19 @@ class ModelShape:
         if missing:
             raise ValueError(f"config.json lacks {missing}; expected a Qwen3 config with {list(keys)}")
         heads = int(cfg["num_attention_heads"])
+        moe = {}
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+        if experts:
+            layers, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step") or 1)
+            dense = set(cfg.get("mlp_only_layers") or ())
+            moe = {
+                "experts": int(experts),
+                "expert_intermediate": int(cfg["moe_intermediate_size"]),
+                "experts_per_token": int(cfg["num_experts_per_tok"]),
+                "moe_layers": sum(1 for n in range(layers) if n not in dense and (n + 1) % step == 0),
+            }
         return cls(
+            **moe,
             layers=int(cfg["num_hidden_layers"]),
             hidden=int(cfg["hidden_size"]),
             intermediate=int(cfg["intermediate_size"]),
@@ -72,18 +93,33 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        """Every parameter: per layer q, k, v, o, the q/k norms, two layer norms, the SwiGLU MLP; the
-        embedding (and an untied lm_head); the final norm."""
+        """Every parameter: per layer q, k, v, o, the q/k norms, two layer norms, the SwiGLU MLP (an MoE
+        layer: the router and every expert); the embedding (and an untied lm_head); the final norm."""
+        return self._params(self.experts)
+
+    def _params(self, experts: int) -> int:
         h, d = self.hidden, self.head_dim
         attention = h * self.heads * d * 2 + h * self.kv_heads * d * 2 + 2 * d
         layer = attention + 3 * h * self.intermediate + 2 * h
+        moe = attention + experts * 3 * h * self.expert_intermediate + self.experts * h + 2 * h
         embeddings = self.vocab * h * (1 if self.tied else 2)
-        return self.layers * layer + embeddings + h
+        return (self.layers - self.moe_layers) * layer + self.moe_layers * moe + embeddings + h
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with: k of the E experts per MoE layer (`params` when dense)."""
+        return self._params(self.experts_per_token)
 
     @property
     def matmul_params(self) -> int:
-        """Parameters in a matmul per token: all but an untied input embedding (a lookup)."""
-        return self.params - (0 if self.tied else self.vocab * self.hidden)
+        """Active parameters in a matmul per token (the FLOPs' P): all but an untied input embedding (a
+        lookup)."""
+        return self.active_params - (0 if self.tied else self.vocab * self.hidden)
+
+    def read_params(self, rows: int) -> int:
+        """Matmul parameters a decode step of `rows` rows reads: min(E, rows·k) experts per MoE layer."""
+        reached = min(self.experts, rows * self.experts_per_token)
+        return self._params(reached) - (0 if self.tied else self.vocab * self.hidden)
 
     @property
     def weight_bytes(self) -> int:
@@ -149,7 +185,7 @@ class StepTokens:
 
 def decode_floor_s(model: ModelShape, step: StepTokens, device: Device) -> float:
     """Σ over the decode steps of max(weights + KV cache read / HBM, 2·P·rows / peak)."""
-    weights = model.matmul_params * model.dtype_bytes  # an untied input embedding: a few rows looked up
+    weights = model.read_params(step.rows) * model.dtype_bytes  # an untied input embedding: a lookup
     read = weights + step.rows * step.mean_decode_context * model.kv_bytes_per_token
     compute = FORWARD_FLOPS_PER_PARAM * model.matmul_params * step.rows
     return step.new_tokens * max(device.read_s(read), device.compute_s(compute))

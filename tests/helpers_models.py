@@ -80,6 +80,31 @@ def save_micro_qwen3(
     return path
 
 
+#: The micro Qwen3-MoE's experts and experts per token (`save_micro_moe`).
+MOE_EXPERTS, MOE_TOP_K = 4, 2
+
+
+def save_micro_moe(path: Path, seed: int = 0, aux: float = 0.05, vocab_size: int = 32) -> Path:
+    """A 2-layer Qwen3MoeForCausalLM (hidden 32, 4 experts of f_e 16, top 2, router_aux_loss_coef `aux`)
+    saved as an HF checkpoint; the router weights drawn large (transformers initializes them to 0) so that
+    routing depends on the token. Seeded; no tokenizer."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, router_aux_loss_coef=aux, initializer_range=0.2, norm_topk_prob=True,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+    model.save_pretrained(str(path))
+    return path
+
+
 def save_micro_model_dir(path: Path, seed: int = 0) -> Path:
     """A micro Qwen3 checkpoint with the tiny models' character tokenizer: config.json, model.safetensors and
     the tokenizer files, as a child reads them (vocabulary of 45 tokens)."""

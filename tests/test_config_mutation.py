@@ -254,7 +254,7 @@ def _evaluation(cfg: RunConfig) -> str:
     /generate bodies it sends."""
     import tempfile
 
-    from mopd_hpc.launch.placement import place_children
+    from mopd_hpc.plan.placement import place_children
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.evaluator import RunEvaluator
 

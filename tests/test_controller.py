@@ -65,12 +65,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def micro_config(models: Path, run_dir: Path, path: Path, **changes: object) -> Path:
-    """configs/local_cpu.yaml on the micro models, small: `changes` are dotted keys (e.g. "loss.topk")."""
-    doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
+def micro_config(
+    models: Path,
+    run_dir: Path,
+    path: Path,
+    base: str = "local_cpu.yaml",
+    student: str = "student",
+    **changes: object,
+) -> Path:
+    """configs/`base` on the micro models (the actor: `student`), small: `changes` are dotted keys (e.g.
+    "loss.topk")."""
+    doc = yaml.safe_load((REPO / "configs" / base).read_text())
     doc["run_dir"] = str(run_dir)
-    doc["models"]["actor"]["path"] = str(models / "student")
-    doc["models"]["tokenizer"]["path"] = str(models / "student")
+    doc["models"]["actor"]["path"] = str(models / student)
+    doc["models"]["tokenizer"]["path"] = str(models / student)
     for teacher, name in zip(
         doc["models"]["teachers"], ("teacher_chain_sum", "teacher_leg_counting"), strict=True
     ):

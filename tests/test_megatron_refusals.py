@@ -79,7 +79,7 @@ def moe_checkpoint(tmp_path_factory) -> Path:
     return out
 
 
-def test_an_moe_checkpoint_is_refused_for_megatron_naming_the_architecture(moe_checkpoint: Path) -> None:
+def test_an_moe_checkpoint_is_refused_for_megatron_until_its_gpu_test_has_run(moe_checkpoint: Path) -> None:
     path = str(moe_checkpoint)
     overrides = [
         f"models.actor.path={path}",
@@ -91,9 +91,12 @@ def test_an_moe_checkpoint_is_refused_for_megatron_naming_the_architecture(moe_c
         prepare_models(cfg, str(CODER))
     text = str(err.value)
     assert "models.actor.path" in text and "models.teachers[0].path" in text
-    assert "is a Qwen3MoeForCausalLM (mixture of experts: its expert weights are not mapped)" in text
+    assert (
+        "the megatron engine maps Qwen3MoeForCausalLM checkpoints (engines/megatron/convert.py) but has not run "
+        "one on GPUs: tests/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU) has not run" in text
+    )
     assert "models.actor.engine: torch" in text and "models.teachers[0].engine: torch" in text
-    # the torch engine loads any transformers causal LM: no architecture refusal
+    # the torch engine loads a Qwen3-MoE checkpoint: no architecture refusal
     torch_cfg = load_run_config(
         CODER,
         [
@@ -104,3 +107,141 @@ def test_an_moe_checkpoint_is_refused_for_megatron_naming_the_architecture(moe_c
         ],
     )
     prepare_models(torch_cfg, str(CODER))
+
+
+@pytest.mark.parametrize(
+    ("architectures", "model_type", "torch_refused"),
+    [
+        (["LlamaForCausalLM"], "llama", None),
+        (None, "llama", None),  # no `architectures`: the class of its model_type
+        (["MistralForCausalLM"], "mistral", "MistralForCausalLM"),
+        (None, "gemma3", "model_type 'gemma3'"),
+    ],
+)
+def test_model_families_other_architectures_are_refused_naming_them(
+    moe_checkpoint: Path, tmp_path: Path, architectures, model_type, torch_refused
+) -> None:
+    """config/capabilities.py MODEL_FAMILIES: Llama loads on the torch engines and waits for its GPU test on
+    megatron; an architecture of no declared family is refused on either engine, named."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(moe_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = model_type
+    config.pop("architectures")
+    if architectures:
+        config["architectures"] = architectures
+    (ckpt / "config.json").write_text(json.dumps(config))
+    overrides = [
+        f"models.actor.path={ckpt}",
+        f"models.tokenizer.path={ckpt}",
+        f"models.teachers.0.path={ckpt}",
+    ]
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, overrides), str(CODER))
+    text = str(err.value)
+    shown = torch_refused or "LlamaForCausalLM"
+    assert f"is a {shown}" in text and "models.actor.path" in text and "models.teachers[0].path" in text
+    torch_cfg = load_run_config(
+        CODER,
+        [
+            *overrides,
+            "models.actor.engine=torch",
+            "models.teachers.0.engine=torch",
+            "weight_sync.backend=torch",
+        ],
+    )
+    if torch_refused is None:
+        prepare_models(torch_cfg, str(CODER))
+        return
+    with pytest.raises(ConfigError) as err:
+        prepare_models(torch_cfg, str(CODER))
+    text = str(err.value)
+    assert (
+        "the job's engines load Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM checkpoints only "
+        f"(config/capabilities.py MODEL_FAMILIES); {ckpt} is a {torch_refused}" in text
+    )
+
+
+def test_router_losses_are_refused_for_a_dense_actor(moe_checkpoint: Path) -> None:
+    """loss.router_* act on a mixture-of-experts actor's routers: for a dense one `--check` refuses them."""
+    dense = moe_checkpoint.parent / "micro" / "student"
+    torch_engines = [
+        "models.actor.engine=torch",
+        "models.teachers.0.engine=torch",
+        "weight_sync.backend=torch",
+    ]
+    for actor, refused in ((dense, True), (moe_checkpoint, False)):
+        overrides = [
+            f"models.actor.path={actor}",
+            f"models.tokenizer.path={actor}",
+            f"models.teachers.0.path={actor}",
+            "loss.router_z_loss_coefficient=0.01",
+            "loss.router_aux_loss_coefficient=0.001",
+            *torch_engines,
+        ]
+        cfg = load_run_config(CODER, overrides)
+        if not refused:
+            prepare_models(cfg, str(CODER))
+            continue
+        with pytest.raises(ConfigError) as err:
+            prepare_models(cfg, str(CODER))
+        text = str(err.value)
+        for field in ("loss.router_z_loss_coefficient", "loss.router_aux_loss_coefficient"):
+            assert f"{field}: the actor ({dense}) is a dense Qwen3ForCausalLM: it has no router" in text
+
+
+def test_moe_settings_the_engines_do_not_run_are_refused_naming_the_field() -> None:
+    """rollout.routing_replay (megatron actor, sglang rollout), the router losses (megatron) and expert_parallel
+    > 1 (naming the GPU test that has not run) through job_gaps: config/capabilities.py moe_refusals."""
+    cfg = load_run_config(
+        CODER,
+        [
+            "rollout.routing_replay=true",
+            "models.actor.expert_parallel=2",
+            "loss.router_z_loss_coefficient=0.01",
+            "rollout.backend=sglang",
+        ],
+    )
+    gaps = [p for p in job_gaps(cfg) if p.path in ("rollout.routing_replay", "models.actor.expert_parallel")]
+    gaps += [p for p in job_gaps(cfg) if p.path.startswith("loss.router")]
+    text = "\n".join(f"{p.path}: {p.message} ({p.expected})" for p in gaps)
+    assert (
+        "rollout.routing_replay: the megatron actor engine does not replay the rollout's routed experts"
+        in text
+    )
+    assert "rollout.routing_replay: the sglang rollout backend does not answer the routed experts" in text
+    assert (
+        "models.actor.expert_parallel: the actor role runs the megatron engine at expert_parallel ≤ 1: "
+        "expert_parallel 2 has not run on GPUs: tests/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs) "
+        "has not run" in text
+    )
+    assert "loss.router_z_loss_coefficient: the megatron actor engine adds no router loss" in text
+    assert "models.actor.engine: torch" in text
+    with pytest.raises(
+        ConfigError, match="rollout.compile_decode: rollout.routing_replay records the routed"
+    ):
+        load_run_config(CODER, ["rollout.routing_replay=true", "rollout.backend=hf"])
+
+
+def test_routing_replay_and_expert_parallel_are_refused_for_a_dense_actor(moe_checkpoint: Path) -> None:
+    dense = moe_checkpoint.parent / "micro" / "student"
+    overrides = [
+        f"models.actor.path={dense}",
+        f"models.tokenizer.path={dense}",
+        f"models.teachers.0.path={dense}",
+        "models.actor.engine=torch",
+        "models.teachers.0.engine=torch",
+        "weight_sync.backend=torch",
+        "rollout.routing_replay=true",
+        "models.actor.expert_parallel=2",
+    ]
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, overrides), str(CODER))
+    text = str(err.value)
+    assert (
+        f"rollout.routing_replay: the actor ({dense}) is a dense Qwen3ForCausalLM: it has no routed experts"
+        in text
+    )
+    assert f"models.actor.expert_parallel: the actor ({dense}) is a dense Qwen3ForCausalLM" in text

@@ -1,5 +1,6 @@
 """Weight sync over gloo: this test process is the trainer (rank 0) with a micro model of another seed;
-a real rollout server subprocess (rank 1) receives its weights. Oracle: the trainer model's own greedy
+a real rollout server subprocess (rank 1) receives its weights; a dense Qwen3 and a Qwen3-MoE (its fused
+experts and routers). Oracle: the trainer model's own greedy
 decode and log-probs; the server's outputs before the sync differ from them, after it they match.
 """
 
@@ -11,7 +12,7 @@ import socket
 import pytest
 import torch
 from helpers_auth import TOKEN
-from helpers_models import save_micro_qwen3
+from helpers_models import save_micro_moe, save_micro_qwen3
 from test_rollout_server import TOL, start_server, stop_server
 
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError
@@ -51,13 +52,14 @@ def matches(samples, model) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def models(tmp_path_factory, request):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("models")
-    served = save_micro_qwen3(root / "served", seed=0)
-    trainer_dir = save_micro_qwen3(root / "trainer", seed=1)
+    save = save_micro_qwen3 if request.param == "qwen3" else save_micro_moe
+    served = save(root / "served", seed=0)
+    trainer_dir = save(root / "trainer", seed=1)
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
     return served, trainer_dir, load(served), load(trainer_dir)
 

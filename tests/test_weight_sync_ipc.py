@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_auth import TOKEN
-from helpers_models import save_micro_qwen3
+from helpers_models import save_micro_moe, save_micro_qwen3
 from test_rollout_server import start_server, stop_server
 
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError
@@ -209,17 +209,22 @@ def test_three_syncs_arrive_bitwise_mapped_once(models, tmp_path, device):
         assert stop_server(proc) == 0
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", [True, False, "moe"])
 def test_the_torch_engine_syncs_tied_and_untied_bitwise(tmp_path, tied):
     """The torch actor engine's `named_weights()` (a tied head under both names) through one sync after a
     train-like change: the server's every parameter is bitwise the actor's, the buffer holds each storage once,
-    and in the tied case the server's head still is its embedding."""
+    and in the tied case the server's head still is its embedding; "moe": an untied Qwen3-MoE (its fused expert
+    tensors and routers)."""
     from mopd_hpc.config import LossConfig
     from mopd_hpc.config.models import OptimizerConfig
     from mopd_hpc.engines.torch_engine import TorchTrainEngine
 
-    served = save_micro_qwen3(tmp_path / "served", seed=0, tied=tied)
-    trainer_dir = save_micro_qwen3(tmp_path / "trainer", seed=1, tied=tied)
+    if tied == "moe":
+        served, trainer_dir = save_micro_moe(tmp_path / "served", 0), save_micro_moe(tmp_path / "trainer", 1)
+        tied = False
+    else:
+        served = save_micro_qwen3(tmp_path / "served", seed=0, tied=tied)
+        trainer_dir = save_micro_qwen3(tmp_path / "trainer", seed=1, tied=tied)
     actor = TorchTrainEngine.from_pretrained(
         trainer_dir, dtype="float32", device="cpu", optimizer=OptimizerConfig(lr=1e-3), loss=LossConfig()
     )

@@ -8,6 +8,8 @@ one character-level tokenizer (`mopd_hpc.data.tokenizer`):
     teacher_chain_sum     SFT on chain_sum ground truth (2-3 one-digit terms)
     teacher_leg_counting  SFT on leg_counting ground truth (1-2 animals, 1-5 of each)
     student               a smaller model, warmed up briefly on both answer formats
+    student_moe           the student as a mixture of experts (Qwen3-MoE: 4 experts, 2 per token), built
+                          only when named (`--only student_moe`: configs/local_cpu_moe.yaml)
 
 Sizes, learning rate and steps follow reference/tiny_calibration.md (teachers: hidden 128, 2 layers,
 ~531k parameters, AdamW 2e-3 with cosine decay, batch 128; student: hidden 64, ~134k parameters,
@@ -77,6 +79,8 @@ class ModelSpec:
         seed: seeds the weights (torch) and the training stream (reasoning-gym train split).
         eval_n: held-out prompts per task for the reported accuracy.
         min_accuracy: the accuracy (fraction) every task must reach; None = no target (student).
+        experts: 0 = a dense Qwen3; else a Qwen3-MoE of that many experts (FFN hidden each, 2 per token,
+            the router's load-balancing loss in its SFT at transformers' default coefficient).
     """
 
     name: str
@@ -91,6 +95,7 @@ class ModelSpec:
     seed: int
     eval_n: int
     min_accuracy: float | None
+    experts: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -105,6 +110,13 @@ REAL_SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("teacher_leg_counting", 128, 2, 4, ("leg_counting",), 800, 128, 2e-3, 20, 0, 1000, 0.95),
     ModelSpec("student", 64, 2, 4, ("chain_sum", "leg_counting"), 250, 128, 2e-3, 20, 0, 1000, None),
 )
+#: Built only when named (`--only`): not part of the default demo.
+EXTRA_SPECS: tuple[ModelSpec, ...] = (
+    ModelSpec("student_moe", 64, 2, 4, ("chain_sum", "leg_counting"), 250, 128, 2e-3, 20, 0, 1000, None, 4),
+)
+MICRO_EXTRA_SPECS: tuple[ModelSpec, ...] = (
+    ModelSpec("student_moe", 8, 1, 2, ("chain_sum", "leg_counting"), 4, 8, 1e-3, 1, 0, 16, None, 4),
+)
 MICRO_SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("teacher_chain_sum", 16, 1, 2, ("chain_sum",), 4, 8, 1e-3, 1, 0, 16, None),
     ModelSpec("teacher_leg_counting", 16, 1, 2, ("leg_counting",), 4, 8, 1e-3, 1, 0, 16, None),
@@ -113,10 +125,20 @@ MICRO_SPECS: tuple[ModelSpec, ...] = (
 
 
 def qwen3_config(spec: ModelSpec) -> Any:
-    """The `transformers.Qwen3Config` of a spec (vocab and special ids from the shared tokenizer)."""
-    from transformers import Qwen3Config
+    """The `transformers.Qwen3Config` of a spec (vocab and special ids from the shared tokenizer); a
+    `Qwen3MoeConfig` when the spec has experts."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    return Qwen3Config(
+    moe = {}
+    if spec.experts:
+        moe = {
+            "num_experts": spec.experts,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": spec.hidden_size,
+            "norm_topk_prob": True,
+        }
+    return (Qwen3MoeConfig if spec.experts else Qwen3Config)(
+        **moe,
         vocab_size=VOCAB_SIZE,
         hidden_size=spec.hidden_size,
         intermediate_size=4 * spec.hidden_size,
@@ -134,9 +156,12 @@ def qwen3_config(spec: ModelSpec) -> Any:
 
 def build_fingerprint(spec: ModelSpec, tokenizer_fp: str) -> str:
     """sha256 (hex) of the spec, its tasks' arguments, the tokenizer and BUILDER_VERSION."""
+    fields = dataclasses.asdict(spec)
+    if not spec.experts:  # a dense spec's fingerprint is the one it had before `experts` existed
+        fields.pop("experts")
     blob = {
         "builder_version": BUILDER_VERSION,
-        "spec": dataclasses.asdict(spec),
+        "spec": fields,
         "task_args": {task: TASK_ARGS[task] for task in spec.tasks},
         "tokenizer": tokenizer_fp,
     }
@@ -186,10 +211,10 @@ def train_model(spec: ModelSpec, tokenizer: Any, log_every: int = 0) -> Any:
     for a given spec and thread count: torch is seeded with `spec.seed` before the weights are made.
     """
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(qwen3_config(spec))
+    model = AutoModelForCausalLM.from_config(qwen3_config(spec))
     model.train()
     sources = [
         ReasoningGymSource.create(t, t, TASK_ARGS[t], seed=spec.seed, split="train") for t in spec.tasks
@@ -206,7 +231,9 @@ def train_model(spec: ModelSpec, tokenizer: Any, log_every: int = 0) -> Any:
     start = time.perf_counter()
     for step in range(spec.steps):
         input_ids, labels = sft_batch(sources, step, spec.batch_size, tokenizer)
-        loss = model(input_ids=input_ids, labels=labels).loss
+        # an MoE model: the router's load-balancing loss in the SFT loss (its router_aux_loss_coef)
+        extra = {"output_router_logits": True} if spec.experts else {}
+        loss = model(input_ids=input_ids, labels=labels, **extra).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -280,7 +307,8 @@ def build_all(
     out: Path, *, micro: bool = False, force: bool = False, log_every: int = 0, names: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """Build (or find cached) every model of the real or micro set; returns their build records."""
-    specs = [s for s in (MICRO_SPECS if micro else REAL_SPECS) if not names or s.name in names]
+    base, extra = (MICRO_SPECS, MICRO_EXTRA_SPECS) if micro else (REAL_SPECS, EXTRA_SPECS)
+    specs = [s for s in base if not names or s.name in names] + [s for s in extra if s.name in names]
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
     return [build_model(spec, out, tokenizer, force=force, log_every=log_every) for spec in specs]
@@ -313,7 +341,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads: expected an int >= 1 (got {args.threads})")
-    known = {s.name for s in REAL_SPECS}
+    known = {s.name for s in (*REAL_SPECS, *EXTRA_SPECS)}
     if unknown := sorted(set(args.only) - known):
         parser.error(f"--only: unknown model(s) {unknown} (known: {sorted(known)})")
     return args

@@ -53,6 +53,10 @@ class ActorEngineSpec:
         data_parallel_cpu, data_parallel_gpu: the largest data-parallel size on each device kind (None: any).
         untested: the GPU test that has not run beyond those sizes (named in the refusal; "" when the
             limit is the engine's own).
+        router_losses: it adds a mixture-of-experts actor's router losses (`loss.router_*`).
+        routing_replay: its forward replays the rollout's routed experts (`rollout.routing_replay`).
+        expert_parallel: the largest expert-parallel size it runs; expert_parallel_untested: the GPU test
+            that has not run beyond it ("" when the limit is the engine's own).
     """
 
     name: str
@@ -68,6 +72,10 @@ class ActorEngineSpec:
     data_parallel_cpu: int | None
     data_parallel_gpu: int | None
     untested: str = ""
+    router_losses: bool = False
+    routing_replay: bool = False
+    expert_parallel: int = 1
+    expert_parallel_untested: str = ""
 
     def data_parallel(self, device: str) -> int | None:
         return self.data_parallel_gpu if device == "gpu" else self.data_parallel_cpu
@@ -92,7 +100,9 @@ class RolloutBackendSpec:
     devices: tuple[str, ...]
     tensor_parallel: int | None  # GPUs per engine; None: any that fits a node
     package: str | None = None  # the Python package the role imports for it (checked where the job runs)
-    stand_in_only: bool = False  # tested with a stand-in for the package only: --check warns
+    #: rollout modes tested with a stand-in for the package only: --check warns for them
+    stand_in_modes: tuple[str, ...] = ()
+    routed_experts: bool = False  # answers each token's routed experts (rollout routing replay)
     #: The package's versions the role has run with, as pip's (lowest inclusive, highest exclusive); also
     #: pyproject's extra of the same name (tests/test_sglang_version.py checks the two agree).
     versions: tuple[str, str] | None = None
@@ -125,12 +135,56 @@ class WeightSyncSpec:
     untested: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFamilySpec:
+    """A checkpoint family the engines load (`MODEL_FAMILIES`).
+
+    Attributes:
+        architecture: config.json `architectures[0]` (the transformers causal-LM class).
+        model_type: config.json `model_type` (names the class when `architectures` is absent).
+        moe: a mixture of experts (a router and experts in its MLP layers): the router losses
+            (`loss.router_*`) and rollout routing replay (`rollout.routing_replay`) apply to it.
+        engines: the actor/teacher engines that load it.
+        untested: (engine, the GPU test that has not run) for an engine that maps the family but has not run
+            it on GPUs (named in the refusal).
+    """
+
+    architecture: str
+    model_type: str
+    moe: bool
+    engines: tuple[str, ...] = ("torch", "megatron")
+    untested: tuple[tuple[str, str], ...] = ()
+
+    def untested_by(self, engine: str) -> str:
+        """The GPU test that has not run `engine` with this family ('' when it has run)."""
+        return dict(self.untested).get(engine, "")
+
+
 # ---------------------------------------------------------------------------------------- the declarations
 
-#: The checkpoint architectures (config.json `architectures[0]`) the megatron engines load: the HF ⇄
-#: megatron converter (engines/megatron/convert.py) maps dense Qwen3 only; an MoE checkpoint
-#: (Qwen3MoeForCausalLM: Qwen3-Coder-30B-A3B, 480B-A35B) has expert weights it does not map.
-MEGATRON_ARCHITECTURES = ("Qwen3ForCausalLM",)
+#: The model families the job's engines load, by config.json `architectures[0]` (issue 33). The torch
+#: engines and the hf rollout load each with transformers' class; the megatron engines through the HF ⇄
+#: megatron converter (engines/megatron/convert.py), which maps all three: Llama and the MoE experts and
+#: router have not run through megatron on GPUs yet (`untested`).
+MODEL_FAMILIES: dict[str, ModelFamilySpec] = {
+    "Qwen3ForCausalLM": ModelFamilySpec("Qwen3ForCausalLM", "qwen3", moe=False),
+    # Qwen3-Coder-30B-A3B, Qwen3-30B-A3B, 235B-A22B: 128 experts, 8 routed per token
+    "Qwen3MoeForCausalLM": ModelFamilySpec(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        moe=True,
+        untested=(("megatron", "tests/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU)"),),
+    ),
+    # Llama 3.x (3.1/3.2/3.3: the llama3 RoPE scaling of its config.json)
+    "LlamaForCausalLM": ModelFamilySpec(
+        "LlamaForCausalLM",
+        "llama",
+        moe=False,
+        untested=(("megatron", "tests/test_megatron_llama_gpu.py (megatron Llama logits = HF's, 1 GPU)"),),
+    ),
+}
+#: The causal-LM class transformers picks for a config.json without `architectures`, by its model_type.
+MODEL_TYPE_ARCHITECTURES = {spec.model_type: name for name, spec in MODEL_FAMILIES.items()}
 
 ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
     "torch": ActorEngineSpec(
@@ -146,6 +200,9 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         pipeline_parallel=1,
         data_parallel_cpu=None,  # DDP over gloo (issue 16)
         data_parallel_gpu=1,  # DDP over NCCL has not run in the job yet
+        router_losses=True,  # engines/moe_routing.py
+        routing_replay=True,
+        expert_parallel=1,  # transformers' MoE blocks hold every expert on the rank
     ),
     "megatron": ActorEngineSpec(
         name="megatron",
@@ -163,6 +220,9 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         data_parallel_cpu=None,
         data_parallel_gpu=1,
         untested="tests/test_megatron_actor_group_gpu.py (2 GPUs)",
+        # megatron-core's MoELayer shards experts over an expert-parallel group; EP 1 holds them all
+        expert_parallel=1,
+        expert_parallel_untested="tests/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs)",
     ),
 }
 
@@ -173,18 +233,21 @@ TEACHER_ENGINES: dict[str, TeacherEngineSpec] = {
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
     # transformers generate on one device: an engine of tensor_parallel > 1 would use one of its GPUs
-    "hf": RolloutBackendSpec("hf", runs_in_job=True, devices=("cpu", "gpu"), tensor_parallel=1),
-    # roles/rollout_sglang.py: an in-process sglang.Engine, tensor parallel inside the engine. Written against
-    # SGLang 0.5.17's source (it pins torch 2.11.0, the GPU machines' torch; 0.5.23 pins torch 2.14.1); CI runs
-    # a stand-in for sglang.Engine; the one-GPU colocated path (ipc weight sync, memory release/resume) is
-    # the one being verified on the GPU with SGLang 0.5.17 itself (issue 34): until then --check warns
+    "hf": RolloutBackendSpec(
+        "hf", runs_in_job=True, devices=("cpu", "gpu"), tensor_parallel=1, routed_experts=True
+    ),
+    # roles/rollout_sglang.py: an in-process sglang.Engine, tensor parallel inside the engine, SGLang 0.5.17 (it
+    # pins torch 2.11.0, the GPU machines' torch; 0.5.23 pins torch 2.14.1). CI runs a stand-in for
+    # sglang.Engine; the one-GPU colocated path (ipc weight sync, memory release/resume) ran on an H100 with
+    # SGLang 0.5.17 itself (tests/test_sglang_ipc_gpu.py, benchmarks/results/gpu_step_roles.json); separated
+    # engines on GPUs of their own have run with the stand-in only (2 GPUs): --check warns for that mode
     "sglang": RolloutBackendSpec(
         "sglang",
         runs_in_job=True,
         devices=("gpu",),
         tensor_parallel=None,
         package="sglang",
-        stand_in_only=True,
+        stand_in_modes=("separated",),
         versions=("0.5.17", "0.5.18"),
     ),
 }
@@ -576,3 +639,92 @@ def weight_sync_refusals(
                 but=backend,
             ),
         )
+
+
+def model_family_refusals(field: str, engine: str | None, architecture: str, where: str) -> list[Problem]:
+    """What the job does not load of the checkpoint at `field` (`models.actor.path`, `models.teachers[i].path`)
+    read by `engine` (None: the rollout's, transformers): an `architecture` (config.json `architectures[0]`)
+    of no declared family, or one `engine` has not run on GPUs; `where` names the directory."""
+    spec = MODEL_FAMILIES.get(architecture)
+    names = " / ".join(MODEL_FAMILIES)
+    engine_field = field.removesuffix(".path") + ".engine"
+    if spec is None or (engine is not None and engine not in spec.engines):
+        return [
+            Problem(
+                field,
+                f"the job's engines load {names} checkpoints only (config/capabilities.py MODEL_FAMILIES); "
+                f"{where} is a {architecture}",
+                architecture,
+                f"a checkpoint of {names}",
+            )
+        ]
+    untested = spec.untested_by(engine) if engine is not None else ""
+    if not untested:
+        return []
+    ways = [f"{engine_field}: {e}" for e in spec.engines if e != engine and not spec.untested_by(e)]
+    return [
+        Problem(
+            field,
+            f"the {engine} engine maps {architecture} checkpoints (engines/megatron/convert.py) but has not run "
+            f"one on GPUs: {untested} has not run; {where} is a {architecture}",
+            architecture,
+            ", or ".join(ways) or "another engine",
+        )
+    ]
+
+
+def moe_refusals(
+    engine: str, rollout_backend: str, loss: Any, routing_replay: bool, expert_parallel: int
+) -> list[Problem]:
+    """The mixture-of-experts settings the actor engine `engine` and the rollout `rollout_backend` do not run:
+    the router losses, rollout routing replay, an expert-parallel size above the declared one (naming the GPU
+    test that has not run). Whether the actor has routers at all is the model check's (launch/model_check.py)."""
+    spec, out = ACTOR_ENGINES[engine], []
+    aux = loss.router_aux_loss_coefficient
+    if not spec.router_losses and ((aux or 0.0) > 0 or loss.router_z_loss_coefficient > 0):
+        field = "router_aux_loss_coefficient" if (aux or 0.0) > 0 else "router_z_loss_coefficient"
+        out.append(
+            Problem(
+                f"loss.{field}",
+                f"the {engine} actor engine adds no router loss (its MoE layers' own aux loss is off)",
+                getattr(loss, field),
+                "0" + _others(ACTOR_ENGINES, "models.actor.engine", lambda s: s.router_losses, but=engine),
+            )
+        )
+    if routing_replay and not spec.routing_replay:
+        out.append(
+            Problem(
+                "rollout.routing_replay",
+                f"the {engine} actor engine does not replay the rollout's routed experts",
+                True,
+                "false"
+                + _others(ACTOR_ENGINES, "models.actor.engine", lambda s: s.routing_replay, but=engine),
+            )
+        )
+    if routing_replay and not ROLLOUT_BACKENDS[rollout_backend].routed_experts:
+        out.append(
+            Problem(
+                "rollout.routing_replay",
+                f"the {rollout_backend} rollout backend does not answer the routed experts of its tokens",
+                True,
+                "false"
+                + _others(
+                    ROLLOUT_BACKENDS, "rollout.backend", lambda s: s.routed_experts, but=rollout_backend
+                ),
+            )
+        )
+    if expert_parallel > spec.expert_parallel:
+        why = (
+            f"expert_parallel {expert_parallel} has not run on GPUs: {spec.expert_parallel_untested} has not run"
+            if spec.expert_parallel_untested
+            else f"the {engine} engine holds every expert on each rank"
+        )
+        out.append(
+            Problem(
+                "models.actor.expert_parallel",
+                f"the actor role runs the {engine} engine at expert_parallel ≤ {spec.expert_parallel}: {why}",
+                expert_parallel,
+                f"expected ≤ {spec.expert_parallel}",
+            )
+        )
+    return out

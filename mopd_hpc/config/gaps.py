@@ -18,6 +18,7 @@ from mopd_hpc.config.capabilities import (
     ROLLOUT_BACKENDS,
     actor_refusals,
     loss_refusals,
+    moe_refusals,
     rollout_refusals,
     teacher_refusals,
     version_refusals,
@@ -54,7 +55,10 @@ def job_gaps(cfg: Any) -> list[Problem]:
     out += weight_sync_refusals(
         cfg.weight_sync.backend, actor.engine, cfg.rollout.backend, cfg.rollout.mode, device, world.size
     )
-    return out + loss_refusals(actor.engine, cfg.loss)
+    out += loss_refusals(actor.engine, cfg.loss)
+    return out + moe_refusals(
+        actor.engine, cfg.rollout.backend, cfg.loss, cfg.rollout.routing_replay, actor.expert_parallel
+    )
 
 
 def installed_version(package: str) -> str | None:

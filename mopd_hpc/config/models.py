@@ -49,6 +49,12 @@ class ActorConfig(Section):
     engine: Engine = Field("torch", description="'torch' (transformers, CPU/GPU) or 'megatron' (GPU only).")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size, in GPUs (within one node).")
     pipeline_parallel: int = Field(1, ge=1, description="Pipeline-parallel size, in stages (megatron only).")
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel size of a mixture-of-experts actor, in GPUs (the experts sharded over "
+        "them); 1 = every expert on each rank. > 1 has not run and is refused.",
+    )
     collective_timeout_s: float = Field(
         600.0,
         gt=0,

@@ -133,6 +133,19 @@ def refusal_rows() -> list[Row]:
                     f"`pip install '{spec.package}{spec.version_range}'`, or backend `hf`",
                 )
             )
+    rows += _lacking(
+        actor, lambda s: s.router_losses, "loss.router_aux_loss_coefficient / router_z_loss_coefficient",
+        "> 0 with engine {names}", "0, or engine `torch`",
+    )  # fmt: skip
+    rows += _lacking(
+        actor, lambda s: s.routing_replay, "rollout.routing_replay", "true with engine {names}", "false"
+    )
+    rows += _lacking(
+        ROLLOUT_BACKENDS, lambda s: s.routed_experts, "rollout.routing_replay", "true with backend {names}",
+        "false, or backend `hf`",
+    )  # fmt: skip
+    for limit, names in _limits(actor, "expert_parallel"):
+        rows.append(("models.actor.expert_parallel", f"> {limit} with engine {_names(names)}", f"≤ {limit}"))
     for name, spec in WEIGHT_SYNCS.items():
         for what, table, supported in (
             ("models.actor.engine", actor, spec.actor_engines),

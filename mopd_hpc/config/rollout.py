@@ -62,6 +62,14 @@ class RolloutConfig(Section):
         "the engine's whole share, ⌈batch_size / engines.count⌉ × samples_per_prompt. --check names the largest "
         "that fits the GPU when the memory plan does not.",
     )
+    routing_replay: StrictBool = Field(
+        False,
+        description="Rollout routing replay (R3) for a mixture-of-experts actor: the rollout engines record the "
+        "experts each response token was routed to in every MoE layer, and the actor's forward routes each "
+        "token to them (the gate weights from its current router, differentiable), so that π_θ and μ use "
+        "the same experts. hf backend (its loop decoder, eager: compile_decode false on a GPU rollout group) "
+        "and torch actor only; a dense actor is refused at --check.",
+    )
     forked: StrictBool = Field(
         True,
         description="Rollout engines run as children forked by the node's guard, so that a rollout crash or "

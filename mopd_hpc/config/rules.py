@@ -295,6 +295,22 @@ def _kl_needs_rl(c: Any) -> Iterator[Problem]:
         )
 
 
+@rule("rollout", "cluster")
+def _replay_uncompiled(c: Any) -> Iterator[Problem]:
+    """Rollout routing replay records the experts in the hf engine's eager loop decoder: the compiled decode
+    step (compile_decode, on a GPU rollout group) would not run, so asking for both is refused."""
+    rollout = c.rollout
+    gpu = c.cluster.rollout_group.gpus_per_node > 0
+    if rollout.routing_replay and rollout.compile_decode and rollout.backend == "hf" and gpu:
+        yield Problem(
+            "rollout.compile_decode",
+            "rollout.routing_replay records the routed experts in the hf engine's eager loop decoder: the "
+            "compiled decode step would not run",
+            True,
+            "compile_decode: false with routing_replay: true",
+        )
+
+
 @rule("loss", "data")
 def _grpo_group(c: Any) -> Iterator[Problem]:
     uses_rewards = c.loss.rl_coefficient > 0 or c.loss.orm_alpha > 0
@@ -351,17 +367,17 @@ def config_warnings(cfg: Any) -> list[str]:
     first, as "not run by the job's roles yet: ..."."""
     out = [f"not run by the job's roles yet: {gap.render()}" for gap in job_gaps(cfg)]
     backend = ROLLOUT_BACKENDS[cfg.rollout.backend]
-    if backend.stand_in_only:
+    if cfg.rollout.mode in backend.stand_in_modes:
         where = (
             "this machine" if cfg.cluster.backend == "local" else "the rollout nodes (not checked from here)"
         )
         out.append(
             Problem(
                 "rollout.backend",
-                f"the {backend.name} backend has been tested with a stand-in for its engine only, not yet "
-                f"with {backend.package}{backend.version_range} itself (its one-GPU colocated path, ipc weight "
-                f"sync and memory release, is being verified on a GPU: issue 34); {backend.package} must "
-                f"import on {where}",
+                f"the {backend.name} backend has been tested with a stand-in for its engine only in rollout "
+                f"mode {cfg.rollout.mode}, not yet with {backend.package}{backend.version_range} itself (that "
+                f"needs 2 GPUs; the one-GPU colocated mode has run with it); {backend.package} must import on "
+                f"{where}",
                 backend.name,
             ).render()
         )

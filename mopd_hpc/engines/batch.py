@@ -265,6 +265,9 @@ class TrainBatch:
         orm_advantages: [B] float32 A_ORM (e.g. `grpo_advantages` of the rewards) for the GRPO term or
             the advantage-level composition.
         ref_logprobs: [B, T] float32 reference-model log-probs (GRPO KL penalty only).
+        routed_experts: [B, T, M, k] integer expert ids the rollout's router selected for each response token
+            in each of the M MoE layers (at the position that predicts it; −1: not recorded), for rollout
+            routing replay (`engines/moe_routing.py`).
     """
 
     tokens: TokenBatch
@@ -274,6 +277,7 @@ class TrainBatch:
     teacher_weights: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
     orm_advantages: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def create(
@@ -286,12 +290,14 @@ class TrainBatch:
         teacher_weights: Mapping[str, torch.Tensor] | None = None,
         orm_advantages: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> TrainBatch:
         """Validate shapes against `tokens` and freeze the mappings.
 
         Raises:
             BatchError: a [B, T] tensor of another shape, a top-k of another [B, T], a weight not [B], a
-                top-k teacher without a weight, or behavior_logprobs that requires grad.
+                top-k teacher without a weight, behavior_logprobs that requires grad, or routed_experts
+                not an integer [B, T, M, k].
         """
         bt = (tokens.batch_size, tokens.response_width)
         _check_shape("behavior_logprobs", behavior_logprobs, bt)
@@ -304,6 +310,15 @@ class TrainBatch:
             _check_shape("ref_logprobs", ref_logprobs, bt)
         if orm_advantages is not None:
             _check_shape("orm_advantages", orm_advantages, bt[:1])
+        if routed_experts is not None and (
+            routed_experts.dim() != 4
+            or tuple(routed_experts.shape[:2]) != bt
+            or routed_experts.is_floating_point()
+        ):
+            raise BatchError(
+                f"routed_experts is {routed_experts.dtype} {list(routed_experts.shape)}; expected integer "
+                f"[{bt[0]}, {bt[1]}, M, k]"
+            )
         topk = dict(teacher_topk or {})
         weights = dict(teacher_weights or {})
         for tid, top in topk.items():
@@ -324,6 +339,7 @@ class TrainBatch:
             MappingProxyType(weights),
             orm_advantages,
             ref_logprobs,
+            routed_experts,
         )
 
     @property
@@ -349,6 +365,7 @@ class TrainBatch:
             MappingProxyType({k: fn(v) for k, v in self.teacher_weights.items()}),
             opt(self.orm_advantages),
             opt(self.ref_logprobs),
+            opt(self.routed_experts),
         )
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -393,6 +410,7 @@ class TrainBatch:
             MappingProxyType({k: v[index] for k, v in self.teacher_weights.items()}),
             opt(self.orm_advantages),
             opt(self.ref_logprobs),
+            opt(self.routed_experts),
         )
 
     def stand_in(self) -> TrainBatch:

@@ -30,6 +30,12 @@ positions only, `ResponseLogits`); megatron's labels path runs over every positi
 vocab-parallel cross entropy's float32 softmax 4·V/t, and the logits' gradient V·b — 6·V for bf16 at t = 1,
 0.9 MB per position at V = 151,936, what made the 64 × 4 × 256 step of issue 21 run out of memory.
 
+A mixture-of-experts shape (Qwen3-MoE: E experts of width f_e, k routed per token, in its MoE layers) holds
+every expert: P counts all E experts' weights and the routers [E, h] (so do the gradients and the optimizer
+state, at expert-parallel size 1); an MoE layer's activations per position replace the SwiGLU's 4f by what its
+k routed experts keep, 4·k·f_e, plus the router's logits (b) and its float32 softmax (4), E each
+(`ModelShape.active_params` is what one token computes with: k experts of each MoE layer).
+
 These are estimates of the largest terms (not the allocator's fragmentation, CUDA context, or kernels'
 workspaces); `ACTIVATION_MARGIN[engine]` multiplies the activations and loss terms to cover them. Megatron's
 is calibrated on an H200 (benchmarks/results/gpu_memory.json, configs/local_gpu_colocated.yaml, random
@@ -60,7 +66,9 @@ class MemoryModelError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The sizes of a dense decoder (Qwen3/Llama-like) that memory depends on. Build with `from_hf_config`."""
+    """The sizes of a decoder (Qwen3/Llama-like, or Qwen3-MoE) that memory depends on. Build with
+    `from_hf_config`. experts (E, 0 = dense), expert_intermediate (f_e), experts_per_token (k), moe_layers
+    (how many layers are MoE layers; the others are dense of width `intermediate`)."""
 
     layers: int
     hidden: int
@@ -70,12 +78,19 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool
+    experts: int = 0
+    expert_intermediate: int = 0
+    experts_per_token: int = 0
+    moe_layers: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
         """From a config.json dict (`num_hidden_layers`, `hidden_size`, `num_attention_heads`,
         `num_key_value_heads` (default: heads), `head_dim` (default hidden/heads), `intermediate_size`,
-        `vocab_size`, `tie_word_embeddings` (default False)).
+        `vocab_size`, `tie_word_embeddings` (default False); a Qwen3-MoE's `num_experts` (transformers 5
+        writes `num_local_experts`),
+        `moe_intermediate_size`, `num_experts_per_tok`, and its MoE layers by `decoder_sparse_step` and
+        `mlp_only_layers` as transformers' `Qwen3MoeDecoderLayer` picks them).
 
         Raises:
             MemoryModelError: a required key is missing or not a positive int.
@@ -89,8 +104,25 @@ class ModelShape:
 
         heads = need("num_attention_heads")
         hidden = need("hidden_size")
+        layers = need("num_hidden_layers")
+        moe: dict[str, int] = {}
+        experts = config.get("num_experts") or config.get(
+            "num_local_experts"
+        )  # transformers 5 writes the latter
+        if experts:
+            step, dense = (
+                int(config.get("decoder_sparse_step") or 1),
+                set(config.get("mlp_only_layers") or ()),
+            )
+            moe = {
+                "experts": int(experts),
+                "expert_intermediate": need("moe_intermediate_size"),
+                "experts_per_token": need("num_experts_per_tok"),
+                "moe_layers": sum(1 for n in range(layers) if n not in dense and (n + 1) % step == 0),
+            }
         return cls(
-            layers=need("num_hidden_layers"),
+            **moe,
+            layers=layers,
             hidden=hidden,
             heads=heads,
             kv_heads=int(config.get("num_key_value_heads") or heads),
@@ -103,11 +135,22 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Parameters: embeddings (+ an untied LM head), per layer q/k/v/o, q/k norms, two norms and the
-        SwiGLU MLP, the final norm."""
+        SwiGLU MLP (an MoE layer: its router and all E experts), the final norm."""
+        return self._params(self.experts)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with: `params` with k of the E experts of each MoE layer (the
+        router whole); `params` for a dense shape."""
+        return self._params(self.experts_per_token)
+
+    def _params(self, experts: int) -> int:
         h, d = self.hidden, self.head_dim
         attn = h * self.heads * d * 2 + h * self.kv_heads * d * 2 + 2 * d
-        layer = attn + 3 * h * self.intermediate + 2 * h
-        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
+        dense = attn + 3 * h * self.intermediate + 2 * h
+        moe = attn + experts * 3 * h * self.expert_intermediate + self.experts * h + 2 * h
+        layers = (self.layers - self.moe_layers) * dense + self.moe_layers * moe
+        return self.vocab * h * (1 if self.tied else 2) + layers + h
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -117,11 +160,21 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def layer_activation_bytes(shape: ModelShape, dtype: str) -> int:
-    """Bytes one decoder layer keeps per position for its backward (module docstring's formula)."""
+def layer_activation_bytes(shape: ModelShape, dtype: str, moe: bool = False) -> int:
+    """Bytes one decoder layer keeps per position for its backward (module docstring's formula); `moe`: an
+    MoE layer of the shape (its k routed experts' 4·k·f_e and the router's E·(b + 4) for the SwiGLU's 4f)."""
     b = dtype_bytes(dtype)
     h, d, q, g, f = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads, shape.intermediate
-    return b * (4 * h + 3 * (q + g) * d + 4 * f) + 4 * (2 * h + 2 + (q + g) * d + 2 * q + g)
+    mlp = 4 * f * b
+    if moe:
+        mlp = 4 * shape.experts_per_token * shape.expert_intermediate * b + shape.experts * (b + 4)
+    return b * (4 * h + 3 * (q + g) * d) + mlp + 4 * (2 * h + 2 + (q + g) * d + 2 * q + g)
+
+
+def layers_activation_bytes(shape: ModelShape, dtype: str) -> int:
+    """Bytes every decoder layer keeps per position: the dense layers' and the MoE layers'."""
+    dense = (shape.layers - shape.moe_layers) * layer_activation_bytes(shape, dtype)
+    return dense + shape.moe_layers * layer_activation_bytes(shape, dtype, moe=True)
 
 
 def activation_bytes_per_position(shape: ModelShape, dtype: str, checkpointing: bool = False) -> int:
@@ -130,10 +183,12 @@ def activation_bytes_per_position(shape: ModelShape, dtype: str, checkpointing: 
     docstring)."""
     b, h = dtype_bytes(dtype), shape.hidden
     extra = 4 * h + 4 + b * h + 8 + 2 * shape.head_dim * b
-    layer = layer_activation_bytes(shape, dtype)
-    if checkpointing:
+    if checkpointing:  # one layer recomputed at a time: the largest
+        layer = layer_activation_bytes(shape, dtype)
+        if shape.moe_layers:
+            layer = max(layer, layer_activation_bytes(shape, dtype, moe=True))
         return shape.layers * h * b + layer + extra
-    return shape.layers * layer + extra
+    return layers_activation_bytes(shape, dtype) + extra
 
 
 def loss_bytes_per_position(shape: ModelShape, dtype: str, engine: str, tensor_parallel: int = 1) -> int:

@@ -16,6 +16,13 @@ The train step (DESIGN.md §3; the loss section is bound once, at construction):
 
 A step whose gradient norm is not finite is skipped (no parameter changes; `step_skipped` = 1).
 
+A mixture-of-experts actor (Qwen3-MoE; `engines/moe_routing.py`) adds its router losses to L:
+L += c_lb·L_lb + c_z·L_z over every position of the rows (c_lb `loss.router_aux_loss_coefficient`, default the
+model config's `router_aux_loss_coef`; c_z `loss.router_z_loss_coefficient`), each micro-batch's terms
+weighted by its share of the step's response tokens (Megatron-LM computes them per micro-batch too); with
+`routed_experts` in the batch (rollout routing replay) the forward routes each response position to the
+recorded experts (`RouterHooks`).
+
 Micro-batches (`MicroBatching`, `engines/micro_batch.py`): the shard's rows run in micro-batches of at most
 `micro_batch_tokens` positions each (rows × their padded length), one forward and backward each, the
 gradients accumulated before the one clip and AdamW step; every micro-batch's loss is its per-token sum over
@@ -78,6 +85,7 @@ from mopd_hpc.engines.micro_batch import (
     split_rows,
     step_budget,
 )
+from mopd_hpc.engines.moe_routing import RouterHooks, load_balancing_loss, z_loss
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.residency import Residency
 from mopd_hpc.engines.span_clock import SpanClock
@@ -159,10 +167,32 @@ class TorchTrainEngine:
         self.scheduler = lr_scheduler(self.optimizer, optimizer, total_steps)
         self.residency = Residency(model, device, self.optimizer)
         self.steps = 0
+        self._router_losses(model, loss)
         #: The shape and dtype the default CUDA micro-batch budget is estimated from (None: not a shape the
         #: estimate reads; the whole shard then runs in one micro-batch).
         self.shape = memory_shape(model)
         self.dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def _router_losses(self, model: torch.nn.Module, loss: LossConfig) -> None:
+        """The router hooks and the router losses' coefficients (module docstring).
+
+        Raises:
+            EngineError: a router loss > 0 for a dense model (it has no router).
+        """
+        #: The forward hooks of the MoE routers (none for a dense model).
+        self.routing = RouterHooks(model)
+        aux, z = loss.router_aux_loss_coefficient, loss.router_z_loss_coefficient
+        if not self.routing.moe and ((aux or 0.0) > 0 or z > 0):
+            raise EngineError(
+                f"loss.router_aux_loss_coefficient={aux}, loss.router_z_loss_coefficient={z}: the actor "
+                f"{self.path} is a dense model (no router); expected null and 0"
+            )
+        config = model.config
+        #: c_lb, c_z of the router losses (0 for a dense model) and the router's top k.
+        self.router_aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if aux is None else aux
+        self.router_aux = self.router_aux if self.routing.moe else 0.0
+        self.router_z = z
+        self.router_top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
 
     @classmethod
     def from_pretrained(
@@ -237,18 +267,22 @@ class TorchTrainEngine:
             return TeacherTopK.from_logits(self.forward.response_logits(batch.to(self.device)), k)
 
     def compute_loss(
-        self, batch: TrainBatch, denominator: torch.Tensor | None = None
+        self, batch: TrainBatch, denominator: torch.Tensor | None = None, share: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The bound loss of `batch` (already on the device, B ≥ 1), the [B, T] float32 log π_θ(y_t) it was
         computed from (carrying the gradient), and the terms' statistics. `denominator`: None normalizes
         over `batch`; else the whole step's count (`mopd.normalize.normalize`), for a data-parallel shard.
-        At size > 1 the forward runs through DDP: every rank must then run its backward.
+        `share`: the weight of the router losses (this micro-batch's share of the step's response tokens).
+        At size > 1 the forward runs through DDP: every rank must then run its backward. With routing
+        replay the routers replay until `self.routing.end()` (after the backward).
 
         Raises:
             EngineError: the batch lacks what a positive coefficient's term reads.
         """
         tokens = batch.tokens
+        self.routing.start(self._replay(batch))
         logits = self.forward.response_logits(tokens, self.train_module)
+        router_logits = self.routing.stop_capture()
         logprobs = self.forward.token_logprobs(logits, tokens)
         student = (lambda ids: token_logprobs(logits, ids)) if self.objective.uses_topk else None
         try:
@@ -266,7 +300,36 @@ class TorchTrainEngine:
             )
         except ObjectiveError as err:
             raise EngineError(str(err)) from None
+        if self.router_aux > 0 or self.router_z > 0:
+            lb = load_balancing_loss(router_logits, self.router_top_k, tokens.attention_mask)
+            lz = z_loss(router_logits, tokens.attention_mask)
+            loss = loss + share * (self.router_aux * lb + self.router_z * lz)
+            stats = {**stats, "router/load_balancing_loss": lb.detach(), "router/z_loss": lz.detach()}
         return loss, logprobs, stats
+
+    def _replay(self, batch: TrainBatch) -> torch.Tensor | None:
+        """[B, L, M, k] expert ids to replay at every position of `batch` (−1: the router's own choice), from
+        its `routed_experts` [B, T, M, k] recorded at the positions that predict each response token
+        (`logit_positions`); None without a recording.
+
+        Raises:
+            EngineError: a recording for a dense model, or of another layer count M or top k than the model's.
+        """
+        recorded = batch.routed_experts
+        if recorded is None:
+            return None
+        layers, k = len(self.routing.routers), self.router_top_k
+        if tuple(recorded.shape[2:]) != (layers, k):
+            raise EngineError(
+                f"routed_experts records {recorded.shape[2]} MoE layers × {recorded.shape[3]} experts per token; "
+                f"the actor {self.path} has {layers} MoE layers routing to {k} experts"
+            )
+        tokens = batch.tokens
+        mask = tokens.response_mask
+        replay = torch.full((*tokens.input_ids.shape, layers, k), -1, dtype=torch.int64, device=mask.device)
+        rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+        replay[rows[mask], tokens.logit_positions[mask]] = recorded.to(mask.device)[mask].long()
+        return replay
 
     def train_step(
         self,
@@ -314,10 +377,12 @@ class TorchTrainEngine:
             last = i == len(parts) - 1
             sync = self.train_module.no_sync() if dp.distributed and not last else contextlib.nullcontext()
             rows = batch.stand_in() if part is None else part.batch
+            share = float(rows.tokens.response_mask.sum()) / max(tokens, 1.0)
             with sync:
-                loss, logprobs, stats = self.compute_loss(rows, denominator)
+                loss, logprobs, stats = self.compute_loss(rows, denominator, share)
                 # DDP averages the ranks' gradients: backward on size·L_r makes the synced gradient ∇L.
                 (loss * dp.size if dp.distributed else loss).backward()
+            self.routing.end()
             combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
             if part is not None:
                 width = logprobs.shape[1]

@@ -24,7 +24,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -40,7 +40,7 @@ from mopd_hpc.trainer.progress import Progress
 #: The tiny-model builder of this repository (tools/ is not a package).
 BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_tiny_models.py"
 #: Model directories the builder makes.
-BUILT_NAMES = ("teacher_chain_sum", "teacher_leg_counting", "student")
+BUILT_NAMES = ("teacher_chain_sum", "teacher_leg_counting", "student", "student_moe")
 
 
 class LocalSetupError(RuntimeError):
@@ -64,18 +64,27 @@ def awaits_build(cfg: RunConfig, path: Path) -> bool:
 def missing_builder_dirs(cfg: RunConfig) -> list[Path]:
     """Parent directories in which builder-made models of `cfg` are missing or unfinished (`awaits_build`;
     deduplicated, in order); none for a GPU config (`builds_tiny_models`)."""
+    return list(missing_builder_models(cfg))
+
+
+def missing_builder_models(cfg: RunConfig) -> dict[Path, list[str]]:
+    """Parent directory → the names of the builder-made models of `cfg` missing or unfinished in it."""
     paths = [cfg.models.actor.path, cfg.models.tokenizer.path, *(t.path for t in cfg.models.teachers)]
-    out: list[Path] = []
+    out: dict[Path, list[str]] = {}
     for raw in paths:
         path = Path(raw)
-        if awaits_build(cfg, path) and path.parent not in out:
-            out.append(path.parent)
+        if awaits_build(cfg, path) and path.name not in out.get(path.parent, []):
+            out.setdefault(path.parent, []).append(path.name)
     return out
 
 
-def build_tiny_models(out_dir: Path, python: str, out: TextIO, threads: int = 2) -> None:
-    """Run the builder into `out_dir`. Raises LocalSetupError when it fails."""
+def build_tiny_models(
+    out_dir: Path, python: str, out: TextIO, threads: int = 2, names: Sequence[str] = ()
+) -> None:
+    """Run the builder into `out_dir` (`names`: only these models; none: the default three). Raises
+    LocalSetupError when it fails."""
     argv = [python, str(BUILDER), "--out", str(out_dir), "--threads", str(threads)]
+    argv += [arg for name in names for arg in ("--only", name)]
     print(
         f"[local] building the tiny models into {out_dir} (first use; cached afterwards)",
         file=out,
@@ -145,8 +154,8 @@ def prepare_local_run(
     cfg = RunConfig.from_yaml(path)
     base = {"MOPD_SUBMIT_DIR": os.getcwd(), **{k: v for k, v in environ.items() if k == "MOPD_SUBMIT_DIR"}}
     cfg = with_absolute_paths(cfg, base)
-    for directory in missing_builder_dirs(cfg):
-        build_tiny_models(directory, python, out)
+    for directory, names in missing_builder_models(cfg).items():
+        build_tiny_models(directory, python, out, names=names)
     atomic_write_text(path, cfg.to_yaml())
     return LocalProgress(run_dir, cfg.steps, out)
 

@@ -9,10 +9,10 @@
    `ExecutionPlan.teachers`) are checked (launch/model_files.py): a truncated tokenizer, a garbage
    config.json, a truncated safetensors file is refused naming the field and the file;
 3. when the files are sound, the compatibility rule the actor applies at start (mopd/compatibility.py: every
-   scored teacher shares the actor's tokenizer, the teachers one architecture) is applied here, and a
-   megatron actor or teacher must be an architecture the megatron converter maps (dense Qwen3,
-   `config.capabilities.MEGATRON_ARCHITECTURES`: an MoE checkpoint is refused naming its architecture), and a
-   source with `template: chat` needs a tokenizer that holds a chat template.
+   scored teacher shares the actor's tokenizer, the teachers one architecture) is applied here, every
+   actor and teacher checkpoint must be of a model family its engine has run
+   (`config.capabilities.MODEL_FAMILIES`: dense Qwen3, Qwen3-MoE, Llama; another is refused naming its
+   architecture), and a source with `template: chat` needs a tokenizer that holds a chat template.
 
 A directory that does not exist here is not this module's: launch/paths.py warns of it (a Slurm submit; the
 path may exist on the cluster alone) or refuses it (a local run). A path not read by this job (a declared
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.capabilities import MEGATRON_ARCHITECTURES
+from mopd_hpc.config.capabilities import MODEL_FAMILIES, MODEL_TYPE_ARCHITECTURES, model_family_refusals
 from mopd_hpc.config.problems import Problem
 from mopd_hpc.launch.hub_cache import (
     HubNotCachedError,
@@ -37,9 +37,6 @@ from mopd_hpc.launch.hub_cache import (
     is_local_directory,
 )
 from mopd_hpc.launch.model_files import directory_problems
-
-#: The causal-LM class transformers picks for a config.json without `architectures`, by its model_type.
-MODEL_TYPE_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,33 +178,72 @@ def _engine(cfg: RunConfig, field: str) -> str | None:
     return None
 
 
-def architecture_problems(cfg: RunConfig, here: dict[str, Path]) -> list[Problem]:
-    """A megatron actor or teacher whose checkpoint (config.json `architectures[0]`, read here) is not one the
-    megatron converter maps (`config.capabilities.MEGATRON_ARCHITECTURES`: dense Qwen3), naming the
-    architecture. An unreadable config.json is `directory_problems`' to report."""
+def read_architecture(directory: Path) -> str | None:
+    """config.json `architectures[0]` of the checkpoint `directory`; without
+    `architectures` the class transformers picks for its model_type (`MODEL_TYPE_ARCHITECTURES`), or
+    "model_type '<t>'". None when config.json is unreadable (`directory_problems`' to report)."""
     import json
 
+    try:
+        hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        archs, model_type = hf.get("architectures"), hf.get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    arch = archs[0] if archs else MODEL_TYPE_ARCHITECTURES.get(model_type, f"model_type {model_type!r}")
+    return str(arch)
+
+
+def architecture_problems(cfg: RunConfig, here: dict[str, Path]) -> list[Problem]:
+    """Each actor or teacher checkpoint (config.json `architectures[0]`, read here) of no declared model family,
+    or of one its engine has not run (`config.capabilities.model_family_refusals`), naming the architecture.
+    An unreadable config.json is `directory_problems`' to report."""
     out = []
     for field, directory in here.items():
-        if _engine(cfg, field) != "megatron":
+        if field == "models.tokenizer.path":
             continue
-        try:
-            hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-            archs, model_type = hf.get("architectures"), hf.get("model_type")
-        except (OSError, ValueError, AttributeError):
-            continue
-        # without `architectures`, transformers resolves the class from model_type: the same here
-        arch = archs[0] if archs else MODEL_TYPE_ARCHITECTURES.get(model_type, f"model_type {model_type!r}")
-        if arch not in MEGATRON_ARCHITECTURES:
-            engine_field = field.removesuffix(".path") + ".engine"
+        arch = read_architecture(directory)
+        if arch is not None:
+            out += model_family_refusals(field, _engine(cfg, field), arch, str(directory))
+        if arch in MODEL_FAMILIES and field == "models.actor.path" and not MODEL_FAMILIES[arch].moe:
+            out += dense_actor_problems(cfg, arch)
+    return out
+
+
+def dense_actor_problems(cfg: RunConfig, arch: str) -> list[Problem]:
+    """The settings that act on a mixture-of-experts actor's routers, set for a dense actor of `arch`."""
+    out = []
+    loss = cfg.loss
+    for name, value, off in (
+        ("router_aux_loss_coefficient", loss.router_aux_loss_coefficient or 0.0, "null or 0"),
+        ("router_z_loss_coefficient", loss.router_z_loss_coefficient, "0"),
+    ):
+        if value > 0:
             out.append(
                 Problem(
-                    field,
-                    f"the megatron engine ({engine_field}) loads {', '.join(MEGATRON_ARCHITECTURES)} checkpoints "
-                    f"only (the HF ⇄ megatron converter maps dense Qwen3); {directory} is a {arch}"
-                    + (" (mixture of experts: its expert weights are not mapped)" if "Moe" in arch else ""),
-                    arch,
-                    f"a dense Qwen3 checkpoint, or {engine_field}: torch",
+                    f"loss.{name}",
+                    f"the actor ({cfg.models.actor.path}) is a dense {arch}: it has no router to apply a "
+                    "router loss to",
+                    value,
+                    f"{off}, or a mixture-of-experts actor",
+                )
+            )
+    if cfg.rollout.routing_replay:
+        out.append(
+            Problem(
+                "rollout.routing_replay",
+                f"the actor ({cfg.models.actor.path}) is a dense {arch}: it has no routed experts to replay",
+                True,
+                "false, or a mixture-of-experts actor",
+            )
+        )
+    for name in ("expert_parallel",):
+        if getattr(cfg.models.actor, name) > 1:
+            out.append(
+                Problem(
+                    f"models.actor.{name}",
+                    f"the actor ({cfg.models.actor.path}) is a dense {arch}: it has no experts to shard",
+                    getattr(cfg.models.actor, name),
+                    "1",
                 )
             )
     return out

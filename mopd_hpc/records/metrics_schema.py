@@ -11,8 +11,10 @@ readers that do not know them):
 | `mopd/reverse_kl` | per-token reverse KL(π_θ ‖ Σ_j w_j π_j), averaged over response tokens (nats) |
 | `mopd/rho_mean` | mean importance ratio ρ_t after truncation/masking |
 | `mopd/ratio_capped_frac`, `mopd/ratio_masked_frac` | fraction of tokens whose ratio was capped / masked, in [0, 1] |
+| `mopd/logprob_mismatch` | the train/inference mismatch: mean over response tokens of abs(log π_θ(y_t) − log μ(y_t)) with the policy before the step's update (nats; its effect with and without rollout routing replay, `rollout.routing_replay`) |
 | `mopd/teacher_student_gap` | mean of S − W·log π_θ(y_t) over response tokens (nats) |
 | `mopd/teacher_refused_tokens` (optional) | (row, position, teacher) entries of the step whose teacher log-prob was −inf (a refusal), taken as log(float32 tiny) ≈ −87.34 in S (mopd/targets.py); present when teachers score |
+| `router/load_balancing_loss`, `router/z_loss` (optional) | a mixture-of-experts actor with a router loss (`loss.router_aux_loss_coefficient` or its model's default > 0, or `loss.router_z_loss_coefficient` > 0): the Switch Transformer load-balancing loss (E·Σ_i f_i·P_i, 1 when balanced) and the ST-MoE z-loss (mean logsumexp² of the router logits) of the step's forward, token-weighted means over its micro-batches, before their coefficients (`engines/moe_routing.py`) |
 | `reward/<route>`, `accuracy/<route>` | mean reward / accuracy of the step's rollouts of one route |
 | `eval/pass@1/<route>`, `eval/mean@k/<route>` (optional) | held-out evaluation of the student on the rollout engines with the weights of this step, fractions in [0, 1]: greedy pass@1, and the mean accuracy of k = data.eval.samples sampled completions per prompt (present when k > 0); only on the lines of the evaluation steps (every data.eval.interval steps and the last, when the interval is set; `trainer/evaluator.py`) |
 | `perf/tokens_per_s` | trained tokens per second of wall time |
@@ -48,6 +50,8 @@ MOPD_KEYS = (
     "mopd/ratio_masked_frac",
     "mopd/teacher_student_gap",
 )
+#: The router losses of a mixture-of-experts actor (present when one is computed).
+ROUTER_KEYS = ("router/load_balancing_loss", "router/z_loss")
 TOKENS_PER_S_KEY = "perf/tokens_per_s"
 #: Per-route families: `<prefix><route>`.
 REWARD_PREFIX = "reward/"

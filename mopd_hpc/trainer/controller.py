@@ -276,6 +276,7 @@ class Controller:
                 rollouts.behavior_logprobs,
                 orm_advantages(rollouts.rewards, self.plan, n),
                 self.pad_id,
+                rollouts.routed_experts,
             )
             timings["rollout"] = time.perf_counter() - t0
             if self.plan.scores_before_train:  # teachers, or the reference model (`engines/reference.py`)

@@ -40,7 +40,7 @@ from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB
 from mopd_hpc.trainer.actor_group import Group, Receipts
 from mopd_hpc.trainer.shards import Shard, shard_rows
-from mopd_hpc.trainer.step import RATIO_KEYS, ratio_means, ratio_sums, shard_batch
+from mopd_hpc.trainer.step import MISMATCH_KEY, RATIO_KEYS, ratio_means, ratio_sums, shard_batch
 from mopd_hpc.trainer.step_record import ControlRecord
 from mopd_hpc.trainer.teacher_phase import TeacherScores, score_teachers
 from mopd_hpc.trainer.tp_share import share_scores
@@ -188,12 +188,12 @@ class ShardStep:
         in that all-reduce)."""
         batch = shard_batch(record, shard, scores, ref_logprobs)
         seen: dict[str, Any] = {}
-        observe = None
-        if self.plan.estimator == "topk" and self.plan.requires_teacher_scoring:
-            # ρ statistics from the train step's own log π_θ (no second forward pass)
-            def observe(logprobs: torch.Tensor) -> dict[str, float]:
-                seen["sums"] = ratio_sums(logprobs, batch, self.loss)
-                return {}
+        topk = self.plan.estimator == "topk" and self.plan.requires_teacher_scoring
+
+        # ρ statistics (topk) and |log π_θ − log μ| from the train step's own log π_θ (no second forward pass)
+        def observe(logprobs: torch.Tensor) -> dict[str, float]:
+            seen["sums"] = ratio_sums(logprobs, batch, self.loss)
+            return {}
 
         stats = dict(self.engine.train_step(batch, observe=observe))
         self.group.forget_read_records()  # the gradient all-reduce: every rank has read this record
@@ -201,7 +201,8 @@ class ShardStep:
             (stats[REFUSED_KEY],) = self.group.all_reduce_sum([scores.targets.refused_tokens])
         if "sums" in seen:
             sums = seen["sums"]
-            keys = [k for k in RATIO_KEYS if k in sums]
+            # the sampled estimator's loss reports its own ρ statistics: the mismatch only is added
+            keys = [k for k in RATIO_KEYS if k in sums and (topk or k == MISMATCH_KEY)]
             flat = self.group.all_reduce_sum([x for k in keys for x in sums[k]])
             stats |= ratio_means({k: (flat[2 * i], flat[2 * i + 1]) for i, k in enumerate(keys)})
         return stats

@@ -49,6 +49,8 @@ class Rollouts:
         rewards: [B] float32 rewards; `correct`: [B] bool (reward exactly 1).
         completions: decoded responses (special tokens skipped).
         weight_versions: the weight version each row was sampled with.
+        routed_experts: [B, T, M, k] int16 expert ids each response token was routed to in the rollout (−1
+            at padding), or None without rollout routing replay.
     """
 
     draws: tuple[RoutedSample, ...]
@@ -60,6 +62,7 @@ class Rollouts:
     correct: torch.Tensor
     completions: tuple[str, ...]
     weight_versions: tuple[str, ...]
+    routed_experts: torch.Tensor | None = None
 
     @property
     def routes(self) -> tuple[str, ...]:
@@ -110,12 +113,14 @@ async def generate(
     sampling: SamplingConfig,
     n: int,
     seeds: Sequence[int],
+    routing_replay: bool = False,
     *,
     stop_token_ids: Sequence[int] = (),
     return_logprob: bool = True,
 ) -> list[GeneratedSample]:
     """Sample n responses per prompt, prompts split over the engines in contiguous blocks (order kept);
-    `stop_token_ids` end a response besides the engine's own EOS ids (the evaluation's: the tokenizer's EOS)."""
+    `stop_token_ids` end a response besides the engine's own EOS ids (the evaluation's: the tokenizer's EOS);
+    `routing_replay`: each sample with its routed experts (`return_routed_experts`)."""
     calls = []
     for client, block in zip(clients, engine_blocks(len(prompt_ids), len(clients)), strict=True):
         if not block:
@@ -136,6 +141,8 @@ async def generate(
             "sampling_params": params,
             "return_logprob": return_logprob,
         }
+        if routing_replay:
+            body["return_routed_experts"] = True
         calls.append(_generate_block(client, body, [prompt_ids[i] for i in block], n))
     samples: list[GeneratedSample] = []
     for part in await asyncio.gather(*calls):
@@ -197,8 +204,10 @@ async def collect_rollouts(
     seed: int,
     step: int,
     pad_id: int,
+    routing_replay: bool = False,
 ) -> Rollouts:
-    """The ROLLOUT phase of `step` (module docstring).
+    """The ROLLOUT phase of `step` (module docstring); `routing_replay`: with the routed experts of every
+    response token (`Rollouts.routed_experts`).
 
     Raises:
         RolloutPhaseError: a prompt too long, a response without behavior log-probs, a non-finite μ
@@ -209,7 +218,7 @@ async def collect_rollouts(
         raise RolloutPhaseError("no rollout engine to sample from")
     prompt_ids = encode_prompts(tokenizer, draws, max_prompt_tokens)
     seeds = [sampling_seed(seed, step, i) for i in range(len(draws))]
-    samples = await generate(clients, prompt_ids, sampling, samples_per_prompt, seeds)
+    samples = await generate(clients, prompt_ids, sampling, samples_per_prompt, seeds, routing_replay)
     n = samples_per_prompt
     row_draws = tuple(draws[k // n] for k in range(len(samples)))
     for k, s in enumerate(samples):
@@ -241,7 +250,31 @@ async def collect_rollouts(
         correct=torch.tensor([is_correct(r) for r in rewards], dtype=torch.bool),
         completions=completions,
         weight_versions=tuple(s.weight_version for s in samples),
+        routed_experts=padded_routes(samples, tokens.response_width) if routing_replay else None,
     )
+
+
+def padded_routes(samples: Sequence[GeneratedSample], width: int) -> torch.Tensor:
+    """[B, width, M, k] int16 of the samples' routed experts, −1 at padding.
+
+    Raises:
+        RolloutPhaseError: a sample without one [M, k] entry per token (the engine did not record them).
+    """
+    shapes = {
+        tuple(s.routed_experts.shape[1:]) for s in samples if s.routed_experts is not None and s.output_ids
+    }
+    for k, s in enumerate(samples):
+        if s.routed_experts is None or len(s.routed_experts) != len(s.output_ids) or len(shapes) > 1:
+            raise RolloutPhaseError(
+                f"response {k} has {len(s.output_ids)} tokens but routed experts "
+                f"{None if s.routed_experts is None else list(s.routed_experts.shape)}; expected one [M, k] "
+                "entry per token of one shape (rollout.routing_replay: the engine must answer return_routed_experts)"
+            )
+    m, top = shapes.pop() if shapes else (0, 0)
+    out = torch.full((len(samples), width, m, top), -1, dtype=torch.int16)
+    for b, s in enumerate(samples):
+        out[b, : len(s.output_ids)] = s.routed_experts
+    return out
 
 
 async def step_rollouts(
@@ -262,4 +295,5 @@ async def step_rollouts(
         seed=cfg.seed,
         step=step,
         pad_id=pad_id,
+        routing_replay=cfg.rollout.routing_replay,
     )

@@ -24,7 +24,12 @@ from mopd_hpc.engines.batch import TrainBatch
 from mopd_hpc.mopd.grpo import grpo_advantages
 from mopd_hpc.mopd.loss import importance_weights
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY, TRAIN_PREPARE_KEY
+from mopd_hpc.records.metrics_schema import (
+    ROUTER_KEYS,
+    TRAIN_FORWARD_BACKWARD_KEY,
+    TRAIN_OPTIMIZER_KEY,
+    TRAIN_PREPARE_KEY,
+)
 from mopd_hpc.trainer.rollout_phase import Rollouts
 from mopd_hpc.trainer.shards import Shard
 from mopd_hpc.trainer.step_record import ControlRecord
@@ -48,12 +53,14 @@ def shard_batch(
 ) -> TrainBatch:
     """The `TrainBatch` of rows [shard.start, shard.stop) of a step record: tokens and μ of those rows (as the
     rollout gave them), S and W, the teachers' top-k and per-row weights (topk estimator) from `scores` (the
-    shard's own), the shard's slice of the step's A_ORM (computed over every row by rank 0), and the
-    reference model's [b, T] log-probs of the shard's rows (KL penalty only; None otherwise)."""
+    shard's own), the shard's slice of the step's A_ORM (computed over every row by rank 0), the
+    reference model's [b, T] log-probs of the shard's rows (KL penalty only; None otherwise), and the
+    rollout's routed experts of those rows (rollout routing replay only)."""
     tokens = record.tokens(shard.start, shard.stop)
     return TrainBatch.create(
         tokens,
         record.behavior(tokens, shard.start, shard.stop),
+        routed_experts=record.routed_experts(tokens, shard.start, shard.stop),
         targets=scores.targets if scores is not None else None,
         teacher_topk=scores.topk if scores is not None else None,
         teacher_weights=scores.weights if scores is not None and scores.topk else None,
@@ -69,16 +76,25 @@ def orm_advantages(
     return grpo_advantages(rewards, samples_per_prompt) if plan.requires_reward else None
 
 
+#: The train/inference mismatch: mean |log π_θ(y_t) − log μ(y_t)| over response tokens (nats).
+MISMATCH_KEY = "mopd/logprob_mismatch"
 #: `ratio_sums` keys → the metric each (sum, count) pair gives.
-RATIO_KEYS = ("mopd/rho_mean", "mopd/ratio_capped_frac", "mopd/ratio_masked_frac", "mopd/teacher_student_gap")
+RATIO_KEYS = (
+    "mopd/rho_mean",
+    "mopd/ratio_capped_frac",
+    "mopd/ratio_masked_frac",
+    "mopd/teacher_student_gap",
+    MISMATCH_KEY,
+)
 
 
 def ratio_sums(
     student_logprobs: torch.Tensor, batch: TrainBatch, loss: LossConfig
 ) -> dict[str, tuple[float, float]]:
-    """(sum, count) over response tokens of ρ, capped, masked under `loss.correction` (r_t = π_θ(y_t)/μ(y_t))
-    and of the gap S/W − log π_θ(y_t) (tokens with W > 0): summed over the data-parallel ranks, then divided
-    (`ratio_means`), they are the whole step's `mopd/*` statistics."""
+    """(sum, count) over response tokens of ρ, capped, masked under `loss.correction` (r_t = π_θ(y_t)/μ(y_t)),
+    of |log π_θ(y_t) − log μ(y_t)| (`MISMATCH_KEY`) and of the gap S/W − log π_θ(y_t) (tokens with W > 0):
+    summed over the data-parallel ranks, then divided (`ratio_means`), they are the whole step's `mopd/*`
+    statistics."""
     mask = batch.tokens.response_mask.cpu()
     lp = torch.where(mask, student_logprobs.float().cpu(), 0.0)
     mu = torch.where(mask, batch.behavior_logprobs.float().cpu(), 0.0)
@@ -92,6 +108,7 @@ def ratio_sums(
         "mopd/rho_mean": (total(rho, mask), count),
         "mopd/ratio_capped_frac": (total(capped, mask), count),
         "mopd/ratio_masked_frac": (total(dropped, mask), count),
+        MISMATCH_KEY: (total((lp - mu).abs(), mask), count),
     }
     if batch.targets is not None:
         s, w = batch.targets.logp_sum.cpu(), batch.targets.weight_sum.cpu()
@@ -158,6 +175,11 @@ def step_metrics(
     values["train/prompt_tokens"] = float(sum(rollouts.starts))  # the rows' prompts (each sample's copy)
     if "mopd/teacher_refused_tokens" in stats:  # −inf teacher log-probs taken as the floor (mopd/targets.py)
         values["mopd/teacher_refused_tokens"] = stats["mopd/teacher_refused_tokens"]
+    if MISMATCH_KEY in stats:
+        values[MISMATCH_KEY] = stats[MISMATCH_KEY]
+    for key in ROUTER_KEYS:  # a mixture-of-experts actor with a router loss (engines/moe_routing.py)
+        if key in stats:
+            values[key] = stats[key]
     if loss.estimator == "topk" and "topk/teacher_mass" in stats:
         values["topk/teacher_mass"] = stats["topk/teacher_mass"]
     return values

@@ -8,7 +8,8 @@ Kinds (`ControlRecord.kind`):
             each row's route, the behavior log-probs μ of every response token (as the rollout engine gave
             them: kept immutable up to the loss, DESIGN.md §3), the GRPO advantages A_ORM of the whole step
             (group normalization needs every row, so rank 0 computes them; absent when no loss term reads
-            them) and the pad id
+            them), the pad id, and with rollout routing replay the experts each response token was routed
+            to in the rollout (every MoE layer's k ids)
     stop    the run ends: `step` = steps done, `reason` "finished" or "checkpoint_signal"
     weights rank 0 is about to gather the actor's HF weights over its TP group (`reason` "sync", "evaluate"
             or "export"; only sent when the engine's `gathers_over_tp`): the other ranks of that TP group
@@ -20,7 +21,8 @@ Kinds (`ControlRecord.kind`):
 Wire format (DESIGN.md §7: tensors as raw bytes with a header, never JSON lists of floats): one frame of
 engines/wire.py (byte for byte a safetensors file) with the tensors `tokens` int32 (every row concatenated),
 `row_lengths` int32 [B], `starts` int32 [B], `mu` float32 (every response token, rows concatenated), `orm`
-float32 [B] (when present), and `meta` {"kind", "step", "reason", "routes", "pad_id"}.
+float32 [B] (when present), `experts` int16 [N, M, k] (N response tokens, rows concatenated; when present),
+and `meta` {"kind", "step", "reason", "routes", "pad_id"}.
 
 `from_bytes(to_bytes(r)) == r` bit for bit (tested). A step record of B rows × L tokens is about
 4·(B·L + B·T) bytes: 256 rows of 2,048 tokens is ~3 MB; the teachers' top-k is never in it (each DP rank
@@ -32,7 +34,7 @@ Shape legend: B rows, T response positions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +60,8 @@ class ControlRecord:
         rows: prompt + response token ids of each row. starts: index in row b where its response begins.
         routes: each row's route. mu: each row's behavior log-probs (float32 values), one per response token.
         orm: [B] A_ORM as float32 values, or None. pad_id: the padding token id.
+        experts: [N, M, k] int16 routed expert ids of every response token (rows concatenated, N = Σ
+            response lengths), or None (no routing replay); not part of `==` (a tensor).
     """
 
     kind: str
@@ -69,6 +73,7 @@ class ControlRecord:
     mu: tuple[tuple[float, ...], ...] = ()
     orm: tuple[float, ...] | None = None
     pad_id: int = 0
+    experts: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -89,6 +94,13 @@ class ControlRecord:
             )
         if self.orm is not None and len(self.orm) != b:
             raise RecordError(f"step {self.step}: {len(self.orm)} ORM advantages for {b} rows")
+        if self.experts is not None and (
+            self.experts.dim() != 3 or self.experts.shape[0] != sum(len(m) for m in self.mu)
+        ):
+            raise RecordError(
+                f"step {self.step}: experts {list(self.experts.shape)} for {sum(len(m) for m in self.mu)} "
+                "response tokens; expected [N, M, k]"
+            )
         for i, (row, start, mu) in enumerate(zip(self.rows, self.starts, self.mu, strict=True)):
             if len(mu) != len(row) - start:
                 raise RecordError(
@@ -124,11 +136,16 @@ class ControlRecord:
         behavior_logprobs: torch.Tensor,
         orm: torch.Tensor | None,
         pad_id: int,
+        routed_experts: torch.Tensor | None = None,
     ) -> ControlRecord:
         """A step record from rank 0's rollouts: behavior_logprobs [B, T] float32 (padding dropped),
-        orm [B] float32 or None."""
+        orm [B] float32 or None, routed_experts [B, T, M, k] integer or None (padding dropped)."""
         lengths = [len(r) - s for r, s in zip(rows, starts, strict=True)]
         mu = behavior_logprobs.detach().float().cpu()
+        experts = None
+        if routed_experts is not None:
+            routed = routed_experts.cpu().to(torch.int16)
+            experts = torch.cat([routed[b, :n] for b, n in enumerate(lengths)])
         return cls(
             kind="step",
             step=step,
@@ -138,6 +155,7 @@ class ControlRecord:
             mu=tuple(tuple(mu[b, :n].tolist()) for b, n in enumerate(lengths)),
             orm=None if orm is None else tuple(orm.detach().float().cpu().tolist()),
             pad_id=pad_id,
+            experts=experts,
         )
 
     # ------------------------------------------------------------------------------ one shard
@@ -153,6 +171,20 @@ class ControlRecord:
     def behavior(self, tokens: TokenBatch, start: int, stop: int) -> torch.Tensor:
         """[b, T] float32 μ of rows [start, stop), padded like `tokens` (0 at padding)."""
         return tokens.pad_response_values(self.mu[start:stop])
+
+    def routed_experts(self, tokens: TokenBatch, start: int, stop: int) -> torch.Tensor | None:
+        """[b, T, M, k] int16 routed experts of rows [start, stop), padded like `tokens` with −1; None
+        without them."""
+        if self.experts is None:
+            return None
+        lengths = self.response_lengths
+        offsets = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+        out = torch.full(
+            (stop - start, tokens.response_width, *self.experts.shape[1:]), -1, dtype=self.experts.dtype
+        )
+        for b, row in enumerate(range(start, stop)):
+            out[b, : lengths[row]] = self.experts[offsets[row] : offsets[row + 1]]
+        return out
 
     def orm_advantages(self, start: int, stop: int) -> torch.Tensor | None:
         """[b] float32 A_ORM of rows [start, stop), or None."""
@@ -170,6 +202,8 @@ class ControlRecord:
         }
         if self.orm is not None:
             tensors["orm"] = _tensor(self.orm, torch.float32)
+        if self.experts is not None:
+            tensors["experts"] = self.experts.contiguous()
         meta = {
             "kind": self.kind,
             "step": self.step,
@@ -196,6 +230,9 @@ class ControlRecord:
             header = frame.meta
             kind, step, reason = header["kind"], int(header["step"]), header["reason"]
             routes, pad_id = tuple(header["routes"]), int(header["pad_id"])
+            experts = (
+                frame.tensor("experts", (torch.int16,), 3).clone() if "experts" in frame.tensors else None
+            )
         except (wire.WireError, KeyError, TypeError, ValueError) as exc:
             raise RecordError(f"not a control record ({len(data)} bytes): {exc}") from None
         starts = tuple(tensors["starts"])
@@ -208,7 +245,7 @@ class ControlRecord:
         if at != len(flat) or at_mu != len(mu_flat):
             raise RecordError(f"step {step}: the row lengths do not tile the {len(flat)} tokens")
         orm = tuple(tensors["orm"]) if "orm" in tensors else None
-        return cls(kind, step, reason, tuple(rows), starts, routes, tuple(mu), orm, pad_id)
+        return cls(kind, step, reason, tuple(rows), starts, routes, tuple(mu), orm, pad_id, experts)
 
 
 #: The frame's tensors and their dtypes (`orm` only when the record has A_ORM).

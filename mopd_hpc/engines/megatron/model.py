@@ -1,4 +1,11 @@
-"""megatron-core GPTModel for Qwen3 dense shapes, with a local layer spec whose core attention is fused.
+"""megatron-core GPTModel for Qwen3, Qwen3-MoE and Llama shapes, with a local layer spec whose core attention
+is fused.
+
+A Qwen3-MoE shape's MoE layers are megatron's `MoELayer` (`TopKRouter` over E experts, top k, softmax over
+the k selected logits when `norm_topk_prob` (= the k selected probabilities renormalized), else top k of the
+softmax over all E; `SequentialMLP` experts, one SwiGLU MLP of size f_e each; the allgather token dispatcher,
+which needs no CUDA stream at construction, at expert-parallel size 1). Grouped GEMM (`TEGroupedMLP`) needs
+TransformerEngine, which is not installed: `moe_grouped_gemm` stays off. Llama has no q/k norms.
 
 The local spec (`get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")`, algo_awex.md §4.1)
 computes attention unfused (baddbmm + softmax + bmm over a [b·H, s, s] buffer): measured on an H200 it
@@ -27,6 +34,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mopd_hpc.engines.megatron.convert import Qwen3Shape
@@ -71,10 +79,15 @@ class SDPACoreAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
 
-def layer_spec(fused_attention: bool = True) -> ModuleSpec:
-    """The local layer spec of Qwen3 (RMSNorm, q/k layernorm); its core attention `SDPACoreAttention` when
-    `fused_attention`, else megatron's unfused `DotProductAttention` (for comparison)."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+def layer_spec(
+    fused_attention: bool = True, qk_layernorm: bool = True, num_experts: int | None = None
+) -> ModuleSpec:
+    """The local layer spec of Qwen3 (RMSNorm, q/k layernorm; Llama without them); an MoE layer with
+    `num_experts`; its core attention `SDPACoreAttention` when `fused_attention`, else megatron's unfused
+    `DotProductAttention` (for comparison)."""
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm"
+    )
     if not fused_attention:
         return spec
     attn = spec.submodules.self_attention
@@ -85,6 +98,19 @@ def layer_spec(fused_attention: bool = True) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=layer_sub)
 
 
+def block_spec(shape: Qwen3Shape, fused_attention: bool = True) -> ModuleSpec | TransformerBlockSubmodules:
+    """One layer spec for every layer of `shape` (dense or all-MoE), else each layer's own (the MoE layers
+    of `shape.moe_layers`, the others dense)."""
+    dense = layer_spec(fused_attention, shape.qk_layernorm)
+    if not shape.moe_layers:
+        return dense
+    moe = layer_spec(fused_attention, shape.qk_layernorm, shape.num_experts)
+    if len(shape.moe_layers) == shape.num_layers:
+        return moe
+    specs = [moe if n in shape.moe_layers else dense for n in range(shape.num_layers)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=specs[0].submodules.input_layernorm)
+
+
 def transformer_config(
     shape: Qwen3Shape,
     dtype: str = "bfloat16",
@@ -93,9 +119,23 @@ def transformer_config(
     layernorm_epsilon: float = 1e-6,
     cpu_init: bool = False,
 ) -> TransformerConfig:
-    """The megatron `TransformerConfig` of a Qwen3 dense shape (SwiGLU, RMSNorm, no biases, q/k norm)."""
+    """The megatron `TransformerConfig` of a Qwen3 / Qwen3-MoE / Llama shape (SwiGLU, RMSNorm, no biases,
+    q/k norm but for Llama; MoE: E experts, top k, f_e, softmax after the top k when norm_topk_prob, the
+    load-balancing loss off (the job's engines add their own: `loss.router_aux_loss_coefficient`))."""
     torch_dtype = DTYPES[dtype]
+    moe = {}
+    if shape.moe_layers:
+        moe = {
+            "num_moe_experts": shape.num_experts,
+            "moe_router_topk": shape.moe_router_topk,
+            "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+            "moe_router_pre_softmax": not shape.norm_topk_prob,
+            "moe_router_load_balancing_type": "none",
+            "moe_token_dispatcher_type": "allgather",
+            "moe_grouped_gemm": False,
+        }
     return TransformerConfig(
+        **moe,
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -107,7 +147,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=False,
-        qk_layernorm=True,
+        qk_layernorm=shape.qk_layernorm,
         layernorm_epsilon=layernorm_epsilon,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -130,14 +170,14 @@ def build_gpt_model(
     cpu_init: bool = False,
     layernorm_epsilon: float = 1e-6,
 ) -> GPTModel:
-    """A megatron-core GPTModel of a Qwen3 dense shape (this TP rank's shard). megatron's parallel_state
-    must be initialized (`initialize_model_parallel`) with the same tensor_parallel first."""
+    """A megatron-core GPTModel of a Qwen3 / Qwen3-MoE / Llama shape (this TP rank's shard). megatron's
+    parallel_state must be initialized (`initialize_model_parallel`) with the same tensor_parallel first."""
     cfg = transformer_config(
         shape, dtype, tensor_parallel, layernorm_epsilon=layernorm_epsilon, cpu_init=cpu_init
     )
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(fused_attention),
+        transformer_layer_spec=block_spec(shape, fused_attention),
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=True,

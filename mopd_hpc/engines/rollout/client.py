@@ -152,8 +152,10 @@ class RolloutClient:
         *,
         return_logprob: bool = True,
         rids: Sequence[str] | None = None,
+        return_routed_experts: bool = False,
     ) -> list[GeneratedSample]:
-        """Generate for a batch of prompts; returns prompt-major samples (copy j of prompt i at i·n + j).
+        """Generate for a batch of prompts; returns prompt-major samples (copy j of prompt i at i·n + j);
+        `return_routed_experts`: each sample's `routed_experts` (an MoE model; rollout routing replay).
 
         Raises:
             RolloutRequestError: the answer does not hold len(input_ids) × n items, or is malformed.
@@ -165,6 +167,8 @@ class RolloutClient:
         }
         if rids is not None:
             body["rid"] = list(rids)
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         return (await self.generate_batch(body)).samples(input_ids, sampling.n)
 
     async def generate_batch(self, body: dict[str, Any]) -> GeneratedBatch:

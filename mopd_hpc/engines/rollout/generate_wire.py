@@ -8,6 +8,9 @@ response items (prompt-major: copy j of prompt i at i·n + j), N = Σ_r |output_
     output_lengths   [R] int64                                      |output_r|
     output_logprobs  [N] float32 (float64 when a value is not float32-exact)  log μ of each token; absent
                      when the request did not ask for log-probs
+    routed_experts   [N, M, k] int16                                each token's expert ids in the M MoE layers
+                     (`return_routed_experts`; JSON: meta_info.routed_experts [|output|][M][k]); absent when
+                     not asked
     meta             {"is_batch": bool, "items": [per item: {"text", "meta_info"} without output_ids and
                      meta_info.output_token_logprobs]}
 
@@ -53,6 +56,7 @@ class GeneratedBatch:
         output_logprobs: [N] float32 or float64 log μ(output_ids), or None when not asked.
         items: per item, its JSON object without output_ids and meta_info.output_token_logprobs.
         is_batch: SGLang answers a list (True) or the single item (False).
+        routed_experts: [N, M, k] int16 expert ids, or None when not asked.
     """
 
     output_ids: torch.Tensor
@@ -60,6 +64,7 @@ class GeneratedBatch:
     output_logprobs: torch.Tensor | None
     items: tuple[Mapping[str, Any], ...]
     is_batch: bool
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_results(
@@ -68,14 +73,20 @@ class GeneratedBatch:
         output_ids: Sequence[Sequence[int]],
         output_logprobs: Sequence[Sequence[float]] | None,
         is_batch: bool,
+        routed_experts: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> GeneratedBatch:
-        """From a server's results: the items without the two packed fields, and per item its ids and
-        (when asked) its log-probs (one per id)."""
+        """From a server's results: the items without the packed fields, and per item its ids, (when asked)
+        its log-probs (one per id) and its routed experts (one [M, k] tensor per id)."""
         lengths = torch.tensor([len(r) for r in output_ids], dtype=torch.int64)
         lps = None
         if output_logprobs is not None:
             lps = _logprob_tensor([v for r in output_logprobs for v in r])
-        return cls(_ids_tensor([t for r in output_ids for t in r]), lengths, lps, tuple(items), is_batch)
+        routed = None
+        if routed_experts is not None:
+            flat = [t for r in routed_experts for t in r]
+            routed = torch.stack(flat).to(torch.int16) if flat else torch.zeros((0, 0, 0), dtype=torch.int16)
+        ids = _ids_tensor([t for r in output_ids for t in r])
+        return cls(ids, lengths, lps, tuple(items), is_batch, routed)
 
     @classmethod
     def from_sglang(cls, answer: Any) -> GeneratedBatch:
@@ -96,6 +107,8 @@ class GeneratedBatch:
         if any(has) and not all(has):
             raise RolloutRequestError(f"output_token_logprobs on items {has}: expected on all items or none")
         with_logprobs = bool(raw) and all(has)
+        with_routes = bool(raw) and all(item["meta_info"].get("routed_experts") is not None for item in raw)
+        routes: list[list[list[int]]] = []
         ids: list[int] = []
         lps: list[float] = []
         lengths, items = [], []
@@ -109,6 +122,8 @@ class GeneratedBatch:
                         f"response {meta.get('id')}: output_token_logprobs ids != output_ids"
                     )
                 lps.extend(float(t[0]) for t in triples)
+            if with_routes:
+                routes.extend(meta.pop("routed_experts"))
             ids.extend(out)
             lengths.append(len(out))
             items.append({key: v for key, v in item.items() if key != "output_ids"} | {"meta_info": meta})
@@ -118,6 +133,7 @@ class GeneratedBatch:
             output_logprobs=_logprob_tensor(lps) if with_logprobs else None,
             items=tuple(items),
             is_batch=is_batch,
+            routed_experts=torch.tensor(routes, dtype=torch.int16) if with_routes and routes else None,
         )
 
     @classmethod
@@ -142,13 +158,20 @@ class GeneratedBatch:
             lps = frame.tensor("output_logprobs", (torch.float32, torch.float64), 1)
             if lps.numel() != ids.numel():
                 raise WireError(f"output_logprobs holds {lps.numel()} values; output_ids {ids.numel()}")
-        return cls(ids, lengths, lps, tuple(items), is_batch)
+        routed = None
+        if "routed_experts" in frame.tensors:
+            routed = frame.tensor("routed_experts", (torch.int16,), 3)
+            if routed.shape[0] != ids.numel():
+                raise WireError(f"routed_experts holds {routed.shape[0]} tokens; output_ids {ids.numel()}")
+        return cls(ids, lengths, lps, tuple(items), is_batch, routed)
 
     def layout(self) -> FrameLayout:
         """The answer frame's layout (module docstring); `.encode()` gives its bytes."""
         tensors = {"output_ids": self.output_ids, "output_lengths": self.output_lengths}
         if self.output_logprobs is not None:
             tensors["output_logprobs"] = self.output_logprobs
+        if self.routed_experts is not None:
+            tensors["routed_experts"] = self.routed_experts
         return layout(tensors, {"is_batch": self.is_batch, "items": list(self.items)})
 
     def encode(self) -> memoryview:
@@ -162,9 +185,12 @@ class GeneratedBatch:
         """SGLang's JSON answer, exactly as the server gives it without binary transport."""
         ids = self._per_item(self.output_ids)
         lps = None if self.output_logprobs is None else self._per_item(self.output_logprobs)
+        routes = None if self.routed_experts is None else self._per_item(self.routed_experts)
         out = []
         for k, item in enumerate(self.items):
             meta = dict(item["meta_info"])
+            if routes is not None:
+                meta["routed_experts"] = routes[k]
             if lps is not None:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps[k], ids[k], strict=True)]
             out.append(dict(item) | {"output_ids": ids[k], "meta_info": meta})
@@ -182,6 +208,13 @@ class GeneratedBatch:
             )
         ids = self._per_item(self.output_ids)
         lps = None if self.output_logprobs is None else self._per_item(self.output_logprobs)
+        routes = None
+        if self.routed_experts is not None:
+            routes = (
+                self.routed_experts.split(self.output_lengths.tolist())
+                if self.routed_experts.numel()
+                else None
+            )
         out = []
         for k, item in enumerate(self.items):
             meta = item["meta_info"]
@@ -194,6 +227,7 @@ class GeneratedBatch:
                     weight_version=str(meta.get("weight_version", DEFAULT_WEIGHT_VERSION)),
                     text=str(item.get("text") or ""),
                     rid=str(meta.get("id", "")),
+                    routed_experts=None if routes is None else routes[k],
                 )
             )
         return out

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mopd_hpc.engines.moe_routing import RouterHooks
 from mopd_hpc.engines.rollout.graph_shape import SPANS, attention_span
 from mopd_hpc.engines.rollout.grouped_attention import NAME as GROUPED_SDPA
 from mopd_hpc.engines.rollout.grouped_attention import use_grouped_attention
@@ -77,6 +78,7 @@ class RowRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    return_routed_experts: bool = False
 
 
 @dataclass(slots=True)
@@ -85,7 +87,9 @@ class RowResult:
 
     output_logprobs[t]: log μ(output_ids[t]), float. input_logprobs: one entry per prompt position from
     logprob_start_len, None at position 0 (nothing predicts the first token). *_top: per position, the
-    top_logprobs_num (logprob, token_id) pairs of the same distribution.
+    top_logprobs_num (logprob, token_id) pairs of the same distribution. routed_experts[t]: [M, k] int16
+    expert ids the M MoE layers' routers selected at the position whose logits gave output_ids[t]
+    (`return_routed_experts`, an MoE model).
     """
 
     output_ids: list[int] = field(default_factory=list)
@@ -95,6 +99,7 @@ class RowResult:
     input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish: dict[str, Any] = field(default_factory=dict)
     weight_version: str = DEFAULT_WEIGHT_VERSION
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
 
 
 def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
@@ -170,6 +175,8 @@ class HFRolloutEngine:
         self.device = device
         self.dtype = dtype
         self.weight_version = DEFAULT_WEIGHT_VERSION
+        #: The MoE routers' hooks (none for a dense model): the loop decoder records the routed experts.
+        self.routing = RouterHooks(model)
         self.weights_on_device = True
         self.lock = threading.Lock()
         params = inspect.signature(model.forward).parameters
@@ -303,8 +310,12 @@ class HFRolloutEngine:
     def generate(self, rows: Sequence[RowRequest], gate: StepGate) -> list[RowResult]:
         """Decode `rows` as one batch on this engine's decoder; returns one result per row, in order."""
         if self.decoder == "static" and rows:
+            # the routed experts are recorded by the loop decoder only (eager forwards: no CUDA graph)
             wants_extra = any(
-                (r.return_logprob and r.logprob_start_len >= 0) or r.top_logprobs_num > 0 for r in rows
+                (r.return_logprob and r.logprob_start_len >= 0)
+                or r.top_logprobs_num > 0
+                or r.return_routed_experts
+                for r in rows
             )
             mask_value = self._static_mask()
             if not wants_extra and mask_value is not None:
@@ -381,6 +392,23 @@ class HFRolloutEngine:
             ids[i, width - lengths[i] :] = torch.tensor(row.prompt_ids)
             mask[i, width - lengths[i] :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
+        cache = DynamicCache(config=self.model.config)
+        need_inputs = any(r.return_logprob and r.logprob_start_len >= 0 for r in rows)
+        routing = self.routing if any(r.return_routed_experts for r in rows) and self.routing.moe else None
+        if routing is not None:
+            routing.recording, routing.recorded = True, []
+        try:
+            return self._decode_loop(
+                rows, gate, results, ids, mask, cache, need_inputs, routing, width, lengths
+            )
+        finally:
+            if routing is not None:
+                routing.recording, routing.recorded = False, []
+
+    def _decode_loop(self, rows, gate, results, ids, mask, cache, need_inputs, routing, width, lengths):
+        """`_generate_loop`'s prefill and decode steps over the left-padded prompts `ids` / `mask` [n, width];
+        `routing`: the router hooks recording each step's experts (None: not asked or a dense model)."""
+        n, dev = len(rows), self.device
         temperature = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
         top_p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
         top_k = torch.tensor([r.sampling.top_k for r in rows], dtype=torch.long, device=dev)
@@ -389,9 +417,8 @@ class HFRolloutEngine:
             set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(self.eos_token_ids))
             for r in rows
         ]
-        cache = DynamicCache(config=self.model.config)
-        need_inputs = any(r.return_logprob and r.logprob_start_len >= 0 for r in rows)
         logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, keep_all=need_inputs)
+        routes = routing.last_position_routes(n) if routing is not None else None
         if need_inputs:
             self._input_logprobs(rows, results, logits, ids, width, lengths, temperature, top_p, top_k)
         last = logits[:, -1]
@@ -402,6 +429,8 @@ class HFRolloutEngine:
                 active.remove(i)
         keep = torch.tensor(active, dtype=torch.long, device=dev)
         last, mask = last[keep], mask[keep]
+        if routes is not None:
+            routes = routes[keep.cpu()]
         if len(active) < n:
             cache.batch_select_indices(keep)
         sel = keep
@@ -416,6 +445,8 @@ class HFRolloutEngine:
             for k, i in enumerate(active):
                 res, row = results[i], rows[i]
                 res.output_ids.append(tokens[k])
+                if routes is not None and row.return_routed_experts:
+                    res.routed_experts.append(routes[k])
                 if row.return_logprob:
                     res.output_logprobs.append(lps[k])
                     if row.top_logprobs_num:
@@ -438,6 +469,8 @@ class HFRolloutEngine:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = mask.sum(-1, keepdim=True) - 1
             last = self._forward(next_ids, mask, pos, cache, keep_all=False)[:, -1]
+            if routing is not None:
+                routes = routing.last_position_routes(len(active))
         for res in results:  # the version at completion, as SGLang reports it (weights may change mid-batch)
             res.weight_version = self.weight_version
         return results

@@ -169,6 +169,10 @@ class RolloutServer:
         req = GenerateRequest.from_json(await read_json_body(request))
         if "weights" in self.released:
             raise ServiceUnavailableError("weights are released: POST /resume_memory_occupation first")
+        if req.return_routed_experts and not self.engine.routing.moe:
+            raise RolloutRequestError(
+                f"return_routed_experts: the model at {self.args.model_path!r} is dense (no MoE router)"
+            )
         prompts = req.prompts if req.prompts is not None else self._tokenize(req.texts or ())
         vocab = self.engine.vocab_size
         for i, (ids, sp) in enumerate(zip(prompts, req.sampling, strict=True)):
@@ -182,7 +186,15 @@ class RolloutServer:
             for j in range(sp.n):
                 seed = sp.sampling_seed + j if sp.sampling_seed is not None else self.rng.getrandbits(62)
                 rows.append(
-                    RowRequest(ids, sp, seed, req.return_logprob, req.logprob_start_len, req.top_logprobs_num)
+                    RowRequest(
+                        ids,
+                        sp,
+                        seed,
+                        req.return_logprob,
+                        req.logprob_start_len,
+                        req.top_logprobs_num,
+                        req.return_routed_experts,
+                    )
                 )
                 owners.append((i, j))
         start = time.perf_counter()
@@ -193,7 +205,10 @@ class RolloutServer:
         is_batch = req.is_batch or len(items) > 1
         if binary:
             lps = [res.output_logprobs for res in results] if req.return_logprob else None
-            answer = GeneratedBatch.from_results(items, [res.output_ids for res in results], lps, is_batch)
+            routed = [res.routed_experts for res in results] if req.return_routed_experts else None
+            answer = GeneratedBatch.from_results(
+                items, [res.output_ids for res in results], lps, is_batch, routed
+            )
             return await send_frame(request, answer.layout())
         return web.json_response(items if is_batch else items[0])
 
@@ -220,6 +235,8 @@ class RolloutServer:
             "weight_version": res.weight_version,
             "e2e_latency": latency,
         }
+        if req.return_routed_experts and not binary:  # [|output|][M][k] expert ids
+            meta["routed_experts"] = [t.tolist() for t in res.routed_experts]
         if req.return_logprob and not binary:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(res.output_logprobs, res.output_ids, strict=True)

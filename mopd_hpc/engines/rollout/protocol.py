@@ -177,12 +177,14 @@ class GenerateRequest:
     logprob_start_len: int
     top_logprobs_num: int
     rids: tuple[str, ...] | None
+    #: Each generated token's routed experts per MoE layer (SGLang's `return_routed_experts`; an MoE model).
+    return_routed_experts: bool = False
 
     @classmethod
     def from_json(cls, body: Any) -> GenerateRequest:
         body = json_object("body", body)
         known = ("input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len")
-        known += ("top_logprobs_num", "rid", "stream")
+        known += ("top_logprobs_num", "rid", "stream", "return_routed_experts")
         reject_unknown("/generate body", body, known + _IGNORED_GENERATE)
         if body.get("stream"):
             raise fail("stream", body["stream"], "false (streaming is not supported by the hf backend)")
@@ -212,6 +214,9 @@ class GenerateRequest:
             logprob_start_len=int_field("logprob_start_len", body.get("logprob_start_len", -1), -1),
             top_logprobs_num=int_field("top_logprobs_num", body.get("top_logprobs_num", 0), 0),
             rids=rids,
+            return_routed_experts=bool_field(
+                "return_routed_experts", body.get("return_routed_experts", False)
+            ),
         )
 
     @staticmethod
@@ -254,7 +259,9 @@ class GeneratedSample:
 
     behavior_logprobs[t] is log μ(output_ids[t]) in float32 precision: the log-probability of the
     sampled token under the exact distribution it was sampled from (see `sampling.py`). Empty when the
-    request did not ask for log-probs.
+    request did not ask for log-probs. routed_experts: [|output|, M, k] int16 torch tensor of the expert
+    ids each token was routed to in the M MoE layers (at the position whose logits gave it), or None when
+    not asked (rollout routing replay).
     """
 
     prompt_ids: tuple[int, ...]
@@ -264,6 +271,7 @@ class GeneratedSample:
     weight_version: str
     text: str = ""
     rid: str = ""
+    routed_experts: Any = None
 
     @classmethod
     def from_response(cls, item: Mapping[str, Any], prompt_ids: Sequence[int]) -> GeneratedSample:

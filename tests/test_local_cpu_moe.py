@@ -1,0 +1,60 @@
+"""configs/local_cpu_moe.yaml through `mopd-submit --local` on micro models (the builder's micro dense teachers and
+micro Qwen3-MoE student): 2 steps of the whole job with the router's load-balancing loss and rollout routing
+replay, then its evaluation. Oracles: the metrics contract; the load-balancing loss E·Σ f_i·P_i ≥ 1 (equality
+when balanced); the train/inference mismatch of step 1 (rollout and actor hold the same float32 weights and,
+with replay, route every response token to the same experts: |log π_θ − log μ| is rounding only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers_models import load_builder
+from test_controller import assert_metrics, micro_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def micro_models(tmp_path_factory) -> Path:
+    import torch
+
+    out = tmp_path_factory.mktemp("models")
+    before = torch.get_num_threads()
+    try:
+        names = ("teacher_chain_sum", "teacher_leg_counting", "student_moe")
+        argv = ["--out", str(out), "--micro", "--threads", "1", *(a for n in names for a in ("--only", n))]
+        assert load_builder().main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def test_local_cpu_moe_runs_two_steps_and_writes_its_evaluation(micro_models: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = micro_config(
+        micro_models, run_dir, tmp_path / "moe.yaml", "local_cpu_moe.yaml", "student_moe", steps=2
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = assert_metrics(run_dir, 2)
+    for line in lines:
+        assert (
+            math.isfinite(line["router/load_balancing_loss"])
+            and line["router/load_balancing_loss"] >= 1.0 - 1e-6
+        )
+        assert line["router/z_loss"] > 0
+    assert lines[0]["mopd/logprob_mismatch"] < 1e-4, lines[0]["mopd/logprob_mismatch"]
+    record = json.loads((run_dir / "eval.json").read_text())
+    assert sorted(record["routes"]) == ["chain", "legs"]
+    assert record["student_weights"] == {"start": "0", "end": "2"}
+    assert "end/teacher" in proc.stdout

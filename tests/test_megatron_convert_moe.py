@@ -1,0 +1,176 @@
+"""HF ⇄ megatron-core conversion of Qwen3-MoE (router and experts, MoE and dense layers mixed) and Llama (no q/k
+norms) micro models built with transformers: bitwise round trips, the expert layout, tensor-parallel shards,
+and the names and shapes of a real megatron-core GPTModel built with MoE layers on CPU (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_megatron_convert import _GPT_SCRIPT, REPO, _bitwise_equal
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from mopd_hpc.engines.megatron.convert import (
+    ConversionError,
+    Qwen3Shape,
+    gather_tp,
+    hf_to_mcore,
+    mcore_to_hf,
+    shard_tp,
+    tp_split_dim,
+)
+from mopd_hpc.engines.megatron.convert_moe import fuse_experts, split_fused_experts
+
+
+def _distinct_norms(model: torch.nn.Module) -> None:
+    with torch.no_grad():  # norms start at 1, the router at 0: make them distinguishable
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("mlp.gate.weight"):
+                p.uniform_(0.5, 1.5)
+
+
+def micro_moe(tie: bool, dtype: torch.dtype = torch.float32, mlp_only_layers=(1,)) -> Qwen3MoeForCausalLM:
+    """3 layers (layer 1 dense unless `mlp_only_layers` says otherwise), 4 experts of f_e 24, top 2."""
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=120, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=3, mlp_only_layers=list(mlp_only_layers), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=tie,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg).to(dtype)
+    _distinct_norms(model)
+    return model
+
+
+def micro_llama(tie: bool, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=tie,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).to(dtype)
+    _distinct_norms(model)
+    return model
+
+
+def _hf(model: torch.nn.Module, tie: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint-layout state dict (experts one by one), without a tied lm_head."""
+    sd = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    return split_fused_experts(sd)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_round_trip_is_bitwise(tie: bool, dtype: torch.dtype) -> None:
+    model = micro_moe(tie, dtype)
+    shape = Qwen3Shape.from_hf_config(model.config, padded_vocab_size=128)
+    assert shape.moe_layers == (0, 2) and (shape.num_experts, shape.moe_router_topk) == (4, 2)
+    assert shape.moe_ffn_hidden_size == 24 and shape.qk_layernorm and shape.norm_topk_prob is False
+    hf = _hf(model, tie)
+    mc = hf_to_mcore(hf, shape)
+    assert mc["decoder.layers.0.mlp.router.weight"].shape == (4, 64)
+    assert mc["decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"].shape == (48, 64)
+    assert mc["decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"].shape == (64, 24)
+    assert mc["decoder.layers.1.mlp.linear_fc1.weight"].shape == (192, 64)  # the dense layer
+    assert not any(k.startswith("decoder.layers.1.mlp.router") for k in mc)
+    back = mcore_to_hf(mc, shape)
+    _bitwise_equal(back, hf)
+    # the in-memory transformers 5 layout back from the checkpoint names
+    memory = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    _bitwise_equal(fuse_experts(back), memory)
+
+
+def test_expert_layout_is_gate_then_up_per_expert() -> None:
+    model = micro_moe(tie=False)
+    sd = model.state_dict()
+    mc = hf_to_mcore(_hf(model, False), Qwen3Shape.from_hf_config(model.config))
+    fused = sd["model.layers.2.mlp.experts.gate_up_proj"]  # [E, 2·f_e, h]: per expert cat(gate, up)
+    for e in range(4):
+        fc1 = mc[f"decoder.layers.2.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+        assert torch.equal(fc1, fused[e])
+        fc2 = mc[f"decoder.layers.2.mlp.experts.local_experts.{e}.linear_fc2.weight"]
+        assert torch.equal(fc2, sd["model.layers.2.mlp.experts.down_proj"][e])
+    assert torch.equal(mc["decoder.layers.0.mlp.router.weight"], sd["model.layers.0.mlp.gate.weight"])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_llama_round_trip_is_bitwise_without_qk_norms(tie: bool) -> None:
+    model = micro_llama(tie)
+    shape = Qwen3Shape.from_hf_config(model.config)
+    assert shape.qk_layernorm is False and shape.moe_layers == ()
+    hf = _hf(model, tie)
+    mc = hf_to_mcore(hf, shape)
+    assert not any("layernorm" in k and "self_attention" in k for k in mc)
+    _bitwise_equal(mcore_to_hf(mc, shape), hf)
+
+
+def test_llama_biases_are_refused() -> None:
+    cfg = micro_llama(tie=True).config.to_dict() | {"attention_bias": True}
+    with pytest.raises(ConversionError, match="attention_bias=True"):
+        Qwen3Shape.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_tensor_parallel_shards_round_trip(tp: int) -> None:
+    model = micro_moe(tie=False)
+    shape = Qwen3Shape.from_hf_config(model.config, padded_vocab_size=128)
+    mc = hf_to_mcore(_hf(model, False), shape)
+    shards = [shard_tp(mc, shape, tp, r) for r in range(tp)]
+    name = "decoder.layers.0.mlp.experts.local_experts.1."
+    assert tp_split_dim(name + "linear_fc1.weight") == 0 and tp_split_dim(name + "linear_fc2.weight") == 1
+    assert tp_split_dim("decoder.layers.0.mlp.router.weight") is None
+    if tp == 2:  # rank 1 holds the second half of the expert's gate, then of its up
+        fc1 = shards[1][name + "linear_fc1.weight"]
+        gate_up = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"][1]
+        assert torch.equal(fc1, torch.cat([gate_up[12:24], gate_up[36:48]]))
+        assert shards[1][name + "linear_fc2.weight"].shape == (64, 12)
+    _bitwise_equal(gather_tp(shards, shape), mc)
+
+
+def test_moe_shape_errors_name_the_value() -> None:
+    model = micro_moe(tie=False)
+    shape = Qwen3Shape.from_hf_config(model.config)
+    hf = _hf(model, False)
+    del hf["model.layers.2.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(ConversionError, match=r"model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
+        hf_to_mcore(hf, shape)
+    fields = {f: getattr(shape, f) for f in shape.__slots__} | {"moe_router_topk": 5}
+    with pytest.raises(ConversionError, match=r"1 <= moe_router_topk <= num_experts \(got 5\)"):
+        Qwen3Shape.create(**fields)
+    with pytest.raises(ConversionError, match="tensor_parallel=5 does not divide"):
+        shard_tp(hf_to_mcore(_hf(model, False), shape), shape, 5, 0)
+
+
+@pytest.mark.parametrize("family", ["moe", "moe_all_layers", "llama"])
+def test_names_match_a_real_megatron_gpt_model_with_moe_layers(family: str, tmp_path: Path) -> None:
+    """A GPTModel built by `build_gpt_model` from the shape (MoE layers: megatron's MoELayer, TopKRouter,
+    SequentialMLP) holds exactly the converter's names and shapes, and loads and gives back the weights."""
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    from safetensors.torch import save_file
+
+    model = {
+        "moe": lambda: micro_moe(tie=False),
+        "moe_all_layers": lambda: micro_moe(tie=True, mlp_only_layers=()),
+        "llama": lambda: micro_llama(tie=False),
+    }[family]()
+    tie = model.config.tie_word_embeddings
+    shape = Qwen3Shape.from_hf_config(model.config, padded_vocab_size=128)
+    hf = {k: v.contiguous() for k, v in _hf(model, tie).items()}
+    save_file(hf, tmp_path / "hf.safetensors")
+    fields = {f: getattr(shape, f) for f in shape.__slots__}
+    args = json.dumps({"shape": fields, "hf": str(tmp_path / "hf.safetensors")})
+    proc = subprocess.run(
+        [sys.executable, "-c", _GPT_SCRIPT, args, str(tmp_path / "pg_store")],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = {k: list(v.shape) for k, v in hf_to_mcore(hf, shape).items()}
+    assert report["names"] == expected
+    assert report["same"] is True
+    if family != "llama":
+        assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in report["names"]
