@@ -4,8 +4,9 @@ It leases its own HTTP port (owner `<job>/guard/0`, name `http`), binds it on `-
 `run_dir/guards/<host>.json` (`host`, `bind`, `port`, `url`, `pid`, `job_id`) atomically once it serves.
 Every endpoint except the bare liveness probe `GET /health` needs the job's token (`runtime/http_auth.py`);
 its children get the bind address as MOPD_NODE_ADDR, so their servers listen where the guard does. It spawns
-only registered roles (with env overrides that pass runtime/guard/env_policy.py: loader and interpreter
-variables are a 403), leases named ports per (role, index), reports status per (role, index, generation),
+only registered roles (with env overrides on runtime/guard/env_policy.py's allow-list, any other key is a 403
+and a `spawn_refused` event; within spawn_env.py's size bounds; on GPUs of this node, runtime/gpus.py
+`node_gpus`), under the request bounds of runtime/http_limits.py, leases named ports per (role, index), reports status per (role, index, generation),
 kills process groups, and on SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to
 `checkpoint_wait_s`, kills what is left (each child's whole tree: runtime/guard/children.py), releases every
 lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked; SIGHUP, its
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -32,6 +34,7 @@ from pydantic import BaseModel
 
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.records.run_dir import guard_record_file
+from mopd_hpc.runtime.gpus import GpuTokenError, NodeGpus, node_gpus
 from mopd_hpc.runtime.guard.api import (
     KillRequest,
     ReserveRequest,
@@ -41,11 +44,13 @@ from mopd_hpc.runtime.guard.api import (
     parse_request,
 )
 from mopd_hpc.runtime.guard.children import ChildSupervisor
+from mopd_hpc.runtime.guard.env_policy import check_site_key
 from mopd_hpc.runtime.guard.events import EventLog, events_path
 from mopd_hpc.runtime.guard.keeper import FORWARDED, KEEPER_DEATH_SIGNAL
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
 from mopd_hpc.runtime.guard.spawn_env import ChildEnvError, spawn_refusal
 from mopd_hpc.runtime.http_auth import token_middleware
+from mopd_hpc.runtime.http_limits import DEFAULT_LIMITS, HttpLimits, limits_middleware, serve_runner
 from mopd_hpc.runtime.ports import (
     LeasePolicy,
     PortInUseError,
@@ -90,6 +95,11 @@ class GuardConfig:
     kill_wait_s: float = 10.0
     checkpoint_wait_s: float = 60.0
     roles: RoleRegistry = field(default_factory=RoleRegistry)
+    #: The GPUs a spawn may name; None: `node_gpus(base_env)` at `create`.
+    node_gpus: NodeGpus | None = None
+    #: Env keys the site allows a spawn to set besides env_policy.py's (`mopd-guard --allow-env`).
+    site_env_keys: frozenset[str] = frozenset()
+    http_limits: HttpLimits = DEFAULT_LIMITS
 
     @classmethod
     def create(cls, run_dir: str | Path, job_id: str, host: str, **kwargs: Any) -> GuardConfig:
@@ -99,6 +109,12 @@ class GuardConfig:
             raise GuardConfigError(f"run_dir={str(run_dir)!r} is not a directory: create it before the guard")
         if not host or "/" in host or host.startswith("."):
             raise GuardConfigError(f"host={host!r} is invalid: expected a host name usable in file names")
+        try:
+            if kwargs.get("node_gpus") is None:
+                kwargs["node_gpus"] = node_gpus(kwargs.get("base_env", {}))
+            kwargs["site_env_keys"] = frozenset(check_site_key(k) for k in kwargs.get("site_env_keys", ()))
+        except (GpuTokenError, ValueError) as exc:
+            raise GuardConfigError(str(exc)) from None
         cfg = cls(run_dir=run_dir, job_id=job_id, host=host, **kwargs)
         PortOwner.create(job_id, GUARD_ROLE, 0)  # validates job_id
         for name in ("kill_wait_s", "checkpoint_wait_s"):
@@ -125,7 +141,13 @@ class Guard:
         self.leaser = PortLeaser(config.lease_policy)
         self.events = EventLog(events_path(config.run_dir, config.host), config.host)
         self.children = ChildSupervisor(
-            config.run_dir, config.host, config.job_id, self.events, config.base_env, node_addr=config.bind
+            config.run_dir,
+            config.host,
+            config.job_id,
+            self.events,
+            config.base_env,
+            node_addr=config.bind,
+            site_env_keys=config.site_env_keys,
         )
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -134,8 +156,11 @@ class Guard:
         self._signals_seen: set[int] = set()
         #: The signal that started the teardown, if one did (autostart turns it into 128 + signum).
         self.stop_signal: int | None = None
-        # the token check (runtime/http_auth.py) inside the error middleware, which logs every answer
-        self.app = web.Application(middlewares=[self._errors, token_middleware(token)])
+        # the token check (runtime/http_auth.py) and the request bounds (runtime/http_limits.py) inside the
+        # error middleware, which logs every answer
+        self.app = web.Application(
+            middlewares=[self._errors, token_middleware(token), limits_middleware(config.http_limits)]
+        )
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -162,8 +187,9 @@ class Guard:
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.bind else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((cfg.bind, self.port))
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=_HTTP_SHUTDOWN_S)
-        await self._runner.setup()
+        self._runner = await serve_runner(
+            self.app, cfg.http_limits, access_log=None, shutdown_timeout=_HTTP_SHUTDOWN_S
+        )
         await web.SockSite(self._runner, sock, shutdown_timeout=_HTTP_SHUTDOWN_S).start()
         loop = asyncio.get_running_loop()
         for signum, checkpoint in ((signal.SIGTERM, True), (CHECKPOINT_SIGNAL, True), (signal.SIGINT, False)):
@@ -324,7 +350,8 @@ class Guard:
                 "kill it first",
             )
         owner = self._owner(req)
-        refusal = spawn_refusal(req.env, req.gpus)  # before any lease or process: nothing is left behind
+        # before any lease or process: nothing is left behind
+        refusal = spawn_refusal(req.env, req.gpus, self.config.node_gpus, self.config.site_env_keys)
         if refusal is not None:
             keys = sorted(req.env)
             self.events.emit("spawn_refused", role=req.role, index=req.index, reason=refusal[2], keys=keys)
@@ -337,6 +364,11 @@ class Guard:
         except ChildEnvError as exc:
             self.leaser.release(owner, generation)
             return _error(400, "bad_env", str(exc))
+        except OSError as exc:
+            self.leaser.release(owner, generation)
+            if exc.errno == errno.E2BIG:  # the guard's own environment plus the overrides: past ARG_MAX
+                return _error(400, "bad_env", f"env: the child's environment is too large to exec ({exc})")
+            raise
         self.leaser.note_child(owner, child.pid, generation)
         return web.json_response(child.to_dict(), status=201)
 
