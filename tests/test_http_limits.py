@@ -91,7 +91,9 @@ def test_node_gpus_come_from_the_guards_devices_or_the_driver(tmp_path: Path) ->
     assert node.devices == (("0", "GPU-aaaa"), ("1", "GPU-bbbb"))  # PCI order, index and UUID
     assert gpus_refusal(["1", "GPU-aaaa"], node) is None
     assert "same GPU" in (gpus_refusal(["0", "GPU-aaaa"], node) or "")
-    assert "lists 1 GPU(s), but this node has 0" in (gpus_refusal(["0"], NodeGpus((), "none")) or "")
+    cpu_node = NodeGpus((), "none")
+    assert "lists 1 GPU(s), but this node has 0" in (gpus_refusal(["0"], cpu_node) or "")
+    assert "'../x' is not a device index" in (gpus_refusal(["../x"], cpu_node) or "")  # the token first
 
 
 def test_json_depth_counts_brackets_outside_strings_only() -> None:

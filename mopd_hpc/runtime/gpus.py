@@ -159,14 +159,15 @@ def gpus_refusal(gpus: Sequence[str], node: NodeGpus) -> str | None:
     """Why a spawn may not be given `gpus` on `node` (a sentence naming the token and the node's GPUs), or
     None: each token must be a valid token (`token_kind`: `"../x"` is not), name one of the node's devices,
     and name a device no other token names (so never more tokens than the node has GPUs)."""
-    if len(gpus) > len(node.devices):
-        return f"gpus lists {len(gpus)} GPU(s), but this node has {node.describe()}"
-    seen: dict[int, str] = {}
     for token in gpus:
         try:
             token_kind(token)
         except GpuTokenError as exc:
             return f"gpus: {exc}"
+    if len(gpus) > len(node.devices):
+        return f"gpus lists {len(gpus)} GPU(s), but this node has {node.describe()}"
+    seen: dict[int, str] = {}
+    for token in gpus:
         device = node.device_of(token)
         if device is None:
             return f"gpus: {token!r} is not a GPU of this node, which has {node.describe()}"
