@@ -2,7 +2,7 @@
 cap) naming the bound and its limit, never a 500, and the server keeps serving (issue 41,
 runtime/http_limits.py, runtime/guard/api.py, runtime/guard/spawn_env.py, runtime/gpus.py).
 
-The guard is a real `mopd-guard` (test_guard's harness) told it has the GPUs of `FAKE_NODE_GPUS`; the teacher,
+The guard is test_guard's `guard` fixture (a real `mopd-guard` told it has the GPUs of `FAKE_NODE_GPUS`); the teacher,
 rollout and sglang apps are those of test_server_auth (real micro Qwen3 engines, the stand-in sglang Engine)
 served on real sockets; the connection bounds are measured on a real socket with short limits.
 """
@@ -13,14 +13,13 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import test_utils, web
 from helpers_auth import AUTH, TOKEN
-from test_guard import FAKE_NODE_GPUS, RunningGuard, raw, start_guard, stop_guard
+from test_guard import RunningGuard, guard, raw  # noqa: F401 (guard: the module's guard fixture, its own here)
 from test_server_auth import micro, served  # noqa: F401 (micro is the fixture of the served apps)
 
 from mopd_hpc.engines.serving import start_app
@@ -29,15 +28,6 @@ from mopd_hpc.runtime.http_auth import protect
 from mopd_hpc.runtime.http_limits import HttpLimits, json_too_deep, loads_bounded
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
-
-
-@pytest.fixture(scope="module")
-def guard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGuard]:
-    g = start_guard(tmp_path_factory.mktemp("guard"), env_extra={"CUDA_VISIBLE_DEVICES": FAKE_NODE_GPUS})
-    try:
-        yield g
-    finally:
-        stop_guard(g)
 
 
 def spawn_body(**fields: object) -> bytes:
@@ -65,7 +55,10 @@ def spawn_body(**fields: object) -> bytes:
     ],
 )
 def test_a_bad_spawn_is_4xx_naming_the_field_and_the_limit(
-    guard: RunningGuard, body: bytes, status: int, needles: list[str]
+    guard: RunningGuard,  # noqa: F811 (the fixture imported from test_guard)
+    body: bytes,
+    status: int,
+    needles: list[str],
 ) -> None:
     got, answer = raw(guard.client.url, "POST", "/spawn", body, guard.token)
     assert got == status, answer
@@ -75,7 +68,7 @@ def test_a_bad_spawn_is_4xx_naming_the_field_and_the_limit(
     assert "Traceback" not in guard.err.read_text()
 
 
-def test_the_guard_spawns_on_a_gpu_of_its_node(guard: RunningGuard) -> None:
+def test_the_guard_spawns_on_a_gpu_of_its_node(guard: RunningGuard) -> None:  # noqa: F811
     child = guard.spawn_test(2, "envdump", gpus=["2", "GPU-0a1b2c3d"])
     assert (child["gpus"], child["state"]) == (["2", "GPU-0a1b2c3d"], "running")
 
