@@ -67,9 +67,19 @@ class RunningGuard:
         return json.loads(path.read_text())
 
 
+#: The node's GPUs the module's guard is told it has (its CUDA_VISIBLE_DEVICES): spawns may name only these.
+FAKE_NODE_GPUS = "GPU-0a1b2c3d,MIG-GPU-0a1b2c3d/1/0,0,1,2,3"
+
+
 def start_guard(
-    tmp: Path, *, kill_wait_s: float = 1.0, checkpoint_wait_s: float = 3.0, extra_args: Sequence[str] = ()
+    tmp: Path,
+    *,
+    kill_wait_s: float = 1.0,
+    checkpoint_wait_s: float = 3.0,
+    extra_args: Sequence[str] = (),
+    env_extra: dict[str, str] | None = None,
 ) -> RunningGuard:
+    """A real `mopd-guard` on `tmp/run`; the test child's own keys (GUARD_TEST_*) are on its env allow-list."""
     run_dir, work = tmp / "run", tmp / "work"
     run_dir.mkdir()
     work.mkdir()
@@ -77,10 +87,12 @@ def start_guard(
     env = {k: v for k, v in os.environ.items() if k not in ("MOPD_SECRET_FILE", "SLURMD_NODENAME")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p)
     env["MOPD_BACKEND"] = "local"
+    env.update(env_extra or {})
     out, err = tmp / "guard.out", tmp / "guard.err"
     argv = [sys.executable, "-m", "mopd_hpc.cli.guard", "--run-dir", str(run_dir), "--job-id", JOB]
     argv += ["--host", HOST, "--kill-wait-s", str(kill_wait_s), "--checkpoint-wait-s", str(checkpoint_wait_s)]
     argv += ["--extra-role", "testchild=guard_child_prog", *extra_args]
+    argv += ["--allow-env", "GUARD_TEST_DIR", "--allow-env", "GUARD_TEST_MODE"]
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen(argv, env=env, stdout=o, stderr=e, stdin=subprocess.DEVNULL)
     guard_file = run_dir / "guards" / f"{HOST}.json"
@@ -162,7 +174,7 @@ def raw(
 # ---- tests -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def guard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGuard]:
-    g = start_guard(tmp_path_factory.mktemp("guard"))
+    g = start_guard(tmp_path_factory.mktemp("guard"), env_extra={"CUDA_VISIBLE_DEVICES": FAKE_NODE_GPUS})
     try:
         yield g
     finally:
@@ -237,25 +249,26 @@ def test_kill_escalates_to_sigkill_for_a_group_that_ignores_sigterm(guard: Runni
 def test_env_values_arrive_intact(guard: RunningGuard) -> None:
     tricky = {
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128",
-        "WITH_EQUALS": "a=b=c,d=e",
-        "QUOTES": 'it\'s "quoted" `x` $HOME \\n',
-        "NEWLINES": "line1\nline2\r\n\tend\n",
-        "UNICODE": "é,ü;→",
-        "EMPTY": "",
+        "MOPD_T_WITH_EQUALS": "a=b=c,d=e",
+        "MOPD_T_QUOTES": 'it\'s "quoted" `x` $HOME \\n',
+        "MOPD_T_NEWLINES": "line1\nline2\r\n\tend\n",
+        "MOPD_T_UNICODE": "é,ü;→",
+        "MOPD_T_EMPTY": "",
     }
-    child = guard.spawn_test(3, "envdump", env=tricky, gpus=["GPU-0a1b,c", "MIG-x", "3"], ports=["http"])
+    gpus = ["GPU-0a1b2c3d", "MIG-GPU-0a1b2c3d/1/0", "3"]
+    child = guard.spawn_test(3, "envdump", env=tricky, gpus=gpus, ports=["http"])
     path = guard.work / "env-testchild-3.g1.json"
     assert wait_until(path.exists, 20), Path(child["stderr"]).read_text()
     got = json.loads(path.read_text())
     assert {k: got[k] for k in tricky} == tricky
-    assert got["CUDA_VISIBLE_DEVICES"] == "GPU-0a1b,c,MIG-x,3"
+    assert got["CUDA_VISIBLE_DEVICES"] == "GPU-0a1b2c3d,MIG-GPU-0a1b2c3d/1/0,3"
     assert got["MOPD_PORT_HTTP"] == str(child["ports"]["http"])
     assert (got["MOPD_ROLE"], got["MOPD_INDEX"], got["MOPD_GENERATION"]) == ("testchild", "3", "1")
     assert got["MOPD_JOB_ID"] == JOB and got["MOPD_HOST"] == HOST
     with pytest.raises(GuardBadRequestError, match="MOPD_ROLE"):
         guard.spawn_test(4, "envdump", env={"MOPD_ROLE": "actor"})
     with pytest.raises(GuardBadRequestError, match="NUL"):
-        guard.spawn_test(4, "envdump", env={"BAD": "a\0b"})
+        guard.spawn_test(4, "envdump", env={"MOPD_BAD": "a\0b"})
     with pytest.raises(GuardBadRequestError, match="invalid"):
         guard.spawn_test(4, "envdump", env={"NOT-AN-ID": "x"})
     with pytest.raises(GuardBadRequestError, match="CUDA_VISIBLE_DEVICES"):
@@ -335,7 +348,9 @@ def test_reserve_release_are_idempotent_per_owner(guard: RunningGuard) -> None:
 
 
 def test_probe_writes_topology_and_named_ports(guard: RunningGuard) -> None:
-    child = guard.client.spawn("probe", 0, env={"MOPD_PROBE_ENV_KEYS": "ODD", "ODD": "a,b"}, ports=["http"])
+    child = guard.client.spawn(
+        "probe", 0, env={"MOPD_PROBE_ENV_KEYS": "MOPD_ODD", "MOPD_ODD": "a,b"}, ports=["http"]
+    )
     path = guard.run_dir / "probe" / f"{HOST}-probe-0.json"
     assert wait_until(path.exists, 30), Path(child["stderr"]).read_text()
     report = json.loads(path.read_text())
@@ -345,14 +360,14 @@ def test_probe_writes_topology_and_named_ports(guard: RunningGuard) -> None:
         1,
         child["pid"],
     )
-    assert report["ports"] == child["ports"] and report["env"]["ODD"] == "a,b"
+    assert report["ports"] == child["ports"] and report["env"]["MOPD_ODD"] == "a,b"
     assert report["topology"]["role"] == "probe" and report["topology"]["job_id"] == JOB
     done = guard.client.status("probe", 0)["children"]
     assert wait_until(lambda: guard.client.status("probe", 0)["children"][0]["exit_code"] == 0, 20), done
 
 
 def test_token_never_appears_in_logs_argv_or_environ(guard: RunningGuard) -> None:
-    guard.spawn_test(8, "envdump", env={"SOME": "value"})
+    guard.spawn_test(8, "envdump", env={"MOPD_SOME": "value"})
     assert wait_until((guard.work / "env-testchild-8.g1.json").exists, 20)
     raw(guard.client.url, "POST", "/spawn", b"{broken", guard.token)
     token = guard.token.encode()

@@ -1,6 +1,8 @@
-"""A spawn runs only what it names: loader, interpreter and shell variables in its env are a 403 naming the
-key, before any port is leased or any process started (runtime/guard/env_policy.py); every accepted
-override is in the guard's `spawn` event, secret-looking values redacted. Through a real `mopd-guard`."""
+"""A spawn runs only what it names: its env may set only `MOPD_*` keys, env_policy.ALLOWED_KEYS and the keys
+the site allowed (`mopd-guard --allow-env`); any other key is a 403 naming the key and a `spawn_refused`
+event, before any port is leased or any process started (runtime/guard/env_policy.py); a loader or
+interpreter key cannot be allowed by a site; every accepted override is in the guard's `spawn` event,
+secret-looking values redacted. Through a real `mopd-guard`."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def guard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGuard]:
-    g = start_guard(tmp_path_factory.mktemp("guard"))
+    g = start_guard(tmp_path_factory.mktemp("guard"), extra_args=["--allow-env", "TMPDIR"])
     try:
         yield g
     finally:
@@ -73,9 +75,11 @@ def test_the_pythonpath_sitecustomize_attack_is_403_and_no_child_runs(
         "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONWARNINGS",
         "PYTHONUSERBASE", "PATH", "HOME", "BASH_ENV", "ENV", "BASH_FUNC_ls%%", "PERL5LIB", "NODE_OPTIONS",
         "GCONV_PATH", "GLIBC_TUNABLES", "CC",
+        # off the allow-list (issue 41): each steers which code, cache or certificate a child loads
+        "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SSL_CERT_FILE", "HTTPS_PROXY", "NCCL_NET_PLUGIN",
     ],
 )  # fmt: skip
-def test_loader_and_interpreter_variables_are_403_naming_the_key(guard: RunningGuard, key: str) -> None:
+def test_keys_off_the_allow_list_are_403_naming_the_key(guard: RunningGuard, key: str) -> None:
     body = json.dumps({"role": "testchild", "index": 21, "env": {key: "/tmp/x"}}).encode()
     status, answer = raw(guard.client.url, "POST", "/spawn", body, guard.token)
     if "%" in key:  # not an identifier: refused as malformed (400) before the policy
@@ -84,20 +88,29 @@ def test_loader_and_interpreter_variables_are_403_naming_the_key(guard: RunningG
     assert (status, answer["error"]) == (403, "env_denied"), answer
     assert answer["message"].startswith(f"env key {key} may not be set by a spawn: ")
     assert guard.client.status(role="testchild", index=21)["children"] == []
+    refused = [e for e in guard.events if e["event"] == "spawn_refused" and e["index"] == 21]
+    assert refused[-1]["keys"] == [key] and refused[-1]["reason"] == answer["message"]
+    if key in ("HF_HOME", "SSL_CERT_FILE"):  # not a loader key: the way out is the site's list
+        assert f"mopd-guard --allow-env {key}" in answer["message"]
 
 
 def test_accepted_overrides_are_recorded_with_secrets_redacted(guard: RunningGuard) -> None:
-    env = {"NCCL_DEBUG": "INFO", "HF_TOKEN": "hf_abc123", "WANDB_API_KEY": "k-456", "TMPDIR": "/tmp"}
+    env = {
+        "NCCL_DEBUG": "INFO",
+        "MOPD_HF_TOKEN": "hf_abc123",
+        "MOPD_WANDB_API_KEY": "k-456",
+        "TMPDIR": "/tmp",
+    }
     child = guard.spawn_test(22, "envdump", env=env)
     assert wait_until((guard.work / "env-testchild-22.g1.json").exists, 20), Path(child["stderr"]).read_text()
     (spawn,) = [e for e in guard.events if e["event"] == "spawn" and e["index"] == 22]
     assert spawn["env"] == {
         "GUARD_TEST_DIR": str(guard.work),
         "GUARD_TEST_MODE": "envdump",
-        "HF_TOKEN": REDACTED,
+        "MOPD_HF_TOKEN": REDACTED,
         "NCCL_DEBUG": "INFO",
-        "TMPDIR": "/tmp",
-        "WANDB_API_KEY": REDACTED,
+        "TMPDIR": "/tmp",  # the site's key (--allow-env TMPDIR)
+        "MOPD_WANDB_API_KEY": REDACTED,
     }
     text = (guard.run_dir / "events" / "testhost.guard.jsonl").read_text()
     assert "hf_abc123" not in text and "k-456" not in text
@@ -112,3 +125,13 @@ def test_every_shipped_plans_child_env_passes_the_policy(name: str) -> None:
     for env in envs:
         check_overrides(env)  # raises on a refused key
     assert denial("MOPD_TRANSFER_RANKS") is None and denial("PYTORCH_CUDA_ALLOC_CONF") is None
+
+
+@pytest.mark.parametrize("key", ["LD_PRELOAD", "PYTHONPATH", "PATH", "bad key"])
+def test_a_site_cannot_allow_a_loader_key(tmp_path: Path, key: str) -> None:
+    (tmp_path / "run").mkdir()
+    argv = [sys.executable, "-m", "mopd_hpc.cli.guard", "--run-dir", str(tmp_path / "run"), "--job-id", "j"]
+    done = subprocess.run([*argv, "--allow-env", key], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("mopd-guard: --allow-env ") and key in done.stderr
+    assert "Traceback" not in done.stderr

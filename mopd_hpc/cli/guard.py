@@ -2,8 +2,8 @@
 
     mopd-guard --run-dir DIR --job-id ID [--host H] [--bind 127.0.0.1|auto|ADDR] [--port 0]
                [--token-file FILE] [--kill-wait-s 10] [--checkpoint-wait-s 60]
-               [--port-range 20000-65535] [--extra-role NAME=MODULE ...] [--plan PLAN | --autostart]
-               [--keeper | --no-keeper]
+               [--port-range 20000-65535] [--extra-role NAME=MODULE ...] [--allow-env KEY ...]
+               [--plan PLAN | --autostart] [--keeper | --no-keeper]
 
 With `--plan run_dir/plan.json` (or `--autostart`, the same with the run dir's plan.json) the guard spawns
 its node's children of the job plan and exits when they are done (runtime/guard/autostart.py): 0 when all
@@ -15,6 +15,8 @@ interface takes an explicit `--bind 0.0.0.0`.
 The token is read from `--token-file` (mode 0600; default `$MOPD_SECRET_FILE`, else
 `<run-dir>/guard.token`), never from argv or the environment. `--host` defaults to `$SLURMD_NODENAME`.
 The environment is read here, at the edge, and handed to the guard (children inherit it).
+`--allow-env KEY` lets a spawn set env KEY besides `MOPD_*` and the policy's own list
+(runtime/guard/env_policy.py); a loader or interpreter key (LD_*, PYTHON*, PATH, ...) is refused (exit 2).
 With a plan (every job's guard; `--keeper` for a bare one) the process started forks: the guard runs in
 the child, the parent execs the keeper (runtime/guard/keeper.py: a subreaper that forwards signals, kills
 whatever the guard leaves behind, even after a SIGKILL of the guard, and exits as the guard did);
@@ -93,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--extra-role", action="append", default=[], metavar="NAME=MODULE", help="register another role"
     )
     parser.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="let a spawn set env KEY besides MOPD_* and runtime/guard/env_policy.py's ALLOWED_KEYS",
+    )
+    parser.add_argument(
         "--keeper",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -150,6 +159,7 @@ def build_config(args: argparse.Namespace, env: dict[str, str], ephemeral: tuple
         kill_wait_s=args.kill_wait_s,
         checkpoint_wait_s=args.checkpoint_wait_s,
         roles=RoleRegistry.create(parse_extra_roles(args.extra_role)),
+        site_env_keys=frozenset(args.allow_env),
     )
 
 

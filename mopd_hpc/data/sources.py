@@ -203,16 +203,22 @@ class JsonlSource:
 
         Raises:
             DataSourceError: the file cannot be read or holds no prompt.
-            JsonlFormatError: a line is not valid JSON, not an object, or lacks a non-empty string
-                `prompt` or a string `answer` (the message names file:line).
+            JsonlFormatError: a line is not UTF-8 text (binary bytes), not valid JSON, not an object, or
+                lacks a non-empty string `prompt` or a string `answer` (the message names file:line).
         """
         text_path = os.fspath(path)
         try:
-            lines = Path(text_path).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
+            lines = Path(text_path).read_bytes().splitlines()
+        except OSError as exc:
             raise DataSourceError(f"source {name!r}: cannot read jsonl file {text_path!r}: {exc}") from exc
         prompts = []
-        for line_no, line in enumerate(lines, start=1):
+        for line_no, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise JsonlFormatError(
+                    text_path, line_no, f"binary bytes, not UTF-8 text ({exc.reason} at byte {exc.start})"
+                ) from None
             if line.strip():
                 obj = _parse_line(text_path, line_no, line)
                 prompts.append(
@@ -299,6 +305,8 @@ def _parse_line(path: str, line_no: int, line: str) -> dict[str, Any]:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise JsonlFormatError(path, line_no, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    except RecursionError:
+        raise JsonlFormatError(path, line_no, "not valid JSON (nested deeper than the decoder allows)") from None
     if not isinstance(obj, dict):
         raise JsonlFormatError(
             path, line_no, f"expected a JSON object (got {type(obj).__name__}: {line.strip()[:80]!r})"

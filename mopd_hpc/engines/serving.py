@@ -15,12 +15,18 @@ from aiohttp import web
 
 from mopd_hpc.engines.wire_http import READ_BUFSIZE
 from mopd_hpc.runtime.http_auth import is_protected
+from mopd_hpc.runtime.http_limits import DEFAULT_LIMITS, HttpLimits, serve_runner
 
 
 async def start_app(
-    app: web.Application, host: str, port: int, stop: asyncio.Event | None = None
+    app: web.Application,
+    host: str,
+    port: int,
+    stop: asyncio.Event | None = None,
+    limits: HttpLimits = DEFAULT_LIMITS,
 ) -> tuple[web.AppRunner, int, asyncio.Event]:
-    """Serve `app` on (host, port) and return (runner, the bound port, the stop event).
+    """Serve `app` on (host, port) and return (runner, the bound port, the stop event); the header-read
+    and connection bounds of `limits` apply (runtime/http_limits.py).
 
     Args:
         port: the port to bind; 0 lets the kernel choose (the returned port says which).
@@ -34,8 +40,8 @@ async def start_app(
             "the app has no token check: every server of the job requires the job's token; "
             "build it with mopd_hpc.runtime.http_auth.protect(app, token)"
         )
-    runner = web.AppRunner(app, access_log=None, read_bufsize=READ_BUFSIZE)  # large frame bodies: few pauses
-    await runner.setup()
+    # large frame bodies: few pauses
+    runner = await serve_runner(app, limits, access_log=None, read_bufsize=READ_BUFSIZE)
     try:
         await web.TCPSite(runner, host, port).start()
     except BaseException:

@@ -14,6 +14,7 @@
    (`config.capabilities.MODEL_FAMILIES`: dense Qwen3, Qwen3-MoE, Llama; another is refused naming its
    architecture), and a source with `template: chat` needs a tokenizer that holds a chat template.
 
+The jsonl prompt files are read here too (launch/data_check.py): a bad line is refused naming `file:line`.
 A directory that does not exist here is not this module's: launch/paths.py warns of it (a Slurm submit; the
 path may exist on the cluster alone) or refuses it (a local run). A path not read by this job (a declared
 teacher when distillation_coefficient is 0) is resolved when the cache holds it, and never refused.
@@ -29,6 +30,7 @@ from pathlib import Path
 from mopd_hpc.config import ConfigError, RunConfig
 from mopd_hpc.config.capabilities import MODEL_FAMILIES, MODEL_TYPE_ARCHITECTURES, model_family_refusals
 from mopd_hpc.config.problems import Problem
+from mopd_hpc.launch.data_check import data_problems
 from mopd_hpc.launch.hub_cache import (
     HubNotCachedError,
     HubSnapshot,
@@ -281,7 +283,7 @@ def prepare_models(
     resolved, paths, problems = resolve_hub_ids(cfg, base=base, cache_dir=cache_dir)
     if not check_files:
         return resolved
-    problems += file_problems(resolved, paths, base)
+    problems += file_problems(resolved, paths, base) + data_problems(resolved, base)
     if problems:
         raise ConfigError(problems, source)
     return resolved

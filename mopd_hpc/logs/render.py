@@ -293,12 +293,15 @@ def _progress_panel(s: RunSummary) -> Panel:
 
 
 def render_summary(summary: RunSummary, console: Console) -> None:
-    """Print `summary` on `console` (job, children, first failure, training progress, next steps)."""
+    """Print `summary` on `console` (job, children, first failure, training progress, what could not be
+    read, next steps)."""
     console.print(_job_panel(summary))
     if summary.children or summary.guards:
         console.print(_nodes_table(summary))
     console.print(_failure_panel(summary))
     console.print(_progress_panel(summary))
+    for item in summary.unreadable:
+        console.print(Text(f"skipped: {item.describe()}", style="yellow"))
     if summary.next_steps:
         console.print(Text("next:", style="bold"))
         for command in summary.next_steps:

@@ -7,6 +7,7 @@ this job's failure (`mopd_hpc.logs.jobs`); other jobs are listed by id with thei
 
 Sources, each optional: the guards' event logs, the child logs (streamed by `scan`), the batch shell's
 `state/*.json`, `metrics.jsonl` / `eval.json`, and sacct (when the job id is a Slurm id and sacct answers).
+What of them could not be read is named, never a traceback (`unreadable`: logs/unreadable.py).
 `RunSummary.to_dict()` is the `--json` output; its schema is documented in docs/en/logs.md and versioned by
 `SCHEMA_VERSION` (bump it when a key changes meaning or disappears; adding keys keeps the version).
 
@@ -41,6 +42,7 @@ from mopd_hpc.logs.run_events import ChildRun, read_run_segments
 from mopd_hpc.logs.run_lock_facts import lock_released, refusals_of, starting_holder
 from mopd_hpc.logs.sacct import SacctRunner, run_sacct
 from mopd_hpc.logs.summary_records import CHECKPOINTED, SCHEMA_VERSION, ChildSlot, JobInfo, RunSummary
+from mopd_hpc.logs.unreadable import unreadable_files
 from mopd_hpc.records.run_dir import EVENTS_DIR, JOB_FILE, LOGS_DIR, METRICS_FILE, STATE_DIR
 from mopd_hpc.runtime.jobids import fold_job_id
 
@@ -194,4 +196,5 @@ def summarize_run(
         first_failure=failure,
         progress=progress,
         next_steps=tuple(steps),
+        unreadable=unreadable_files(root),
     )

@@ -14,6 +14,7 @@ from mopd_hpc.logs.progress import Progress
 from mopd_hpc.logs.run_events import ChildRun, GuardRun
 from mopd_hpc.logs.run_lock_facts import Refusal
 from mopd_hpc.logs.sacct import SacctJob
+from mopd_hpc.logs.unreadable import Unreadable
 
 #: The state of a run that stopped cleanly on a checkpoint signal (resumable); see `JobInfo`.
 CHECKPOINTED = "CHECKPOINTED"
@@ -126,6 +127,8 @@ class RunSummary:
     first_failure: FirstFailure | None
     progress: Progress
     next_steps: tuple[str, ...]
+    #: What could not be read (logs/unreadable.py): skipped lines and records, named.
+    unreadable: tuple[Unreadable, ...] = ()
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -147,6 +150,7 @@ class RunSummary:
             "first_failure": self.first_failure.to_dict() if self.first_failure else None,
             "progress": self.progress.to_dict(),
             "next_steps": list(self.next_steps),
+            "unreadable": [u.to_dict() for u in self.unreadable],
         }
 
     def to_json(self) -> str:

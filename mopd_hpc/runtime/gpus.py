@@ -12,7 +12,9 @@ Slurm without GPU gres once exported `NoDevFiles` (ray-project/ray#7014): no GPU
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 GpuKind = Literal["index", "uuid", "mig"]
@@ -102,3 +104,74 @@ def physical_gpus(tokens: Sequence[str], slurm_gpus: Sequence[str] | None) -> tu
     if renumbered:
         return tuple(slurm_gpus)
     return tuple(tokens)
+
+
+#: Where the NVIDIA driver lists the host's GPUs, one directory per PCI device with an `information` file.
+NVIDIA_PROC_DIR = Path("/proc/driver/nvidia/gpus")
+_UUID_LINE_RE = re.compile(r"^GPU UUID:\s*(\S+)", re.MULTILINE)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeGpus:
+    """The GPUs a guard may hand out: each device with the names it answers to, and where they came from.
+
+    `devices[i]` is the tuple of tokens that name device i (its index and, when known, its UUID).
+    """
+
+    devices: tuple[tuple[str, ...], ...]
+    source: str
+
+    def device_of(self, token: str) -> int | None:
+        """The device `token` names, or None."""
+        return next((i for i, names in enumerate(self.devices) if token in names), None)
+
+    def describe(self) -> str:
+        names = ", ".join(repr(names[-1]) for names in self.devices) or "none"
+        return f"{len(self.devices)} GPU(s) ({names}; from {self.source})"
+
+
+def node_gpus(env: Mapping[str, str], proc_dir: Path = NVIDIA_PROC_DIR) -> NodeGpus:
+    """The node's GPUs as the guard sees them: the tokens of its own CUDA_VISIBLE_DEVICES when set (Slurm
+    sets it to the job's GPUs on the node; a MIG node lists MIG ids there), else every GPU the NVIDIA driver
+    lists under `proc_dir`, named by index (in PCI order) and by UUID; none when neither exists (a CPU node).
+
+    Raises:
+        GpuTokenError: CUDA_VISIBLE_DEVICES is malformed.
+    """
+    if "CUDA_VISIBLE_DEVICES" in env:
+        tokens = parse_visible_devices(env["CUDA_VISIBLE_DEVICES"])
+        return NodeGpus(tuple((t,) for t in tokens), "the guard's CUDA_VISIBLE_DEVICES")
+    try:
+        entries = sorted(p for p in proc_dir.iterdir() if p.is_dir())
+    except OSError:
+        return NodeGpus((), f"{proc_dir} (absent: no NVIDIA driver)")
+    devices = []
+    for i, entry in enumerate(entries):
+        try:
+            found = _UUID_LINE_RE.search((entry / "information").read_text(errors="replace"))
+        except OSError:
+            found = None
+        devices.append((str(i),) + ((found.group(1),) if found else ()))
+    return NodeGpus(tuple(devices), str(proc_dir))
+
+
+def gpus_refusal(gpus: Sequence[str], node: NodeGpus) -> str | None:
+    """Why a spawn may not be given `gpus` on `node` (a sentence naming the token and the node's GPUs), or
+    None: each token must be a valid token (`token_kind`: `"../x"` is not), name one of the node's devices,
+    and name a device no other token names (so never more tokens than the node has GPUs)."""
+    for token in gpus:
+        try:
+            token_kind(token)
+        except GpuTokenError as exc:
+            return f"gpus: {exc}"
+    if len(gpus) > len(node.devices):
+        return f"gpus lists {len(gpus)} GPU(s), but this node has {node.describe()}"
+    seen: dict[int, str] = {}
+    for token in gpus:
+        device = node.device_of(token)
+        if device is None:
+            return f"gpus: {token!r} is not a GPU of this node, which has {node.describe()}"
+        if device in seen:
+            return f"gpus: {token!r} and {seen[device]!r} name the same GPU"
+        seen[device] = token
+    return None

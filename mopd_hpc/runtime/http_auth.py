@@ -11,8 +11,10 @@ routes), except the bare liveness probe: `GET`/`HEAD /health` answers 200 `{"sta
 same on every server, without running the server's handler (which may say more: the teacher's names its
 checkpoint, the sglang backend's runs a generation). With the token, `/health` is the server's own handler.
 
-`protect(app, token)` installs the middleware as the outermost one; `engines/serving.start_app` refuses to
-serve an app without it (`is_protected`). Clients send `auth_headers(token)`.
+`protect(app, token)` installs the middleware as the outermost one, and right after it the request bounds of
+`runtime/http_limits.py` (body read time, body size, JSON depth); `engines/serving.start_app` refuses to
+serve an app without the token check (`is_protected`) and applies the connection bounds. Clients send
+`auth_headers(token)`.
 
 Standalone servers (a teacher or rollout server started by hand, outside a job) take their token from a
 file too (`standalone_token`): the file given, else the run directory's, else a new one in a private
@@ -37,6 +39,7 @@ from mopd_hpc.runtime.guard.auth import (
     read_token_file,
     token_matches,
 )
+from mopd_hpc.runtime.http_limits import DEFAULT_LIMITS, HttpLimits, limits_middleware
 
 log = logging.getLogger("mopd_hpc.auth")
 
@@ -78,14 +81,16 @@ def token_middleware(token: str) -> Callable[[web.Request, Handler], Awaitable[w
     return require_token
 
 
-def protect(app: web.Application, token: str) -> web.Application:
-    """Install the token middleware as `app`'s outermost middleware (before the app is frozen); returns `app`.
+def protect(app: web.Application, token: str, limits: HttpLimits = DEFAULT_LIMITS) -> web.Application:
+    """Install the token middleware as `app`'s outermost middleware and `limits`' request bounds right after
+    it (before the app is frozen); returns `app`.
 
     Raises:
         ValueError: `token` is empty. RuntimeError (aiohttp): the app is already frozen (serving).
     """
     if not is_protected(app):
         app.middlewares.insert(0, token_middleware(token))
+        app.middlewares.insert(1, limits_middleware(limits))
     return app
 
 

@@ -124,9 +124,28 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _disk_error(exc: BaseException, path: Path) -> OSError | None:
+    """The OSError behind `exc` (itself, or the one torch's zip writer hides behind a RuntimeError such as
+    "unexpected pos 768 vs 662" when the disk fills up), as an OSError naming `path`; None when there is none."""
+    found: BaseException | None = exc
+    while found is not None and not isinstance(found, OSError):
+        found = found.__context__
+    if found is None:
+        return None
+    if found.filename is not None:
+        return found
+    return OSError(found.errno, found.strerror or str(found), str(path))
+
+
 def _torch_save(obj: Any, path: Path) -> None:
-    with atomic_open(path, "wb") as f:
-        torch.save(obj, f)
+    try:
+        with atomic_open(path, "wb") as f:
+            torch.save(obj, f)
+    except (OSError, RuntimeError) as exc:
+        disk = _disk_error(exc, path)
+        if disk is None or disk is exc:
+            raise
+        raise disk from exc
 
 
 def save_checkpoint(
@@ -157,7 +176,8 @@ def save_checkpoint(
     Raises:
         CheckpointError: step < 0, keep_last < 1, data_state/extra not JSON-serializable, or an own file's
             name not a plain `.pt` name, a reserved one or used twice (nothing is written). OSError: the
-            disk write failed; `latest` still names the previous checkpoint.
+            disk write failed (a full disk: ENOSPC), naming the file; `latest` still names the previous
+            checkpoint and the half-written directory is removed.
     """
     if step < 0:
         raise CheckpointError(f"step is {step}; expected >= 0")
@@ -192,10 +212,22 @@ def save_checkpoint(
         manifest = verify.manifest_for(tmp, tuple(e.name for e in own.values()))
         atomic_write_json(tmp / verify.MANIFEST, manifest)  # last: the completeness marker
         publish_dir(tmp, final)  # re-saving a step (after a resume) retires the old copy first
+    except OSError as exc:  # a full disk, a quota: the error names the file, the half-written copy goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        disk = _disk_error(exc, tmp)
+        if disk is None or disk is exc:
+            raise
+        raise disk from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    atomic_write_text(base / LATEST, final.name + "\n")
+    try:
+        atomic_write_text(base / LATEST, final.name + "\n")
+    except OSError as exc:
+        disk = _disk_error(exc, base / LATEST)
+        if disk is None or disk is exc:
+            raise
+        raise disk from exc
     for _, old in list_checkpoints(base)[:-keep_last]:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)

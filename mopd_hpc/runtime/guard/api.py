@@ -11,29 +11,44 @@
 | POST   | /shutdown        | `ShutdownRequest`                      | 202 `{"status": "shutting_down"}`    |
 
 Every other request carries `Authorization: Bearer <token>`. Errors answer `{"error": <kind>, "message"}`
-with 400 (malformed), 401 (token), 403 (unregistered role, or an env key env_policy.py refuses), 404, 405, 409 (conflict) or 500.
+with 400 (malformed, or past a bound: `index` <= MAX_CHILD_INDEX, env sizes of spawn_env.py, `gpus` not the
+node's, JSON depth of runtime/http_limits.py), 401 (token), 403 (unregistered role, or an env key off
+env_policy.py's allow-list), 404, 405, 408 (body too slow), 409 (conflict), 413 (body too large), 503 (too
+many connections) or 500 (a bug).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.http_limits import loads_bounded
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+#: The largest child index a request may name: more children of one role than any job has (a bound, so that
+#: an index of 10**20 is a 400 naming it, not a child).
+MAX_CHILD_INDEX = 65535
+#: The most GPU tokens one spawn may name (the node's own count is checked by the guard: runtime/gpus.py).
+MAX_SPAWN_GPUS = 64
+
+
 class SlotRequest(_Request):
     """A child slot on this node: (role, index)."""
 
     role: str = Field(min_length=1, max_length=32, description="registered role name, e.g. 'rollout'")
-    index: int = Field(ge=0, description="index of the child within its role on the job")
+    index: int = Field(
+        ge=0,
+        le=MAX_CHILD_INDEX,
+        description="index of the child within its role on the job (MAX_CHILD_INDEX)",
+    )
 
 
 class ReserveRequest(SlotRequest):
@@ -42,8 +57,10 @@ class ReserveRequest(SlotRequest):
 
 class SpawnRequest(SlotRequest):
     env: dict[str, str] = Field(default_factory=dict, description="environment overrides, values verbatim")
-    gpus: list[str] | None = Field(
-        default=None, description="GPU tokens as given (ints, GPU-/MIG- ids) → CUDA_VISIBLE_DEVICES"
+    gpus: list[Annotated[str, Field(max_length=128)]] | None = Field(
+        default=None,
+        max_length=MAX_SPAWN_GPUS,
+        description="GPU tokens (indices, GPU-/MIG- ids) of the node's GPUs → CUDA_VISIBLE_DEVICES",
     )
     ports: list[str] = Field(
         default_factory=list, description=f"port names leased for this slot → {child_env.PORT_PREFIX}*"
@@ -79,9 +96,11 @@ _M = TypeVar("_M", bound=BaseModel)
 async def parse_request(request: web.Request, model: type[_M]) -> _M:
     """Parse the JSON body of `request` into `model`; an HTTP 400 naming the problem otherwise."""
     try:
-        data = await request.json()
+        data = loads_bounded(await request.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # too deep (the limits middleware refuses it first)
+        raise web.HTTPBadRequest(text=f"body: {exc}") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

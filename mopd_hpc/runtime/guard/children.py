@@ -35,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,9 +133,11 @@ class ChildSupervisor:
         events: EventLog,
         base_env: Mapping[str, str],
         node_addr: str = "127.0.0.1",
+        site_env_keys: Collection[str] = (),
     ) -> None:
         """`node_addr`: the address the guard listens on; each child gets it as MOPD_NODE_ADDR (and binds
-        it)."""
+        it). `site_env_keys`: env keys the site allowed besides env_policy.py's (`mopd-guard --allow-env`)."""
+        self.site_env_keys = frozenset(site_env_keys)
         self.run_dir = Path(run_dir)
         self.host = host
         self.node_addr = node_addr
@@ -183,7 +185,7 @@ class ChildSupervisor:
             child_env.HOST: self.host,
             child_env.NODE_ADDR: self.node_addr,
         }
-        env = build_child_env(self.base_env, env_overrides, identity, gpus, ports)
+        env = build_child_env(self.base_env, env_overrides, identity, gpus, ports, self.site_env_keys)
         out_path, err_path = child_log_paths(self.run_dir, self.host, role, index, generation)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-S", str(PDEATH_EXEC), str(os.getpid()), str(int(PARENT_DEATH_SIGNAL))]

@@ -1,18 +1,25 @@
-"""Which environment overrides a spawn may carry: loader, interpreter and shell variables are refused.
+"""Which environment overrides a spawn may carry: an allow-list (`MOPD_*` keys and `ALLOWED_KEYS`).
 
 The guard runs only registered role modules, but an environment can make any program run something else:
 `PYTHONPATH=DIR` with a `sitecustomize.py` in DIR runs DIR's code in the child before the role's module,
-`LD_PRELOAD` loads a library into every process, `PATH` decides what `gcc` or `nvidia-smi` is. A spawn
-override whose key is in `DENIED_KEYS` or starts with a prefix of `DENIED_PREFIXES` is refused (HTTP 403
-naming the key) before any port is leased or any process started. The job's own plan sets only `MOPD_*`
-keys (runtime/plan.py `child_environment`, plan/placement.py), so nothing it needs is refused; the guard's
-own environment (inherited by every child, PYTHONPATH included) is not an override and is not filtered.
+`LD_PRELOAD` loads a library into every process, `PATH` decides what `gcc` or `nvidia-smi` is, `HF_HOME`,
+`TRITON_CACHE_DIR` or `TORCHINDUCTOR_CACHE_DIR` decide which cached code and weights a child loads, and
+`SSL_CERT_FILE` or `HTTPS_PROXY` which certificate or proxy it trusts. So a spawn override is accepted only
+when its key starts with `MOPD_` or is in `ALLOWED_KEYS` (or in the site's own list, given at guard start:
+`mopd-guard --allow-env KEY`, never through the HTTP API); any other key is refused (HTTP 403 naming the key,
+a `spawn_refused` event in the guard's log) before any port is leased or any process started. The job's own
+plan sets only `MOPD_*` keys (runtime/plan.py `child_environment`, plan/placement.py: the rank, teacher,
+rollout and topology keys of runtime/child_env.py), so nothing it needs is refused; the guard's own
+environment (inherited by every child, PYTHONPATH included) is not an override and is not filtered.
 
-Sources of the list:
+A site adds a key with `mopd-guard --allow-env KEY` (repeatable); a key of `DENIED_KEYS` or `DENIED_PREFIXES`
+cannot be added (`check_site_key`), since each of them loads code. The reasons below name why.
+
+Sources of the deny list (keys no site may allow):
 - glibc's "unsecure" variables, those ld.so drops for set-user-ID programs (`sysdeps/generic/unsecvars.h`):
   `LD_*`, GCONV_PATH, GETCONF_DIR, HOSTALIASES, LOCALDOMAIN, LOCPATH, MALLOC_TRACE, NIS_PATH, NLSPATH,
   RESOLV_HOST_CONF, RES_OPTIONS, TZDIR, and GLIBC_TUNABLES (CVE-2023-4911). TMPDIR, also on that list,
-  is allowed: it picks a directory, not code, and jobs set it for scratch space;
+  may be allowed by a site: it picks a directory, not code, and jobs set it for scratch space;
 - python(1) ENVIRONMENT: every `PYTHON*` variable (PYTHONPATH, PYTHONHOME, PYTHONSTARTUP, PYTHONUSERBASE and
   its `.pth` files, PYTHONWARNINGS, which imports a warning category's module, PYTHONBREAKPOINT, ...);
   and HOME, which locates the user site-packages (`~/.local/lib/pythonX.Y/site-packages`, `.pth` files);
@@ -29,8 +36,18 @@ value, except values of keys that look secret (`SECRET_MARKERS`), written as `RE
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
+#: Keys a spawn may set: every key with this prefix (the plan's own keys, runtime/child_env.py) ...
+ALLOWED_PREFIX = "MOPD_"
+#: ... and these, each a setting that names no file, module or host (reason shown in the docs).
+ALLOWED_KEYS: Mapping[str, str] = {
+    "PYTORCH_CUDA_ALLOC_CONF": "torch's CUDA caching-allocator options (sizes and flags)",
+    "OMP_NUM_THREADS": "the CPU thread count of OpenMP and torch",
+    "TOKENIZERS_PARALLELISM": "whether the tokenizers library uses threads",
+    "CUDA_LAUNCH_BLOCKING": "synchronous CUDA launches, for debugging",
+    "NCCL_DEBUG": "NCCL's log level (a level, not a file: NCCL_DEBUG_FILE is not allowed)",
+}
 #: Key prefixes refused in a spawn's env overrides, with the reason shown in the 403.
 DENIED_PREFIXES: Mapping[str, str] = {
     "LD_": "the dynamic loader reads it (ld.so(8): LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT load code)",
@@ -68,24 +85,56 @@ SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL", 
 REDACTED = "REDACTED"
 
 _SECRET_RE = re.compile("|".join(SECRET_MARKERS))
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def denial(key: str) -> str | None:
-    """Why `key` may not be overridden (a sentence naming the key), or None when it may."""
+def danger(key: str) -> str | None:
+    """Why `key` loads code or files (the reason of `DENIED_KEYS` / `DENIED_PREFIXES`), or None."""
     reason = DENIED_KEYS.get(key)
     if reason is None:
         reason = next((why for prefix, why in DENIED_PREFIXES.items() if key.startswith(prefix)), None)
-    if reason is None:
+    return reason
+
+
+def allowed(key: str, site_keys: Collection[str] = ()) -> bool:
+    """True when a spawn may set `key`: `MOPD_*`, `ALLOWED_KEYS`, or one of the site's `site_keys`."""
+    return key.startswith(ALLOWED_PREFIX) or key in ALLOWED_KEYS or key in site_keys
+
+
+def denial(key: str, site_keys: Collection[str] = ()) -> str | None:
+    """Why `key` may not be overridden (a sentence naming the key and the way out), or None when it may."""
+    if allowed(key, site_keys):
         return None
-    return (
-        f"env key {key} may not be set by a spawn: {reason}; loader, interpreter and shell variables come "
-        "from the guard's own environment only (runtime/guard/env_policy.py lists them)"
+    why = danger(key)
+    reason = (
+        f"{why}; loader, interpreter and shell variables come from the guard's own environment only"
+        if why is not None
+        else f"it is not on the allow-list ({ALLOWED_PREFIX}* and {', '.join(sorted(ALLOWED_KEYS))}"
+        + (f", and the site's {', '.join(sorted(site_keys))}" if site_keys else "")
+        + f"); a site adds a key with `mopd-guard --allow-env {key}`"
     )
+    return f"env key {key} may not be set by a spawn: {reason} (runtime/guard/env_policy.py)"
 
 
-def first_denial(overrides: Mapping[str, str]) -> str | None:
+def first_denial(overrides: Mapping[str, str], site_keys: Collection[str] = ()) -> str | None:
     """The `denial` of the first refused key of `overrides` (in sorted order), or None."""
-    return next((why for key in sorted(overrides) if (why := denial(key)) is not None), None)
+    return next((why for key in sorted(overrides) if (why := denial(key, site_keys)) is not None), None)
+
+
+def check_site_key(key: str) -> str:
+    """`key` if a site may add it to the allow-list (`mopd-guard --allow-env`); returns it.
+
+    Raises:
+        ValueError: `key` is not an environment name, or it loads code (`danger`), naming why.
+    """
+    if not _KEY_RE.match(key):
+        raise ValueError(
+            f"--allow-env {key!r} is invalid: expected an environment name [A-Za-z_][A-Za-z0-9_]*"
+        )
+    why = danger(key)
+    if why is not None:
+        raise ValueError(f"--allow-env {key}: this key cannot be allowed: {why}")
+    return key
 
 
 def looks_secret(key: str) -> bool:

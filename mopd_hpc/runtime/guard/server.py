@@ -4,8 +4,9 @@ It leases its own HTTP port (owner `<job>/guard/0`, name `http`), binds it on `-
 `run_dir/guards/<host>.json` (`host`, `bind`, `port`, `url`, `pid`, `job_id`) atomically once it serves.
 Every endpoint except the bare liveness probe `GET /health` needs the job's token (`runtime/http_auth.py`);
 its children get the bind address as MOPD_NODE_ADDR, so their servers listen where the guard does. It spawns
-only registered roles (with env overrides that pass runtime/guard/env_policy.py: loader and interpreter
-variables are a 403), leases named ports per (role, index), reports status per (role, index, generation),
+only registered roles (with env overrides on runtime/guard/env_policy.py's allow-list, any other key is a 403
+and a `spawn_refused` event; within spawn_env.py's size bounds; on GPUs of this node, runtime/gpus.py
+`node_gpus`), under the request bounds of runtime/http_limits.py, leases named ports per (role, index), reports status per (role, index, generation),
 kills process groups, and on SIGTERM or SIGUSR2 forwards USR2 to every child's group, waits up to
 `checkpoint_wait_s`, kills what is left (each child's whole tree: runtime/guard/children.py), releases every
 lease and exits 0 (SIGINT and `POST /shutdown` skip the checkpoint wait unless asked; SIGHUP, its
@@ -17,21 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from mopd_hpc.atomic import atomic_write_json
-from mopd_hpc.records.run_dir import guard_record_file
 from mopd_hpc.runtime.guard.api import (
     KillRequest,
     ReserveRequest,
@@ -41,13 +40,15 @@ from mopd_hpc.runtime.guard.api import (
     parse_request,
 )
 from mopd_hpc.runtime.guard.children import ChildSupervisor
+from mopd_hpc.runtime.guard.config import GUARD_ROLE, GuardConfig
+from mopd_hpc.runtime.guard.config import GuardConfigError as GuardConfigError  # re-exported for the CLI
 from mopd_hpc.runtime.guard.events import EventLog, events_path
 from mopd_hpc.runtime.guard.keeper import FORWARDED, KEEPER_DEATH_SIGNAL
-from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, RoleRegistry, UnregisteredRoleError
+from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, UnregisteredRoleError
 from mopd_hpc.runtime.guard.spawn_env import ChildEnvError, spawn_refusal
 from mopd_hpc.runtime.http_auth import token_middleware
+from mopd_hpc.runtime.http_limits import limits_middleware, serve_runner
 from mopd_hpc.runtime.ports import (
-    LeasePolicy,
     PortInUseError,
     PortLeaseError,
     PortLeaser,
@@ -58,8 +59,6 @@ from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, EXIT_OK, signal_name
 
 log = logging.getLogger("mopd_hpc.guard")
 
-#: The owner of the guard's own HTTP port lease.
-GUARD_ROLE = "guard"
 #: How long the HTTP server waits for in-flight requests when it stops.
 _HTTP_SHUTDOWN_S = 2.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -70,47 +69,6 @@ PORT_ERROR_STATUS: tuple[tuple[type[PortLeaseError], int, str], ...] = (
     (PortInUseError, 409, "port_in_use"),
     (PortLeaseError, 400, "bad_port_request"),
 )
-
-
-class GuardConfigError(ValueError):
-    """A guard setting is invalid."""
-
-
-@dataclass(frozen=True, slots=True)
-class GuardConfig:
-    """Everything one guard needs; build with `GuardConfig.create` (env is passed in, read at the edge)."""
-
-    run_dir: Path
-    job_id: str
-    host: str
-    lease_policy: LeasePolicy
-    base_env: Mapping[str, str]
-    bind: str = "127.0.0.1"
-    port: int = 0
-    kill_wait_s: float = 10.0
-    checkpoint_wait_s: float = 60.0
-    roles: RoleRegistry = field(default_factory=RoleRegistry)
-
-    @classmethod
-    def create(cls, run_dir: str | Path, job_id: str, host: str, **kwargs: Any) -> GuardConfig:
-        """Raises GuardConfigError naming the bad setting."""
-        run_dir = Path(run_dir).resolve()
-        if not run_dir.is_dir():
-            raise GuardConfigError(f"run_dir={str(run_dir)!r} is not a directory: create it before the guard")
-        if not host or "/" in host or host.startswith("."):
-            raise GuardConfigError(f"host={host!r} is invalid: expected a host name usable in file names")
-        cfg = cls(run_dir=run_dir, job_id=job_id, host=host, **kwargs)
-        PortOwner.create(job_id, GUARD_ROLE, 0)  # validates job_id
-        for name in ("kill_wait_s", "checkpoint_wait_s"):
-            if not 0 <= getattr(cfg, name) <= 3600:
-                raise GuardConfigError(f"{name}={getattr(cfg, name)} is invalid: expected 0..3600 seconds")
-        if not 0 <= cfg.port <= 65535:
-            raise GuardConfigError(f"port={cfg.port} is invalid: expected 0 (lease one) or 1..65535")
-        return cfg
-
-    @property
-    def guard_file(self) -> Path:
-        return guard_record_file(self.run_dir, self.host)
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:
@@ -125,7 +83,13 @@ class Guard:
         self.leaser = PortLeaser(config.lease_policy)
         self.events = EventLog(events_path(config.run_dir, config.host), config.host)
         self.children = ChildSupervisor(
-            config.run_dir, config.host, config.job_id, self.events, config.base_env, node_addr=config.bind
+            config.run_dir,
+            config.host,
+            config.job_id,
+            self.events,
+            config.base_env,
+            node_addr=config.bind,
+            site_env_keys=config.site_env_keys,
         )
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -134,8 +98,11 @@ class Guard:
         self._signals_seen: set[int] = set()
         #: The signal that started the teardown, if one did (autostart turns it into 128 + signum).
         self.stop_signal: int | None = None
-        # the token check (runtime/http_auth.py) inside the error middleware, which logs every answer
-        self.app = web.Application(middlewares=[self._errors, token_middleware(token)])
+        # the token check (runtime/http_auth.py) and the request bounds (runtime/http_limits.py) inside the
+        # error middleware, which logs every answer
+        self.app = web.Application(
+            middlewares=[self._errors, token_middleware(token), limits_middleware(config.http_limits)]
+        )
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -162,8 +129,9 @@ class Guard:
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.bind else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((cfg.bind, self.port))
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=_HTTP_SHUTDOWN_S)
-        await self._runner.setup()
+        self._runner = await serve_runner(
+            self.app, cfg.http_limits, access_log=None, shutdown_timeout=_HTTP_SHUTDOWN_S
+        )
         await web.SockSite(self._runner, sock, shutdown_timeout=_HTTP_SHUTDOWN_S).start()
         loop = asyncio.get_running_loop()
         for signum, checkpoint in ((signal.SIGTERM, True), (CHECKPOINT_SIGNAL, True), (signal.SIGINT, False)):
@@ -324,7 +292,8 @@ class Guard:
                 "kill it first",
             )
         owner = self._owner(req)
-        refusal = spawn_refusal(req.env, req.gpus)  # before any lease or process: nothing is left behind
+        # before any lease or process: nothing is left behind
+        refusal = spawn_refusal(req.env, req.gpus, self.config.node_gpus, self.config.site_env_keys)
         if refusal is not None:
             keys = sorted(req.env)
             self.events.emit("spawn_refused", role=req.role, index=req.index, reason=refusal[2], keys=keys)
@@ -337,6 +306,11 @@ class Guard:
         except ChildEnvError as exc:
             self.leaser.release(owner, generation)
             return _error(400, "bad_env", str(exc))
+        except OSError as exc:
+            self.leaser.release(owner, generation)
+            if exc.errno == errno.E2BIG:  # the guard's own environment plus the overrides: past ARG_MAX
+                return _error(400, "bad_env", f"env: the child's environment is too large to exec ({exc})")
+            raise
         self.leaser.note_child(owner, child.pid, generation)
         return web.json_response(child.to_dict(), status=201)
 
