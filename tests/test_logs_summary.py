@@ -340,7 +340,9 @@ def test_healthy_run_progress_json_schema_and_plot(tmp_path: Path) -> None:
         "unreadable",
     }
     # RunBuilder's torn last line, named (logs/unreadable.py)
-    assert doc["unreadable"] == [{"file": "metrics.jsonl", "lines": 1, "first_line": 51, "reason": "half-written"}]
+    assert doc["unreadable"] == [
+        {"file": "metrics.jsonl", "lines": 1, "first_line": 51, "reason": "half-written"}
+    ]
     assert set(doc["job"]) == {
         "job_id",
         "name",

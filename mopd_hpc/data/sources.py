@@ -306,7 +306,9 @@ def _parse_line(path: str, line_no: int, line: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise JsonlFormatError(path, line_no, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
     except RecursionError:
-        raise JsonlFormatError(path, line_no, "not valid JSON (nested deeper than the decoder allows)") from None
+        raise JsonlFormatError(
+            path, line_no, "not valid JSON (nested deeper than the decoder allows)"
+        ) from None
     if not isinstance(obj, dict):
         raise JsonlFormatError(
             path, line_no, f"expected a JSON object (got {type(obj).__name__}: {line.strip()[:80]!r})"
