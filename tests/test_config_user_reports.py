@@ -57,8 +57,10 @@ def test_torch_actor_on_several_gpus_is_a_job_gap() -> None:
     assert [g.render() for g in job_gaps(cfg)] == [
         "models.actor.engine: the actor role runs the torch engine at data-parallel size ≤ 1 on GPUs: the actor "
         "has 2 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 2), dp 2 = world / "
-        "(tensor_parallel·pipeline_parallel) (got 'torch'; one trainer slot (cluster.group.nodes × "
-        "gpus_per_node), or CPU ranks (cluster.group.gpus_per_node: 0, actor_ranks_per_node))"
+        "(tensor_parallel·pipeline_parallel); more has not run yet: a torch actor at DP 2 on 2 GPUs (DDP over "
+        "NCCL; no GPU test yet) (got 'torch'; one trainer slot (cluster.group.nodes × gpus_per_node), or CPU "
+        "ranks (cluster.group.gpus_per_node: 0, actor_ranks_per_node), or allow_unverified: true "
+        "(--allow-unverified) to run it unverified)"
     ]
     # --check refuses it (if --check passes, the job's roles can run it), naming the field
     rc, out, err = execute(str(LOCAL), "--check", "--set", "cluster.group.gpus_per_node=2")

@@ -3,7 +3,8 @@
 README.md and docs/{en,zh}/mopd.md hold `refusals_table()` between the markers `BEGIN` and `END`
 (tests/test_config_contract.py checks they match; regenerate with
 `python -m mopd_hpc.config.refusals`). One row per refusal a declaration makes: the field, the value
-refused and with what, and the way out.
+refused and with what, and the way out; a refusal of code that has not run on GPUs here (a declaration's
+`unverified`) says so in its way out (`allow_unverified: true`), the others are unsupported.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from mopd_hpc.config.capabilities import (
     ACTOR_ENGINES,
     DEVICES,
+    OPT_IN_FIELD,
     ROLLOUT_BACKENDS,
     TEACHER_ENGINES,
     WEIGHT_SYNCS,
@@ -29,12 +31,17 @@ def _names(names: list[str]) -> str:
     return " / ".join(f"`{n}`" for n in names)
 
 
-def _limits(table: dict, attr: str) -> Iterator[tuple[int, list[str]]]:
-    """(limit, the names declaring it) for each limit below the largest size a config may ask."""
-    by: dict[int, list[str]] = {}
+#: What an unverified row's way out adds.
+OPT_IN = f", or `{OPT_IN_FIELD}: true` (not run on GPUs yet)"
+
+
+def _limits(table: dict, attr: str) -> Iterator[tuple[int, list[str], str]]:
+    """(limit, the names declaring it, OPT_IN when the limit is unverified for them, else "") for each limit
+    below the largest size a config may ask."""
+    by: dict[tuple[int, str], list[str]] = {}
     for name, spec in table.items():
-        by.setdefault(getattr(spec, attr), []).append(name)
-    yield from sorted(by.items())
+        by.setdefault((getattr(spec, attr), OPT_IN if attr in spec.unverified else ""), []).append(name)
+    yield from ((limit, names, opt_in) for (limit, opt_in), names in sorted(by.items()))
 
 
 Row = tuple[str, str, str]
@@ -60,21 +67,24 @@ def refusal_rows() -> list[Row]:
             f"{{names}} on a {device.upper()} group", f"engine {_names(having)}",
         )  # fmt: skip
     for field, attr in (("tensor_parallel", "tensor_parallel"), ("pipeline_parallel", "pipeline_parallel")):
-        for limit, names in _limits(actor, attr):
-            rows.append((f"models.actor.{field}", f"> {limit} with engine {_names(names)}", f"≤ {limit}"))
+        for limit, names, opt_in in _limits(actor, attr):
+            rows.append(
+                (f"models.actor.{field}", f"> {limit} with engine {_names(names)}", f"≤ {limit}{opt_in}")
+            )
     for device in DEVICES:
-        by: dict[int, list[str]] = {}
+        by: dict[tuple[int, str], list[str]] = {}
         for name, spec in actor.items():
             limit = spec.data_parallel(device)
             if limit is not None and device in spec.devices:
-                by.setdefault(limit, []).append(name)
-        for limit, names in sorted(by.items()):
+                opt_in = OPT_IN if f"data_parallel_{device}" in spec.unverified else ""
+                by.setdefault((limit, opt_in), []).append(name)
+        for (limit, opt_in), names in sorted(by.items()):
             rows.append(
                 (
                     "models.actor.engine",
                     f"data-parallel size (trainer ranks / (tp·pp)) > {limit} on {device.upper()}s with "
                     f"engine {_names(names)}",
-                    "fewer trainer slots" + (", or CPU ranks" if device == "gpu" else ""),
+                    "fewer trainer slots" + (", or CPU ranks" if device == "gpu" else "") + opt_in,
                 )
             )
     for name, spec in actor.items():
@@ -93,9 +103,13 @@ def refusal_rows() -> list[Row]:
             TEACHER_ENGINES, lambda s, d=device: d in s.devices, "models.teachers[i].engine",
             f"{{names}} on a {device.upper()} group", "engine `torch`",
         )  # fmt: skip
-    for limit, names in _limits(TEACHER_ENGINES, "tensor_parallel"):
+    for limit, names, opt_in in _limits(TEACHER_ENGINES, "tensor_parallel"):
         rows.append(
-            ("models.teachers[i].tensor_parallel", f"> {limit} with engine {_names(names)}", f"≤ {limit}")
+            (
+                "models.teachers[i].tensor_parallel",
+                f"> {limit} with engine {_names(names)}",
+                f"≤ {limit}{opt_in}",
+            )
         )
     rows += _lacking(
         TEACHER_ENGINES, lambda s: s.topk, "models.teachers[i].engine",
@@ -137,7 +151,7 @@ def refusal_rows() -> list[Row]:
                 (
                     "weight_sync.backend",
                     f"`{name}` from > {spec.trainer_ranks_gpu} trainer rank(s) on GPUs (not run: {spec.untested})",
-                    "fewer trainer slots",
+                    "fewer trainer slots" + (OPT_IN if "trainer_ranks_gpu" in spec.unverified else ""),
                 )
             )
         for mode, device in (
