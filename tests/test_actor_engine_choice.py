@@ -326,6 +326,7 @@ def stand_in_actor(megatron_engine: Any, student: Path, monkeypatch: pytest.Monk
     actor.optimizer = SimpleNamespace(
         zero_grad=lambda: None, step=lambda: (True, 0.5, None), param_groups=[{"lr": 1e-5}]
     )
+    actor.scheduler = SimpleNamespace(step=lambda increment: None)  # megatron's lr scheduler: nothing to set
     actor.forward = megatron_engine.MegatronForward(StandInGPT(hf), actor.device)
     actor.residency = SimpleNamespace(on_device=True)
     actor.data_parallel = DataParallel.single()

@@ -166,7 +166,7 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         loss_rl=True,
         advantage_rl=("sampled",),  # the topk estimator has no per-token advantage to add α·A_ORM to
         reference=True,  # engines/reference.py: the starting actor, scored in each rank's TEACHER phase
-        schedules=("constant", "cosine"),
+        schedules=("constant", "cosine", "linear"),
         warmup=True,
         tensor_parallel=1,
         pipeline_parallel=1,
@@ -182,8 +182,8 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         loss_rl=True,
         advantage_rl=("sampled",),
         reference=True,  # engines/reference.py with the megatron scoring engine
-        schedules=("constant",),  # Megatron's optimizer at a constant lr: no schedule wired in
-        warmup=False,
+        schedules=("constant", "cosine", "linear"),  # megatron-core's OptimizerParamScheduler
+        warmup=True,
         # the actor group starts every DP x TP rank of the megatron engine (tp_share, shard_plan, sharded
         # checkpoints); it has run at one rank only: the 2-GPU tests have not run
         tensor_parallel=1,

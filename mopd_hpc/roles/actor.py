@@ -180,8 +180,9 @@ def build_train_engine(
     hf_config = json.loads((Path(actor.path) / "config.json").read_text(encoding="utf-8"))
     model, shape = build_from_hf(actor.path, hf_config, actor.dtype, cuda)
     return MegatronTrainEngine(
-        model, shape, hf_config, cfg.loss, actor.optimizer, cuda, actor.dtype, MicroBatching.from_actor(actor)
-    )
+        model, shape, hf_config, cfg.loss, actor.optimizer, cuda, actor.dtype, MicroBatching.from_actor(actor),
+        total_steps=cfg.steps,
+    )  # fmt: skip
 
 
 def build_reference(cfg: RunConfig, kind: str, engine: Any) -> ReferenceModel:
