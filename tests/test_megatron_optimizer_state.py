@@ -459,16 +459,15 @@ def _dp_rank(rank: int, tmp: str, answers: Any) -> None:
         answers.put((rank, traceback.format_exc()))
 
 
-def test_dp_rank_1_never_opens_the_parameter_state(tmp_path: Path) -> None:
+def spawn_ranks(target: Any, world: int, tmp: Path, timeout_s: float) -> dict[int, dict[str, Any]]:
+    """`target(rank, str(tmp), answers)` in `world` spawned processes; each rank's report (a traceback fails)."""
     ctx = mp.get_context("spawn")
     answers = ctx.Queue()
-    procs = [
-        ctx.Process(target=_dp_rank, args=(r, str(tmp_path), answers), daemon=True) for r in range(DP_WORLD)
-    ]
+    procs = [ctx.Process(target=target, args=(r, str(tmp), answers), daemon=True) for r in range(world)]
     for proc in procs:
         proc.start()
     try:
-        reports = dict(answers.get(timeout=DP_TIMEOUT_S) for _ in range(DP_WORLD))
+        reports = dict(answers.get(timeout=timeout_s) for _ in range(world))
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -476,6 +475,11 @@ def test_dp_rank_1_never_opens_the_parameter_state(tmp_path: Path) -> None:
                 proc.kill()
     for rank, report in reports.items():
         assert isinstance(report, dict), f"rank {rank}:\n{report}"
+    return reports
+
+
+def test_dp_rank_1_never_opens_the_parameter_state(tmp_path: Path) -> None:
+    reports = spawn_ranks(_dp_rank, DP_WORLD, tmp_path, DP_TIMEOUT_S)
     zero, one = reports[0], reports[1]
     assert zero["owned"] == [0] and one["owned"] == [1]  # each rank steps its own shard (weight / bias)
     assert zero["state_on_this_rank"] and not one["state_on_this_rank"]

@@ -21,7 +21,6 @@ moments at 0 and says so. The same on GPUs: tests/test_megatron_resume_gpu.py's 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import sys
 import traceback
 from datetime import timedelta
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_megatron_optimizer_state import _engine, _moments, _step
+from test_megatron_optimizer_state import _engine, _moments, _step, spawn_ranks
 
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -122,20 +121,7 @@ def _rank(rank: int, tmp: str, answers: Any) -> None:
 
 
 def test_tp2_resume_restores_adam_state_bitwise(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    answers = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path), answers), daemon=True) for r in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    try:
-        reports = dict(answers.get(timeout=TIMEOUT_S) for _ in range(WORLD))
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    for rank, report in reports.items():
-        assert isinstance(report, dict), f"rank {rank}:\n{report}"
+    reports = spawn_ranks(_rank, WORLD, tmp_path, TIMEOUT_S)
     step_dir = tmp_path / "ck" / "step_000002"
     files = [tp_param_state_file(step_dir, t) for t in range(TP)]
     for rank, report in reports.items():

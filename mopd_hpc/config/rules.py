@@ -350,7 +350,7 @@ def _eval_split(c: Any) -> Iterator[Problem]:
 
 @rule("models")
 def _engine_schedule(c: Any) -> Iterator[Problem]:
-    """The lr schedule the actor engine applies (config/capabilities.py: megatron trains at a constant lr)."""
+    """The lr schedule the actor engine applies (config/capabilities.py `schedules`, `warmup`)."""
     yield from optimizer_refusals(c.models.actor.engine, c.models.actor.optimizer)
 
 

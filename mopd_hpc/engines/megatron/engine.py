@@ -629,7 +629,7 @@ class MegatronTrainEngine:
                 reload()
         if entry is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
             optimizer_state.scatter(self.optimizer, param_state)
-        else:  # no saved moments (an older checkpoint, or TP > 1): Adam restarts from 0, not torch.empty's bytes
+        else:  # none here (an older checkpoint; at TP > 1 load_tp_param_state follows): 0, not torch.empty's bytes
             optimizer_state.zero_moments(self.optimizer)
         self.steps = int(state.get("steps", 0))
 
