@@ -237,7 +237,8 @@ def test_cpu_torch_dp_runs_gpu_torch_and_megatron_beyond_one_process_are_gaps() 
         "actor has 4 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 4), dp 4 = world / "
         "(tensor_parallel·pipeline_parallel); more has not run yet: tests/test_megatron_actor_group_gpu.py "
         "(2 GPUs) (got 'megatron'; one trainer slot (cluster.group.nodes × "
-        "gpus_per_node), or engine: torch on CPU ranks)"
+        "gpus_per_node), or engine: torch on CPU ranks, or allow_unverified: true (--allow-unverified) to run "
+        "it unverified)"
     ]
     staged = load_run_config(
         LOCAL,

@@ -67,7 +67,7 @@ def test_colocate_config_from_the_8gpu_plan(tmp_path: Path) -> None:
 
 
 def test_separate_mode_and_bad_inputs(tmp_path: Path) -> None:
-    plan = _plan(rollout={"mode": "separated", "engines": {"count": 2, "tensor_parallel": 2}}, weight_sync={"backend": "awex"}, actor={"tensor_parallel": 4})  # fmt: skip
+    plan = _plan(rollout={"backend": "sglang", "mode": "separated", "engines": {"count": 2, "tensor_parallel": 2}}, weight_sync={"backend": "awex"}, actor={"tensor_parallel": 4})  # fmt: skip
     cfg = AwexJobConfig.from_plan(plan, meta_server_addr="h:1")
     assert (cfg.mode, cfg.infer_world, cfg.train_world, cfg.engine_tp) == ("separate", 4, 4, 2)
     assert cfg.transfer_rank("rollout", 1, rank_in_engine=1) == 3 and cfg.transfer_rank("actor", 0) == 4

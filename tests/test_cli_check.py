@@ -74,6 +74,27 @@ def test_check_prints_the_resolved_config(path: Path, hub_cache: Path) -> None:
     assert (resolved == cfg) == (not hub_ids(cfg))
 
 
+#: The shipped configs that --check passes only with --allow-unverified (issue 31 item 6).
+OPT_IN_CONFIGS = ("qwen3_8gpu_colocated.yaml", "gsm8k_qwen3_14b_to_0_6b.yaml")
+
+
+@pytest.mark.parametrize("name", OPT_IN_CONFIGS)
+def test_production_configs_pass_check_with_allow_unverified(name: str, hub_cache: Path) -> None:
+    """Every refusal of these configs is one of code not yet run on GPUs: with the opt-in, --check exits 0
+    and prints each as a warning, the resolved config recording `allow_unverified: true`."""
+    path = REPO / "configs" / name
+    cfg = RunConfig.from_yaml(path)
+    gaps = job_gaps(cfg)
+    assert gaps and all(g.unverified for g in gaps)
+    proc = mopd_submit("--check", path, "--allow-unverified", hub_cache=hub_cache if hub_ids(cfg) else None)
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stdout.splitlines() if line.startswith("# warning: unverified: ")]
+    assert [w.removeprefix("# warning: unverified: ").split(" = ")[0] for w in warned] == [
+        g.path for g in gaps
+    ]
+    assert yaml.safe_load(proc.stdout)["allow_unverified"] is True
+
+
 def test_check_refuses_a_hub_id_this_host_has_not_downloaded(tmp_path: Path) -> None:
     proc = mopd_submit("--check", REPO / "configs" / "gsm8k_qwen3_14b_to_0_6b.yaml", hub_cache=tmp_path)
     assert proc.returncode == EXIT_USAGE
@@ -84,7 +105,7 @@ def test_check_refuses_a_hub_id_this_host_has_not_downloaded(tmp_path: Path) -> 
     # what the job's roles do not run is named in the same answer, not only once the models are fetched
     gaps = job_gaps(RunConfig.from_yaml(REPO / "configs" / "gsm8k_qwen3_14b_to_0_6b.yaml"))
     lines = proc.stderr.splitlines()
-    assert lines[0].endswith(": 3 problems") and len(gaps) == 4
+    assert lines[0].endswith(": 3 problems") and len(gaps) == 3
     assert lines[4:] == [
         f"mopd-submit: its fields are valid, and it also asks for what the job's roles do not run yet "
         f"({len(gaps)}):",
@@ -95,7 +116,6 @@ def test_check_refuses_a_hub_id_this_host_has_not_downloaded(tmp_path: Path) -> 
         "models.actor.tensor_parallel",
         "models.teachers[0].tensor_parallel",
         "weight_sync.backend",  # awex from 8 trainer ranks has not run on GPUs
-        "weight_sync.backend",  # awex into sglang
     ]
 
 

@@ -95,7 +95,7 @@ def test_gsm8k_production_shape() -> None:
     assert (actor.path, actor.engine, actor.tensor_parallel) == ("Qwen/Qwen3-0.6B", "megatron", 8)
     assert (teacher.path, teacher.engine) == ("Qwen/Qwen3-14B", "megatron")
     assert (cfg.rollout.backend, cfg.weight_sync.backend, cfg.weight_sync.awex_mode) == (
-        "sglang",
+        "hf",
         "awex",
         "colocate",
     )

@@ -343,21 +343,9 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         ["models.actor.optimizer.warmup_ratio:", "(got 1.0"],
     ),
     (
-        "megatron-schedule",
-        seq(
-            slurm_gpus,
-            set_("models.actor.engine", "megatron"),
-            set_("models.actor.optimizer.schedule", "cosine"),
-        ),
-        [
-            "models.actor.optimizer.schedule: the megatron engine trains at a constant lr (warmup_ratio 0.04) "
-            "(got 'cosine'; schedule: constant and warmup_ratio: 0 with engine: megatron, or engine: torch)"
-        ],
-    ),
-    (
         "schedule-unknown",
-        set_("models.actor.optimizer.schedule", "linear"),
-        ["models.actor.optimizer.schedule:", "(got 'linear'"],
+        set_("models.actor.optimizer.schedule", "exponential"),
+        ["models.actor.optimizer.schedule:", "(got 'exponential'"],
     ),
     (
         "signal-after-time-limit",

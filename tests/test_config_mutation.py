@@ -369,6 +369,7 @@ MUTATIONS: dict[str, M] = {
     "steps": ("cpu", {}, {"steps": 6}, "timeline"),
     "checkpoint_interval": ("cpu", {}, {"checkpoint_interval": 3}, "timeline"),
     "log_interval": ("cpu", {}, {"log_interval": 2}, "timeline"),
+    "allow_unverified": ("cpu", {}, {"allow_unverified": True}, "warnings"),
     "models.actor.path": ("loss", {}, {"models.actor.path": "@other"}, "loss"),
     "models.actor.dtype": ("loss", {}, {"models.actor.dtype": "bfloat16"}, "loss"),
     "models.actor.engine": ("gpu", GPU2, {"models.actor.engine": "torch"}, "dry_run"),

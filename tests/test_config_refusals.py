@@ -56,7 +56,8 @@ NAMED = (
     "has 2 trainer ranks (cluster.trainer.nodes × gpus_per_node = 1 × 2), dp 2 = world / "
     "(tensor_parallel·pipeline_parallel); more has not run yet: tests/test_megatron_actor_group_gpu.py (2 GPUs) "
     "(got 'megatron'; one trainer slot (cluster.trainer.nodes × "
-    "gpus_per_node), or engine: torch on CPU ranks)"
+    "gpus_per_node), or engine: torch on CPU ranks, or allow_unverified: true (--allow-unverified) to run it "
+    "unverified)"
 )
 
 
@@ -88,8 +89,10 @@ def test_megatron_trainer_group_wider_than_the_actor_role_is_named_and_refused(t
 def test_compile_decode_false_with_sglang_is_refused_naming_the_field() -> None:
     """`rollout.compile_decode` is the hf engine's switch: false with backend sglang would be ignored, so
     --check refuses it; with hf it passes (eager decoding)."""
-    config = str(CONFIGS / "qwen3_8gpu_colocated.yaml")  # backend sglang
-    rc, out, err = execute(config, "--check", "--set", "rollout.compile_decode=false")
+    config = str(CONFIGS / "qwen3_8gpu_colocated.yaml")
+    rc, out, err = execute(
+        config, "--check", "--set", "rollout.backend=sglang", "--set", "rollout.compile_decode=false"
+    )
     assert rc == 2 and out == ""
     (line,) = [line for line in err.splitlines() if "rollout.compile_decode" in line]
     assert line == (

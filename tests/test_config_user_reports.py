@@ -57,8 +57,10 @@ def test_torch_actor_on_several_gpus_is_a_job_gap() -> None:
     assert [g.render() for g in job_gaps(cfg)] == [
         "models.actor.engine: the actor role runs the torch engine at data-parallel size ≤ 1 on GPUs: the actor "
         "has 2 trainer ranks (cluster.group.nodes × gpus_per_node = 1 × 2), dp 2 = world / "
-        "(tensor_parallel·pipeline_parallel) (got 'torch'; one trainer slot (cluster.group.nodes × "
-        "gpus_per_node), or CPU ranks (cluster.group.gpus_per_node: 0, actor_ranks_per_node))"
+        "(tensor_parallel·pipeline_parallel); more has not run yet: a torch actor at DP 2 on 2 GPUs (DDP over "
+        "NCCL; no GPU test yet) (got 'torch'; one trainer slot (cluster.group.nodes × gpus_per_node), or CPU "
+        "ranks (cluster.group.gpus_per_node: 0, actor_ranks_per_node), or allow_unverified: true "
+        "(--allow-unverified) to run it unverified)"
     ]
     # --check refuses it (if --check passes, the job's roles can run it), naming the field
     rc, out, err = execute(str(LOCAL), "--check", "--set", "cluster.group.gpus_per_node=2")
@@ -203,23 +205,24 @@ def test_refusal_of_job_gaps_lists_one_problem_a_line(tmp_path: Path) -> None:
     assert (rc, out) == (2, "")
     lines = err.splitlines()
     assert (
-        lines[0] == "mopd-submit: this config is valid but asks for what the job's roles do not run yet (4):"
+        lines[0] == "mopd-submit: this config is valid but asks for what the job's roles do not run yet (3):"
     )
-    assert [line.split(":")[0] for line in lines[1:5]] == [
+    assert [line.split(":")[0] for line in lines[1:4]] == [
         "  - models.actor.tensor_parallel",
         "  - models.teachers[0].tensor_parallel",
         "  - weight_sync.backend",  # AWEX from 8 trainer ranks: not run on GPUs
-        "  - weight_sync.backend",  # AWEX into SGLang: the job's AWEX reader is the hf server's
     ]
     assert (
-        lines[5] == "use --dry-run/--render to review it, or --probe to run the control plane of this shape"
+        lines[4] == "use --dry-run/--render to review it, or --probe to run the control plane of this shape"
     )
     assert not (tmp_path / "run").exists()
 
 
 # ---- 6. an engine wider than the group ---------------------------------------------------------------
 def test_tensor_parallel_wider_than_the_group_suggests_a_divisor() -> None:
-    got = problems(CONFIGS / "qwen3_8gpu_colocated.yaml", "rollout.engines.tensor_parallel=16")
+    got = problems(
+        CONFIGS / "qwen3_8gpu_colocated.yaml", "rollout.backend=sglang", "rollout.engines.tensor_parallel=16"
+    )
     assert got["rollout.engines.tensor_parallel"] == (
         "rollout.engines.tensor_parallel: must divide cluster.group.gpus_per_node (8) "
         "(got 16; a divisor of the GPUs per node: 1, 2, 4 or 8)"
@@ -228,6 +231,7 @@ def test_tensor_parallel_wider_than_the_group_suggests_a_divisor() -> None:
     # a count too large for a fitting tensor_parallel still says how many engines fit
     got = problems(
         CONFIGS / "qwen3_8gpu_colocated.yaml",
+        "rollout.backend=sglang",
         "rollout.engines.tensor_parallel=2",
         "weight_sync.backend=torch",
     )

@@ -357,6 +357,7 @@ def test_healthy_run_progress_json_schema_and_plot(tmp_path: Path) -> None:
         "earlier_jobs",
         "later_jobs",
         "refused",
+        "unverified",
     }
     assert doc["job"]["earlier_jobs"] == [] and doc["job"]["later_jobs"] == [] and doc["job"]["refused"] == []
     assert set(doc["nodes"][0]) == {"host", "guard", "children"}

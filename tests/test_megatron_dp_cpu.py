@@ -62,6 +62,7 @@ _RANK = textwrap.dedent(
     actor.ddp = SimpleNamespace(train=lambda: None, zero_grad_buffer=lambda: None, no_sync=contextlib.nullcontext)
     actor.micro_batching = MicroBatching()
     actor.optimizer = SimpleNamespace(zero_grad=lambda: None, step=lambda: (True, 0.5, None), param_groups=[{"lr": 1e-5}])
+    actor.scheduler = SimpleNamespace(step=lambda increment: None)
     actor.forward = megatron_engine.MegatronForward(StandInGPT(hf), actor.device)
     actor.residency = SimpleNamespace(on_device=True)
     actor.data_parallel = DataParallel(rank, world) if world > 1 else DataParallel.single()

@@ -75,6 +75,7 @@ def make_actor(engine_module: Any, student: Path, monkeypatch, normalizer: str, 
     actor.optimizer = SimpleNamespace(
         zero_grad=lambda: None, step=lambda: (True, 0.5, None), param_groups=[{"lr": 1e-5}]
     )
+    actor.scheduler = SimpleNamespace(step=lambda increment: None)  # megatron's lr scheduler: nothing to set
     actor.forward = engine_module.MegatronForward(StandInGPT(hf), actor.device)
     actor.residency = SimpleNamespace(on_device=True)
     actor.data_parallel = DataParallel.single()  # DP 1: the step's own token count is the whole step's

@@ -14,7 +14,8 @@ state_dict/load_state_dict), built without its CUDA constructor; checkpoints go 
 `load_latest` (the follower's `load_checkpoint(verify_own_files=False)` on DP rank 1).
 
 Oracle: 3 steps straight equal 2 steps, save, a fresh engine (other initial weights) loads, 1 step: the
-weights, exp_avg and exp_avg_sq bitwise, the step count and lr equal, at DP 1 and DP 2. The parameter state
+weights, exp_avg and exp_avg_sq bitwise, the step count and lr equal (the lr of megatron-core's scheduler,
+a cosine decay over the 3 steps, restored from the checkpoint), at DP 1 and DP 2. The parameter state
 is its own file (optimizer_param_state.pt, in the manifest, not in model.pt), read memory-mapped by DP rank 0
 alone: DP rank 1 never opens it (an audit hook records every `open` of the file in each process). A byte
 flipped or cut in it, or the file removed, is refused by the checkpoint verification and the previous good
@@ -36,8 +37,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.data_parallel import DataParallel
+from mopd_hpc.engines.lr_schedule import megatron_scheduler_args
 from mopd_hpc.engines.megatron import engine as megatron_engine
 from mopd_hpc.engines.megatron import optimizer_state
 from mopd_hpc.engines.own_file import FileRef, OwnFile
@@ -46,6 +50,8 @@ from mopd_hpc.trainer import checkpoint_verify
 from mopd_hpc.trainer.checkpoint import CheckpointError, load_checkpoint, load_latest, save_checkpoint
 
 DTYPE_KEY = (torch.bfloat16, torch.float32)  # megatron's (param dtype, grad dtype) key
+#: The stand-in's lr schedule (the stand-in Adam's lr 1e-2 is its peak).
+SCHEDULE = OptimizerConfig(lr=1e-2, schedule="cosine", min_lr_ratio=0.1)
 
 
 class StandInDistOpt:
@@ -63,7 +69,10 @@ class StandInDistOpt:
         self.data_parallel_group = (
             group if group is not None else SimpleNamespace(rank=lambda: 0, size=lambda: 1)
         )
-        self.param_groups = self.optimizer.param_groups
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # as megatron's: the inner optimizer's, also after a load
+        return self.optimizer.param_groups
 
     def step(self) -> None:
         for i in self.owned:  # every rank sees the same gradient (the same rows: DP's all-reduced one)
@@ -74,7 +83,7 @@ class StandInDistOpt:
                 if (
                     self.size > 1
                 ):  # the owner's updated main param to every rank (megatron's param all-gather)
-                    dist.broadcast(main.data, src=i % self.size, group=self.group)
+                    dist.broadcast(main.data, group=self.group, group_src=i % self.size)
                 p.copy_(main)
 
     def state_dict(self) -> dict[str, Any]:
@@ -120,7 +129,7 @@ class StandInDistOpt:
         gathered = [mine]
         if self.size > 1:
             gathered = [None] * self.size if self.rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0, group=self.group)
+            dist.gather_object(mine, gathered, group=self.group, group_dst=0)
         if self.rank != 0:
             return None  # megatron's: the state on DP rank 0 only
         pieces = {i: t for g in gathered for i, t in g.items()}
@@ -149,7 +158,7 @@ class StandInDistOpt:
         else:  # DP rank 0 sends each rank its shard (megatron: a gloo scatter of each bucket)
             received: list[Any] = [None]
             send = [pieces_of(r) for r in range(self.size)] if self.rank == 0 else None
-            dist.scatter_object_list(received, send, src=0, group=self.group)
+            dist.scatter_object_list(received, send, group=self.group, group_src=0)
             mine = received[0]
         for i in self.owned:
             main = self.mains[i]
@@ -165,8 +174,11 @@ def _engine(seed: int, group: Any = None) -> megatron_engine.MegatronTrainEngine
     engine = object.__new__(megatron_engine.MegatronTrainEngine)
     engine.model, engine.steps = model, 0
     engine.optimizer = StandInDistOpt(model, group=group)
-    engine.shard_plan = SimpleNamespace(tp=1)
+    engine.shard_plan, engine.tp_rank = SimpleNamespace(tp=1), 0
     engine.residency = SimpleNamespace(on_device=True)
+    # megatron-core's own lr scheduler, as the engine builds it: a cosine decay over the 3 steps of the tests,
+    # so that a resume that lost the schedule's place trains step 3 at another lr
+    engine.scheduler = OptimizerParamScheduler(engine.optimizer, **megatron_scheduler_args(SCHEDULE, 3))
     engine.data_parallel = (
         DataParallel(group.rank(), group.size(), group) if group is not None else DataParallel.single()
     )
@@ -179,6 +191,7 @@ def _step(engine: megatron_engine.MegatronTrainEngine, k: int) -> None:
     engine.model.zero_grad()
     ((engine.model(x).float() - y) ** 2).mean().backward()  # the gradient depends on the weights
     engine.optimizer.step()
+    engine.scheduler.step(1)  # as MegatronTrainEngine.train_step
     engine.steps += 1
 
 
@@ -446,16 +459,15 @@ def _dp_rank(rank: int, tmp: str, answers: Any) -> None:
         answers.put((rank, traceback.format_exc()))
 
 
-def test_dp_rank_1_never_opens_the_parameter_state(tmp_path: Path) -> None:
+def spawn_ranks(target: Any, world: int, tmp: Path, timeout_s: float) -> dict[int, dict[str, Any]]:
+    """`target(rank, str(tmp), answers)` in `world` spawned processes; each rank's report (a traceback fails)."""
     ctx = mp.get_context("spawn")
     answers = ctx.Queue()
-    procs = [
-        ctx.Process(target=_dp_rank, args=(r, str(tmp_path), answers), daemon=True) for r in range(DP_WORLD)
-    ]
+    procs = [ctx.Process(target=target, args=(r, str(tmp), answers), daemon=True) for r in range(world)]
     for proc in procs:
         proc.start()
     try:
-        reports = dict(answers.get(timeout=DP_TIMEOUT_S) for _ in range(DP_WORLD))
+        reports = dict(answers.get(timeout=timeout_s) for _ in range(world))
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -463,6 +475,11 @@ def test_dp_rank_1_never_opens_the_parameter_state(tmp_path: Path) -> None:
                 proc.kill()
     for rank, report in reports.items():
         assert isinstance(report, dict), f"rank {rank}:\n{report}"
+    return reports
+
+
+def test_dp_rank_1_never_opens_the_parameter_state(tmp_path: Path) -> None:
+    reports = spawn_ranks(_dp_rank, DP_WORLD, tmp_path, DP_TIMEOUT_S)
     zero, one = reports[0], reports[1]
     assert zero["owned"] == [0] and one["owned"] == [1]  # each rank steps its own shard (weight / bias)
     assert zero["state_on_this_rank"] and not one["state_on_this_rank"]

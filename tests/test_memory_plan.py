@@ -417,7 +417,11 @@ def test_a_colocated_child_is_planned_on_the_gpu_it_computes_on() -> None:
     ]
     weights = ModelShape.from_hf_config(QWEN3_1_7B).params * 2
     assert holdings(gpus[0])["rollout 0", "weights"].bytes == weights
-    tp2 = load_run_config(str(GPU8), ["rollout.engines.count=4", "rollout.engines.tensor_parallel=2"], False)
+    tp2 = load_run_config(  # sglang: an hf engine (the config's) runs on one GPU
+        str(GPU8),
+        ["rollout.backend=sglang", "rollout.engines.count=4", "rollout.engines.tensor_parallel=2"],
+        False,
+    )
     gpus2 = mp.memory_plan(tp2, place_children(tp2), lambda path: QWEN3_1_7B)
     engines = [[c.child for c in g.children if c.child.startswith("rollout")] for g in gpus2]
     assert engines == [[f"rollout {i // 2}"] for i in range(8)]

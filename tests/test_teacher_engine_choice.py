@@ -83,11 +83,12 @@ def test_teacher_at_tp2_is_a_gap_naming_the_field_value_and_1() -> None:
     gaps = [g for g in job_gaps(gpu_config(2)) if g.path.startswith("models.teachers")]
     assert len(gaps) == 1
     gap = gaps[0]
-    assert (gap.path, gap.got, gap.expected) == ("models.teachers[0].tensor_parallel", 2, "expected ≤ 1")
+    way = "expected ≤ 1, or allow_unverified: true (--allow-unverified) to run it unverified"
+    assert (gap.path, gap.got, gap.expected) == ("models.teachers[0].tensor_parallel", 2, way)
     assert gap.render() == (
         "models.teachers[0].tensor_parallel: the teacher role serves a megatron teacher at tensor_parallel ≤ 1: "
-        "a replica of tensor_parallel 2 (a leader and 1 follower rank(s)) has not run with this engine yet "
-        "(got 2; expected ≤ 1)"
+        "a replica of tensor_parallel 2 (a leader and 1 follower rank(s)) has not run with this engine yet: "
+        f"tests/test_megatron_teacher_tp_gpu.py (2 GPUs) has not run (got 2; {way})"
     )
     warnings = gpu_config(2).warnings()
     assert any(
@@ -135,7 +136,9 @@ def test_teacher_args_megatron_without_a_gpu_names_the_field(tmp_path: Path, vis
 def test_teacher_args_tensor_parallel_2_names_the_field(tmp_path: Path) -> None:
     environ = {"MOPD_TEACHER_ID": "teacher", "CUDA_VISIBLE_DEVICES": "0,1"}
     with pytest.raises(
-        RoleEnvError, match=r"^models\.teachers\[0\]\.tensor_parallel: .*\(got 2; expected ≤ 1\) \(CUDA_VIS"
+        RoleEnvError,
+        match=r"^models\.teachers\[0\]\.tensor_parallel: .*\(got 2; expected ≤ 1, or allow_unverified: true "
+        r"\(--allow-unverified\) to run it unverified\) \(CUDA_VIS",
     ):
         teacher_args(role(tmp_path, environ), gpu_config(2), environ)
 

@@ -1,7 +1,7 @@
 """`mopd-submit`: validate a run config, plan the job, and render, print, submit or run it here.
 
     mopd-submit run.yaml [--check] [--dry-run] [--render PATH] [--local] [--set KEY=VALUE ...]
-                         [--run-dir DIR] [--resume RUN_DIR] [--probe]
+                         [--run-dir DIR] [--resume RUN_DIR] [--probe] [--allow-unverified]
 
 - `--check`: validate and print the resolved config; exit 0, or 2 with every error, or with what the job's
   roles do not run (`job_gaps`, config/capabilities.py; listed after the models' problems too): if --check
@@ -21,6 +21,10 @@
 - `--local` (or `cluster.backend: local`): run the job on this machine through one guard (launch/local.py);
   exit code = the guard's. Otherwise (`slurm`): write run_dir/plan.json and run_dir/config.yaml, sbatch the
   script, print the job id and the commands to follow it, and record the job in the job index.
+- `--allow-unverified` is `--set allow_unverified=true`: what is written but has not run on GPUs here
+  (config/capabilities.py `unverified`) is a warning instead of a refusal; the resolved config.yaml records
+  it, and the run dir's unverified.json (records/unverified.py) the warnings, which `mopd-logs summarize`
+  shows. What is unsupported stays refused.
 - `--run-dir DIR` replaces the config's run_dir; `--resume RUN_DIR` is the same for an existing run
   directory (the trainer resumes from its checkpoints/latest).
 - `--probe` (hidden in --help, documented here): every child runs the `probe` role instead of its own,
@@ -46,6 +50,8 @@ from typing import Any, TextIO
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
+from mopd_hpc.config.capabilities import OPT_IN_FIELD
+from mopd_hpc.config.gaps import unverified_gaps, unverified_warning
 from mopd_hpc.config.inert import inert_warnings
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
 from mopd_hpc.config.rules import job_gaps
@@ -61,6 +67,7 @@ from mopd_hpc.plan.memory_plan import format_memory_plan
 from mopd_hpc.plan.placement import place_children
 from mopd_hpc.plan.residency_plan import planned_residency, residency_modes, residency_warnings
 from mopd_hpc.records.run_dir import CONFIG_FILE
+from mopd_hpc.records.unverified import write_unverified
 from mopd_hpc.runtime import run_lock
 from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
 from mopd_hpc.runtime.run_lock import RunDirLockedError, RunLock
@@ -105,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--run-dir", metavar="DIR", default=None, help="run directory (replaces run_dir)")
     where.add_argument(
         "--resume", metavar="RUN_DIR", default=None, help="run again in an existing run directory (resumes)"
+    )
+    parser.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help=f"run what is written but has not run on GPUs here (megatron TP/DP > 1, teacher TP > 1, AWEX from "
+        f"several ranks) with a warning instead of a refusal: --set {OPT_IN_FIELD}=true",
     )
     parser.add_argument(
         "--probe",
@@ -249,8 +262,9 @@ def execute(
     args: argparse.Namespace, *, out: TextIO, err: TextIO, environ: Mapping[str, str], python: str
 ) -> int:
     """Everything after argument parsing; collaborators passed in (streams, environment, interpreter)."""
+    overrides = [*args.overrides, *([f"{OPT_IN_FIELD}=true"] if args.allow_unverified else [])]
     if args.check:
-        return check(args.config, args.overrides, args.local, out, err)
+        return check(args.config, overrides, args.local, out, err)
     from rich.console import Console
 
     from mopd_hpc.launch.from_config import jobspec_from_config
@@ -258,7 +272,7 @@ def execute(
     from mopd_hpc.launch.render import render
 
     try:
-        cfg = load_run_config(args.config, args.overrides, args.local)
+        cfg = load_run_config(args.config, overrides, args.local)
         # hub ids → this host's cached snapshots (the job's config.yaml carries them); the files checked
         cfg = prepare_models(cfg, args.config, check_files=not (args.dry_run or args.probe))
         path = resolve_run_dir(cfg, args.run_dir, args.resume)
@@ -328,6 +342,7 @@ def execute(
     for line in choice.skipped:  # a damaged newer checkpoint: the actor passes over it too
         print(f"# warning: checkpoint skipped: {line}", file=out)
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
+    write_unverified(run_dir.root, [unverified_warning(p) for p in unverified_gaps(cfg)])
     plan.write(run_dir.root / PLAN_FILE_NAME)
     if args.render:  # the run dir is prepared as for a submission, so the script runs as written
         Path(args.render).parent.mkdir(parents=True, exist_ok=True)

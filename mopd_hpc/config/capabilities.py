@@ -18,6 +18,15 @@ engine's tensor_parallel below is the largest replica that has run with it: the 
 is tested on CPU with a stand-in shard engine (tests/test_teacher_replica_role.py), and megatron's stays at 1
 until its replica of TP > 1 has run on GPUs (the multi-GPU issue).
 
+Verified, unverified, unsupported: each limit below (tensor_parallel, data_parallel_gpu, trainer_ranks_gpu) is
+the largest size that has RUN on GPUs here. A limit named in a declaration's `unverified` is one whose code
+goes further (written, tested on CPU gloo ranks or with a stand-in) but whose GPU test has not run (its
+`untested`): beyond it the refusal is unverified (`Problem.unverified`), and `allow_unverified: true`
+(`mopd-submit --allow-unverified`) turns it into a warning. A limit not named there is unsupported (no
+code runs beyond it, or the combination is known not to work: megatron at pipeline_parallel > 1, an hf
+rollout engine over several GPUs, the torch broadcast between two ranks of one GPU): refused whatever the
+opt-in says.
+
 Imports no torch (it is read on the submit host in a second). The refusals' table in README.md and docs/ is
 `refusals_table()` (tests/test_config_contract.py checks the docs hold it).
 """
@@ -25,14 +34,30 @@ Imports no torch (it is read on the submit host in a second). The refusals' tabl
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mopd_hpc.config.problems import Problem, join_path
 
 #: Device kinds a declaration names: "cpu" (a group with gpus_per_node 0) and "gpu".
 DEVICES = ("cpu", "gpu")
+#: The opt-in's config field (RunConfig.allow_unverified) and its command-line spelling.
+OPT_IN_FIELD = "allow_unverified"
+OPT_IN_FLAG = "--allow-unverified"
+#: The way out an unverified refusal adds to its own.
+OPT_IN_WAY = f"{OPT_IN_FIELD}: true ({OPT_IN_FLAG}) to run it unverified"
+
+
+def unverified(problem: Problem, untested: str) -> Problem:
+    """`problem` marked unverified (`untested`: the GPU test that has not run), its way out naming the opt-in."""
+    way = f"{problem.expected}, or {OPT_IN_WAY}" if problem.expected else OPT_IN_WAY
+    return replace(problem, expected=way, unverified=untested or "no GPU test yet")
+
+
+def standing(problems: Iterable[Problem], allow_unverified: bool) -> list[Problem]:
+    """The problems that refuse: all of them, or with `allow_unverified` all but the unverified ones."""
+    return [p for p in problems if not (allow_unverified and p.unverified)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +82,9 @@ class ActorEngineSpec:
         routing_replay: its forward replays the rollout's routed experts (`rollout.routing_replay`).
         expert_parallel: the largest expert-parallel size it runs; expert_parallel_untested: the GPU test
             that has not run beyond it ("" when the limit is the engine's own).
+        unverified: the limits (`"tensor_parallel"`, `"data_parallel_gpu"`) whose code goes beyond them,
+            not yet run on GPUs: `allow_unverified` lets a config past them (module docstring); the others
+            are unsupported.
     """
 
     name: str
@@ -76,6 +104,7 @@ class ActorEngineSpec:
     routing_replay: bool = False
     expert_parallel: int = 1
     expert_parallel_untested: str = ""
+    unverified: tuple[str, ...] = ()
 
     def data_parallel(self, device: str) -> int | None:
         return self.data_parallel_gpu if device == "gpu" else self.data_parallel_cpu
@@ -83,12 +112,16 @@ class ActorEngineSpec:
 
 @dataclass(frozen=True, slots=True)
 class TeacherEngineSpec:
-    """What a teacher (scoring) engine serves: device kinds, the largest tensor-parallel size, top-k."""
+    """What a teacher (scoring) engine serves: device kinds, the largest tensor-parallel size that has run,
+    top-k; `unverified` ("tensor_parallel") when a larger replica is written (roles/teacher_replica.py) but
+    has not run on GPUs, `untested` the test that has not run."""
 
     name: str
     devices: tuple[str, ...]
     tensor_parallel: int
     topk: bool
+    unverified: tuple[str, ...] = ()
+    untested: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +166,8 @@ class WeightSyncSpec:
     #: and the test that has not run beyond it (named in the refusal).
     trainer_ranks_gpu: int | None = None
     untested: str = ""
+    #: ("trainer_ranks_gpu",): every trainer rank writes (written, tested on CPU), not yet run on GPUs.
+    unverified: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,12 +229,14 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         loss_rl=True,
         advantage_rl=("sampled",),  # the topk estimator has no per-token advantage to add α·A_ORM to
         reference=True,  # engines/reference.py: the starting actor, scored in each rank's TEACHER phase
-        schedules=("constant", "cosine"),
+        schedules=("constant", "cosine", "linear"),
         warmup=True,
         tensor_parallel=1,
         pipeline_parallel=1,
         data_parallel_cpu=None,  # DDP over gloo (issue 16)
-        data_parallel_gpu=1,  # DDP over NCCL has not run in the job yet
+        data_parallel_gpu=1,  # DDP over NCCL has not run in the job yet: the same code as over gloo
+        untested="a torch actor at DP 2 on 2 GPUs (DDP over NCCL; no GPU test yet)",
+        unverified=("data_parallel_gpu",),
         router_losses=True,  # engines/moe_routing.py
         routing_replay=True,
         expert_parallel=1,  # transformers' MoE blocks hold every expert on the rank
@@ -211,8 +248,8 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         loss_rl=True,
         advantage_rl=("sampled",),
         reference=True,  # engines/reference.py with the megatron scoring engine
-        schedules=("constant",),  # Megatron's optimizer at a constant lr: no schedule wired in
-        warmup=False,
+        schedules=("constant", "cosine", "linear"),  # megatron-core's OptimizerParamScheduler
+        warmup=True,
         # the actor group starts every DP x TP rank of the megatron engine (tp_share, shard_plan, sharded
         # checkpoints); it has run at one rank only: the 2-GPU tests have not run
         tensor_parallel=1,
@@ -223,12 +260,21 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         # megatron-core's MoELayer shards experts over an expert-parallel group; EP 1 holds them all
         expert_parallel=1,
         expert_parallel_untested="tests/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs)",
+        unverified=("tensor_parallel", "data_parallel_gpu"),  # pipeline_parallel > 1: no code
     ),
 }
 
 TEACHER_ENGINES: dict[str, TeacherEngineSpec] = {
     "torch": TeacherEngineSpec("torch", devices=("cpu", "gpu"), tensor_parallel=1, topk=True),
-    "megatron": TeacherEngineSpec("megatron", devices=("gpu",), tensor_parallel=1, topk=True),
+    # a TP replica's leader/followers run on CPU with a stand-in shard engine; with megatron not yet on GPUs
+    "megatron": TeacherEngineSpec(
+        "megatron",
+        devices=("gpu",),
+        tensor_parallel=1,
+        topk=True,
+        unverified=("tensor_parallel",),
+        untested="tests/test_megatron_teacher_tp_gpu.py (2 GPUs)",
+    ),
 }
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
@@ -276,6 +322,7 @@ WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
         rollout_backends=("hf",),
         trainer_ranks_gpu=1,
         untested="tests/test_awex_tp_gpu.py (a TP 2 actor: 2 GPUs colocated, 4 separated)",
+        unverified=("trainer_ranks_gpu",),
     ),
 }
 
@@ -411,15 +458,14 @@ def actor_refusals(
             if spec.untested
             else f"tensor_parallel {tp} needs ranks it does not start"
         )
-        out.append(
-            Problem(
-                "models.actor.tensor_parallel",
-                f"the actor role runs the {engine} engine at tensor_parallel ≤ {spec.tensor_parallel} "
-                f"({_processes(spec.tensor_parallel)}): {why}",
-                tp,
-                f"expected ≤ {spec.tensor_parallel}",
-            )
+        problem = Problem(
+            "models.actor.tensor_parallel",
+            f"the actor role runs the {engine} engine at tensor_parallel ≤ {spec.tensor_parallel} "
+            f"({_processes(spec.tensor_parallel)}): {why}",
+            tp,
+            f"expected ≤ {spec.tensor_parallel}",
         )
+        out.append(unverified(problem, spec.untested) if "tensor_parallel" in spec.unverified else problem)
     if pp > spec.pipeline_parallel:
         out.append(
             Problem(
@@ -445,18 +491,18 @@ def actor_refusals(
                 ways.append(f"engine: {other.name}")
             elif device == "gpu" and "cpu" in other.devices and other.data_parallel_cpu is None:
                 ways.append(f"engine: {other.name} on CPU ranks")
-        out.append(
-            Problem(
-                "models.actor.engine",
-                f"the actor role runs the {engine} engine at data-parallel size ≤ {limit} on "
-                f"{device.upper()}s: the actor "
-                f"has {world} trainer ranks{f' ({how})' if how else ''}, dp {dp} = world / "
-                f"(tensor_parallel·pipeline_parallel)"
-                + (f"; more has not run yet: {spec.untested}" if spec.untested else ""),
-                engine,
-                ", or ".join(ways),
-            )
+        problem = Problem(
+            "models.actor.engine",
+            f"the actor role runs the {engine} engine at data-parallel size ≤ {limit} on "
+            f"{device.upper()}s: the actor "
+            f"has {world} trainer ranks{f' ({how})' if how else ''}, dp {dp} = world / "
+            f"(tensor_parallel·pipeline_parallel)"
+            + (f"; more has not run yet: {spec.untested}" if spec.untested else ""),
+            engine,
+            ", or ".join(ways),
         )
+        written = f"data_parallel_{device}" in spec.unverified
+        out.append(unverified(problem, spec.untested) if written else problem)
     return out
 
 
@@ -484,16 +530,15 @@ def teacher_refusals(
             )
         )
     if tp > spec.tensor_parallel:
-        out.append(
-            Problem(
-                f"{path}.tensor_parallel",
-                f"the teacher role serves a {engine} teacher at tensor_parallel ≤ {spec.tensor_parallel}: a "
-                f"replica of tensor_parallel {tp} (a leader and {tp - 1} follower rank(s)) has not run with "
-                "this engine yet",
-                tp,
-                f"expected ≤ {spec.tensor_parallel}",
-            )
+        problem = Problem(
+            f"{path}.tensor_parallel",
+            f"the teacher role serves a {engine} teacher at tensor_parallel ≤ {spec.tensor_parallel}: a "
+            f"replica of tensor_parallel {tp} (a leader and {tp - 1} follower rank(s)) has not run with "
+            "this engine yet" + (f": {spec.untested} has not run" if spec.untested else ""),
+            tp,
+            f"expected ≤ {spec.tensor_parallel}",
         )
+        out.append(unverified(problem, spec.untested) if "tensor_parallel" in spec.unverified else problem)
     if estimator == "topk" and not spec.topk:
         out.append(
             Problem(
@@ -573,7 +618,7 @@ def weight_sync_refusals(
     spec = WEIGHT_SYNCS[backend]
     limit = spec.trainer_ranks_gpu
     if device == "gpu" and limit is not None and actor_world > limit:
-        yield Problem(
+        problem = Problem(
             "weight_sync.backend",
             f"the {backend} sync from {actor_world} trainer ranks (every rank a writer at its transfer rank) has "
             f"not run on GPUs: it has run from {'one trainer rank' if limit == 1 else f'{limit} trainer ranks'} only, and "
@@ -592,6 +637,7 @@ def weight_sync_refusals(
                 but=backend,
             ),
         )
+        yield unverified(problem, spec.untested) if "trainer_ranks_gpu" in spec.unverified else problem
     if (rollout_mode, device) not in spec.layouts:
         modes = [m for m, d in spec.layouts if d == device]
         yield Problem(

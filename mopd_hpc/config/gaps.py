@@ -5,7 +5,10 @@ first, for --dry-run and --render, which still show such a config).
 Every refusal is derived from the declarations of `config/capabilities.py` (what each actor engine, teacher
 engine, rollout backend and weight-sync backend runs); each names the field, its value and the way out, so
 the user changes that field (or waits for the role that runs it) instead of a job that fails after the
-queue wait, or a substitute engine silently.
+queue wait, or a substitute engine silently. A refusal of code that is written but has not run on GPUs here
+(`Problem.unverified`) names `allow_unverified: true` as a way out too; with it set, `job_gaps` leaves it
+out and `unverified_gaps` lists it, a warning (`unverified_warning`) that --check prints, the run dir keeps
+(records/unverified.py) and `mopd-logs summarize` shows.
 """
 
 from __future__ import annotations
@@ -15,23 +18,44 @@ import importlib.util
 from typing import Any
 
 from mopd_hpc.config.capabilities import (
+    OPT_IN_FIELD,
     ROLLOUT_BACKENDS,
     actor_refusals,
     loss_refusals,
     moe_refusals,
     rollout_refusals,
+    standing,
     teacher_refusals,
     version_refusals,
     weight_sync_refusals,
 )
 from mopd_hpc.config.parallel import actor_world
-from mopd_hpc.config.problems import Problem
+from mopd_hpc.config.problems import Problem, show
 
 
 def job_gaps(cfg: Any) -> list[Problem]:
     """Valid settings of a loaded RunConfig that the job's roles do not run, one problem each, in the order:
     the actor's shape, the teachers, the rollout backend, the weight sync, the loss (`config/capabilities.py`
-    says what runs; README "What --check refuses" lists it)."""
+    says what runs; README "What --check refuses" lists it); with `cfg.allow_unverified` the unverified ones
+    are left out (`unverified_gaps`)."""
+    return standing(_all_gaps(cfg), cfg.allow_unverified)
+
+
+def unverified_gaps(cfg: Any) -> list[Problem]:
+    """The refusals `cfg.allow_unverified` lets through: written code not yet run on GPUs ([] without it)."""
+    return [p for p in _all_gaps(cfg) if p.unverified] if cfg.allow_unverified else []
+
+
+def unverified_warning(problem: Problem) -> str:
+    """The warning of an unverified setting let through: `<path> = <value> (not run on GPUs here; let through
+    by allow_unverified): <the refusal's message>` (the message names the GPU test that has not run)."""
+    return (
+        f"{problem.path} = {show(problem.got)} (not run on GPUs here; let through by {OPT_IN_FIELD}): "
+        f"{problem.message}"
+    )
+
+
+def _all_gaps(cfg: Any) -> list[Problem]:
     actor, group = cfg.models.actor, cfg.cluster.trainer_group
     device = "gpu" if group.gpus_per_node else "cpu"
     world = actor_world(cfg.cluster, cfg.rollout)

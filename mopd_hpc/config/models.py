@@ -14,23 +14,35 @@ from mopd_hpc.config.types import Dtype, Engine, Identifier, NonEmptyStr
 class OptimizerConfig(Section):
     """AdamW of the actor, and its learning-rate schedule over the run's `steps`.
 
-    lr(s) for step s = 1..steps (transformers' schedules, `transformers.get_scheduler`):
-    linear warm-up from 0 to lr over the first round(warmup_ratio·steps) steps, then `constant` (lr) or
-    `cosine` (half a cosine period from lr down to min_lr_ratio·lr, reached just after the last step).
+    lr(s) for step s = 1..steps (megatron-core's `OptimizerParamScheduler` on the megatron engine,
+    transformers' schedules on the torch engine: the same values, engines/lr_schedule.py): linear warm-up
+    from 0 to lr over the first round(warmup_ratio·steps) steps, then `constant` (lr), `cosine` (half a
+    cosine period from lr down to min_lr_ratio·lr, reached just after the last step) or `linear` (a straight
+    line from lr down to min_lr_ratio·lr, reached just after the last step).
     """
 
     lr: float = Field(gt=0, allow_inf_nan=False, description="Peak learning rate (after the warm-up).")
-    schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="After the warm-up: 'constant' lr, or 'cosine' decay to min_lr_ratio·lr."
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant",
+        description="After the warm-up: 'constant' lr, or 'cosine' / 'linear' decay to min_lr_ratio·lr at the "
+        "last step (megatron: megatron-core's OptimizerParamScheduler).",
     )
     warmup_ratio: float = Field(
         0.0, ge=0, lt=1, allow_inf_nan=False, description="Linear warm-up, as a fraction of the run's steps."
     )
     min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, allow_inf_nan=False, description="'cosine': the final lr as a fraction of lr."
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="'cosine' / 'linear': the final lr as a fraction of lr.",
     )
     weight_decay: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay (dimensionless)."
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="AdamW decoupled weight decay (dimensionless); megatron skips 1-D parameters (norms) and "
+        "biases, as megatron-core's standard parameter groups do.",
     )
     grad_clip: float | None = Field(
         1.0, gt=0, allow_inf_nan=False, description="Max global gradient L2 norm; null = no clipping."

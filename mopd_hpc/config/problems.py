@@ -10,7 +10,7 @@ into one `ConfigError`, so a user fixes a config in one pass, not one error per 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: Sentinel for "no value to show" (distinct from a value of None, which shows as `null`).
 NO_VALUE: object = object()
@@ -50,12 +50,16 @@ class Problem:
         message: what is wrong, in the field's terms.
         got: the offending value, or NO_VALUE when there is none to show (a missing key).
         expected: what would be right, the known values, or the way out; "" for none.
+        unverified: "" for a problem that stands; for a setting whose code is written (and tested on CPU)
+            but has not run on GPUs here, the GPU test that has not run: `allow_unverified: true` turns it
+            into a warning (config/capabilities.py).
     """
 
     path: str
     message: str
     got: object = NO_VALUE
     expected: str = ""
+    unverified: str = ""
 
     def under(self, prefix: str) -> Problem:
         """The same problem with its path placed under `prefix` (a section path)."""
@@ -67,7 +71,7 @@ class Problem:
             path = prefix + self.path
         else:
             path = f"{prefix}.{self.path}"
-        return Problem(path, self.message, self.got, self.expected)
+        return replace(self, path=path)
 
     def render(self) -> str:
         details = []

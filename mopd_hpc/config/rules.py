@@ -19,7 +19,7 @@ from typing import Any
 
 from mopd_hpc.config.capabilities import ACTOR_ENGINES, ROLLOUT_BACKENDS, optimizer_refusals
 from mopd_hpc.config.data import unevaluated_sources
-from mopd_hpc.config.gaps import job_gaps
+from mopd_hpc.config.gaps import job_gaps, unverified_gaps, unverified_warning
 from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message
 from mopd_hpc.config.problems import Problem, join_path, known, needs_gpus
 from mopd_hpc.config.teacher_rules import teacher_layout, teacher_residency, teachers_started
@@ -341,7 +341,7 @@ def _eval_split(c: Any) -> Iterator[Problem]:
 
 @rule("models")
 def _engine_schedule(c: Any) -> Iterator[Problem]:
-    """The lr schedule the actor engine applies (config/capabilities.py: megatron trains at a constant lr)."""
+    """The lr schedule the actor engine applies (config/capabilities.py `schedules`, `warmup`)."""
     yield from optimizer_refusals(c.models.actor.engine, c.models.actor.optimizer)
 
 
@@ -366,6 +366,10 @@ def config_warnings(cfg: Any) -> list[str]:
     """Legal but suspicious settings of a valid RunConfig, rendered as problems (not errors); `job_gaps`
     first, as "not run by the job's roles yet: ..."."""
     out = [f"not run by the job's roles yet: {gap.render()}" for gap in job_gaps(cfg)]
+    let_through = unverified_gaps(cfg)
+    out += [f"unverified: {unverified_warning(gap)}" for gap in let_through]
+    if cfg.allow_unverified and not let_through:
+        out.append("allow_unverified: true lets nothing through here: every setting of this config has run")
     backend = ROLLOUT_BACKENDS[cfg.rollout.backend]
     if cfg.rollout.mode in backend.stand_in_modes:
         where = (

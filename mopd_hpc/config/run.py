@@ -66,6 +66,14 @@ class RunConfig(Section):
         default_factory=WeightSyncConfig, description="Weight sync actor → rollout."
     )
     cluster: ClusterConfig = Field(description="Backend, job shape, resources.")
+    allow_unverified: bool = Field(
+        False,
+        description="Run settings whose code is written but has not run on GPUs here (megatron at "
+        "tensor_parallel or data-parallel size > 1, a megatron teacher at tensor_parallel > 1, AWEX from several "
+        "trainer ranks: config/capabilities.py `unverified`): each becomes a warning (--check, the run dir's "
+        "unverified.json, mopd-logs summarize) instead of a refusal; what is unsupported stays refused. "
+        "`mopd-submit --allow-unverified` sets it.",
+    )
 
     @model_validator(mode="before")
     @classmethod

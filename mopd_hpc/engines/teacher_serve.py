@@ -50,7 +50,8 @@ class TeacherArgs:
     server) or, in a job, `roles.teacher.teacher_args`.
 
     `engine` is "torch" or "megatron"; `tensor_parallel`: the replica's TP size, at most what
-    `config/capabilities.py` declares for the engine (at 1 one process serves; above, `rank` is this process's
+    `config/capabilities.py` declares for the engine, or above it where the declaration calls the larger size
+    unverified and `allow_unverified` (the config's) is set (at 1 one process serves; above, `rank` is this process's
     rank in the replica's TP group, 0 the leader that serves HTTP, the others its followers:
     roles/teacher_replica.py); `source` is where the engine settings came from, for error messages: the teacher's config path
     (`models.teachers[0]`), or "" for the command line (errors then name `--engine`). `token_file`: the
@@ -72,6 +73,7 @@ class TeacherArgs:
     num_threads: int | None = None
     engine: str = "torch"
     tensor_parallel: int = 1
+    allow_unverified: bool = False
     source: str = ""
     token_file: str | None = None
     replica: int = 0
@@ -100,14 +102,15 @@ def build_engine(args: TeacherArgs) -> Any:
 
     Raises:
         EngineError: tensor_parallel above the engine's declared size (`config/capabilities.py`
-            TEACHER_ENGINES), an unknown engine, megatron without a CUDA device or without
+            TEACHER_ENGINES; unless it is unverified there and `allow_unverified` is set), an unknown engine, megatron without a CUDA device or without
             megatron-core (the message names the field: `models.teachers[i].engine` in a job, `--engine` on
             the command line), or what the engine's `from_pretrained` raises (dtype, device, checkpoint).
     """
     from mopd_hpc.engines.torch_engine import TorchScoringEngine
 
     spec = TEACHER_ENGINES.get(args.engine)  # the declaration `mopd-submit --check` used
-    if spec is not None and args.tensor_parallel > spec.tensor_parallel:
+    opted_in = spec is not None and args.allow_unverified and "tensor_parallel" in spec.unverified
+    if spec is not None and args.tensor_parallel > spec.tensor_parallel and not opted_in:
         raise EngineError(
             f"{args.field('tensor_parallel')}={args.tensor_parallel}: the teacher server runs a {args.engine} "
             f"teacher at tensor_parallel ≤ {spec.tensor_parallel}; expected ≤ {spec.tensor_parallel}"

@@ -85,6 +85,8 @@ def _job_panel(s: RunSummary) -> Panel:
                 style="yellow",
             )
         )
+    for warning in job.unverified:  # let through by allow_unverified: code not yet run on GPUs here
+        parts.append(Text(f"ran unverified (allow_unverified): {warning}", style="yellow"))
     if job.state == CHECKPOINTED:
         at = f"step {job.end_step}" if job.end_step is not None else "its last checkpoint"
         parts.append(

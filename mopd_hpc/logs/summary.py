@@ -44,6 +44,7 @@ from mopd_hpc.logs.sacct import SacctRunner, run_sacct
 from mopd_hpc.logs.summary_records import CHECKPOINTED, SCHEMA_VERSION, ChildSlot, JobInfo, RunSummary
 from mopd_hpc.logs.unreadable import unreadable_files
 from mopd_hpc.records.run_dir import EVENTS_DIR, JOB_FILE, LOGS_DIR, METRICS_FILE, STATE_DIR
+from mopd_hpc.records.unverified import read_unverified
 from mopd_hpc.runtime.jobids import fold_job_id
 
 __all__ = [
@@ -176,6 +177,7 @@ def summarize_run(
         earlier_jobs=other_jobs(events.earlier, runner, OTHER_JOBS_ASKED),
         later_jobs=other_jobs(events.later, runner, OTHER_JOBS_ASKED),
         refused=refusals_of(root, job_id),
+        unverified=read_unverified(root),
     )
     progress = read_progress(root)
     running = state == "RUNNING"

@@ -80,7 +80,9 @@ class JobInfo:
     not part of the summary). `earlier_jobs`/`later_jobs`: (job id, state) of the other jobs that used the
     run dir (state from sacct when it answers, else `jobs.events_verdict`). `refused`: (job id or None for
     a submission, host, pid, Unix time) of each job the run-dir lock turned away while this job held it
-    (runtime/run_lock.py `read_refusals`).
+    (runtime/run_lock.py `read_refusals`). `unverified`: what the run was let to do unverified
+    (`allow_unverified: true`: code not yet run on GPUs here), as mopd-submit recorded it
+    (records/unverified.py).
     """
 
     job_id: str | None
@@ -97,6 +99,7 @@ class JobInfo:
     earlier_jobs: tuple[tuple[str, str], ...] = ()
     later_jobs: tuple[tuple[str, str], ...] = ()
     refused: tuple[Refusal, ...] = ()
+    unverified: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +116,7 @@ class JobInfo:
             "earlier_jobs": [{"job_id": j, "state": st} for j, st in self.earlier_jobs],
             "later_jobs": [{"job_id": j, "state": st} for j, st in self.later_jobs],
             "refused": [{"job_id": j, "host": h, "pid": p, "ts": ts} for j, h, p, ts in self.refused],
+            "unverified": list(self.unverified),
         }
 
 

@@ -3,6 +3,7 @@
     run_dir/                                        (0700; `launch/rundir.py` creates it)
       config.yaml                                   CONFIG_FILE     the resolved run config (mopd-submit)
       plan.json                                     PLAN_FILE       the job plan (mopd-submit; the guards read it)
+      unverified.json                               UNVERIFIED_FILE what allow_unverified let through (mopd-submit)
       guard.token                                   TOKEN_FILE      the guards' secret, mode 0600
       metrics.jsonl                                 METRICS_FILE    one line per step (the actor)
       eval.json                                     EVAL_FILE       held-out evaluations (the actor)
@@ -37,6 +38,7 @@ from pathlib import Path
 
 CONFIG_FILE = "config.yaml"
 PLAN_FILE = "plan.json"
+UNVERIFIED_FILE = "unverified.json"
 TOKEN_FILE = "guard.token"
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"

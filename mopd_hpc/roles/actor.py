@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.capabilities import ACTOR_ENGINES, actor_refusals, loss_refusals
+from mopd_hpc.config.capabilities import ACTOR_ENGINES, actor_refusals, loss_refusals, standing
 from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
@@ -102,7 +102,8 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
     from the declarations `mopd-submit --check` used (`config/capabilities.py` `actor_refusals`): this child's
     device (a GPU when the plan gives it one: `RoleEnv.device`, or CUDA_VISIBLE_DEVICES set), the actor
     world size (MOPD_WORLD_SIZE), the engine's tensor_parallel / pipeline_parallel, and the loss terms the job
-    trains with it (`loss_refusals`: e.g. the KL penalty while no role scores a reference model).
+    trains with it (`loss_refusals`: e.g. the KL penalty while no role scores a reference model); with
+    `allow_unverified` the unverified ones pass, as at --check (`capabilities.standing`).
 
     Raises:
         RoleEnvError: an unknown engine, or one problem per refused field (the field, its value, the way
@@ -123,7 +124,7 @@ def check_actor_engine(cfg: RunConfig, role: RoleEnv, environ: Mapping[str, str]
         actor.tensor_parallel,
         actor.pipeline_parallel,
     ) + loss_refusals(actor.engine, cfg.loss)
-    if problems:
+    if problems := standing(problems, cfg.allow_unverified):  # what --check let through, as it did
         here = f" (this child: {child_env.WORLD_SIZE} {role.world_size}, CUDA_VISIBLE_DEVICES {visible!r})"
         raise RoleEnvError("; ".join(p.render() for p in problems) + here)
     return actor.engine
@@ -179,8 +180,9 @@ def build_train_engine(
     hf_config = json.loads((Path(actor.path) / "config.json").read_text(encoding="utf-8"))
     model, shape = build_from_hf(actor.path, hf_config, actor.dtype, cuda)
     return MegatronTrainEngine(
-        model, shape, hf_config, cfg.loss, actor.optimizer, cuda, actor.dtype, MicroBatching.from_actor(actor)
-    )
+        model, shape, hf_config, cfg.loss, actor.optimizer, cuda, actor.dtype, MicroBatching.from_actor(actor),
+        total_steps=cfg.steps,
+    )  # fmt: skip
 
 
 def build_reference(cfg: RunConfig, kind: str, engine: Any) -> ReferenceModel:

@@ -51,7 +51,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.config.capabilities import TEACHER_ENGINES, TeacherEngineSpec, teacher_refusals
+from mopd_hpc.config.capabilities import TEACHER_ENGINES, TeacherEngineSpec, standing, teacher_refusals
 from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.serving import cli_port
 from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs, build_engine
@@ -139,7 +139,8 @@ def teacher_args(
     gpu = role.device.is_cuda
     # the declarations `mopd-submit --check` used (config/capabilities.py): device and tensor_parallel
     device = "gpu" if gpu else "cpu"
-    if problems := teacher_refusals(index, teacher.engine, device, teacher.tensor_parallel, table=specs):
+    problems = teacher_refusals(index, teacher.engine, device, teacher.tensor_parallel, table=specs)
+    if problems := standing(problems, cfg.allow_unverified):  # what --check let through, as it did
         where = f" (CUDA_VISIBLE_DEVICES {environ.get('CUDA_VISIBLE_DEVICES')!r})"
         raise RoleEnvError("; ".join(p.render() for p in problems) + where)
     return TeacherArgs(
@@ -156,6 +157,7 @@ def teacher_args(
         num_threads=None if gpu else cpu_threads(environ, share=_replica_count(cfg)),
         engine=teacher.engine,
         tensor_parallel=teacher.tensor_parallel,
+        allow_unverified=cfg.allow_unverified,
         source=here,
         replica=replica,
         job_id=role.job_id,

@@ -19,13 +19,18 @@ save is a collective over that group. A load at a padded vocabulary other than t
 naming both (megatron pads V to a multiple of 128·T: resharding across such paddings is not built; the
 actor pads nothing today, `build_from_hf`: V' = V, V % T = 0).
 
-The optimizer's state is not in these files (megatron's distributed optimizer keeps its parameter state in
-DP-sharded flat buffers, saved through `DistributedOptimizer.sharded_state_dict` with megatron
-dist_checkpointing: not built here).
+The optimizer's parameter state (fp32 main params, Adam's exp_avg and exp_avg_sq: megatron's distributed
+optimizer keeps it in DP-sharded flat buffers, different on each TP rank) is saved beside them, one file per
+TP rank, `<root>/step_000050.shards/optimizer_param_state.tp<r>.pt` (`tp_param_state_file`): each TP rank's
+state gathered over its DP group (`MegatronTrainEngine.tp_param_state`), written atomically by its DP rank 0,
+and scattered back at load (`load_tp_param_state`), so a resume at the same tensor_parallel continues Adam's
+moments bitwise. A checkpoint without those files (written before them) or saved at another tensor_parallel
+(its state does not fit a reshard) restarts the moments at 0, with a warning in the log.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,10 +38,16 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from mopd_hpc.atomic import atomic_open
 from mopd_hpc.engines.megatron.convert import ConversionError
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
+from mopd_hpc.engines.own_file import FileRef
+
+log = logging.getLogger("mopd_hpc.trainer")
 
 SHARDS_SUFFIX = ".shards"
+#: A TP rank's optimizer parameter state in the shards directory (`tp_param_state_file`).
+TP_PARAM_STATE = "optimizer_param_state.tp{rank}.pt"
 
 
 def shards_dir(step_dir: str | Path) -> Path:
@@ -134,21 +145,72 @@ def load_shards(directory: str | Path, plan: ShardPlan, mesh: Any = None) -> dic
     return {n: t.to_local().clone() for n, t in state.items()}
 
 
+def tp_param_state_file(step_dir: str | Path, tp_rank: int) -> Path:
+    """`<root>/step_000050.shards/optimizer_param_state.tp<tp_rank>.pt`."""
+    return shards_dir(step_dir) / TP_PARAM_STATE.format(rank=int(tp_rank))
+
+
+def save_tp_param_state(engine: Any, step_dir: str | Path) -> Path | None:
+    """Every rank of a TP engine: its TP rank's optimizer parameter state gathered over its DP group
+    (`engine.tp_param_state()`, a collective), written by DP rank 0 to `tp_param_state_file` atomically
+    (torch.save). Returns the file, None on the other DP ranks."""
+    states = engine.tp_param_state()
+    if engine.data_parallel.rank != 0:
+        return None
+    path = tp_param_state_file(step_dir, engine.tp_rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "wb") as f:
+        torch.save(states, f)
+    return path
+
+
+def load_tp_param_state(engine: Any, step_dir: str | Path) -> bool:
+    """Every rank of a TP engine, after `engine.load_state_dict` and its pieces: DP rank 0 reads its TP rank's
+    file (memory-mapped) and scatters it over the DP group (`engine.load_tp_param_state`, a collective).
+    Returns False, loading nothing, when the checkpoint holds no file per TP rank of this engine (an older
+    checkpoint, or one saved at another tensor_parallel: every rank sees the same files, so all skip): the
+    moments restart at 0 (`load_state_dict` zeroed them).
+
+    Raises:
+        OwnFileError: the file does not load; EngineError: it does not fit this rank's optimizer.
+    """
+    saved = sorted(shards_dir(step_dir).glob(TP_PARAM_STATE.format(rank="*")))
+    tp = engine.shard_plan.tp
+    if [p.name for p in saved] != sorted(TP_PARAM_STATE.format(rank=r) for r in range(tp)):
+        log.warning(
+            "%s holds the optimizer state of %d TP rank(s), this actor has %d: Adam's moments restart at 0",
+            shards_dir(step_dir), len(saved), tp,
+        )  # fmt: skip
+        return False
+    read = engine.data_parallel.rank == 0
+    engine.load_tp_param_state(
+        FileRef(tp_param_state_file(step_dir, engine.tp_rank)).load() if read else None
+    )
+    return True
+
+
 def save_engine_shards(engine: Any, step_dir: str | Path) -> Path | None:
-    """Rank side of a checkpoint of a TP engine (`engine.sharded_checkpoint`): the ranks of data-parallel rank
-    0's TP group write their pieces to `shards_dir(step_dir)` (a collective over that group); other DP ranks
-    write nothing (their weights are the same). Returns the directory, None where nothing was written."""
-    if not engine.sharded_checkpoint or engine.data_parallel.rank != 0:
+    """Rank side of a checkpoint of a TP engine (`engine.sharded_checkpoint`; every rank calls it): each TP
+    rank's optimizer parameter state (`save_tp_param_state`, a collective over its DP group), then the ranks
+    of data-parallel rank 0's TP group write their pieces to `shards_dir(step_dir)` (a collective over that
+    group); other DP ranks write nothing more (their weights are the same). Returns the directory, None where
+    nothing was written."""
+    if not engine.sharded_checkpoint:
+        return None
+    save_tp_param_state(engine, step_dir)
+    if engine.data_parallel.rank != 0:
         return None
     return save_shards(shards_dir(step_dir), engine.shard_plan, engine.shard_pieces(), engine.tp_mesh())
 
 
 def load_engine_shards(engine: Any, step_dir: str | Path) -> None:
     """Every rank of a TP engine loads its pieces from `shards_dir(step_dir)` (a collective over its own TP
-    group); nothing unless `engine.sharded_checkpoint` (its state_dict holds the model then). Raises
-    ConversionError: the checkpoint does not fit the model (`load_shards`)."""
+    group), then its TP rank's optimizer parameter state (`load_tp_param_state`); nothing unless
+    `engine.sharded_checkpoint` (its state_dict holds the model then). Raises ConversionError: the
+    checkpoint does not fit the model (`load_shards`); what `load_tp_param_state` raises."""
     if not engine.sharded_checkpoint:
         return
     plan = engine.shard_plan
     pieces = load_shards(shards_dir(step_dir), plan, engine.tp_mesh() if plan.tp > 1 else None)
     engine.load_shard_pieces(pieces)
+    load_tp_param_state(engine, step_dir)

@@ -34,6 +34,9 @@ token-weighted means (`StepStats`); `micro_batch_tokens` null derives a budget f
 weights whose gradients differ per TP rank: q/k layernorm, each rank seeing its own heads; with only
 finish_grad_sync, TP ranks drifted apart after one step — seen on 2 H200s, issue 8.)
 (clipping to optimizer.grad_clip and the norm are the optimizer's: `clip_grad`, returned grad_norm).
+The lr schedule (`models.actor.optimizer.schedule`, warm-up, min_lr_ratio over `total_steps`) is megatron-core's
+`OptimizerParamScheduler` (engines/lr_schedule.py `megatron_scheduler_args`), stepped after each successful
+update, its state in the checkpoint (`state_dict()["scheduler"]`).
 Data parallel (megatron's DP group, `megatron_data_parallel`): the denominator and token count are summed over
 the DP ranks, each rank backpropagates DP·L_r (megatron's DDP averages over DP), statistics are reduced as the
 torch engine's (engines/data_parallel.py). Tensor parallel > 1: `named_weights` (weight sync, evaluation, the
@@ -56,6 +59,7 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
+from mopd_hpc.engines.lr_schedule import megatron_scheduler_args
 from mopd_hpc.engines.megatron import optimizer_state
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
@@ -242,11 +246,12 @@ class MegatronTrainEngine:
     def __init__(
         self, model: torch.nn.Module, shape: Qwen3Shape, hf_config: Mapping[str, Any], loss: LossConfig,
         optimizer: OptimizerConfig, device: torch.device, dtype: str = "bfloat16",
-        micro_batching: MicroBatching = MicroBatching(),
+        micro_batching: MicroBatching = MicroBatching(), total_steps: int = 1,
     ) -> None:  # fmt: skip
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         refuse_loss("megatron", loss)  # what config/capabilities.py declares the megatron engine computes
         try:
@@ -258,12 +263,15 @@ class MegatronTrainEngine:
             enable_full_recompute(model)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         self.ddp = DistributedDataParallel(model.config, ddp_cfg, model)
+        schedule = megatron_scheduler_args(optimizer, total_steps)  # engines/lr_schedule.py
         opt_cfg = MegatronOptimizerConfig(
-            optimizer="adam", lr=optimizer.lr, weight_decay=optimizer.weight_decay,
+            optimizer="adam", lr=optimizer.lr, min_lr=schedule["min_lr"], weight_decay=optimizer.weight_decay,
             clip_grad=optimizer.grad_clip or 0.0, bf16=dtype == "bfloat16", params_dtype=DTYPES[dtype],
             use_distributed_optimizer=True,
         )  # fmt: skip
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
+        #: the lr schedule: megatron-core's own scheduler, stepped once after each optimizer step
+        self.scheduler = OptimizerParamScheduler(self.optimizer, **schedule)
         self.model, self.shape, self.hf_config, self.device = model, shape, dict(hf_config), device
         self.loss_config, self.dtype = loss, dtype
         self.forward = MegatronForward(self.ddp, device)
@@ -273,6 +281,8 @@ class MegatronTrainEngine:
         self.data_parallel = megatron_data_parallel()
         #: Which slice of each HF tensor this TP rank holds (weight sync and export gather per HF tensor).
         self.shard_plan = ShardPlan.create(shape, _tp_info()[0])
+        #: This rank's place in its TP group (names its file of the optimizer state at tensor_parallel > 1).
+        self.tp_rank = _tp_info()[1]
         try:  # what the default micro-batch budget is estimated from (None: the whole batch in one)
             self.memory_shape: ModelShape | None = ModelShape.from_hf_config(hf_config)
         except MemoryModelError:
@@ -406,7 +416,10 @@ class MegatronTrainEngine:
         observed = dict(observe(full_logprobs)) if observe is not None else {}
         clock.skip()
         finalize_model_grads([self.ddp])
+        lr = float(self.optimizer.param_groups[0]["lr"])  # this step's (the torch engine reports the same)
         ok, grad_norm, _ = self.optimizer.step()
+        if ok:  # as Megatron-LM's training loop: a skipped update (fp16 loss scaling) does not advance it
+            self.scheduler.step(1)
         clock.lap(TRAIN_OPTIMIZER_KEY)
         self.steps += 1
         out = combined.result() | observed
@@ -417,7 +430,7 @@ class MegatronTrainEngine:
         out |= {
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "step_skipped": 0.0 if ok else 1.0,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": lr,
             "tokens": tokens,
             "micro_batches": float(len(parts)),
         }
@@ -508,6 +521,33 @@ class MegatronTrainEngine:
         tensor_parallel 1 and DP > 1, the optimizer's parameter state is gathered over the DP group."""
         return self.shard_plan.tp == 1 and self.data_parallel.size > 1
 
+    def tp_param_state(self) -> list[dict[Any, Any]] | None:
+        """At tensor_parallel > 1 (`sharded_checkpoint`), where `state_dict` leaves it out: this TP rank's
+        optimizer parameter state (the fp32 main params, exp_avg and exp_avg_sq of its shard; each TP rank's
+        differs) gathered over its DP group (`optimizer_state.gather`: a collective every DP rank of the group
+        joins). Returns it on DP rank 0 (`gather`'s per-distributed-optimizer dicts), None elsewhere; the
+        checkpoint keeps one file per TP rank (trainer/sharded_checkpoint.py `save_tp_param_state`)."""
+        self._require_resident("tp_param_state")
+        return optimizer_state.gather(self.optimizer)
+
+    def load_tp_param_state(self, states: list[Mapping[Any, Any]] | None) -> None:
+        """Inverse of `tp_param_state` (a collective over the DP group: DP rank 0 passes what it saved, the
+        others None), after `load_state_dict` (which zeroed the moments) and `load_shard_pieces` (main params
+        from the bf16 weights): the exact fp32 main params and Adam's moments of this TP rank's shard.
+
+        Raises:
+            EngineError: the saved state does not fit this rank's optimizer (another model or TP size), or
+                DP rank 0 has none.
+        """
+        self._require_resident("load_tp_param_state")
+        try:
+            optimizer_state.scatter(self.optimizer, states)
+        except optimizer_state.OptimizerStateError as err:
+            raise EngineError(
+                f"the checkpoint's optimizer state of TP rank {self.tp_rank}: {err}; resume at the saved "
+                "tensor_parallel with the model the checkpoint was saved with"
+            ) from None
+
     def join_state_dict(self) -> None:
         """A DP rank > 0's part in rank 0's `state_dict` (its optimizer shard); nothing to write."""
         if self.collective_state_dict:
@@ -520,7 +560,8 @@ class MegatronTrainEngine:
         a collective over the DP group: every DP rank calls it, `join_state_dict`), as an `OwnFile`
         (`optimizer_state.PARAM_STATE_FILE`: the checkpoint writes it apart from model.pt, engines/own_file.py),
         and `optimizer_state.PARAM_LAYOUT_KEY`: its sizes (both None on DP ranks > 0 and at tensor_parallel
-        > 1, where each TP rank's shard differs and is not saved: a TP resume restarts the moments), steps."""
+        > 1, where each TP rank's shard differs: `tp_param_state` gives it to the sharded checkpoint), the lr
+        scheduler's state (`scheduler`), steps."""
         self._require_resident("state_dict")
         param_state = optimizer_state.gather(self.optimizer) if self.shard_plan.tp == 1 else None
         return {
@@ -530,6 +571,7 @@ class MegatronTrainEngine:
                 None if param_state is None else OwnFile(optimizer_state.PARAM_STATE_FILE, param_state)
             ),
             optimizer_state.PARAM_LAYOUT_KEY: optimizer_state.layout(param_state),
+            "scheduler": self.scheduler.state_dict(),
             "steps": self.steps,
         }
 
@@ -539,7 +581,8 @@ class MegatronTrainEngine:
         group: every DP rank calls it with the same checkpoint. Order: optimizer state_dict (each parameter's
         step tensor then made its own, `optimizer_state.separate_steps`), weights and `reload_model_params`,
         then the exact fp32 main params and moments (optimizer_state.py); without a saved parameter state
-        (an older checkpoint, tensor_parallel > 1) the moments are set to 0 (`optimizer_state.zero_moments`).
+        (an older checkpoint, tensor_parallel > 1) the moments are set to 0 (`optimizer_state.zero_moments`;
+        at tensor_parallel > 1 `load_tp_param_state` then restores them from the sharded checkpoint).
 
         The parameter state's entry is a `FileRef` for a checkpoint that wrote it to its own file: only DP
         rank 0 reads it (`optimizer_state.reads_saved_state`, `own_file.resolve`: memory-mapped), the other
@@ -577,6 +620,8 @@ class MegatronTrainEngine:
             ) from None
         self.optimizer.load_state_dict(state["optimizer"])
         optimizer_state.separate_steps(self.optimizer)  # torch Adam's shared "step" after megatron's load
+        if "scheduler" in state:  # the schedule goes on where it stopped (an older checkpoint: from step 0)
+            self.scheduler.load_state_dict(dict(state["scheduler"]))
         if state["model"] is not None:
             load_mcore_state(self.model, dict(state["model"]))
             reload = getattr(self.optimizer, "reload_model_params", None)
@@ -584,7 +629,7 @@ class MegatronTrainEngine:
                 reload()
         if entry is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
             optimizer_state.scatter(self.optimizer, param_state)
-        else:  # no saved moments (an older checkpoint, or TP > 1): Adam restarts from 0, not torch.empty's bytes
+        else:  # none here (an older checkpoint; at TP > 1 load_tp_param_state follows): 0, not torch.empty's bytes
             optimizer_state.zero_moments(self.optimizer)
         self.steps = int(state.get("steps", 0))
 

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-#: The engine state's key for the gathered parameter state (None: not saved, e.g. tensor_parallel > 1).
+#: The engine state's key for the gathered parameter state (None: not in model.pt's state, e.g. at
+#: tensor_parallel > 1, where each TP rank's goes to the sharded checkpoint: trainer/sharded_checkpoint.py).
 PARAM_STATE_KEY = "optimizer_param_state"
 #: The checkpoint file it is written to (an own file of the step directory, trainer/checkpoint.py).
 PARAM_STATE_FILE = "optimizer_param_state.pt"
@@ -154,7 +155,7 @@ def separate_steps(optimizer: Any) -> int:
 
 def zero_moments(optimizer: Any) -> int:
     """Set every Adam moment (exp_avg, exp_avg_sq) to 0: what a load WITHOUT a parameter state (a checkpoint
-    written before it was saved, or at tensor_parallel > 1) must do, since megatron's `load_state_dict`
+    written before it was saved; at tensor_parallel > 1 until the sharded checkpoint's file restores it) must do, since megatron's `load_state_dict`
     allocates them with `torch.empty` (uninitialized memory). Returns the tensors zeroed."""
     zeroed = 0
     for opt in distributed_optimizers(optimizer):
