@@ -397,27 +397,36 @@ def test_controller_onloads_before_checkpoint_and_save_and_evaluates_on_the_engi
     import io
 
     from mopd_hpc.trainer import controller as controller_module
+    from mopd_hpc.trainer import evaluator as evaluator_module
     from mopd_hpc.trainer.actor_group import SoloGroup
     from mopd_hpc.trainer.evaluate import EngineEval
 
     asked: list[Any] = []
 
-    async def on_engines(clients, tokenizer, prompts, max_new_tokens):
+    async def on_engines(clients, tokenizer, prompts, max_new_tokens, score):
         asked.append((clients, max_new_tokens))
         return EngineEval({"r": 0.5}, {"r": ("a",)}, ("2",))
 
-    monkeypatch.setattr(controller_module.evaluate, "student_accuracy_on_engines", on_engines)
+    monkeypatch.setattr(evaluator_module.evaluate, "student_accuracy_on_engines", on_engines)
     ctrl = object.__new__(controller_module.Controller)  # only what these three phases read
     ctrl.engine, ctrl.run_dir, ctrl.job_id, ctrl.step = OffloadedActor(), tmp_path, "local-1", 2
     ctrl.out, ctrl.tokenizer, ctrl.group, ctrl.rollout = io.StringIO(), None, SoloGroup(), ["engine-0"]
     sampling = SimpleNamespace(max_new_tokens=4)
-    ctrl.cfg = SimpleNamespace(name="one-gpu", rollout=SimpleNamespace(sampling=sampling))
+    ctrl.cfg = SimpleNamespace(
+        name="one-gpu",
+        rollout=SimpleNamespace(sampling=sampling),
+        data=SimpleNamespace(eval=SimpleNamespace(samples=0, seed=0)),
+    )
     ctrl.data = SimpleNamespace(dataset=SimpleNamespace(state_dict=lambda: {"position": 3}), eval_prompts={})
+    evaluator = object.__new__(evaluator_module.RunEvaluator)  # the student's point: the engines, no actor
+    evaluator.cfg, evaluator.data, evaluator.tokenizer = ctrl.cfg, SimpleNamespace(score=None), None
+    evaluator.rollout, evaluator.prompts, evaluator.out = ctrl.rollout, {"r": []}, ctrl.out
     asyncio.run(ctrl._checkpoint(2))
     ctrl.engine.offload()
-    assert asyncio.run(ctrl._student_accuracy({"r": []}, 2)) == ({"r": 0.5}, "2")
+    point = asyncio.run(evaluator._student_point(2))
+    assert (point["pass@1"], point["weight_version"]) == ({"r": 0.5}, "2")
     assert asked == [(["engine-0"], 4)] and ctrl.out.getvalue() == ""  # version "2" is step 2's: no remark
-    assert asyncio.run(ctrl._student_accuracy({"r": []}, 3)) == ({"r": 0.5}, "2")
+    assert asyncio.run(evaluator._student_point(3))["weight_version"] == "2"
     assert "weight_version '2', expected '3'" in ctrl.out.getvalue()
     asyncio.run(ctrl._finish())
     assert ctrl.engine.uses == [
