@@ -1,7 +1,9 @@
 """A local CPU job on a jsonl source scored by the math verifier, with the RL term on: `mopd-submit --local`
 on micro models whose student was first taught the file's sums, so its answers are right and its mean reward
 is not zero. The references are in GSM8K's form (`#### 5`): exact match would score the student's `5` as 0,
-the math verifier scores it 1."""
+the math verifier scores it 1. The same sums are the source's held-out file (`eval_path`), evaluated at the
+start and every 2 steps on the rollout engines with the source's reward: eval.json and the metrics hold the
+source's route."""
 
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ def test_a_jsonl_source_scored_by_the_math_verifier_earns_reward_with_the_rl_ter
 ):
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "answer": f"#### {a}"}) + "\n" for p, a in SUMS))
+    held_out = tmp_path / "sums_eval.jsonl"
+    held_out.write_text(data.read_text())
     source = JsonlSource.from_path("sums", data, Scoring(reward="math"))
     # the student answers right before the run: the premise of a non-zero reward
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,7 +97,8 @@ def test_a_jsonl_source_scored_by_the_math_verifier_earns_reward_with_the_rl_ter
         **{
             "steps": STEPS,
             "data.samples_per_prompt": 2,
-            "data.eval.size": 0,
+            "data.eval.size": len(SUMS),
+            "data.eval.interval": 2,
             "loss.estimator": "topk",
             "loss.rl_coefficient": 1.0,
         },
@@ -105,6 +110,7 @@ def test_a_jsonl_source_scored_by_the_math_verifier_earns_reward_with_the_rl_ter
         "path": str(data),
         "route": "chain",
         "reward": "math",
+        "eval_path": str(held_out),
     }
     config.write_text(yaml.safe_dump(doc))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
@@ -122,5 +128,16 @@ def test_a_jsonl_source_scored_by_the_math_verifier_earns_reward_with_the_rl_ter
     rewards = [line["reward/chain"] for line in lines]
     assert all(0.0 <= r <= 1.0 for r in rewards)
     assert sum(rewards) / len(rewards) >= 0.5, rewards  # sampled at temperature 1 from a taught student
+    # the held-out sums, scored by the math verifier: the taught student's greedy answers are right at the start
+    record = json.loads((run_dir / "eval.json").read_text())
+    assert [point["step"] for point in record["points"]] == [0, 2, STEPS]
+    assert record["points"][0]["pass@1"]["chain"] == 1.0
+    assert record["routes"]["chain"]["n"] == len(SUMS)
+    for line in lines:
+        has_point = line["step"] in (2, STEPS)
+        assert ("eval/pass@1/chain" in line) == has_point, line
+        if has_point:
+            point = next(p for p in record["points"] if p["step"] == line["step"])
+            assert line["eval/pass@1/chain"] == point["pass@1"]["chain"]
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["data"]["sources"][0]["reward"] == "math"
