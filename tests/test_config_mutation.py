@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers_models import save_micro_qwen3
+from helpers_models import save_micro_moe, save_micro_qwen3
 from pydantic import BaseModel
 from transformers import Qwen3Config
 
@@ -111,6 +111,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         big2=str(root / "big2"),
         model=str(save_micro_qwen3(root / "model", seed=1)),
         other=str(save_micro_qwen3(root / "other", seed=2, vocab_size=64)),
+        moe=str(save_micro_moe(root / "moe", seed=3)),  # router losses: a mixture-of-experts actor
         jsonl_a=str(root / "a.jsonl"),
         jsonl_b=str(root / "b.jsonl"),
         root=root,
@@ -529,6 +530,20 @@ MUTATIONS: dict[str, M] = {
     "loss.normalizer": ("loss", {}, {"loss.normalizer": "seq-mean-token-mean"}, "loss"),
     "loss.distillation_coefficient": ("loss", {}, {"loss.distillation_coefficient": 0.5}, "loss"),
     "loss.rl_coefficient": ("loss", {}, {"loss.rl_coefficient": 0.5}, "loss"),
+    "loss.router_aux_loss_coefficient": (
+        "loss",
+        {"models.actor.path": "@moe"},
+        {"loss.router_aux_loss_coefficient": 0.5},
+        "loss",
+    ),
+    "loss.router_z_loss_coefficient": (
+        "loss",
+        {"models.actor.path": "@moe"},
+        {"loss.router_z_loss_coefficient": 0.1},
+        "loss",
+    ),
+    "rollout.routing_replay": ("cpu", {}, {"rollout.routing_replay": True}, "rollout"),
+    "models.actor.expert_parallel": ("cpu", {}, {"models.actor.expert_parallel": 2}, "warnings"),
     "loss.orm_alpha": ("loss", {}, {"loss.orm_alpha": 0.5}, "loss"),
     "loss.ppo_clip": ("loss", {"loss.rl_coefficient": 1.0}, {"loss.ppo_clip": 0.01}, "loss"),
     "loss.kl_coefficient": ("loss", {"loss.rl_coefficient": 1.0}, {"loss.kl_coefficient": 0.5}, "loss"),

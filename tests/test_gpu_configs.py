@@ -171,11 +171,13 @@ KV_SLOTS = {"qwen3_8gpu_colocated": 32 * 1280, "gsm8k_qwen3_14b_to_0_6b": 128 * 
 
 
 def real_shape(root: Path, name: str) -> Path:
-    """A model directory holding the micro model's tokenizer and weights under the config.json of `name`
-    (what --check opens, and what the memory plan reads)."""
-    from helpers_models import save_micro_model_dir
+    """A model directory holding the micro model's tokenizer (with a chat template, as the released Qwen3 models
+    ship one: the GSM8K source is `template: chat`) and weights under the config.json of `name` (what --check
+    opens, and what the memory plan reads)."""
+    from helpers_models import CHAT_TEMPLATE, save_micro_model_dir
 
     out = save_micro_model_dir(root / name)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "config.json").write_bytes((MODEL_CONFIGS / name / "config.json").read_bytes())
     return out
 
