@@ -99,7 +99,7 @@ def test_the_rollout_role_decodes_at_most_graph_rows_together(tmp_path: Path) ->
 
 def test_the_fields_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.graph_rows: .*sglang sizes a KV pool of its own"):
-        load_run_config(str(GSM8K), ["rollout.graph_rows=64"], False)
+        load_run_config(str(GSM8K), ["rollout.backend=sglang", "rollout.graph_rows=64"], False)
     with pytest.raises(ConfigError, match=r"cluster\.group\.gpu_type: the GPU's memory is given twice"):
         load_run_config(
             str(COLOCATED), ["cluster.group.gpu_type=H200-141GB", "cluster.group.gpu_memory_gb=80"], False
