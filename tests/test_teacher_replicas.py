@@ -96,9 +96,9 @@ async def _servers(checkpoint: Path, count: int, calls: list[list[int]]):
         engine = TorchScoringEngine.from_pretrained(checkpoint, dtype="float32", device="cpu")
         score = engine.score
 
-        def counted(batch, k=None, _score=score, _i=i):
+        def counted(batch, k=None, host=True, _score=score, _i=i):
             calls[_i].append(batch.batch_size)
-            return _score(batch, k)
+            return _score(batch, k, host=host)
 
         engine.score = counted  # type: ignore[method-assign]
         server = TeacherServer(engine, "t", str(checkpoint))
