@@ -412,8 +412,8 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         "unknown-key",
         set_("models.actor.tp", 2),
         [
-            "models.actor.tp: unknown key (got 2; known: id, path, dtype, engine, tensor_parallel, pipeline_parallel, collective_timeout_s, optimizer, "
-            "micro_batch_tokens, activation_checkpointing)"
+            "models.actor.tp: unknown key (got 2; known: id, path, dtype, engine, tensor_parallel, pipeline_parallel, "
+            "expert_parallel, collective_timeout_s, optimizer, micro_batch_tokens, activation_checkpointing)"
         ],
     ),
     (
@@ -430,7 +430,8 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
         "unknown-key-in-source",
         set_("data.sources.0.path", "x.jsonl"),
         [
-            "data.sources[0].path: unknown key (got 'x.jsonl'; known: kind, name, route, weight, task, task_args)"
+            "data.sources[0].path: unknown key (got 'x.jsonl'; known: kind, name, route, weight, template, "
+            "system_prompt, chat_template_kwargs, reward, reward_pattern, task, task_args)"
         ],
     ),
     (
