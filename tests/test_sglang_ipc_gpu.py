@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import socket
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 from aiohttp import test_utils
 from helpers_auth import TOKEN
+from test_rollout_role_sglang import free_ports
 from test_rollout_server import CUDA_BF16_TOL, oracle_logprobs
 
 from mopd_hpc.config.rollout import SamplingConfig
@@ -43,16 +43,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed"),
 ]
 ROWS, NEW_TOKENS, TEMPERATURE = 8, 24, 0.7
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Actor:
