@@ -53,8 +53,8 @@ def _setup(config: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from mopd_hpc.config import RunConfig
-    from mopd_hpc.engines.teacher_generate import GreedyRequest, greedy_ids
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.teacher.greedy_generate import GreedyRequest, greedy_ids
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     from mopd_hpc.roles.env import with_absolute_paths
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.evaluate import teacher_accuracy
@@ -130,7 +130,7 @@ def run_method(env: dict[str, Any], method: Method, budget_s: float, evals: int)
     from mopd_hpc.config.models import OptimizerConfig
     from mopd_hpc.engines.batch import TokenBatch, TrainBatch
     from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.torch.engine import TorchTrainEngine
     from mopd_hpc.mopd.targets import aggregate_teacher_targets
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.evaluate import student_accuracy

@@ -44,7 +44,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
     from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
     from mopd_hpc.engines.rollout.client import RolloutClient
     from mopd_hpc.engines.rollout.protocol import SamplingParams
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender
     from mopd_hpc.mopd.targets import TeacherTargets
     from mopd_hpc.runtime.http_auth import standalone_token

@@ -41,7 +41,7 @@ TRACEBACK = """Traceback (most recent call last):
     controller.run()
   File "/opt/mopd/mopd_hpc/trainer/controller.py", line 214, in run
     self.train_step(batch)
-  File "/opt/mopd/mopd_hpc/engines/torch_engine.py", line 131, in train_step
+  File "/opt/mopd/mopd_hpc/engines/torch/engine.py", line 131, in train_step
     loss.backward()
 torch.distributed.DistBackendError: [Rank {rank}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=1048576, NumelOut=1048576, Timeout(ms)=600000) ran for 600{rank:03d} milliseconds before timing out.
 """

@@ -75,7 +75,7 @@ class FixedScores:
     vocab_size = VOCAB
 
     def __init__(self) -> None:
-        from mopd_hpc.engines.residency import Residency
+        from mopd_hpc.engines.memory.residency import Residency
 
         self.residency = Residency(torch.nn.Linear(1, 1), torch.device("cpu"))
         self.device = torch.device("cpu")
@@ -99,10 +99,10 @@ async def serve(port_file: Path) -> None:
     the handler's seconds and this process's peak RSS)."""
     from aiohttp import web
 
+    from mopd_hpc.engines.frames.codec import layout
+    from mopd_hpc.engines.frames.over_http import send_frame
     from mopd_hpc.engines.serving import start_app
-    from mopd_hpc.engines.teacher_server import TeacherServer
-    from mopd_hpc.engines.wire import layout
-    from mopd_hpc.engines.wire_http import send_frame
+    from mopd_hpc.engines.teacher.http_app import TeacherServer
     from mopd_hpc.runtime.http_auth import protect
 
     model = Path(tempfile.mkdtemp(prefix="transport-"))
@@ -201,9 +201,9 @@ def request_rows(rows: int) -> tuple[list[list[int]], list[int]]:
 async def round_trip(url: str, encoding: str, rows: int, repeats: int) -> dict[str, Any]:
     import aiohttp
 
-    from mopd_hpc.engines.buffer_pool import BufferPool
-    from mopd_hpc.engines.teacher_client import TeacherClient
-    from mopd_hpc.engines.wire_http import read_frame
+    from mopd_hpc.engines.frames.buffer_pool import BufferPool
+    from mopd_hpc.engines.frames.over_http import read_frame
+    from mopd_hpc.engines.teacher.client import TeacherClient
     from mopd_hpc.runtime.http_auth import auth_headers
 
     ids, starts = request_rows(rows)

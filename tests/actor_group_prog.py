@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from mopd_hpc.config.loss import LossConfig
-from mopd_hpc.engines.residency import Residency
-from mopd_hpc.engines.teacher_wire import ScoreTensors
+from mopd_hpc.engines.memory.residency import Residency
+from mopd_hpc.engines.teacher.score_frames import ScoreTensors
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.trainer.actor_group import ActorGroup, GroupSpec, SoloGroup
 from mopd_hpc.trainer.follower import Follower

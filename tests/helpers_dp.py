@@ -22,9 +22,9 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel, DataParallelError
-from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.micro_batch import MicroBatching
-from mopd_hpc.engines.torch_engine import TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
+from mopd_hpc.engines.torch.hf_model import load_causal_lm
 from mopd_hpc.mopd.targets import TeacherTargets
 from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.trainer.step import ratio_means, ratio_sums
@@ -219,7 +219,7 @@ def record_step(root: Path) -> dict[str, Path]:
     advantages): {"model": student dir, "batch": the record}."""
     from helpers_models import save_micro_qwen3
 
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     from mopd_hpc.mopd import aggregate_teacher_targets, grpo_advantages
 
     student = save_micro_qwen3(root / "student", 0, vocab_size=VOCAB, initializer_range=0.2)

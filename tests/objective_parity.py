@@ -69,7 +69,7 @@ def save_checkpoint(path: Path, seed: int) -> Path:
 def make_batch(student: Path, teacher: Path):
     """The batch every point trains on: μ, S/W, two teachers' top-k, per-row weights and A_ORM."""
     from mopd_hpc.engines.batch import TokenBatch, TrainBatch
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     from mopd_hpc.mopd.targets import aggregate_teacher_targets
 
     g = torch.Generator().manual_seed(1)
@@ -95,7 +95,7 @@ def make_batch(student: Path, teacher: Path):
 
 def torch_side(student: Path, cfg, batch, device: torch.device) -> tuple[float, dict[str, torch.Tensor]]:
     from mopd_hpc.config.models import OptimizerConfig
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.torch.engine import TorchTrainEngine
 
     engine = TorchTrainEngine.from_pretrained(
         student, dtype="float32", device=str(device), optimizer=OptimizerConfig(lr=1e-3), loss=cfg
@@ -197,7 +197,7 @@ def main(out: Path, device_name: str) -> None:
     # the torch engine gets those weights through the converter)
     from mopd_hpc.config.models import OptimizerConfig
     from mopd_hpc.engines.megatron.convert import mcore_to_hf
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.torch.engine import TorchTrainEngine
 
     megatron = LAST_ENGINE
     hf = TorchTrainEngine.from_pretrained(

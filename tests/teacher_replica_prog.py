@@ -19,7 +19,7 @@ import torch.distributed as dist
 from teacher_tp_prog import FakeTPEngine
 
 from mopd_hpc.config.capabilities import TEACHER_ENGINES
-from mopd_hpc.engines.teacher_serve import TeacherArgs
+from mopd_hpc.engines.teacher.process import TeacherArgs
 from mopd_hpc.roles import teacher
 
 #: The stand-in's declaration: the megatron teacher's, on CPU, at tensor_parallel ≤ 2.

@@ -85,9 +85,9 @@ class FakeTPEngine:
 
 async def lead(engine: FakeTPEngine, out: Path, token: str) -> int:
     from mopd_hpc.engines.serving import start_app
-    from mopd_hpc.engines.teacher_serve import teacher_app
-    from mopd_hpc.engines.teacher_server import TeacherServer
-    from mopd_hpc.engines.teacher_tp import TPLeader
+    from mopd_hpc.engines.teacher.http_app import TeacherServer
+    from mopd_hpc.engines.teacher.process import teacher_app
+    from mopd_hpc.engines.teacher.tensor_parallel import TPLeader
 
     model = out / "model"
     model.mkdir(exist_ok=True)
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         served = asyncio.run(lead(engine, out, token))
     else:
-        from mopd_hpc.engines.teacher_tp import follow
+        from mopd_hpc.engines.teacher.tensor_parallel import follow
 
         served = follow(engine)
     record = {"served": served, "sums": engine.sums, "resident": engine.residency.on_device}

@@ -29,7 +29,8 @@ from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.protocol import EngineError
-from mopd_hpc.engines.torch_engine import TorchScoringEngine, TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.mopd.targets import TeacherTargets
 from mopd_hpc.roles import actor as actor_main
 from mopd_hpc.roles.actor import awex_environment, check_actor_engine

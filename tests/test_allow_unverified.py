@@ -149,7 +149,7 @@ def test_the_roles_recheck_lets_through_what_check_let_through(tmp_path: Path) -
     with it (the teacher then stops at what this machine lacks, CUDA, past the TP check); pipeline_parallel 2
     refused either way."""
     from mopd_hpc.engines.protocol import EngineError
-    from mopd_hpc.engines.teacher_serve import TeacherArgs, build_engine
+    from mopd_hpc.engines.teacher.process import TeacherArgs, build_engine
     from mopd_hpc.roles.actor import check_actor_engine
     from mopd_hpc.roles.env import RoleEnv, RoleEnvError
 

@@ -12,7 +12,7 @@ from helpers_models import save_micro_qwen3
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
-from mopd_hpc.engines.torch_engine import TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
 from mopd_hpc.mopd import aggregate_teacher_targets
 from mopd_hpc.trainer import checkpoint as ckpt
 from mopd_hpc.trainer.checkpoint import (

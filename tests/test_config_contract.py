@@ -40,11 +40,11 @@ from mopd_hpc.cli import submit
 from mopd_hpc.config import load_run_config
 from mopd_hpc.config.refusals import embedded_table, refusals_table
 from mopd_hpc.data.tokenizer import VOCAB_SIZE, build_char_tokenizer, save_char_tokenizer
-from mopd_hpc.engines import wire
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_client import ScoreResponse
-from mopd_hpc.engines.teacher_wire import ScoreTensors, score_answer
-from mopd_hpc.engines.torch_engine import TorchScoringEngine
+from mopd_hpc.engines.frames import codec as wire
+from mopd_hpc.engines.teacher.client import ScoreResponse
+from mopd_hpc.engines.teacher.score_frames import ScoreTensors, score_answer
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.roles.actor import build_reference, build_train_engine, check_actor_engine
 from mopd_hpc.roles.env import RoleEnv

@@ -126,8 +126,8 @@ async def drive_controller(cfg, run_dir: Path, job_id: str, out: io.StringIO):
 
     from mopd_hpc.config.parallel import teacher_replicas
     from mopd_hpc.engines.rollout.client import RolloutClient
-    from mopd_hpc.engines.teacher_pool import TeacherPool
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.teacher.replica_pool import TeacherPool
+    from mopd_hpc.engines.torch.engine import TorchTrainEngine
     from mopd_hpc.mopd.plan import ExecutionPlan
     from mopd_hpc.roles.endpoints import wait_for_endpoints
     from mopd_hpc.trainer.controller import Controller

@@ -54,7 +54,7 @@ def test_the_protocol_names_what_the_controller_calls():
 
 
 def test_torch_engine_conforms_and_answers_every_call(tmp_path: Path):
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.torch.engine import TorchTrainEngine
 
     path = save_micro_qwen3(tmp_path / "m", seed=1)
     engine = TorchTrainEngine.from_pretrained(

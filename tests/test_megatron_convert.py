@@ -232,9 +232,14 @@ _GPU_SCRIPT = textwrap.dedent(
     from mopd_hpc.config.models import OptimizerConfig
     from mopd_hpc.engines.batch import TokenBatch, TrainBatch
     from mopd_hpc.engines.megatron.convert import hf_to_mcore, mcore_to_hf
+    from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
     from mopd_hpc.engines.megatron.engine import (
-        MegatronScoringEngine, MegatronTrainEngine, build_from_hf, initialize_parallel, read_hf_checkpoint)
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+        MegatronTrainEngine,
+        build_from_hf,
+        initialize_parallel,
+        read_hf_checkpoint,
+    )
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     from mopd_hpc.mopd.targets import TeacherTargets
 
     root = sys.argv[1]

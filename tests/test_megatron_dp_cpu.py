@@ -31,7 +31,7 @@ _RANK = textwrap.dedent(
     from mopd_hpc.engines.data_parallel import DataParallel
     from mopd_hpc.engines.megatron import engine as megatron_engine
     from mopd_hpc.engines.micro_batch import MicroBatching
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     from mopd_hpc.mopd.targets import TeacherTargets
     from mopd_hpc.trainer.shards import shard_rows
 

@@ -20,8 +20,8 @@ from helpers_models import save_micro_qwen3
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
-from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.micro_batch import MicroBatching
+from mopd_hpc.engines.torch.hf_model import load_causal_lm
 from mopd_hpc.mopd.targets import TeacherTargets
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [2, 4, 6], [3, 5]]

@@ -57,7 +57,7 @@ def save_checkpoint(path: Path, seed: int) -> Path:
 
 def oracle(path: Path) -> tuple[list[list[float]], list[list[list[int]]], list[list[list[float]]]]:
     """Per row: response log-probs, top-(k+1) ids and log-probs, from `TorchScoringEngine` on the CPU."""
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
     engine = TorchScoringEngine.from_pretrained(path, dtype="float32", device="cpu")
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
@@ -105,7 +105,7 @@ def wait_for_endpoint(proc: subprocess.Popen, endpoint: Path, log_path: Path) ->
 
 async def exercise(url: str, ckpt: Path) -> dict:
     """Score, offload (503 while offloaded), onload, score, reload a changed checkpoint, score."""
-    from mopd_hpc.engines.teacher_client import TeacherClient, TeacherClientError
+    from mopd_hpc.engines.teacher.client import TeacherClient, TeacherClientError
 
     out: dict = {}
     async with TeacherClient(url, timeout_s=120, token=TOKEN) as client:

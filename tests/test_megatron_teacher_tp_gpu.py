@@ -33,7 +33,8 @@ _SCRIPT = textwrap.dedent(
     import torch
     import torch.multiprocessing as mp
     from mopd_hpc.engines.batch import TokenBatch
-    from mopd_hpc.engines.megatron.engine import MegatronScoringEngine, initialize_parallel
+    from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
+    from mopd_hpc.engines.megatron.engine import initialize_parallel
 
     ROWS, STARTS, K = ROWS_VALUE, STARTS_VALUE, K_VALUE
 
@@ -79,7 +80,7 @@ def test_megatron_teacher_topk_at_tp2_matches_tp1_and_torch(tmp_path: Path) -> N
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices (tensor parallel 2)")
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
     ckpt = save_checkpoint(tmp_path / "ckpt", seed=0)
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)

@@ -30,8 +30,8 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.megatron.convert import mcore_to_hf
-from mopd_hpc.engines.megatron.engine import (
-    MegatronScoringEngine, MegatronTrainEngine, build_from_hf, initialize_parallel, read_hf_checkpoint)
+from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
+from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel, read_hf_checkpoint
 from mopd_hpc.mopd.targets import TeacherTargets
 
 def run(rank, world, tp, root, port, out):
@@ -71,7 +71,7 @@ _TP1 = textwrap.dedent(
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from mopd_hpc.engines.batch import TokenBatch
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     root, port = sys.argv[1], int(sys.argv[2])
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

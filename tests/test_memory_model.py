@@ -1,4 +1,4 @@
-"""The engines' memory estimate (`engines/memory_model.py`) against what torch really keeps: parameter counts
+"""The engines' memory estimate (`engines/memory/estimates.py`) against what torch really keeps: parameter counts
 of transformers models, and the activation bytes autograd saves in a transformers Qwen3 forward on CPU
 (saved-tensor hooks, each storage counted once, parameters excluded), which the formula gives exactly.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from mopd_hpc.engines.memory_model import (
+from mopd_hpc.engines.memory.estimates import (
     MemoryModelError,
     ModelShape,
     activation_bytes_per_position,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers_models import MOE_TOP_K, save_micro_moe
 
-from mopd_hpc.engines.memory_model import (
+from mopd_hpc.engines.memory.estimates import (
     ModelShape,
     activation_bytes_per_position,
     layer_activation_bytes,

@@ -1,5 +1,5 @@
 """The memory plan before anything starts (`plan/memory_plan.py`): per GPU of the job plan, each child's
-holdings from the config and the models' config.json (`engines/memory_model.py`), the largest phase, the
+holdings from the config and the models' config.json (`engines/memory/estimates.py`), the largest phase, the
 `cluster.<group>.gpu_memory_gb` warning, and `mopd-submit --dry-run` / `--check` printing them.
 
 The case is issue 21's: configs/local_gpu_colocated.yaml (megatron actor and teacher, HF rollout, Qwen3-0.6B
@@ -19,7 +19,7 @@ import pytest
 from helpers_models import QWEN3_0_6B, QWEN3_1_7B, write_stub_checkpoint
 
 from mopd_hpc.config import load_run_config
-from mopd_hpc.engines.memory_model import ModelShape, default_micro_batch_tokens, micro_batch_bytes
+from mopd_hpc.engines.memory.estimates import ModelShape, default_micro_batch_tokens, micro_batch_bytes
 from mopd_hpc.plan import memory_fit as mf
 from mopd_hpc.plan import memory_plan as mp
 from mopd_hpc.plan.placement import place_children
@@ -211,7 +211,7 @@ def test_unreadable_models_and_cpu_jobs() -> None:
 def test_constants_follow_the_engines_defaults() -> None:
     pytest.importorskip("torch")
     from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch
-    from mopd_hpc.engines.teacher_serve import TeacherArgs
+    from mopd_hpc.engines.teacher.process import TeacherArgs
     from mopd_hpc.roles.teacher import SCORING_BUDGET_BYTES
 
     assert mp.TEACHER_ROWS == TeacherArgs.__dataclass_fields__["max_batch_rows"].default
@@ -258,7 +258,7 @@ def test_check_refuses_a_plan_over_the_gpu_and_the_way_out_it_names_passes(tmp_p
     assert over.returncode == 2 and "rollout.graph_rows ≤ " in over.stderr
     dry = mopd_submit(str(CONFIG), "--dry-run", *flags, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
-    assert "# memory plan per GPU (estimates, GiB; engines/memory_model.py):" in dry.stdout
+    assert "# memory plan per GPU (estimates, GiB; engines/memory/estimates.py):" in dry.stdout
     assert "#   cluster.group node 0 GPU 0: " in dry.stdout and " of 79.6 at most (in " in dry.stdout
     assert "# warning: cluster.group.gpu_type (H100-80GB: 79.6 GiB): the memory plan" in dry.stdout
 
@@ -365,7 +365,7 @@ def test_ipc_buffer_bytes_is_what_the_sync_allocates(tmp_path: Path, engine: str
     from mopd_hpc.config import LossConfig
     from mopd_hpc.config.models import OptimizerConfig
     from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore, mcore_to_hf, pad_vocab_size
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.torch.engine import TorchTrainEngine
     from mopd_hpc.trainer.weight_sync import IpcSync
 
     torch.manual_seed(0)
@@ -453,7 +453,7 @@ def test_dry_run_of_the_8_gpu_config(tmp_path: Path, readable: bool) -> None:
         ]
         assert children == [] and dry.stdout.count("not readable here") == 1
         return
-    assert plan[0] == "# memory plan per GPU (estimates, GiB; engines/memory_model.py):"
+    assert plan[0] == "# memory plan per GPU (estimates, GiB; engines/memory/estimates.py):"
     assert [line.split(":")[0] for line in plan[1:]] == [
         f"#   cluster.group node 0 GPU {i}" for i in range(8)
     ]

@@ -30,7 +30,7 @@ from mopd_hpc.engines.micro_batch import (
     plan_rows,
     split_rows,
 )
-from mopd_hpc.engines.torch_engine import TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
 
 #: micro_batch_tokens → micro-batches of the recorded batch (rows sorted by length 8, 7, 7, 5, 4, 4, 4, 3):
 #: 64 = 8 rows · 8 positions; 32: 4 · 8 then 4 · 4; 12: [8] [7] [7] [5, 4] [4, 4, 3].
@@ -231,7 +231,7 @@ def test_train_step_gives_its_activations_back_once(recorded, monkeypatch):
     """The engine's step ends with `release_activations` of its device, once (on CUDA it empties the caching
     allocator so that the children sharing the GPU have the activations' memory in the other phases; the
     memory plan counts it in `train` only), after every micro-batch: a split step releases once too."""
-    import mopd_hpc.engines.torch_engine as torch_engine
+    import mopd_hpc.engines.torch.engine as torch_engine
 
     calls: list[torch.device] = []
     monkeypatch.setattr(torch_engine, "release_activations", calls.append)

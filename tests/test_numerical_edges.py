@@ -2,7 +2,7 @@
 μ, empty responses, a route whose rows are all empty, a step with no response token.
 
 The choices (docstrings of mopd/targets.py, trainer/rollout_phase.py `check_behavior_finite`,
-engines/teacher_wire.py `first_nan`, trainer/teacher_phase.py): a refusal enters S as REFUSED_LOGPROB (a
+engines/teacher/score_frames.py `first_nan`, trainer/teacher_phase.py): a refusal enters S as REFUSED_LOGPROB (a
 bounded advantage, counted); NaN from a teacher and a non-finite μ are errors naming the row and position
 (and the step, where the phase knows it); an empty response is masked (not sent to a teacher); a step with no
 response token is an error naming the step.
@@ -19,8 +19,8 @@ import torch
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
-from mopd_hpc.engines.teacher_client import ScoreResponse
-from mopd_hpc.engines.teacher_wire import LOGPROB_FLOOR, ScoreTensors, first_nan
+from mopd_hpc.engines.teacher.client import ScoreResponse
+from mopd_hpc.engines.teacher.score_frames import LOGPROB_FLOOR, ScoreTensors, first_nan
 from mopd_hpc.mopd.loss import mopd_loss
 from mopd_hpc.mopd.routing import RoutedSample
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB, aggregate_teacher_targets
@@ -270,8 +270,8 @@ class NanEngine:
 def test_the_teacher_server_refuses_a_nan_forward_naming_row_and_position(tmp_path, binary: bool) -> None:
     from aiohttp.test_utils import TestServer
 
-    from mopd_hpc.engines.teacher_client import TeacherClient, TeacherClientError
-    from mopd_hpc.engines.teacher_server import TeacherServer
+    from mopd_hpc.engines.teacher.client import TeacherClient, TeacherClientError
+    from mopd_hpc.engines.teacher.http_app import TeacherServer
 
     (tmp_path / "config.json").write_text("{}")
     server = TeacherServer(NanEngine(), "legs", str(tmp_path))

@@ -27,7 +27,7 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.protocol import EngineError
-from mopd_hpc.engines.torch_engine import TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
 from mopd_hpc.mopd.objective import Objective, ObjectiveError
 from mopd_hpc.mopd.targets import TeacherTargets
 from mopd_hpc.mopd.topk import TeacherTopK
@@ -135,7 +135,7 @@ def test_torch_engine_topk_loss_is_the_exact_reverse_kl_in_float64(tmp_path: Pat
     vocab = 16
     student = save_micro_qwen3(tmp_path / "s", 0, vocab_size=vocab, initializer_range=0.3)
     config = LossConfig(estimator="topk", topk=vocab, rl_coefficient=0.25)
-    from mopd_hpc.engines.hf_model import load_causal_lm
+    from mopd_hpc.engines.torch.hf_model import load_causal_lm
 
     model = load_causal_lm(student, "float32", torch.device("cpu")).double()
     engine = TorchTrainEngine(model, str(student), torch.device("cpu"), OptimizerConfig(lr=1e-3), config)

@@ -1,4 +1,4 @@
-"""Peak GPU memory per phase of a server child (`engines/peak_memory.py`): requests bracketed by their phase,
+"""Peak GPU memory per phase of a server child (`engines/memory/peaks.py`): requests bracketed by their phase,
 overlapping requests each see every peak of their interval, `held` the current figures; the teacher and the
 rollout servers answer `POST /memory_peaks` ({} on CPU), and the controller's keys name the child.
 
@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from mopd_hpc.engines import peak_memory as pm
+from mopd_hpc.engines.memory import peaks as pm
 from mopd_hpc.trainer.phase_memory import server_peaks
 
 G = 2**30
@@ -89,7 +89,7 @@ def test_the_servers_answer_memory_peaks_on_cpu() -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
     from mopd_hpc.engines.rollout.http_app import PHASE_OF_PATH as ROLLOUT_PHASES
-    from mopd_hpc.engines.teacher_server import PHASE_OF_PATH as TEACHER_PHASES
+    from mopd_hpc.engines.teacher.http_app import PHASE_OF_PATH as TEACHER_PHASES
 
     assert TEACHER_PHASES == {"/score": "teacher", "/onload": "teacher", "/offload": "drain"}
     assert ROLLOUT_PHASES["/generate"] == "rollout" and ROLLOUT_PHASES["/awex/update_weights"] == "sync"

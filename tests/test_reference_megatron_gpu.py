@@ -35,7 +35,7 @@ from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
 from mopd_hpc.engines.reference import ReferenceModel
-from mopd_hpc.engines.torch_engine import TorchScoringEngine
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.mopd.grpo import grpo_advantages
 
 root, port = sys.argv[1], int(sys.argv[2])

@@ -25,7 +25,7 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.reference import ReferenceModel
-from mopd_hpc.engines.torch_engine import TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
 from mopd_hpc.mopd.grpo import grpo_advantages, grpo_policy_loss
 from mopd_hpc.mopd.phases import PhaseMachine
 from mopd_hpc.mopd.plan import ExecutionPlan, Phase
@@ -182,7 +182,7 @@ def test_the_memory_plan_holds_the_reference_on_the_actor_gpu_in_the_teacher_pha
     from helpers_models import QWEN3_0_6B
     from test_memory_plan import holdings, plan_of
 
-    from mopd_hpc.engines.memory_model import ModelShape
+    from mopd_hpc.engines.memory.estimates import ModelShape
 
     kl = ["loss.rl_coefficient=1.0", "loss.kl_coefficient=0.1", "data.samples_per_prompt=2"]
     _, (gpu,) = plan_of(kl)

@@ -1,7 +1,7 @@
 """Every HTTP route of every server the job starts requires the job's token (issue 23), and each listens on one
 address, not on every interface.
 
-The servers as they are served — the guard (`Guard.app`), the teacher (`teacher_serve.teacher_app` over a real
+The servers as they are served — the guard (`Guard.app`), the teacher (`engines.teacher.process.teacher_app` over a real
 micro Qwen3 `TorchScoringEngine`), the hf rollout server (`hf_server.rollout_app` over a real `HFRolloutEngine`,
 AWEX routes included) and the sglang backend (`sglang_server.sglang_app` over the stand-in Engine of
 test_sglang_backend.py) — on real 127.0.0.1 sockets. The routes are enumerated from each app's router, so a
@@ -45,9 +45,9 @@ from mopd_hpc.engines.rollout.sglang_backend import SGLangLaunch
 from mopd_hpc.engines.rollout.sglang_server import SGLangRolloutServer, sglang_app
 from mopd_hpc.engines.serving import start_app
 from mopd_hpc.engines.tcp_store import tcp_store
-from mopd_hpc.engines.teacher_serve import teacher_app
-from mopd_hpc.engines.teacher_server import TeacherServer
-from mopd_hpc.engines.torch_engine import TorchScoringEngine
+from mopd_hpc.engines.teacher.http_app import TeacherServer
+from mopd_hpc.engines.teacher.process import teacher_app
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.runtime.guard.auth import AUTH_HEADER, authorization_value
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig
 from mopd_hpc.runtime.http_auth import LIVENESS_BODY, UNAUTHORIZED_BODY, protect

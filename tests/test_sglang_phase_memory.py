@@ -137,7 +137,7 @@ async def controller_against_sglang_role(cfg: RunConfig, run_dir: Path) -> tuple
     from transformers import AutoTokenizer
 
     from mopd_hpc.engines.rollout.client import RolloutClient
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.torch.engine import TorchTrainEngine
     from mopd_hpc.mopd.plan import ExecutionPlan
     from mopd_hpc.trainer.controller import Controller
     from mopd_hpc.trainer.data_setup import build_run_data

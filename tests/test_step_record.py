@@ -33,7 +33,7 @@ def test_round_trip_is_bit_exact(orm):
     assert back == record
     # μ's float32 bits survive: the same bytes again
     assert back.to_bytes() == data
-    # one engines/wire.py frame: a safetensors file of int32/float32 buffers (no JSON floats)
+    # one engines/frames/codec.py frame: a safetensors file of int32/float32 buffers (no JSON floats)
     tensors = safetensors.torch.load(bytes(data))
     expected = {"tokens": 15, "row_lengths": 4, "starts": 4, "mu": 7, **({"orm": 4} if orm else {})}
     assert {name: t.numel() for name, t in tensors.items()} == expected

@@ -27,8 +27,8 @@ from mopd_hpc.config import RunConfig, SamplingConfig
 from mopd_hpc.data.evaluation import greedy_complete
 from mopd_hpc.data.rewards import is_correct
 from mopd_hpc.data.tokenizer import VOCAB_SIZE, build_char_tokenizer, save_char_tokenizer
-from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.rollout.client import RolloutClient
+from mopd_hpc.engines.torch.hf_model import load_causal_lm
 from mopd_hpc.trainer.data_setup import build_run_data
 from mopd_hpc.trainer.evaluate import engine_greedy, student_accuracy_on_engines, student_mean_at_k
 from mopd_hpc.trainer.rollout_phase import engine_blocks

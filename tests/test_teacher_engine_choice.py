@@ -25,11 +25,11 @@ from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.rules import job_gaps
-from mopd_hpc.engines import teacher_serve as teacher_main
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.protocol import EngineError
-from mopd_hpc.engines.teacher_serve import TeacherArgs, build_engine, endpoint_path, pad_token_id, serve
-from mopd_hpc.engines.torch_engine import TorchScoringEngine
+from mopd_hpc.engines.teacher import process as teacher_main
+from mopd_hpc.engines.teacher.process import TeacherArgs, build_engine, endpoint_path, pad_token_id, serve
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError
 from mopd_hpc.roles.teacher import args_from_argv, teacher_args
 
@@ -143,7 +143,7 @@ def test_teacher_args_tensor_parallel_2_names_the_field(tmp_path: Path) -> None:
         teacher_args(role(tmp_path, environ), gpu_config(2), environ)
 
 
-# --- teacher_serve: the engine choice ------------------------------------------------------------------
+# --- engines.teacher.process: the engine choice -------------------------------------------------------
 
 
 def cli_args(model: Path | str, **changes: object) -> TeacherArgs:
@@ -266,13 +266,14 @@ class ShardStandInGPT(StandInGPT):
 def engines(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
     from mopd_hpc.engines.megatron import engine as megatron_engine
+    from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
 
     path = save_micro_qwen3(
         tmp_path_factory.mktemp("mt") / "m", seed=3, vocab_size=VOCAB, initializer_range=0.2
     )
     reference = TorchScoringEngine.from_pretrained(path, dtype="float32", device="cpu")
     config = json.loads((path / "config.json").read_text())
-    engine = megatron_engine.MegatronScoringEngine(
+    engine = MegatronScoringEngine(
         StandInGPT(reference.model), torch.device("cpu"), config, path=path, max_batch_rows=2
     )
     return megatron_engine, engine, reference
@@ -302,22 +303,24 @@ def test_megatron_score_matches_torch_and_drops_padding_ids(engines, monkeypatch
 
 
 def test_megatron_score_errors(engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
+
     megatron_engine, engine, _ = engines
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
     with pytest.raises(EngineError, match=r"^k=0: expected >= 1"):
         engine.score(batch, 0)
     with pytest.raises(EngineError, match=r"device='cpu': the megatron engine runs on CUDA only"):
-        megatron_engine.MegatronScoringEngine.from_pretrained(engine.path, dtype="float32", device="cpu")
+        MegatronScoringEngine.from_pretrained(engine.path, dtype="float32", device="cpu")
     with pytest.raises(EngineError, match=r"dtype='int8'"):
-        megatron_engine.MegatronScoringEngine.from_pretrained(engine.path, dtype="int8", device="cuda:0")
+        MegatronScoringEngine.from_pretrained(engine.path, dtype="int8", device="cuda:0")
 
 
 def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """The HTTP surface over the megatron engine: /score with top_k through the controller's client."""
     from mopd_hpc.engines.serving import start_app
-    from mopd_hpc.engines.teacher_client import TeacherClient
-    from mopd_hpc.engines.teacher_serve import teacher_app
-    from mopd_hpc.engines.teacher_server import TeacherServer
+    from mopd_hpc.engines.teacher.client import TeacherClient
+    from mopd_hpc.engines.teacher.http_app import TeacherServer
+    from mopd_hpc.engines.teacher.process import teacher_app
 
     megatron_engine, engine, _ = engines
     monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))
@@ -367,13 +370,14 @@ _TP2_SCORE = textwrap.dedent(
     from test_teacher_engine_choice import ROWS, STARTS, ShardStandInGPT
     from mopd_hpc.engines.batch import TokenBatch
     from mopd_hpc.engines.megatron import engine as megatron_engine
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     rank, path = int(sys.argv[1]), sys.argv[5]
     dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
     megatron_engine._tp_info = lambda: (2, rank, None)  # the TP group: this gloo world
     hf = TorchScoringEngine.from_pretrained(path, dtype="float32", device="cpu").model
     config = json.load(open(path + "/config.json"))
-    engine = megatron_engine.MegatronScoringEngine(ShardStandInGPT(hf, rank, 2), torch.device("cpu"), config,
+    engine = MegatronScoringEngine(ShardStandInGPT(hf, rank, 2), torch.device("cpu"), config,
                                                    path=path, max_batch_rows=2)
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
     lp, top = engine.score(batch, 4)

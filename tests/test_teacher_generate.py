@@ -1,4 +1,4 @@
-"""Teacher accuracy measured on the teacher servers (engines/teacher_generate.py, trainer/evaluate.py): the
+"""Teacher accuracy measured on the teacher servers (engines/teacher/greedy_generate.py, trainer/evaluate.py): the
 server's greedy route over a real TeacherServer on 127.0.0.1 gives the same completions — and so the same
 accuracy — as the in-process greedy evaluation the actor ran before (the same micro models, float32 CPU);
 the top-1 loop a megatron teacher uses gives the same tokens as HF generate; bad bodies are 400s."""
@@ -16,13 +16,13 @@ from transformers import AutoTokenizer
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.data.evaluation import evaluate_prompts, greedy_complete
-from mopd_hpc.engines.hf_model import load_causal_lm
 from mopd_hpc.engines.serving import start_app
-from mopd_hpc.engines.teacher_client import TeacherClient, TeacherClientError
-from mopd_hpc.engines.teacher_generate import GreedyRequest, greedy_ids
-from mopd_hpc.engines.teacher_serve import teacher_app
-from mopd_hpc.engines.teacher_server import TeacherServer
-from mopd_hpc.engines.torch_engine import TorchScoringEngine
+from mopd_hpc.engines.teacher.client import TeacherClient, TeacherClientError
+from mopd_hpc.engines.teacher.greedy_generate import GreedyRequest, greedy_ids
+from mopd_hpc.engines.teacher.http_app import TeacherServer
+from mopd_hpc.engines.teacher.process import teacher_app
+from mopd_hpc.engines.torch.hf_model import load_causal_lm
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.trainer.data_setup import build_run_data
 from mopd_hpc.trainer.evaluate import teacher_accuracy
 

@@ -1,5 +1,5 @@
-"""The teacher's answer packed on the engine's device and copied to the host once (`teacher_wire.pack_answer`)
-against the answer as it was built before (`teacher_wire.score_answer` from host copies of the padded
+"""The teacher's answer packed on the engine's device and copied to the host once (`engines.teacher.score_frames.pack_answer`)
+against the answer as it was built before (`engines.teacher.score_frames.score_answer` from host copies of the padded
 scores, `first_nan`, per-row lists for JSON): the frames equal byte for byte, the NaN report and the JSON
 rows equal; on CUDA the device-packed answer equals the CPU-packed one bitwise, and so does the torch
 scoring engine's score left on the device."""
@@ -11,7 +11,13 @@ import torch
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_wire import INT32_MAX, first_nan, floor_nonfinite, pack_answer, score_answer
+from mopd_hpc.engines.teacher.score_frames import (
+    INT32_MAX,
+    first_nan,
+    floor_nonfinite,
+    pack_answer,
+    score_answer,
+)
 
 IDENTITY = {"teacher_id": "t", "weight_version": "3", "fingerprint": "f"}
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -74,7 +80,7 @@ def test_device_packed_answer_equals_the_host_packed_one(nan):
 
 @CUDA
 def test_torch_engine_score_left_on_the_device_is_the_host_score(tmp_path):
-    from mopd_hpc.engines.torch_scoring import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
     ckpt = save_micro_qwen3(tmp_path / "model", seed=0, initializer_range=0.2)
     engine = TorchScoringEngine.from_pretrained(ckpt, device="cuda", max_batch_rows=2)

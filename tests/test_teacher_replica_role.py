@@ -38,7 +38,7 @@ from teacher_replica_prog import STAND_IN
 from teacher_tp_prog import VOCAB
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.engines.teacher_client import TeacherClient
+from mopd_hpc.engines.teacher.client import TeacherClient
 from mopd_hpc.plan.placement import place_children
 from mopd_hpc.records.job_end import write_job_end
 from mopd_hpc.records.run_dir import CONFIG_FILE, teacher_endpoint_file, teacher_rendezvous_file

@@ -20,12 +20,12 @@ from rich.console import Console
 
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.engines.serving import start_app
-from mopd_hpc.engines.teacher_client import TeacherClient
-from mopd_hpc.engines.teacher_pool import TeacherPool, TeacherPoolError, merge_answers, split_rows
-from mopd_hpc.engines.teacher_serve import teacher_app
-from mopd_hpc.engines.teacher_server import TeacherServer
-from mopd_hpc.engines.teacher_wire import ScoreTensors
-from mopd_hpc.engines.torch_scoring import TorchScoringEngine
+from mopd_hpc.engines.teacher.client import TeacherClient
+from mopd_hpc.engines.teacher.http_app import TeacherServer
+from mopd_hpc.engines.teacher.process import teacher_app
+from mopd_hpc.engines.teacher.replica_pool import TeacherPool, TeacherPoolError, merge_answers, split_rows
+from mopd_hpc.engines.teacher.score_frames import ScoreTensors
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.launch.rankmap import print_rank_map, rank_map_rows, teacher_lines
 from mopd_hpc.plan.placement import place_children
 from mopd_hpc.records.run_dir import rollout_ready_file, teacher_endpoint_file

@@ -23,9 +23,9 @@ import torch
 from helpers_auth import AUTH, TOKEN, write_run_dir_token
 from helpers_models import save_micro_qwen3
 
-from mopd_hpc.engines.teacher_client import TeacherClient, TeacherClientError
-from mopd_hpc.engines.teacher_serve import endpoint_path
-from mopd_hpc.engines.teacher_server import checkpoint_fingerprint
+from mopd_hpc.engines.teacher.client import TeacherClient, TeacherClientError
+from mopd_hpc.engines.teacher.http_app import checkpoint_fingerprint
+from mopd_hpc.engines.teacher.process import endpoint_path
 from mopd_hpc.roles.teacher import args_from_argv
 
 VOCAB = 32
@@ -144,7 +144,7 @@ def test_score_equals_direct_forward_with_topk(server):
 
 def test_binary_transport_equals_json_and_the_engine_bit_for_bit(server):
     from mopd_hpc.engines.batch import TokenBatch
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
     async def both():
         async with (
@@ -201,9 +201,9 @@ def test_bad_requests_are_400_naming_the_field(server, binary):
 
 
 def test_malformed_frames_are_400_and_the_server_keeps_serving(server):
-    from mopd_hpc.engines.teacher_wire import encode_score_request
-    from mopd_hpc.engines.wire import encode
-    from mopd_hpc.engines.wire_http import FRAME_HEADERS
+    from mopd_hpc.engines.frames.codec import encode
+    from mopd_hpc.engines.frames.over_http import FRAME_HEADERS
+    from mopd_hpc.engines.teacher.score_frames import encode_score_request
 
     good = encode_score_request(ROWS, STARTS, 2)
     bad = {

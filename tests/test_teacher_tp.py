@@ -1,4 +1,4 @@
-"""The leader/follower protocol of a tensor-parallel teacher replica (`engines/teacher_tp.py`) on CPU: three
+"""The leader/follower protocol of a tensor-parallel teacher replica (`engines/teacher/tensor_parallel.py`) on CPU: three
 real processes in a gloo group, each with its vocabulary shard of a fake forward whose logits are
 all-gathered over the group; the leader serves the teacher's HTTP routes, the test is its client.
 
@@ -23,7 +23,7 @@ from helpers_auth import TOKEN
 from teacher_tp_prog import VOCAB, FakeTPEngine
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_client import TeacherClient
+from mopd_hpc.engines.teacher.client import TeacherClient
 
 PROG = Path(__file__).with_name("teacher_tp_prog.py")
 WORLD = 3

@@ -1,4 +1,4 @@
-"""The teacher's frames (`engines/teacher_wire.py`): a request frame builds the batch the JSON body builds,
+"""The teacher's frames (`engines/teacher/score_frames.py`): a request frame builds the batch the JSON body builds,
 and a real `TeacherServer` on a real socket answers the same values bit for bit in both encodings, also
 where the engine's log-probs are −inf or NaN (both become LOGPROB_FLOOR)."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_client import TeacherClient
-from mopd_hpc.engines.teacher_server import TeacherServer
-from mopd_hpc.engines.teacher_wire import LOGPROB_FLOOR, decode_score_request, encode_score_request
-from mopd_hpc.engines.wire import WireError, decode
+from mopd_hpc.engines.frames.codec import WireError, decode
+from mopd_hpc.engines.teacher.client import TeacherClient
+from mopd_hpc.engines.teacher.http_app import TeacherServer
+from mopd_hpc.engines.teacher.score_frames import LOGPROB_FLOOR, decode_score_request, encode_score_request
 from mopd_hpc.mopd.topk import TeacherTopK
 
 ROWS = [[1, 2, 3, 11, 12, 13], [4, 5, 15], [6, 7, 8, 9, 16, 17, 18, 19]]
@@ -45,7 +45,7 @@ class NonFiniteEngine:
     device = torch.device("cpu")
 
     def __init__(self) -> None:
-        from mopd_hpc.engines.residency import Residency
+        from mopd_hpc.engines.memory.residency import Residency
 
         self.residency = Residency(torch.nn.Linear(1, 1), self.device)
 

@@ -17,7 +17,8 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import BatchError, TokenBatch, TrainBatch
 from mopd_hpc.engines.protocol import EngineError, ScoringEngine, TrainEngine
-from mopd_hpc.engines.torch_engine import TorchScoringEngine, TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.mopd import aggregate_teacher_targets
 
 VOCAB = 32
@@ -247,7 +248,7 @@ def test_cpu_residency_is_a_logged_noop_and_export_round_trips(models, tmp_path,
     engine = make_engine(models["student"])
     tokens = TokenBatch.from_samples(PROMPTS, OUTPUTS, pad_id=0)
     before = engine.logprobs(tokens)
-    with caplog.at_level("INFO", logger="mopd_hpc.engines.residency"):
+    with caplog.at_level("INFO", logger="mopd_hpc.engines.memory.residency"):
         off = engine.offload()
     assert (off.action, off.moved, off.bytes_moved, off.device) == ("offload", False, 0, "cpu")
     assert "no-op" in caplog.text

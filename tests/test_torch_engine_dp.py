@@ -21,7 +21,8 @@ from helpers_dp import LR, OUTPUTS, PROMPTS, WorkerGroup, record_step, run_case
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.data_parallel import DataParallel, DataParallelError
-from mopd_hpc.engines.torch_engine import TorchScoringEngine, TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
 SPLITS = [((0, 4), (4, 8)), ((0, 3), (3, 8)), ((0, 0), (0, 8))]
 GRAD_RTOL = 1e-6

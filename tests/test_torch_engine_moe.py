@@ -22,7 +22,7 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.protocol import EngineError
-from mopd_hpc.engines.torch_engine import TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
 from mopd_hpc.mopd import aggregate_teacher_targets
 
 VOCAB = 32
@@ -181,7 +181,7 @@ def test_replayed_experts_give_the_log_probs_of_a_forward_with_those_experts(moe
 
 def test_a_moe_teacher_scores_the_log_probs_of_transformers_own_forward(moe: Path) -> None:
     """A Qwen3-MoE teacher through the torch scoring engine: its log-probs are transformers' full forward's."""
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
     tokens = TokenBatch.from_samples(PROMPTS, OUTPUTS, pad_id=0)
     scorer = TorchScoringEngine.from_pretrained(moe, dtype="float32", device="cpu")

@@ -20,7 +20,7 @@ from helpers_models import save_micro_qwen3
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.span_clock import SpanClock, device_sync
-from mopd_hpc.engines.torch_engine import TorchTrainEngine
+from mopd_hpc.engines.torch.engine import TorchTrainEngine
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.records.metrics_schema import TRAIN_SPAN_KEYS
 from mopd_hpc.trainer.actor_group import SoloGroup

@@ -217,7 +217,7 @@ def test_the_torch_engine_syncs_tied_and_untied_bitwise(tmp_path, tied):
     tensors and routers)."""
     from mopd_hpc.config import LossConfig
     from mopd_hpc.config.models import OptimizerConfig
-    from mopd_hpc.engines.torch_engine import TorchTrainEngine
+    from mopd_hpc.engines.torch.engine import TorchTrainEngine
 
     if tied == "moe":
         served, trainer_dir = save_micro_moe(tmp_path / "served", 0), save_micro_moe(tmp_path / "trainer", 1)

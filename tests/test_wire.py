@@ -1,4 +1,4 @@
-"""Binary frames (`engines/wire.py`, `wire_http.py`): bitwise round trips, safetensors compatibility, and
+"""Binary frames (`engines/frames/codec.py`, `over_http.py`): bitwise round trips, safetensors compatibility, and
 refusals of malformed or oversized bodies, over real aiohttp sockets where HTTP is involved."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from aiohttp import web
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from mopd_hpc.engines import wire
-from mopd_hpc.engines.wire import CONTENT_TYPE, WireError, decode, encode
-from mopd_hpc.engines.wire_http import FRAME_HEADERS, accepts_frame, read_frame, send_frame
+from mopd_hpc.engines.frames import codec as wire
+from mopd_hpc.engines.frames.codec import CONTENT_TYPE, WireError, decode, encode
+from mopd_hpc.engines.frames.over_http import FRAME_HEADERS, accepts_frame, read_frame, send_frame
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -104,7 +104,7 @@ def test_packed_tensors_and_streamed_chunks_equal_one_buffer():
 def test_pool_reuses_a_buffer_only_once_nothing_reads_it():
     import gc
 
-    from mopd_hpc.engines.buffer_pool import BufferPool
+    from mopd_hpc.engines.frames.buffer_pool import BufferPool
 
     pool = BufferPool(keep=1)
     first = pool.lend(64)
@@ -287,8 +287,8 @@ def test_large_answers_go_socket_to_buffer_and_equal_one_encoded_buffer(monkeypa
     straight from the socket (`send_frame` / `read_frame` direct paths): its bytes equal `encode`'s, the
     next request on the session gets a new connection, a small answer comes through aiohttp and keeps its
     connection, and an answer cut short is refused naming both counts."""
-    from mopd_hpc.engines import wire_http
-    from mopd_hpc.engines.buffer_pool import BufferPool
+    from mopd_hpc.engines.frames import over_http as wire_http
+    from mopd_hpc.engines.frames.buffer_pool import BufferPool
 
     g = torch.Generator().manual_seed(3)
     vals = torch.randn(3, 1500, 64, generator=g)  # 384 KB per row and tensor

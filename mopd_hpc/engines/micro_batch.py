@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mopd_hpc.engines.batch import TrainBatch
-from mopd_hpc.engines.memory_model import ModelShape, default_micro_batch_tokens
+from mopd_hpc.engines.memory.estimates import ModelShape, default_micro_batch_tokens
 
 if TYPE_CHECKING:
     from mopd_hpc.config.models import ActorConfig
@@ -78,7 +78,7 @@ def step_budget(
     still_to_allocate: int = 0,
 ) -> int | None:
     """This step's micro-batch budget: `micro.tokens` when set; else, on CUDA with a known shape,
-    `memory_model.default_micro_batch_tokens` of what the GPU has free now (the driver's free memory plus
+    `memory.estimates.default_micro_batch_tokens` of what the GPU has free now (the driver's free memory plus
     what this process's caching allocator holds unused) less `still_to_allocate` (state the step will still
     allocate: gradients, a first step's optimizer moments); else None (the whole shard: CPU, or a model
     config the estimate cannot read)."""

@@ -1,6 +1,6 @@
 """The train and scoring engine protocols (DESIGN.md §5), apart from their implementations.
 
-Backends: `torch_engine` (transformers models, CPU or GPU) and megatron (megatron-core, GPU only).
+Backends: `torch/` (transformers models, CPU or GPU) and megatron (megatron-core, GPU only).
 The loss configuration is bound to a train engine ONCE, when it is built: `train_step(batch)` applies
 that bound loss (the `loss` of DESIGN.md §5's `train_step(batch, loss)`), and a batch carries only
 per-sample tensors.

@@ -6,7 +6,7 @@ STARTING actor (models.actor.path), scored like a teacher by the actor's own pro
 Where it runs — the actor's own process, not a server of its own. Each actor rank builds one
 `ReferenceModel` (a scoring engine of the actor's kind: `TorchScoringEngine`, `MegatronScoringEngine`) from
 the checkpoint at models.actor.path, always that path and never a run checkpoint, so after a resume it is
-still the initial weights. Between uses its weights are offloaded to host memory (`engines/residency.py`,
+still the initial weights. Between uses its weights are offloaded to host memory (`engines/memory/residency.py`,
 `engines/megatron/residency.py`: a real move on GPU, a no-op on CPU); `logprobs` onloads them, scores this
 rank's rows and offloads them again before it returns. Why this and not a reference server (a teacher role
 serving the actor's path):
@@ -84,7 +84,7 @@ class ReferenceModel:
             OSError: no checkpoint at `path`.
         """
         if kind == "torch":
-            from mopd_hpc.engines.torch_scoring import TorchScoringEngine
+            from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
             engine: Any = TorchScoringEngine.from_pretrained(
                 path, dtype=dtype, device=str(device), max_batch_rows=max_batch_rows

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from mopd_hpc.engines.wire_http import READ_BUFSIZE
+from mopd_hpc.engines.frames.over_http import READ_BUFSIZE
 from mopd_hpc.runtime.http_auth import is_protected
 from mopd_hpc.runtime.http_limits import DEFAULT_LIMITS, HttpLimits, serve_runner
 

@@ -10,14 +10,14 @@ geometric teacher ensemble ∝ Π_j π_j^{w_j/W} (AReaL feature/mopd `aggregate_
 Weights are not normalized. One teacher per route (MiMo-V2-Flash §4.4) is the special case.
 
 A teacher's refusal (a −inf log-prob: the teacher gives the sampled token probability 0, e.g. a vocabulary
-entry its head masks; it arrives as the wire's floor −1e30, engines/teacher_wire.py) is taken as the
+entry its head masks; it arrives as the wire's floor −1e30, engines/teacher/score_frames.py) is taken as the
 smallest log-prob a float32 softmax represents, `REFUSED_LOGPROB` = log(float32 tiny) ≈ −87.34 nats, and
 counted (`TeacherTargets.refused_tokens`). Why a finite floor rather than an error or a mask: the refusal is
 information (reverse KL(π_θ ‖ π_j) is +∞ there: the student must stop emitting that token), so the token
 keeps a large negative advantage A = S − W·log π_θ ≥ W·(−87.34) − W·log π_θ; kept at −1e30 it would be
 an advantage of ~1e30 (loss and gradient ~1e30, whatever `grad_clip` then does); masked, the student would
 never learn to stop. `loss.advantage_clip` clips it further when set. A NaN teacher log-prob is no refusal
-but a broken forward: the teacher server refuses to answer it (engines/teacher_server.py).
+but a broken forward: the teacher server refuses to answer it (engines/teacher/http_app.py).
 
 Shape legend: B sequences, T response positions, J teachers.
 """

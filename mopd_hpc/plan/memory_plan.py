@@ -1,5 +1,5 @@
 """The memory plan before anything starts (issue 21 item 2): per GPU of the job plan, what each child on it
-will hold, estimated from the config and each model's config.json (`engines/memory_model.py`'s arithmetic).
+will hold, estimated from the config and each model's config.json (`engines/memory/estimates.py`'s arithmetic).
 
 Each child's holdings are either resident through the step, or held in one phase only:
 - actor (train engine, per rank): weights, optimizer state and (megatron) the fp32 grad buffer, resident;
@@ -7,7 +7,7 @@ Each child's holdings are either resident through the step, or held in one phase
   max_new_tokens positions within `micro_batch_tokens`; null: with the GPU's memory known (the group's
   `capacity_gib`: `gpu_memory_gb` or `gpu_type`'s, else the `capacity_gib` given: detected in the job, or this
   machine's GPU at --check), the budget the engine derives at each step
-  (`memory_model.default_micro_batch_tokens` of what the train phase leaves free: the GPU less every
+  (`memory.estimates.default_micro_batch_tokens` of what the train phase leaves free: the GPU less every
   child's train-phase holdings and `CUDA_CONTEXT_BYTES` per child), else the rank's whole shard
   (batch_size·samples_per_prompt/dp rows); with a KL penalty (rl_coefficient > 0, kl_coefficient > 0) its
   reference model's weights and scoring buffers, as a teacher of the actor's engine, dtype and tensor_parallel
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.config.parallel import ActorParallel
-from mopd_hpc.engines.memory_model import (
+from mopd_hpc.engines.memory.estimates import (
     MemoryModelError,
     ModelShape,
     default_micro_batch_tokens,
@@ -63,7 +63,7 @@ from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.plan import ChildSpec, JobPlan
 
 GIB = float(2**30)
-#: Rows a teacher scores at a time at most (`engines/teacher_serve.py` TeacherArgs.max_batch_rows' default);
+#: Rows a teacher scores at a time at most (`engines/teacher/process.py` TeacherArgs.max_batch_rows' default);
 #: the job's teacher role takes fewer when their float32 logits exceed `SCORING_BUDGET_BYTES`
 #: (`roles/teacher.py` scoring_rows: the same rule).
 TEACHER_ROWS = 64
@@ -351,7 +351,7 @@ def format_memory_plan(gpus: tuple[GpuMemory, ...]) -> list[str]:
     if not gpus:
         return ["# memory plan: no GPU in this job"]
     planned = [gpu for gpu in gpus if any(c.holdings for c in gpu.children)]
-    out = ["# memory plan per GPU (estimates, GiB; engines/memory_model.py):"] if planned else []
+    out = ["# memory plan per GPU (estimates, GiB; engines/memory/estimates.py):"] if planned else []
     for gpu in planned:
         peak, phase = gpu.peak()
         cap = f" of {gpu.capacity_gib:g}" if gpu.capacity_gib is not None else ""

@@ -57,7 +57,7 @@ from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.rollout.client import RolloutClient
-from mopd_hpc.engines.teacher_pool import TeacherPool
+from mopd_hpc.engines.teacher.replica_pool import TeacherPool
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
@@ -152,7 +152,7 @@ def build_train_engine(
     """
     actor = cfg.models.actor
     if kind == "torch":
-        from mopd_hpc.engines.torch_engine import TorchTrainEngine
+        from mopd_hpc.engines.torch.engine import TorchTrainEngine
 
         return TorchTrainEngine.from_pretrained(
             actor.path,

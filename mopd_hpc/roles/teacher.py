@@ -1,6 +1,6 @@
 """The `teacher` role of a run: `python -m mopd_hpc.roles.teacher` (the guard's role table runs it).
 
-Without arguments it is a job's teacher child: the scoring server (`engines/teacher_serve.py`) takes its
+Without arguments it is a job's teacher child: the scoring server (`engines/teacher/process.py`) takes its
 settings from the run. MOPD_TEACHER_ID (the job plan sets it) names the entry of `models.teachers` in
 `run_dir/config.yaml`, and MOPD_TEACHER_REPLICA which of its replicas this child serves (each a scoring
 server with its own endpoint record, `teacher-<id>.r<replica>.json`, carrying the job id); the config gives
@@ -10,13 +10,13 @@ them (env read once, in `main`; the job's token once, in `run`) and serves until
 actor announces the end of the job (`records/job_end.py`), then exits 0. SIGUSR2 is ignored (a teacher has
 nothing to checkpoint).
 
-At tensor_parallel 1 a replica is this one process (`teacher_serve.serve`). Above, the replica is
+At tensor_parallel 1 a replica is this one process (`engines.teacher.process.serve`). Above, the replica is
 tensor_parallel children, MOPD_RANK / MOPD_WORLD_SIZE their rank in its TP group (plan/placement.py): they
 form the replica's world over the leader's rendezvous, each builds its shard engine, the leader (rank 0)
 serves HTTP and the followers run the same forwards until the leader's STOP (roles/teacher_replica.py; a rank
 lost ends the replica with a non-zero exit). What each engine serves, tensor_parallel included, is declared in
 `config/capabilities.py` (`teacher_refusals`, checked here as by `--check`); the engines are built through
-`TeacherEngines` (the declarations and the builder, `teacher_serve.build_engine`), which `main` takes as its
+`TeacherEngines` (the declarations and the builder, `engines.teacher.process.build_engine`), which `main` takes as its
 one seam: tests pass a stand-in shard engine that runs on CPU (tests/teacher_replica_prog.py).
 
 Rows scored per forward (`scoring_rows`): a forward materializes [rows, tokens, vocab] logits (and their
@@ -54,7 +54,7 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.config.capabilities import TEACHER_ENGINES, TeacherEngineSpec, standing, teacher_refusals
 from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.serving import cli_port
-from mopd_hpc.engines.teacher_serve import ENGINES, TeacherArgs, build_engine
+from mopd_hpc.engines.teacher.process import ENGINES, TeacherArgs, build_engine
 from mopd_hpc.records.job_end import stop_on_job_end
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, read_job_token, start_server_role
 from mopd_hpc.roles.teacher_replica import (
@@ -91,7 +91,7 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 class TeacherEngines:
     """The scoring engines a job's teacher child builds: what each serves (`specs`: engine name → its
     declaration, `config/capabilities.py` TEACHER_ENGINES, which `mopd-submit --check` used) and how this
-    rank's engine is built (`build(args)`, `teacher_serve.build_engine`: at tensor_parallel > 1 its shard, the
+    rank's engine is built (`build(args)`, `engines.teacher.process.build_engine`: at tensor_parallel > 1 its shard, the
     replica's world formed already). The default is the job's; tests replace both together with a stand-in."""
 
     specs: Mapping[str, TeacherEngineSpec] = field(default_factory=lambda: MappingProxyType(TEACHER_ENGINES))
@@ -190,7 +190,7 @@ async def run(
 ) -> None:
     """Serve until SIGTERM/SIGINT or the end of the job: one process (`replica` None: tensor_parallel 1) or
     the leader of a TP replica (`lead_replica`). `build`: the engine builder (`TeacherEngines.build`)."""
-    from mopd_hpc.engines.teacher_serve import serve
+    from mopd_hpc.engines.teacher.process import serve
 
     token = read_job_token(role)
     stop = asyncio.Event()
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None, engines: TeacherEngines | None = Non
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
         )
-        from mopd_hpc.engines.teacher_serve import serve
+        from mopd_hpc.engines.teacher.process import serve
 
         args = args_from_argv(argv, environ)
         token, token_file = standalone_token(args.token_file, args.run_dir)

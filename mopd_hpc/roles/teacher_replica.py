@@ -1,6 +1,6 @@
 """A tensor-parallel teacher replica in the job (`models.teachers[i].tensor_parallel` > 1): the teacher role's
 children of one replica form the replica's world, each builds its shard engine, the leader serves HTTP and the
-followers run the same forwards (engines/teacher_tp.py).
+followers run the same forwards (engines/teacher/tensor_parallel.py).
 
 Who is who (plan/placement.py): one child per GPU of the replica, MOPD_RANK / MOPD_WORLD_SIZE its rank in the
 replica's TP group (the world is the replica, nothing else); rank 0, the leader, leases the ports `http` and
@@ -14,10 +14,10 @@ for it as long as the actor waits for the servers (MOPD_ENDPOINT_TIMEOUT_S), con
 Every rank then joins the world with `init_process_group` on that store (keys under `mopd_teacher/world`): gloo
 on CPU, NCCL on GPU (each rank on its own device, the gloo interface the one that carries the store's
 address). A megatron shard engine initializes megatron's parallel state over that world
-(`teacher_serve.build_engine`). Collectives time out after `models.actor.collective_timeout_s`, the job's
+(`engines.teacher.process.build_engine`). Collectives time out after `models.actor.collective_timeout_s`, the job's
 collective timeout.
 
-The leader (`lead_replica`) serves as a one-process teacher does (`teacher_serve.serve_engine`: the endpoint
+The leader (`lead_replica`) serves as a one-process teacher does (`engines.teacher.process.serve_engine`: the endpoint
 record with the job id, the job's token, stopped by the end of the job or SIGTERM/SIGINT) with `TPLeader` as
 its engine, and a heartbeat thread sends HEARTBEAT every `ReplicaSpec.heartbeat_s` (the followers' wait for
 the next header is a collective: it must not time out while the leader is idle). When the server stops, the
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.engines.teacher_serve import TeacherArgs, serve_engine, set_threads, shutdown_parallel
+from mopd_hpc.engines.teacher.process import TeacherArgs, serve_engine, set_threads, shutdown_parallel
 from mopd_hpc.roles.endpoints import endpoint_timeout_s
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, master_address
 from mopd_hpc.runtime import child_env
@@ -66,7 +66,7 @@ CLOSE_WAIT_S = 10.0
 #: The prefix of torch.distributed's keys in the leader's store.
 WORLD_PREFIX = "mopd_teacher/world"
 
-#: Builds this rank's shard engine from the server's arguments (`teacher_serve.build_engine`).
+#: Builds this rank's shard engine from the server's arguments (`engines.teacher.process.build_engine`).
 EngineBuilder = Callable[[TeacherArgs], Any]
 
 
@@ -234,7 +234,7 @@ async def lead_replica(
         ReplicaLostError: a broadcast failed (a follower is gone or silent); the records are removed.
         What `join_replica` and `build` raise.
     """
-    from mopd_hpc.engines.teacher_tp import TPLeader
+    from mopd_hpc.engines.teacher.tensor_parallel import TPLeader
 
     set_threads(args)
     store = await asyncio.to_thread(join_replica, spec, Path(args.run_dir or "."), args.job_id or "")
@@ -304,7 +304,7 @@ def follow_replica(args: TeacherArgs, spec: ReplicaSpec, build: EngineBuilder) -
         ReplicaLostError: the leader is gone or silent (not after SIGTERM/SIGINT: then it returns -1).
         What `join_replica` and `build` raise.
     """
-    from mopd_hpc.engines.teacher_tp import follow
+    from mopd_hpc.engines.teacher.tensor_parallel import follow
 
     signals = _FollowerSignals()
     signals.install()

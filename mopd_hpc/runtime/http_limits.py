@@ -17,7 +17,7 @@ server and the sglang backend (one place, as `runtime/http_auth.py` is for the t
 - The body bound covers the bodies a handler reads whole (`request.read()`, `request.json()`): types in
   `BUFFERED_TYPES` (a request without a Content-Type is `application/octet-stream` to aiohttp). The body is
   read here once (aiohttp keeps it for the handler). Streamed frame bodies (`application/x-mopd-tensors`,
-  engines/wire_http.py) are left to their own socket timeout.
+  engines/frames/over_http.py) are left to their own socket timeout.
 - The depth bound: Python's JSON decoder recurses once per level and raises RecursionError near 1000
   levels, which a handler would report as a 500; a body nested deeper than `max_json_depth` is refused
   before any decoder sees it (`json_too_deep`: a count of brackets outside strings).

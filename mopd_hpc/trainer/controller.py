@@ -63,7 +63,7 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.protocol import TrainEngine
 from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.rollout.client import RolloutClient
-from mopd_hpc.engines.teacher_pool import TeacherPool
+from mopd_hpc.engines.teacher.replica_pool import TeacherPool
 from mopd_hpc.mopd.phases import DrainReceipt, Phase, PhaseMachine, Transition
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.records.job_end import write_job_end

@@ -207,7 +207,7 @@ async def teacher_accuracy(
 ) -> dict[str, dict[str, float]]:
     """route → {teacher id: greedy accuracy} for every teacher with a positive weight on the route.
 
-    Each teacher generates on its own server (`generators`, engines/teacher_generate.py): the actor process
+    Each teacher generates on its own server (`generators`, engines/teacher/greedy_generate.py): the actor process
     loads no teacher. Prompts are encoded as `data.evaluation.greedy_complete` encodes them (`data.chat.encode_prompt`; the
     server left-pads) and the new tokens decoded the same way, so on the same weights and
     dtype the accuracy equals the in-process greedy evaluation's.

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.client import RolloutClient
-from mopd_hpc.engines.teacher_pool import TeacherPool
+from mopd_hpc.engines.teacher.replica_pool import TeacherPool
 from mopd_hpc.records.metrics_schema import eval_key
 from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.data_setup import RunData

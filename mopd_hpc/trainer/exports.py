@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.atomic import publish_dir
-from mopd_hpc.engines.hf_model import TOKENIZER_FILES
+from mopd_hpc.engines.torch.hf_model import TOKENIZER_FILES
 from mopd_hpc.records.run_dir import EXPORTS_DIR
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")

@@ -9,7 +9,7 @@ a step's ROLLOUT begins, so that the work between two steps is not counted.
 Only for a CUDA device: on CPU every method is a no-op and `take()` gives {} (the metrics contract's keys are
 absent on CPU, `records/metrics_schema.py`). What another process holds on the same GPU (a colocated teacher,
 the rollout engine) is not in these numbers: they are this child's own; `server_peaks` asks the servers for
-theirs (`engines/peak_memory.py`).
+theirs (`engines/memory/peaks.py`).
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ async def server_peaks(
     teachers: Mapping[str, Any], rollout: Sequence[Any], rollout_backend: str
 ) -> dict[str, float]:
     """The teachers' and (hf) rollout engines' peak GPU memory per phase since the last call, as metrics keys
-    (`memory/teacher/<id>/<phase>/<kind>`, `memory/rollout/<i>/...`; `engines/peak_memory.py`: their
+    (`memory/teacher/<id>/<phase>/<kind>`, `memory/rollout/<i>/...`; `engines/memory/peaks.py`: their
     phases, and `held` between their requests); {} from servers on CPU. SGLang's engine has no such route
     (its memory is SGLang's static pool): not asked."""
-    from mopd_hpc.engines.peak_memory import peak_metrics
+    from mopd_hpc.engines.memory.peaks import peak_metrics
 
     out: dict[str, float] = {}
     for tid, client in teachers.items():

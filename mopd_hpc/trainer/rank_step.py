@@ -35,7 +35,7 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.protocol import TrainEngine
 from mopd_hpc.engines.reference import ReferenceModel
 from mopd_hpc.engines.span_clock import SpanClock
-from mopd_hpc.engines.teacher_pool import TeacherPool
+from mopd_hpc.engines.teacher.replica_pool import TeacherPool
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB
 from mopd_hpc.trainer.actor_group import Group, Receipts

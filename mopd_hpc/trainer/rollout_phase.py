@@ -153,7 +153,7 @@ async def generate(
 async def _generate_block(
     client: RolloutClient, body: dict[str, Any], prompts: Sequence[Sequence[int]], n: int
 ) -> list[GeneratedSample]:
-    """One engine's block: ids and μ come back as one binary frame (engines/wire.py) where the server
+    """One engine's block: ids and μ come back as one binary frame (engines/frames/codec.py) where the server
     offers it, else as SGLang's JSON."""
     answer = await client.generate_batch(body)
     if len(answer.items) != len(prompts) * n:

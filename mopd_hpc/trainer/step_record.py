@@ -19,7 +19,7 @@ Kinds (`ControlRecord.kind`):
             rank joins rank 0's `state_dict` gather (sent when the engine's `collective_state_dict`)
 
 Wire format (DESIGN.md §7: tensors as raw bytes with a header, never JSON lists of floats): one frame of
-engines/wire.py (byte for byte a safetensors file) with the tensors `tokens` int32 (every row concatenated),
+engines/frames/codec.py (byte for byte a safetensors file) with the tensors `tokens` int32 (every row concatenated),
 `row_lengths` int32 [B], `starts` int32 [B], `mu` float32 (every response token, rows concatenated), `orm`
 float32 [B] (when present), `experts` int16 [N, M, k] (N response tokens, rows concatenated; when present),
 and `meta` {"kind", "step", "reason", "routes", "pad_id"}.
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mopd_hpc.engines import wire
 from mopd_hpc.engines.batch import TokenBatch
+from mopd_hpc.engines.frames import codec as wire
 
 KINDS = ("start", "step", "stop", "weights", "checkpoint")
 STOP_REASONS = ("finished", "checkpoint_signal")
@@ -193,7 +193,7 @@ class ControlRecord:
     # ------------------------------------------------------------------------------- the wire
 
     def to_bytes(self) -> bytes:
-        """The wire format of the module docstring (one engines/wire.py frame)."""
+        """The wire format of the module docstring (one engines/frames/codec.py frame)."""
         tensors = {
             "tokens": _tensor([t for r in self.rows for t in r], torch.int32),
             "row_lengths": _tensor([len(r) for r in self.rows], torch.int32),

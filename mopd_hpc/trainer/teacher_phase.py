@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.teacher_client import TeacherClient
-from mopd_hpc.engines.teacher_pool import TeacherPool
-from mopd_hpc.engines.teacher_wire import ScoreTensors
+from mopd_hpc.engines.teacher.client import TeacherClient
+from mopd_hpc.engines.teacher.replica_pool import TeacherPool
+from mopd_hpc.engines.teacher.score_frames import ScoreTensors
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB, TeacherTargets, aggregate_teacher_targets
 from mopd_hpc.mopd.topk import TeacherTopK
 

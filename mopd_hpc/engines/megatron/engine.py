@@ -13,7 +13,7 @@ labels_p = input_ids_{p+1}, the log-prob of response token t of row b sits at po
 response_start[b] + t − 1 (`TokenBatch.logit_positions`). Rows are right-padded: causal attention alone is exact.
 
 The teacher's forward-only engine, `MegatronScoringEngine` (top-k at any tensor_parallel), lives in
-`scoring.py` and is re-exported here (`engine.MegatronScoringEngine` resolves lazily: no import cycle).
+`scoring.py`, which imports this module (never the other way).
 
 The train step (the loss section bound at construction as `mopd.objective.Objective`: either estimator,
 GRPO at loss level c_rl, α·A_ORM at advantage level; `compute_loss`):
@@ -65,7 +65,7 @@ from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
-from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape, train_state
+from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, train_state
 from mopd_hpc.engines.micro_batch import (
     MicroBatching,
     StepStats,
@@ -90,18 +90,6 @@ from mopd_hpc.mopd.vocab_parallel import (
     vocab_parallel_topk,
 )
 from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
-
-#: Re-exported from `scoring.py` on first access (module `__getattr__`, PEP 562): importing it here eagerly
-#: would cycle, since scoring.py reads this module's shared pieces.
-_REEXPORTS = {"MegatronScoringEngine": "mopd_hpc.engines.megatron.scoring"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _REEXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_REEXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def initialize_parallel(

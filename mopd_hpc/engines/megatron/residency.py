@@ -17,7 +17,7 @@ Two shapes:
   12.4 s on the H200, most of it moving ~20 GB of optimizer state at a few GB/s, three times, because the
   parts did not move separately.) A state tensor that shares storage with a DDP buffer (an fp32 model's
   optimizer holds the model's own parameters) moves with the buffer, not twice.
-- a teacher (forward only, no DDP wrapper, no optimizer): the generic `engines.residency.Residency`.
+- a teacher (forward only, no DDP wrapper, no optimizer): the generic `engines.memory.residency.Residency`.
 
 The AWEX publisher composes a residency (it releases the trainer's weights around a colocated write);
 teachers depend on residency alone.
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from mopd_hpc.engines.memory.residency import Residency
 from mopd_hpc.engines.protocol import ResidencyReport
-from mopd_hpc.engines.residency import Residency
 
 log = logging.getLogger("mopd_hpc.engines.megatron.residency")
 

@@ -1,7 +1,7 @@
 """A teacher's forward-only engine on megatron-core (DESIGN.md §5): `MegatronScoringEngine`. GPU only.
 
 The shared pieces (`initialize_parallel`, `build_from_hf`, `read_hf_checkpoint`, the labels-path forward
-`MegatronForward`) live in `engine.py`, which re-exports this class. They are reached through that module
+`MegatronForward`) live in `engine.py`. They are reached through that module
 (`core.<name>`) at call time, so a test's stand-in for `engine._tp_info` applies here too.
 
 Log-probs: GPTModel's labels path (vocab-parallel cross entropy, any tensor_parallel; `engine.py`).
@@ -135,7 +135,7 @@ class MegatronScoringEngine:
         self, batch: TokenBatch, k: int | None = None, *, host: bool = True
     ) -> tuple[torch.Tensor, TeacherTopK | None]:
         """([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None), on the CPU
-        (host False, with k: on the engine's device, for `teacher_wire.pack_answer`).
+        (host False, with k: on the engine's device, for `teacher.score_frames.pack_answer`).
 
         Without k: the labels path (`logprobs`). With k: one forward without labels, then log-probs and top-k
         from the vocab-parallel logits (`vocab_parallel_score`, module docstring: collectives over the TP

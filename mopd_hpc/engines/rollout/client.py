@@ -24,11 +24,11 @@ from typing import Any
 
 import aiohttp
 
+from mopd_hpc.engines.frames.codec import DEFAULT_MAX_BODY_BYTES, Frame, WireError
+from mopd_hpc.engines.frames.over_http import ACCEPT_HEADERS, is_frame, read_frame
 from mopd_hpc.engines.rollout.control import DEFAULT_GROUP_NAME, DistributedUpdateRequest, InitGroupRequest
 from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
-from mopd_hpc.engines.wire import DEFAULT_MAX_BODY_BYTES, Frame, WireError
-from mopd_hpc.engines.wire_http import ACCEPT_HEADERS, is_frame, read_frame
 from mopd_hpc.runtime.http_auth import auth_headers
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class RolloutClient:
         )
 
     async def memory_peaks(self) -> dict[str, Any]:
-        """The engine's peak GPU memory per phase since the last call (`engines/peak_memory.py`; {} on CPU)."""
+        """The engine's peak GPU memory per phase since the last call (`engines/memory/peaks.py`; {} on CPU)."""
         return await self.request("POST", "/memory_peaks")
 
     async def awex_init(self, inference_config: Mapping[str, Any]) -> dict[str, Any]:

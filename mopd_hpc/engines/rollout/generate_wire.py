@@ -1,4 +1,4 @@
-"""A /generate answer as tensors (`GeneratedBatch`), and its frame (`wire.py`) for binary transport.
+"""A /generate answer as tensors (`GeneratedBatch`), and its frame (`engines/frames/codec.py`) for binary transport.
 
 The rollout server answers SGLang's JSON by default; a client that sends `Accept:
 application/x-mopd-tensors` gets one frame instead (the trainer's `RolloutClient` does). Shape legend: R
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from mopd_hpc.engines.frames.codec import Frame, FrameLayout, WireError, layout
 from mopd_hpc.engines.rollout.protocol import DEFAULT_WEIGHT_VERSION, GeneratedSample, RolloutRequestError
-from mopd_hpc.engines.wire import Frame, FrameLayout, WireError, layout
 
 _INT32_MAX = 2**31 - 1
 

@@ -4,7 +4,7 @@ Errors are JSON {"success": false, "message", "error": {"message", "type", "code
 request (field, value, expectation), 409 when the engine is busy, 503 while weights are released, 500 for
 a bug (the server keeps serving). Control endpoints answer {"success": true, "message", ...}.
 
-`POST /memory_peaks`: the engine's peak GPU memory per phase since the last call (`engines/peak_memory.py`:
+`POST /memory_peaks`: the engine's peak GPU memory per phase since the last call (`engines/memory/peaks.py`:
 /generate in `rollout`; weight updates and memory release/resume, AWEX's too, in `sync`; {} on CPU).
 
 /generate answers SGLang's JSON, or one binary frame (`generate_wire.py`: output ids and log-probs as
@@ -26,7 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mopd_hpc.engines.peak_memory import PeakTracker, add_peaks_route, peak_middleware
+from mopd_hpc.engines.frames.over_http import accepts_frame, send_frame
+from mopd_hpc.engines.memory.peaks import PeakTracker, add_peaks_route, peak_middleware
 from mopd_hpc.engines.rollout.control import (
     DEFAULT_GROUP_NAME,
     PAUSE_MODES,
@@ -39,7 +40,6 @@ from mopd_hpc.engines.rollout.control import (
 from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
 from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestError
 from mopd_hpc.engines.rollout.server_args import ServerArgs
-from mopd_hpc.engines.wire_http import accepts_frame, send_frame
 
 log = logging.getLogger("mopd_hpc.rollout")
 
@@ -94,7 +94,7 @@ async def read_json_body(request: web.Request) -> Any:
         raise RolloutRequestError(f"malformed JSON body: {exc}") from exc
 
 
-#: The phase of the step each tracked route runs in (`engines/peak_memory.py`).
+#: The phase of the step each tracked route runs in (`engines/memory/peaks.py`).
 PHASE_OF_PATH = {
     "/generate": "rollout",
     **{

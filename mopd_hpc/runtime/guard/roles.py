@@ -19,7 +19,7 @@ from types import MappingProxyType
 ROLE_MODULES: Mapping[str, str] = MappingProxyType(
     {
         "actor": "mopd_hpc.roles.actor",
-        # the run's teacher: settings from run_dir/config.yaml, then engines.teacher_serve.serve
+        # the run's teacher: settings from run_dir/config.yaml, then engines.teacher.process.serve
         "teacher": "mopd_hpc.roles.teacher",
         "rollout": "mopd_hpc.roles.rollout",
         "probe": "mopd_hpc.roles.probe",

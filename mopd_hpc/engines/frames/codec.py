@@ -20,7 +20,7 @@ memory, with no copy; any other (cast, on a GPU, non-finite values to replace) i
 small reused buffers. `meta` carries the control fields (ids,
 versions, counts): JSON values, not tensors.
 
-The HTTP content type of a frame is `CONTENT_TYPE`; `wire_http.py` reads and writes frames on aiohttp.
+The HTTP content type of a frame is `CONTENT_TYPE`; `over_http.py` reads and writes frames on aiohttp.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from mopd_hpc.engines.buffer_pool import BufferPool
+from mopd_hpc.engines.frames.buffer_pool import BufferPool
 
 #: The HTTP Content-Type (and Accept value) of a frame.
 CONTENT_TYPE = "application/x-mopd-tensors"

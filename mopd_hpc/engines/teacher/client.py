@@ -1,7 +1,7 @@
 """The teacher scoring server's client (asyncio, aiohttp): `TeacherClient`, its answers and its error.
 
-The routes, the JSON shapes and the error body are the server's (`teacher_server.py`); the binary frames of
-/score are in `teacher_wire.py`. `score` returns per-row lists (`ScoreResponse`, the same bit for bit over
+The routes, the JSON shapes and the error body are the server's (`http_app.py`); the binary frames of
+/score are in `score_frames.py`. `score` returns per-row lists (`ScoreResponse`, the same bit for bit over
 JSON and binary); `score_tensors` returns the packed tensors of a binary answer (`ScoreTensors`).
 """
 
@@ -14,11 +14,11 @@ from typing import Any
 
 import aiohttp
 
-from mopd_hpc.engines.buffer_pool import BufferPool
-from mopd_hpc.engines.teacher_generate import greedy_body
-from mopd_hpc.engines.teacher_wire import ScoreTensors, encode_score_request
-from mopd_hpc.engines.wire import DEFAULT_MAX_BODY_BYTES, WireError
-from mopd_hpc.engines.wire_http import FRAME_HEADERS, READ_BUFSIZE, is_frame, read_frame
+from mopd_hpc.engines.frames.buffer_pool import BufferPool
+from mopd_hpc.engines.frames.codec import DEFAULT_MAX_BODY_BYTES, WireError
+from mopd_hpc.engines.frames.over_http import FRAME_HEADERS, READ_BUFSIZE, is_frame, read_frame
+from mopd_hpc.engines.teacher.greedy_generate import greedy_body
+from mopd_hpc.engines.teacher.score_frames import ScoreTensors, encode_score_request
 from mopd_hpc.runtime.http_auth import auth_headers
 
 #: Default client timeout of one request, in seconds (scoring a large batch on CPU can take a while).
@@ -182,7 +182,7 @@ class TeacherClient:
     async def generate_greedy(
         self, input_ids: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int, pad_token_id: int
     ) -> list[list[int]]:
-        """Greedy new tokens per row, rows of equal length (`teacher_generate.py`)."""
+        """Greedy new tokens per row, rows of equal length (`greedy_generate.py`)."""
         body = greedy_body(input_ids, max_new_tokens, eos_token_id, pad_token_id)
         return [list(r) for r in (await self._call("POST", "/generate_greedy", body))["output_ids"]]
 
@@ -193,7 +193,7 @@ class TeacherClient:
         return await self._call("POST", "/onload")
 
     async def memory_peaks(self) -> dict[str, Any]:
-        """The server's peak GPU memory per phase since the last call (`engines/peak_memory.py`)."""
+        """The server's peak GPU memory per phase since the last call (`engines/memory/peaks.py`)."""
         return await self._call("POST", "/memory_peaks")
 
     async def reload(self) -> dict[str, Any]:

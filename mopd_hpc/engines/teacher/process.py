@@ -8,7 +8,7 @@ rank of the replica's TP group, which roles/teacher_replica.py forms, its leader
 `args.run_dir` is known, it writes `run_dir/endpoints/teacher-<id>.r<replica>.json` atomically ({teacher_id,
 replica, job_id, host, port, url, pid, model_path, fingerprint}; job_id null for a standalone server, whose
 record no job accepts) and logs "teacher server ready". Setting `stop` (or SIGTERM/SIGINT) stops it
-cleanly and removes the endpoint file. Routes: `teacher_server`; every one requires the job's token except
+cleanly and removes the endpoint file. Routes: `http_app`; every one requires the job's token except
 the bare liveness probe (`teacher_app`, `runtime/http_auth.py`). The programs that run it (a job's teacher
 child, or a standalone server from flags) are `roles/teacher.py`; they read the token and pass it in.
 """
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import torch
     from aiohttp import web
 
-    from mopd_hpc.engines.teacher_server import TeacherServer
+    from mopd_hpc.engines.teacher.http_app import TeacherServer
 
 log = logging.getLogger("mopd_hpc.teacher")
 
@@ -106,7 +106,7 @@ def build_engine(args: TeacherArgs) -> Any:
             megatron-core (the message names the field: `models.teachers[i].engine` in a job, `--engine` on
             the command line), or what the engine's `from_pretrained` raises (dtype, device, checkpoint).
     """
-    from mopd_hpc.engines.torch_engine import TorchScoringEngine
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
     spec = TEACHER_ENGINES.get(args.engine)  # the declaration `mopd-submit --check` used
     opted_in = spec is not None and args.allow_unverified and "tensor_parallel" in spec.unverified
@@ -123,7 +123,8 @@ def build_engine(args: TeacherArgs) -> Any:
         raise EngineError(f"{args.field('engine')}={args.engine!r}: expected one of {', '.join(ENGINES)}")
     device = megatron_device(args)
     try:
-        from mopd_hpc.engines.megatron.engine import MegatronScoringEngine, initialize_parallel
+        from mopd_hpc.engines.megatron.engine import initialize_parallel
+        from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
     except ImportError as err:
         raise EngineError(
             f"{args.field('engine')}='megatron' needs megatron-core, which does not import here ({err}); "
@@ -225,7 +226,7 @@ def set_threads(args: TeacherArgs) -> None:
 async def serve_engine(args: TeacherArgs, token: str, engine: Any, stop: asyncio.Event | None) -> None:
     """Serve `engine` (built already; a TP replica's leader passes its `TPLeader`) as `serve` does, from the
     listening socket to the endpoint file's removal; the caller tears the engine down."""
-    from mopd_hpc.engines.teacher_server import TeacherServer
+    from mopd_hpc.engines.teacher.http_app import TeacherServer
 
     server = TeacherServer(engine, args.teacher_id, args.model_path, pad_id=pad_token_id(engine))
     runner, port, stop = await start_app(teacher_app(server, token), args.host, args.port, stop)

@@ -1,4 +1,4 @@
-"""Byte buffers reused between frames (`wire.py`), taken back only when nothing can read them any more.
+"""Byte buffers reused between frames (`codec.py`), taken back only when nothing can read them any more.
 
 Why: on some hosts (VMs) the first touch of fresh memory costs more than the copy into it (see
 benchmarks/transport.py's host memory rates), and a frame's pieces and bodies are large and frequent.

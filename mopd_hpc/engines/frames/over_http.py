@@ -1,4 +1,4 @@
-"""Frames (`wire.py`) over aiohttp: content negotiation, a bounded body reader, a frame response.
+"""Frames (`codec.py`) over aiohttp: content negotiation, a bounded body reader, a frame response.
 
 A client that wants a frame back sends `Accept: application/x-mopd-tensors` (`ACCEPT_HEADERS`); a client
 that sends one sets `Content-Type: application/x-mopd-tensors` (`FRAME_HEADERS`). A server answers a frame
@@ -23,8 +23,15 @@ import aiohttp
 import torch
 from aiohttp import web
 
-from mopd_hpc.engines.buffer_pool import BufferPool
-from mopd_hpc.engines.wire import CONTENT_TYPE, DEFAULT_MAX_BODY_BYTES, Frame, FrameLayout, WireError, decode
+from mopd_hpc.engines.frames.buffer_pool import BufferPool
+from mopd_hpc.engines.frames.codec import (
+    CONTENT_TYPE,
+    DEFAULT_MAX_BODY_BYTES,
+    Frame,
+    FrameLayout,
+    WireError,
+    decode,
+)
 
 #: Request headers of a client that wants a frame back (JSON stays acceptable: errors are JSON).
 ACCEPT_HEADERS = {"Accept": f"{CONTENT_TYPE}, application/json;q=0.5"}

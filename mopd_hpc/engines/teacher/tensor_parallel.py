@@ -1,7 +1,7 @@
 """A tensor-parallel teacher replica: a leader serving HTTP plus followers, one process per rank of its TP
 group, each holding its shard of the weights.
 
-The leader (TP rank 0) runs the scoring server (`teacher_server.TeacherServer`) over `TPLeader(engine,
+The leader (TP rank 0) runs the scoring server (`http_app.TeacherServer`) over `TPLeader(engine,
 group)`; every other rank runs `follow(engine, group)`. For each call the server makes, the leader first
 broadcasts the request to the group (torch.distributed, `group`; gloo on CPU, NCCL on GPUs), then runs its
 own shard's forward; each follower receives the same request and runs the same forward, so that the

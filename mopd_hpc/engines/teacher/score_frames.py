@@ -1,5 +1,5 @@
-"""The teacher's /score request and answer as frames (`wire.py`): what `TeacherServer` and `TeacherClient`
-send when the client asks for binary transport (the JSON shapes are in `teacher_server.py`).
+"""The teacher's /score request and answer as frames (`engines/frames/codec.py`): what `TeacherServer` and `TeacherClient`
+send when the client asks for binary transport (the JSON shapes are in `http_app.py`).
 
 Rows are packed back to back (no padding on the wire). Shape legend: B rows, L = Σ_b |row_b| input tokens,
 N = Σ_b |response_b| response tokens, K top-k entries per position.
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mopd_hpc.engines.wire import Frame, FrameLayout, Packed, WireError, encode, layout
+from mopd_hpc.engines.frames.codec import Frame, FrameLayout, Packed, WireError, encode, layout
 
 #: What a non-finite log-prob becomes on the wire: float32(−1e30) (JSON has no −inf).
 LOGPROB_FLOOR = float(torch.tensor(-1.0e30, dtype=torch.float32))
@@ -216,7 +216,7 @@ def score_answer(
     vocab_size: int,
 ) -> FrameLayout:
     """The answer frame's layout from an engine's padded output (module docstring for the packed layout):
-    `.encode()` copies each value once, from the engine's tensors to the frame; `wire_http.send_frame`
+    `.encode()` copies each value once, from the engine's tensors to the frame; `frames.over_http.send_frame`
     sends rows already in the frame's bytes (contiguous float32 CPU rows with no non-finite value) from
     the engine's memory and copies only the others (the int64 → int32 top-k ids, floored rows).
 

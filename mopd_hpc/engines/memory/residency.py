@@ -15,7 +15,7 @@ import torch
 
 from mopd_hpc.engines.protocol import ResidencyReport
 
-log = logging.getLogger("mopd_hpc.engines.residency")
+log = logging.getLogger("mopd_hpc.engines.memory.residency")
 
 HOST = torch.device("cpu")
 

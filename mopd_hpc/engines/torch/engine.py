@@ -4,8 +4,8 @@ Log-probs of the response tokens are computed from the logits of the response po
 decoder runs over [B, L], its hidden states are gathered at the T positions that predict response tokens,
 and the LM head gives [B, T, V] logits in the model's dtype; `mopd.token_logprobs` turns them into float32
 log-probs without a float32 [B, T, V] copy (fused Triton on CUDA, chunked on CPU). No [B, L, V] logits exist
-(`engines/hf_model.py`: loading and that forward pass; `engines/lr_schedule.py`: the actor's lr schedule;
-`engines/torch_scoring.py`: the teachers' `TorchScoringEngine`, re-exported here).
+(`engines/torch/hf_model.py`: loading and that forward pass; `engines/lr_schedule.py`: the actor's lr schedule;
+`engines/torch/scoring.py`: the teachers' `TorchScoringEngine`).
 
 The train step (DESIGN.md §3; the loss section is bound once, at construction):
 
@@ -30,7 +30,7 @@ the denominator of the WHOLE step (computed once, all-reduced at DP > 1), so the
 one-batch gradient; statistics combine as sums and token-weighted means. Under DDP all but the last
 micro-batch run in `no_sync()` (one gradient all-reduce per step). `micro_batch_tokens` null: on CUDA a
 budget derived at each step from the free GPU memory and the model's shape (`micro_batch.step_budget`,
-`memory_model`), on CPU the whole shard. `activation_checkpointing` turns on
+`memory/estimates.py`), on CPU the whole shard. `activation_checkpointing` turns on
 transformers' gradient checkpointing (non-reentrant): each decoder layer's activations are recomputed in the
 backward.
 
@@ -67,16 +67,9 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
-from mopd_hpc.engines.hf_model import (
-    TOKENIZER_FILES,
-    CausalLMForward,
-    enable_activation_checkpointing,
-    load_causal_lm,
-    memory_shape,
-    resolve_device,
-)
 from mopd_hpc.engines.lr_schedule import lr_scheduler
-from mopd_hpc.engines.memory_model import dtype_bytes
+from mopd_hpc.engines.memory.estimates import dtype_bytes
+from mopd_hpc.engines.memory.residency import Residency
 from mopd_hpc.engines.micro_batch import (
     MicroBatching,
     StepStats,
@@ -87,16 +80,20 @@ from mopd_hpc.engines.micro_batch import (
 )
 from mopd_hpc.engines.moe_routing import RouterHooks, load_balancing_loss, z_loss
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
-from mopd_hpc.engines.residency import Residency
 from mopd_hpc.engines.span_clock import SpanClock
-from mopd_hpc.engines.torch_scoring import TorchScoringEngine
+from mopd_hpc.engines.torch.hf_model import (
+    TOKENIZER_FILES,
+    CausalLMForward,
+    enable_activation_checkpointing,
+    load_causal_lm,
+    memory_shape,
+    resolve_device,
+)
 from mopd_hpc.mopd.logprobs import Backend, token_logprobs
 from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.objective import Objective, ObjectiveError
 from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
-
-__all__ = ["TorchScoringEngine", "TorchTrainEngine"]
 
 log = logging.getLogger(__name__)
 

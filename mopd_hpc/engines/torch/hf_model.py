@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.memory_model import MemoryModelError, ModelShape
+from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.mopd.logprobs import Backend, token_logprobs
 

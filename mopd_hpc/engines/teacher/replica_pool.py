@@ -1,7 +1,7 @@
 """The replicas of one teacher as one client: a step's rows split across them, balanced by tokens.
 
 `TeacherPool(urls, token=...)` holds one `TeacherClient` per replica (each a scoring server of its own,
-`models.teachers[i].replicas`; binary transport, `teacher_wire.py`). `score_tensors(rows, starts, top_k)`:
+`models.teachers[i].replicas`; binary transport, `score_frames.py`). `score_tensors(rows, starts, top_k)`:
 
 1. `split_rows`: each row's cost is its token count |row_b| (prompt + response: what a forward pass
    computes over); rows go, longest first, to the replica with the fewest tokens so far (greedy LPT, ties
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from mopd_hpc.engines.teacher_client import ScoreResponse, TeacherClient
-from mopd_hpc.engines.teacher_wire import ScoreTensors
+from mopd_hpc.engines.teacher.client import ScoreResponse, TeacherClient
+from mopd_hpc.engines.teacher.score_frames import ScoreTensors
 
 
 class TeacherPoolError(RuntimeError):

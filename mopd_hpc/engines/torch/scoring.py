@@ -1,6 +1,5 @@
 """The torch backend's scoring engine: a teacher's (or reference model's) forward-only transformers causal LM,
-batched by rows (`engines/hf_model.py`: loading and the response-position forward pass). Re-exported by
-`engines/torch_engine.py`.
+batched by rows (`engines/torch/hf_model.py`: loading and the response-position forward pass).
 
 Shape legend: B rows, T response positions, V vocabulary, K top-k.
 """
@@ -12,9 +11,9 @@ from pathlib import Path
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.hf_model import CausalLMForward, load_causal_lm, resolve_device
+from mopd_hpc.engines.memory.residency import Residency
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
-from mopd_hpc.engines.residency import Residency
+from mopd_hpc.engines.torch.hf_model import CausalLMForward, load_causal_lm, resolve_device
 from mopd_hpc.mopd.logprobs import Backend
 from mopd_hpc.mopd.topk import TeacherTopK
 
@@ -67,7 +66,7 @@ class TorchScoringEngine:
 
         Rows are scored `max_batch_rows` at a time, their results kept on the device and joined there; host
         (default): then copied to the CPU; False: left on the engine's device (the teacher server packs them
-        there, `teacher_wire.pack_answer`, and copies the packed answer to the host once).
+        there, `teacher.score_frames.pack_answer`, and copies the packed answer to the host once).
         Raises:
             EngineError: the weights are offloaded, or k < 1.
         """

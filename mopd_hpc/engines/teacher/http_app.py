@@ -1,4 +1,4 @@
-"""The teacher scoring server (HTTP, aiohttp); its client is `teacher_client.py`.
+"""The teacher scoring server (HTTP, aiohttp); its client is `client.py`.
 
 A teacher child loads its checkpoint ONCE and serves forward-only scoring of the student's rollouts:
 
@@ -10,8 +10,8 @@ A teacher child loads its checkpoint ONCE and serves forward-only scoring of the
   POST /offload   move the weights to host memory (GPU: real; CPU: logged no-op) → the residency report
   POST /onload    the reverse
   POST /reload    reload from the checkpoint path only when its fingerprint changed → {reloaded, ...}
-  POST /generate_greedy  greedy completions for the run's evaluation (`teacher_generate.py`)
-  POST /memory_peaks  peak GPU memory per phase since the last call (`engines/peak_memory.py`; {} on CPU)
+  POST /generate_greedy  greedy completions for the run's evaluation (`greedy_generate.py`)
+  POST /memory_peaks  peak GPU memory per phase since the last call (`engines/memory/peaks.py`; {} on CPU)
 
 On CUDA the scoring buffers are given back to the device after each /score (`torch.cuda.empty_cache`): a
 teacher that stays resident between phases holds its weights only (`plan/residency_plan.py`).
@@ -19,8 +19,8 @@ teacher that stays resident between phases holds its weights only (`plan/residen
 `response_start[b]` is the index in row b where the response begins (≥ 1: the first response token is
 predicted from the last prompt position). Binary transport (DESIGN.md §7): a /score request may be a frame
 (Content-Type application/x-mopd-tensors) and a client that sends `Accept: application/x-mopd-tensors` gets
-the answer as a frame, rows packed, top-k ids int32 (layouts in `teacher_wire.py`); JSON stays the default
-and the shape of every other route. Non-finite log-probs travel as `teacher_wire.LOGPROB_FLOOR` in both
+the answer as a frame, rows packed, top-k ids int32 (layouts in `score_frames.py`); JSON stays the default
+and the shape of every other route. Non-finite log-probs travel as `score_frames.LOGPROB_FLOOR` in both
 encodings, so they agree bit for bit. Errors are JSON {"error": {"message", "type", "code"}}: 400 for a
 bad request (field, value, expectation), 503 while the weights are offloaded, 500 for a bug.
 
@@ -41,14 +41,14 @@ from typing import Any
 from aiohttp import web
 
 from mopd_hpc.engines.batch import BatchError, TokenBatch
-from mopd_hpc.engines.buffer_pool import BufferPool
-from mopd_hpc.engines.peak_memory import PeakTracker, add_peaks_route, peak_middleware
+from mopd_hpc.engines.frames.buffer_pool import BufferPool
+from mopd_hpc.engines.frames.codec import WireError
+from mopd_hpc.engines.frames.over_http import accepts_frame, is_frame, read_frame, send_frame
+from mopd_hpc.engines.memory.peaks import PeakTracker, add_peaks_route, peak_middleware
 from mopd_hpc.engines.protocol import EngineError
-from mopd_hpc.engines.teacher_generate import GreedyRequestError, generate_route
-from mopd_hpc.engines.teacher_wire import PackedAnswer, decode_score_request, pack_answer
-from mopd_hpc.engines.torch_engine import TorchScoringEngine
-from mopd_hpc.engines.wire import WireError
-from mopd_hpc.engines.wire_http import accepts_frame, is_frame, read_frame, send_frame
+from mopd_hpc.engines.teacher.greedy_generate import GreedyRequestError, generate_route
+from mopd_hpc.engines.teacher.score_frames import PackedAnswer, decode_score_request, pack_answer
+from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
 log = logging.getLogger("mopd_hpc.teacher")
 
@@ -120,7 +120,7 @@ class ScoreRequest:
         return cls(tuple(tuple(r) for r in rows), tuple(starts), top_k)
 
 
-#: The phase of the step each tracked route runs in (`engines/peak_memory.py`).
+#: The phase of the step each tracked route runs in (`engines/memory/peaks.py`).
 PHASE_OF_PATH = {"/score": "teacher", "/onload": "teacher", "/offload": "drain"}
 
 
@@ -218,7 +218,7 @@ class TeacherServer:
 
     def _score(self, batch: TokenBatch, top_k: int | None) -> PackedAnswer:
         """The engine's score left on its device, packed there and copied to the host once
-        (`teacher_wire.pack_answer`), then the device's buffers given back (module docstring)."""
+        (`score_frames.pack_answer`), then the device's buffers given back (module docstring)."""
         logprobs, top = self.engine.score(batch, top_k, host=False)
         ids, vals = (None, None) if top is None else (top.indices, top.logprobs)
         answer = pack_answer(batch.response_lengths, logprobs, ids, vals, self.engine.vocab_size)

@@ -1,0 +1,6 @@
+"""The torch backend (DESIGN.md §5): transformers causal LMs, CPU or GPU.
+
+- `engine`: the actor's train engine (`TorchTrainEngine`).
+- `scoring`: a teacher's or the reference model's forward-only engine (`TorchScoringEngine`).
+- `hf_model`: loading a checkpoint and the response-position forward pass both engines run.
+"""
