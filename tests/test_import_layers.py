@@ -1,4 +1,6 @@
-"""The package's imports run one way: no file-level circle, and no import from a lower layer to a higher one.
+"""The package's imports run one way: no file-level circle, no circle between the subfolders of a package
+(`engines/rollout` → `engines/weight_sync` → `engines/rollout` is one, whichever files it runs through), and no
+import from a lower layer to a higher one.
 
 Imports are read with `ast` from every file of `mopd_hpc/` (nothing is imported): `import a.b` and `from a
 import b` (resolved to the submodule `a.b` when it is one, else to the package `a`), lazy imports inside
@@ -132,6 +134,31 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def packages() -> list[str]:
+    """Dotted names of the package and of every folder of it (each has an `__init__.py`)."""
+    return sorted(name for name, path in module_files().items() if path.name == "__init__.py")
+
+
+def folder_graph(graph: dict[str, set[str]], package: str, subfolders: set[str]) -> dict[str, set[str]]:
+    """The file graph seen from `package`: each file of a subfolder (at any depth) counts as that subfolder;
+    an arrow from one subfolder to another when any file of the first imports any file of the second.
+    Files directly in `package` are left out (the file-level check covers them)."""
+
+    def folder(module: str) -> str | None:
+        if not module.startswith(package + "."):
+            return None
+        head = f"{package}.{module[len(package) + 1 :].split('.')[0]}"
+        return head if head in subfolders else None
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = folder(module)
+        if source is None:
+            continue
+        out.setdefault(source, set()).update(t for t in map(folder, targets) if t is not None and t != source)
+    return out
+
+
 def test_the_reader_resolves_submodules_lazy_imports_and_skips_type_checking(tmp_path: Path) -> None:
     modules = {
         "mopd_hpc.a": tmp_path,
@@ -159,6 +186,32 @@ def test_no_file_level_circle() -> None:
     found = circles(import_graph())
     assert found == [], "import circles (each: files that import each other in a loop): " + "; ".join(
         " <-> ".join(c) for c in found
+    )
+
+
+def test_a_circle_between_subfolders_is_found_through_any_files() -> None:
+    graph = {
+        "p.rollout.server": {"p.weight_sync.ipc", "p.batch"},
+        "p.weight_sync.torch": {"p.rollout.control.fields"},
+        "p.batch": {"p.frames.codec"},
+        "p.frames.codec": set(),
+    }
+    folders = folder_graph(graph, "p", {"p.rollout", "p.weight_sync", "p.frames"})
+    assert folders == {"p.rollout": {"p.weight_sync"}, "p.weight_sync": {"p.rollout"}, "p.frames": set()}
+    assert circles(folders) == [["p.rollout", "p.weight_sync"]]
+
+
+def test_no_circle_between_the_subfolders_of_a_package() -> None:
+    graph = import_graph()
+    names = packages()
+    found = []
+    for package in names:
+        subfolders = {n for n in names if n.rpartition(".")[0] == package}
+        if len(subfolders) > 1:
+            found += circles(folder_graph(graph, package, subfolders))
+    assert found == [], (
+        "circles between subfolders (each: folders whose files import each other in a loop): "
+        + ("; ".join(" <-> ".join(c) for c in found))
     )
 
 

@@ -16,9 +16,10 @@ from test_rollout_server import PROMPTS, free_port, start_server, stop_server
 
 from mopd_hpc.engines.frames.codec import CONTENT_TYPE, WireError, decode
 from mopd_hpc.engines.frames.over_http import ACCEPT_HEADERS, read_frame
+from mopd_hpc.engines.request_fields import RolloutRequestError
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
-from mopd_hpc.engines.rollout.protocol import RolloutRequestError, SamplingParams
+from mopd_hpc.engines.rollout.protocol import SamplingParams
 
 SAMPLING = SamplingParams(max_new_tokens=7, temperature=0.9, sampling_seed=5, n=2, ignore_eos=True)
 RIDS = [f"r{i}" for i in range(len(PROMPTS))]

@@ -23,8 +23,9 @@ import torch
 from helpers_auth import AUTH, TOKEN, write_token_file
 from helpers_models import save_micro_qwen3
 
+from mopd_hpc.engines.request_fields import RolloutRequestError
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError, RolloutUnavailableError
-from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestError, SamplingParams
+from mopd_hpc.engines.rollout.protocol import GenerateRequest, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]

@@ -1,4 +1,4 @@
-"""Weight sync from a tensor-parallel actor (engines/weight_sync/tp_gather.py), torch backend over gloo.
+"""Weight sync from a tensor-parallel actor (engines/megatron/tp_gather.py), torch backend over gloo.
 
 Two real trainer processes form a TP = 2 gloo group; each holds only its megatron shards of a real tiny HF
 Qwen3 (cut by the shard plan: the "fake shards" a TP = 2 GPTModel would hold), gathers the HF tensors one at
@@ -61,7 +61,7 @@ _TRAINER = textwrap.dedent(
     from mopd_hpc.engines.megatron.shard_plan import ShardPlan
     from mopd_hpc.engines.rollout.client import RolloutClient
     from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender
-    from mopd_hpc.engines.weight_sync.tp_gather import gathered_hf_weights
+    from mopd_hpc.engines.megatron.tp_gather import gathered_hf_weights
 
     rank, args = int(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['tp_port']}", rank=rank, world_size=2)
@@ -176,7 +176,7 @@ def test_a_group_of_the_wrong_size_is_refused(models) -> None:
     """One process, no group needed for tp 1; a plan for TP 2 over a one-rank world names both sizes."""
     import torch.distributed as dist
 
-    from mopd_hpc.engines.weight_sync.tp_gather import gathered_hf_weights
+    from mopd_hpc.engines.megatron.tp_gather import gathered_hf_weights
 
     shape = _shape(models[1])
     plan1, plan2 = ShardPlan.create(shape, 1), ShardPlan.create(shape, 2)

@@ -3,7 +3,7 @@
     backend   who takes part in a sync (actor group at DP × TP; rank 0 the controller)
     torch     rank 0 sends (`TorchSync`: one broadcast per HF tensor, or bucket); at TP > 1 the other ranks of
               DP rank 0's TP group join each HF tensor's all-gather (`engine.join_weight_gather`,
-              engines/weight_sync/tp_gather.py): the weights are gathered per tensor, never as a whole model
+              engines/megatron/tp_gather.py): the weights are gathered per tensor, never as a whole model
     ipc       the same ranks as torch: rank 0 fills the shared buffers from the per-tensor gather
     awex      every trainer rank r writes its own shards at transfer rank infer_world + r (awex's mcore writer
               reads r and the TP/DP ranks from megatron's parallel state on the actor group's world): rank 0

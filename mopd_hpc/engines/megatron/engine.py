@@ -40,7 +40,7 @@ update, its state in the checkpoint (`state_dict()["scheduler"]`).
 Data parallel (megatron's DP group, `megatron_data_parallel`): the denominator and token count are summed over
 the DP ranks, each rank backpropagates DP·L_r (megatron's DDP averages over DP), statistics are reduced as the
 torch engine's (engines/data_parallel.py). Tensor parallel > 1: `named_weights` (weight sync, evaluation, the
-HF export) gathers one HF tensor at a time over the TP group (`shard_plan.py`, `weight_sync/tp_gather.py`),
+HF export) gathers one HF tensor at a time over the TP group (`shard_plan.py`, `tp_gather.py`),
 a collective the other ranks of that TP group join (`join_weight_gather`).
 """
 
@@ -65,6 +65,7 @@ from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
+from mopd_hpc.engines.megatron.tp_gather import gathered_hf_weights
 from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, train_state
 from mopd_hpc.engines.micro_batch import (
     MicroBatching,
@@ -78,7 +79,6 @@ from mopd_hpc.engines.own_file import OwnFile, OwnFileError
 from mopd_hpc.engines.own_file import resolve as resolve_own_file
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.span_clock import SpanClock
-from mopd_hpc.engines.weight_sync.tp_gather import gathered_hf_weights
 from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.objective import Objective, ObjectiveError
 from mopd_hpc.mopd.topk import TeacherTopK
@@ -455,7 +455,7 @@ class MegatronTrainEngine:
         if self.shard_plan.tp == 1:
             yield from mcore_to_hf(self.full_mcore_state(), self.shape).items()
             return
-        # TP > 1: one HF tensor at a time over the TP group (engines/weight_sync/tp_gather.py); every rank of
+        # TP > 1: one HF tensor at a time over the TP group (engines/megatron/tp_gather.py); every rank of
         # the group must iterate to the end (a follower does on rank 0's "weights" record)
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
         yield from gathered_hf_weights(self.shard_plan, local, _tp_info()[2])

@@ -20,7 +20,7 @@ groups: megatron splits linear_qkv [(H/G + 2)·G·d, h] in dim 0 by group), line
 of convert.py, and `hf_pieces(mcore_shard)` reads the pieces back from what a rank's GPTModel holds.
 
 Why per HF tensor: weight sync and the HF export gather one HF tensor at a time over the TP group
-(`engines/weight_sync/tp_gather.py`): every rank cuts its piece out of its own megatron state, an all-gather
+(`engines/megatron/tp_gather.py`): every rank cuts its piece out of its own megatron state, an all-gather
 of that piece gives the whole tensor (`gather`), and no rank ever holds the whole model's megatron state
 dict (the all-gather of `MegatronTrainEngine.full_mcore_state`). Everything here is a pure reshuffle:
 `gather([split(t, r) for r in range(tp)]) == t` bitwise, for every dtype.

@@ -36,7 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mopd_hpc.engines.rollout.fields import RolloutRequestError, fail, int_field, json_object, reject_unknown
+from mopd_hpc.engines.request_fields import RolloutRequestError, fail, int_field, json_object, reject_unknown
 from mopd_hpc.engines.rollout.http_app import read_json_body
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 

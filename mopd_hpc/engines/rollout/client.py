@@ -26,9 +26,13 @@ import aiohttp
 
 from mopd_hpc.engines.frames.codec import DEFAULT_MAX_BODY_BYTES, Frame, WireError
 from mopd_hpc.engines.frames.over_http import ACCEPT_HEADERS, is_frame, read_frame
-from mopd_hpc.engines.rollout.control import DEFAULT_GROUP_NAME, DistributedUpdateRequest, InitGroupRequest
 from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, SamplingParams
+from mopd_hpc.engines.weight_sync.requests import (
+    DEFAULT_GROUP_NAME,
+    DistributedUpdateRequest,
+    InitGroupRequest,
+)
 from mopd_hpc.runtime.http_auth import auth_headers
 
 log = logging.getLogger(__name__)

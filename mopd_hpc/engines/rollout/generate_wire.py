@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from mopd_hpc.engines.frames.codec import Frame, FrameLayout, WireError, layout
-from mopd_hpc.engines.rollout.protocol import DEFAULT_WEIGHT_VERSION, GeneratedSample, RolloutRequestError
+from mopd_hpc.engines.request_fields import RolloutRequestError
+from mopd_hpc.engines.rollout.protocol import DEFAULT_WEIGHT_VERSION, GeneratedSample
 
 _INT32_MAX = 2**31 - 1
 

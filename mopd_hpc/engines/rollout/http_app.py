@@ -28,18 +28,21 @@ from aiohttp import web
 
 from mopd_hpc.engines.frames.over_http import accepts_frame, send_frame
 from mopd_hpc.engines.memory.peaks import PeakTracker, add_peaks_route, peak_middleware
+from mopd_hpc.engines.request_fields import RolloutRequestError
 from mopd_hpc.engines.rollout.control import (
-    DEFAULT_GROUP_NAME,
     PAUSE_MODES,
-    DistributedUpdateRequest,
-    InitGroupRequest,
     MemoryTagsRequest,
     add_memory_routes,
     add_weight_routes,
 )
 from mopd_hpc.engines.rollout.generate_wire import GeneratedBatch
-from mopd_hpc.engines.rollout.protocol import GenerateRequest, RolloutRequestError
+from mopd_hpc.engines.rollout.protocol import GenerateRequest
 from mopd_hpc.engines.rollout.server_args import ServerArgs
+from mopd_hpc.engines.weight_sync.requests import (
+    DEFAULT_GROUP_NAME,
+    DistributedUpdateRequest,
+    InitGroupRequest,
+)
 
 log = logging.getLogger("mopd_hpc.rollout")
 

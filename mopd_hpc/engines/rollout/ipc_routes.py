@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mopd_hpc.engines.rollout.fields import fail, int_field, json_object, reject_unknown
+from mopd_hpc.engines.request_fields import fail, int_field, json_object, reject_unknown
 from mopd_hpc.engines.rollout.http_app import read_json_body
 
 log = logging.getLogger("mopd_hpc.rollout")

@@ -5,7 +5,8 @@ Request and response shapes follow SGLang 0.5.23 `sglang/srt/managers/io_struct.
 built by a named constructor that validates (`from_json`); a bad field raises `RolloutRequestError`, which
 the server answers with 400 and the field, the value and what was expected.
 
-Control-plane records (memory tags, weight updates) live in `control.py`. This module imports neither
+Control-plane records live in `control.py` (memory tags) and `engines/weight_sync/requests.py` (weight
+updates); field validation in `engines/request_fields.py`. This module imports neither
 torch nor aiohttp: the controller, the server and the client share it.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mopd_hpc.engines.rollout.fields import (
+from mopd_hpc.engines.request_fields import (
     RolloutRequestError,
     bool_field,
     fail,
@@ -31,7 +32,6 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "GenerateRequest",
     "GeneratedSample",
-    "RolloutRequestError",
     "SamplingParams",
 ]
 

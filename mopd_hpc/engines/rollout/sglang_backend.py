@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mopd_hpc.engines.rollout.fields import RolloutRequestError
+from mopd_hpc.engines.request_fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, GenerateRequest
 from mopd_hpc.runtime.ports import port_env_key
 

@@ -46,16 +46,9 @@ from typing import Any
 
 from aiohttp import web
 
-from mopd_hpc.engines.rollout.control import (
-    DEFAULT_GROUP_NAME,
-    DistributedUpdateRequest,
-    InitGroupRequest,
-    MemoryTagsRequest,
-    add_memory_routes,
-    add_weight_routes,
-)
+from mopd_hpc.engines.request_fields import RolloutRequestError
+from mopd_hpc.engines.rollout.control import MemoryTagsRequest, add_memory_routes, add_weight_routes
 from mopd_hpc.engines.rollout.engine_thread import EngineThread
-from mopd_hpc.engines.rollout.fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GenerateRequest
 from mopd_hpc.engines.rollout.sglang_backend import (
     SGLangBackendError,
@@ -64,6 +57,11 @@ from mopd_hpc.engines.rollout.sglang_backend import (
     check_item,
     generate_kwargs,
     ports_from_env,
+)
+from mopd_hpc.engines.weight_sync.requests import (
+    DEFAULT_GROUP_NAME,
+    DistributedUpdateRequest,
+    InitGroupRequest,
 )
 from mopd_hpc.runtime.guard.auth import GuardAuthError
 from mopd_hpc.runtime.http_auth import protect, standalone_token

@@ -35,8 +35,7 @@ from typing import Any
 
 import torch
 
-from mopd_hpc.engines.rollout.control import DTYPE_NAMES
-from mopd_hpc.engines.rollout.fields import (
+from mopd_hpc.engines.request_fields import (
     RolloutRequestError,
     bool_field,
     fail,
@@ -45,6 +44,7 @@ from mopd_hpc.engines.rollout.fields import (
     reject_unknown,
     str_field,
 )
+from mopd_hpc.engines.weight_sync.requests import DTYPE_NAMES
 
 #: Largest buffer, in bytes: a dtype's tensors beyond it go to another buffer (bucket) of that dtype.
 DEFAULT_BUCKET_BYTES = 4 << 30

@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 
 from mopd_hpc.engines.daemon_thread import in_daemon_thread
-from mopd_hpc.engines.rollout.control import (
+from mopd_hpc.engines.tcp_store import tcp_store
+from mopd_hpc.engines.weight_sync.requests import (
     DEFAULT_GROUP_NAME,
     DTYPE_NAMES,
     DistributedUpdateRequest,
     InitGroupRequest,
 )
-from mopd_hpc.engines.tcp_store import tcp_store
 
 if TYPE_CHECKING:
     from mopd_hpc.engines.rollout.client import RolloutClient

@@ -1,6 +1,7 @@
 """Validation of JSON request fields: each failure names the field, the value and what was expected.
 
-Shared by the request records of `protocol.py` and `control.py`; no torch, no aiohttp.
+Shared by the request records of the rollout surface (`rollout/protocol.py`, `rollout/control.py`) and of
+weight sync (`weight_sync/requests.py`, `weight_sync/ipc.py`); no torch, no aiohttp.
 """
 
 from __future__ import annotations
