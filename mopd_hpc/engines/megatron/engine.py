@@ -79,8 +79,9 @@ from mopd_hpc.engines.own_file import OwnFile, OwnFileError
 from mopd_hpc.engines.own_file import resolve as resolve_own_file
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.span_clock import SpanClock
+from mopd_hpc.engines.train_objective import batch_objective, bind_objective
 from mopd_hpc.mopd.normalize import loss_denominator
-from mopd_hpc.mopd.objective import Objective, ObjectiveError
+from mopd_hpc.mopd.objective import Objective
 from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.mopd.vocab_parallel import (
     AllReduce,
@@ -242,10 +243,7 @@ class MegatronTrainEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         refuse_loss("megatron", loss)  # what config/capabilities.py declares the megatron engine computes
-        try:
-            Objective(loss)  # refuses a loss section no engine can apply (see `objective`)
-        except ObjectiveError as err:
-            raise EngineError(str(err)) from None
+        bind_objective(loss)  # refuses a loss section no engine can apply (see `objective`)
         self.micro_batching = micro_batching
         if micro_batching.activation_checkpointing:
             enable_full_recompute(model)
@@ -336,15 +334,7 @@ class MegatronTrainEngine:
             logprobs = torch.where(mask, sampled, 0.0)
         else:
             logprobs = self.forward.token_logprobs(tokens)
-        try:
-            loss, stats = self.objective(
-                logprobs=logprobs, behavior_logprobs=batch.behavior_logprobs, loss_mask=mask,
-                targets=batch.targets, teacher_topk=batch.teacher_topk, teacher_weights=batch.teacher_weights,
-                student_logprobs=student, orm_advantages=batch.orm_advantages, ref_logprobs=batch.ref_logprobs,
-                denominator=denominator,
-            )  # fmt: skip
-        except ObjectiveError as err:
-            raise EngineError(str(err)) from None
+        loss, stats = batch_objective(self.objective, batch, logprobs, student, denominator)
         return loss, logprobs, stats
 
     def train_step(

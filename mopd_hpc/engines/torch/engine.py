@@ -89,9 +89,9 @@ from mopd_hpc.engines.torch.hf_model import (
     memory_shape,
     resolve_device,
 )
+from mopd_hpc.engines.train_objective import batch_objective, bind_objective
 from mopd_hpc.mopd.logprobs import Backend, token_logprobs
 from mopd_hpc.mopd.normalize import loss_denominator
-from mopd_hpc.mopd.objective import Objective, ObjectiveError
 from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
 
@@ -141,11 +141,8 @@ class TorchTrainEngine:
         micro_batching: MicroBatching = MicroBatching(),
     ) -> None:
         refuse_loss("torch", loss)  # what config/capabilities.py declares the torch engine computes
-        try:
-            #: The composed loss of the bound `loss:` section (`mopd.objective`).
-            self.objective = Objective(loss)
-        except ObjectiveError as err:
-            raise EngineError(str(err)) from None
+        #: The composed loss of the bound `loss:` section (`mopd.objective`).
+        self.objective = bind_objective(loss)
         self.path = path
         self.loss_config = loss
         self.optimizer_config = optimizer
@@ -282,21 +279,7 @@ class TorchTrainEngine:
         router_logits = self.routing.stop_capture()
         logprobs = self.forward.token_logprobs(logits, tokens)
         student = (lambda ids: token_logprobs(logits, ids)) if self.objective.uses_topk else None
-        try:
-            loss, stats = self.objective(
-                logprobs=logprobs,
-                behavior_logprobs=batch.behavior_logprobs,
-                loss_mask=tokens.response_mask,
-                targets=batch.targets,
-                teacher_topk=batch.teacher_topk,
-                teacher_weights=batch.teacher_weights,
-                student_logprobs=student,
-                orm_advantages=batch.orm_advantages,
-                ref_logprobs=batch.ref_logprobs,
-                denominator=denominator,
-            )
-        except ObjectiveError as err:
-            raise EngineError(str(err)) from None
+        loss, stats = batch_objective(self.objective, batch, logprobs, student, denominator)
         if self.router_aux > 0 or self.router_z > 0:
             lb = load_balancing_loss(router_logits, self.router_top_k, tokens.attention_mask)
             lz = z_loss(router_logits, tokens.attention_mask)
