@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.cli.base import EXIT_USAGE
-from mopd_hpc.records.run_dir import GUARDS_DIR
-from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME
+from mopd_hpc.records.run_dir import GUARDS_DIR, TOKEN_FILE
 
 HELP = "ask a run's guards for their children (guard status RUN_DIR [--json])"
 #: Exit code when at least one guard did not answer.
@@ -101,7 +100,7 @@ def collect_guard_status(
             f"remove theirs); see `mopd-logs summarize {shlex.quote(str(root))}`"
         )
     try:
-        token = read_token_file(token_file or root / TOKEN_FILE_NAME)
+        token = read_token_file(token_file or root / TOKEN_FILE)
     except GuardAuthError as exc:
         raise GuardStatusError(str(exc)) from None
     factory = client_factory or GuardClient

@@ -71,7 +71,7 @@ def execute(
 ) -> int:
     """Everything after argument parsing; collaborators passed in."""
     from mopd_hpc.atomic import atomic_write_text
-    from mopd_hpc.cli.submit import CONFIG_FILE_NAME, record_in_job_index, unrunnable_roles
+    from mopd_hpc.cli.submit import record_in_job_index, unrunnable_roles
     from mopd_hpc.config import ConfigError, load_run_config
     from mopd_hpc.launch.debug_session import (
         Allocation,
@@ -86,7 +86,8 @@ def execute(
     from mopd_hpc.launch.jobspec import JobSpecError
     from mopd_hpc.launch.model_check import prepare_models
     from mopd_hpc.launch.rundir import RunDirError, prepare_run_dir
-    from mopd_hpc.runtime.plan import PLAN_FILE_NAME, PlanError
+    from mopd_hpc.records.run_dir import CONFIG_FILE, PLAN_FILE
+    from mopd_hpc.runtime.plan import PlanError
 
     try:
         cfg = load_run_config(args.config, args.overrides, False)
@@ -110,8 +111,8 @@ def execute(
     except (ConfigError, DebugSessionError, PlanError, JobSpecError, RunDirError) as exc:
         print(str(exc) if isinstance(exc, ConfigError) else f"mopd-debug run: {exc}", file=err)
         return EXIT_USAGE
-    atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
-    plan.write(run_dir.root / PLAN_FILE_NAME)
+    atomic_write_text(run_dir.root / CONFIG_FILE, cfg.to_yaml())
+    plan.write(run_dir.root / PLAN_FILE)
     write_job_state(run_dir.root, alloc, spec)
     record_in_job_index(
         alloc.job_id, run_dir, cfg.name, args.config, environ, err

@@ -66,10 +66,10 @@ from mopd_hpc.launch.rundir import RunDir, RunDirError, prepare_run_dir
 from mopd_hpc.plan.memory_plan import format_memory_plan
 from mopd_hpc.plan.placement import place_children
 from mopd_hpc.plan.residency_plan import planned_residency, residency_modes, residency_warnings
-from mopd_hpc.records.run_dir import CONFIG_FILE
+from mopd_hpc.records.run_dir import CONFIG_FILE, PLAN_FILE
 from mopd_hpc.records.unverified import write_unverified
 from mopd_hpc.runtime import run_lock
-from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
+from mopd_hpc.runtime.plan import JobPlan, PlanError
 from mopd_hpc.runtime.run_lock import RunDirLockedError, RunLock
 
 #: Exit code after Ctrl-C (128 + SIGINT, the shell's convention).
@@ -77,8 +77,6 @@ EXIT_INTERRUPTED = 130
 HELP = "plan a run config's job, then print (--dry-run), render (--render), run here (--local) or submit it"
 #: Exit code when sbatch refused the job or could not be run.
 EXIT_SUBMIT_FAILED = 1
-#: The resolved config, written into the run directory (what `--resume` and mopd-logs read).
-CONFIG_FILE_NAME = CONFIG_FILE
 
 __all__ = ["HELP", "add_arguments", "check", "execute", "load_run_config", "main", "print_config", "run"]
 
@@ -250,9 +248,9 @@ def resolve_run_dir(cfg: RunConfig, run_dir: str | None, resume: str | None) -> 
         UsageError: --resume names a directory that holds no earlier run (no plan.json, no config.yaml).
     """
     path = Path(resume or run_dir or cfg.run_dir).expanduser().absolute()
-    if resume is not None and not ((path / PLAN_FILE_NAME).exists() or (path / CONFIG_FILE_NAME).exists()):
+    if resume is not None and not ((path / PLAN_FILE).exists() or (path / CONFIG_FILE).exists()):
         raise UsageError(
-            f"--resume {resume!r}: {path} holds no earlier run ({PLAN_FILE_NAME} or {CONFIG_FILE_NAME}); "
+            f"--resume {resume!r}: {path} holds no earlier run ({PLAN_FILE} or {CONFIG_FILE}); "
             "pass the run directory of a submitted job, or use --run-dir for a new one"
         )
     return path
@@ -341,9 +339,9 @@ def execute(
         print(f"# warning: {warning}", file=out)
     for line in choice.skipped:  # a damaged newer checkpoint: the actor passes over it too
         print(f"# warning: checkpoint skipped: {line}", file=out)
-    atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
+    atomic_write_text(run_dir.root / CONFIG_FILE, cfg.to_yaml())
     write_unverified(run_dir.root, [unverified_warning(p) for p in unverified_gaps(cfg)])
-    plan.write(run_dir.root / PLAN_FILE_NAME)
+    plan.write(run_dir.root / PLAN_FILE)
     if args.render:  # the run dir is prepared as for a submission, so the script runs as written
         Path(args.render).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.render, request.script)

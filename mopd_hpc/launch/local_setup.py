@@ -31,8 +31,7 @@ from typing import TextIO
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.config import RunConfig
 from mopd_hpc.records.job_end import read_job_end
-from mopd_hpc.records.run_dir import CONFIG_FILE as CONFIG_FILE_NAME
-from mopd_hpc.records.run_dir import METRICS_FILE
+from mopd_hpc.records.run_dir import CONFIG_FILE, METRICS_FILE
 from mopd_hpc.roles.env import with_absolute_paths
 from mopd_hpc.trainer.evaluate import print_eval_table
 from mopd_hpc.trainer.progress import Progress
@@ -148,7 +147,7 @@ def prepare_local_run(
 ) -> LocalProgress:
     """Steps 1-2 of the module docstring; returns the progress follower of the run. A probe-only run (no
     model is loaded) or a run directory without config.yaml is left alone (the follower then shows nothing)."""
-    path = Path(run_dir) / CONFIG_FILE_NAME
+    path = Path(run_dir) / CONFIG_FILE
     if probe or not path.is_file():
         return LocalProgress(run_dir, None, out)
     cfg = RunConfig.from_yaml(path)

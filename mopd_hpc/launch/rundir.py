@@ -3,7 +3,7 @@
 Layout: `run_dir/` (0700), `run_dir/logs/` (batch and per-component step logs), `run_dir/state/` (the batch
 shell's records: job.json, first_failure.json, last_signal.json, requeue.json), `run_dir/submit/`
 (submitit's folder: the submitted script as `<job_id>_submission.sh`), and the guard's token file
-(`mopd_hpc.runtime.guard.auth.TOKEN_FILE_NAME`, mode 0600; the token never appears in a script, argv or log).
+(`mopd_hpc.records.run_dir.TOKEN_FILE`, mode 0600; the token never appears in a script, argv or log).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from mopd_hpc.records.run_dir import LOGS_DIR, STATE_DIR, SUBMIT_DIR
-from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, create_token_file, read_token_file
+from mopd_hpc.records.run_dir import LOGS_DIR, STATE_DIR, SUBMIT_DIR, TOKEN_FILE
+from mopd_hpc.runtime.guard.auth import create_token_file, read_token_file
 
 #: Mode of the run directory and its subdirectories: the owner only (the token lives there).
 RUN_DIR_MODE = 0o700
@@ -45,7 +45,7 @@ class RunDir:
             logs=path / LOGS_DIR,
             state=path / STATE_DIR,
             submit=path / SUBMIT_DIR,
-            secret_file=path / TOKEN_FILE_NAME,
+            secret_file=path / TOKEN_FILE,
         )
 
 

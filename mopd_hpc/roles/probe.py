@@ -33,7 +33,6 @@ from typing import Any
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.records.run_dir import CONFIG_FILE, LATEST_CHECKPOINT, probe_report_file
 from mopd_hpc.runtime import child_env
-from mopd_hpc.runtime.ports import PORT_ENV_PREFIX
 from mopd_hpc.runtime.signals import EXIT_OK, EXIT_USAGE
 
 #: Comma-separated names of extra variables the probe reports verbatim.
@@ -83,7 +82,9 @@ def probe_report(env: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
     topology = RankTopology.from_env(env, role=role)
     host = env.get(child_env.HOST) or topology.hostname
     ports = {
-        k[len(PORT_ENV_PREFIX) :].lower(): int(v) for k, v in env.items() if k.startswith(PORT_ENV_PREFIX)
+        k[len(child_env.PORT_PREFIX) :].lower(): int(v)
+        for k, v in env.items()
+        if k.startswith(child_env.PORT_PREFIX)
     }
     extra = [k for k in env.get(PROBE_ENV_KEYS, "").split(",") if k]
     shown = {

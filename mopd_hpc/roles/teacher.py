@@ -67,8 +67,6 @@ from mopd_hpc.roles.teacher_replica import (
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.http_auth import standalone_token
 
-#: The plan's variable naming the teacher of this child.
-TEACHER_ID_ENV = child_env.TEACHER_ID
 #: Bytes of float32 logits one scoring forward may materialize (module docstring).
 SCORING_BUDGET_BYTES = 4 << 30
 #: Logical key → environment variable of the standalone server (read at the edge, in `main`).
@@ -126,13 +124,13 @@ def teacher_args(
             megatron while CUDA_VISIBLE_DEVICES is empty). The message names the config field
             (`models.teachers[i].tensor_parallel`, `models.teachers[i].engine`) and its value.
     """
-    teacher_id = environ.get(TEACHER_ID_ENV)
+    teacher_id = environ.get(child_env.TEACHER_ID)
     if not teacher_id:
-        raise RoleEnvError(f"{TEACHER_ID_ENV} is not set: the job plan names the teacher of each child")
+        raise RoleEnvError(f"{child_env.TEACHER_ID} is not set: the job plan names the teacher of each child")
     try:
         teacher = cfg.models.teacher(teacher_id)
     except KeyError as exc:
-        raise RoleEnvError(f"{TEACHER_ID_ENV}={teacher_id!r}: {exc.args[0]}") from None
+        raise RoleEnvError(f"{child_env.TEACHER_ID}={teacher_id!r}: {exc.args[0]}") from None
     index = cfg.models.teacher_ids.index(teacher.id)
     here = f"models.teachers[{index}]"
     replica = _replica(environ, here, teacher_replicas(cfg, teacher))

@@ -94,8 +94,6 @@ from mopd_hpc.trainer.weight_sync import WeightSync
 
 log = logging.getLogger("mopd_hpc.trainer")
 
-#: Checkpoints live here, under the run directory.
-CHECKPOINT_DIR = CHECKPOINTS_DIR
 #: The student as an HF checkpoint at the end of the run.
 #: The consumer name of actor rank r's drain receipts.
 ACTOR_CONSUMER = "actor-{rank}"
@@ -191,7 +189,7 @@ class Controller:
         if start > 0 and getattr(
             self.engine, "sharded_checkpoint", False
         ):  # with the followers: a collective
-            load_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(start))
+            load_engine_shards(self.engine, self.run_dir / CHECKPOINTS_DIR / step_dir_name(start))
         self.group.barrier(f"after every rank loaded the state of step {start}")
         metrics = MetricsWriter.open(self.run_dir / METRICS_FILE, resume_step=start)
         with contextlib.closing(metrics):
@@ -330,9 +328,9 @@ class Controller:
     # ------------------------------------------------------------------ resume, checkpoints, eval
 
     def _resume(self) -> int:
-        ckpt = load_latest(self.run_dir / CHECKPOINT_DIR)
+        ckpt = load_latest(self.run_dir / CHECKPOINTS_DIR)
         if ckpt is None:
-            log.info("no checkpoint under %s: starting at step 0", self.run_dir / CHECKPOINT_DIR)
+            log.info("no checkpoint under %s: starting at step 0", self.run_dir / CHECKPOINTS_DIR)
             return 0
         for line in ckpt.skipped:  # a damaged newer checkpoint: said where the user reads, then passed over
             print(f"checkpoint skipped: {line}", file=self.out, flush=True)
@@ -359,9 +357,9 @@ class Controller:
         if sharded or getattr(self.engine, "collective_state_dict", False):  # the other ranks join
             await self.group.publish(ControlRecord.checkpoint(step))
         if sharded:  # every TP rank's shards first (a collective)
-            save_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(step))
+            save_engine_shards(self.engine, self.run_dir / CHECKPOINTS_DIR / step_dir_name(step))
         path = save_checkpoint(
-            self.run_dir / CHECKPOINT_DIR,
+            self.run_dir / CHECKPOINTS_DIR,
             step,
             self.engine.state_dict(),
             data_state=self.data.dataset.state_dict(),

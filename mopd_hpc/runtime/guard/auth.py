@@ -13,10 +13,7 @@ import stat
 from pathlib import Path
 
 from mopd_hpc.atomic import atomic_write_text
-from mopd_hpc.records.run_dir import TOKEN_FILE
 
-#: Default token file name inside the run directory.
-TOKEN_FILE_NAME = TOKEN_FILE
 #: Bytes of randomness in a new token (256 bits).
 TOKEN_BYTES = 32
 #: The HTTP header and scheme that carry the token.
