@@ -54,8 +54,6 @@ from mopd_hpc.runtime.run_lock import RunDirLockedError
 from mopd_hpc.runtime.signals import EXIT_GUARD_START_FAILED, EXIT_USAGE
 from mopd_hpc.runtime.topology import TopologyError
 
-#: The token file's path as `launchers/node.sh` exports it (a path, never the token).
-SECRET_FILE_ENV = "MOPD_SECRET_FILE"
 #: Slurm's name for this node (several slurmd may share one host in a test cluster).
 NODENAME_ENV = "SLURMD_NODENAME"
 #: `--bind` value: listen on this node's own address.
@@ -81,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-file",
         default=None,
-        help=f"0600 token file (default: ${SECRET_FILE_ENV}, else <run-dir>/{TOKEN_FILE})",
+        help=f"0600 token file (default: ${child_env.SECRET_FILE}, else <run-dir>/{TOKEN_FILE})",
     )
     parser.add_argument("--kill-wait-s", type=float, default=10.0, help="SIGTERM→SIGKILL wait, seconds")
     parser.add_argument(
@@ -100,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY",
-        help="let a spawn set env KEY besides MOPD_* and runtime/guard/env_policy.py's ALLOWED_KEYS",
+        help=f"let a spawn set env KEY besides {child_env.PREFIX}* and runtime/guard/env_policy.py's ALLOWED_KEYS",
     )
     parser.add_argument(
         "--keeper",
@@ -175,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mopd-guard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     token_file = (
-        args.token_file or os.environ.get(SECRET_FILE_ENV) or os.path.join(config.run_dir, TOKEN_FILE)
+        args.token_file or os.environ.get(child_env.SECRET_FILE) or os.path.join(config.run_dir, TOKEN_FILE)
     )
     try:
         token = read_token_file(token_file)

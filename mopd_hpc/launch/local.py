@@ -55,7 +55,7 @@ def local_environment(environ: Mapping[str, str], gpus: Sequence[str] = ()) -> d
     """The guard's environment: `environ` without inherited Slurm/PMI variables or a token path, plus
     MOPD_BACKEND=local and CUDA_VISIBLE_DEVICES = the job's GPU tokens (`launch.local_gpus`; "" for none)."""
     env = scrub_slurm_env(environ, keep=())
-    env.pop("MOPD_SECRET_FILE", None)
+    env.pop(child_env.SECRET_FILE, None)
     env[child_env.BACKEND] = "local"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return env

@@ -33,6 +33,7 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.records.job_end import read_job_end
 from mopd_hpc.records.run_dir import CONFIG_FILE, METRICS_FILE
 from mopd_hpc.roles.env import with_absolute_paths
+from mopd_hpc.runtime import child_env
 from mopd_hpc.trainer.evaluate import print_eval_table
 from mopd_hpc.trainer.progress import Progress
 
@@ -151,7 +152,7 @@ def prepare_local_run(
     if probe or not path.is_file():
         return LocalProgress(run_dir, None, out)
     cfg = RunConfig.from_yaml(path)
-    base = {"MOPD_SUBMIT_DIR": os.getcwd(), **{k: v for k, v in environ.items() if k == "MOPD_SUBMIT_DIR"}}
+    base = {child_env.SUBMIT_DIR: environ.get(child_env.SUBMIT_DIR, os.getcwd())}
     cfg = with_absolute_paths(cfg, base)
     for directory, names in missing_builder_models(cfg).items():
         build_tiny_models(directory, python, out, names=names)

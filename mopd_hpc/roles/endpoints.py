@@ -20,22 +20,21 @@ from pathlib import Path
 import aiohttp
 
 from mopd_hpc.records.run_dir import LOGS_DIR, endpoint_file, teacher_endpoint_file
+from mopd_hpc.runtime import child_env
 
 #: Default deadline for every server to be up, in seconds (model loading included).
 DEFAULT_TIMEOUT_S = 600.0
-#: The variable that overrides it (read at the edge: the actor's and the teacher replicas' `main`).
-ENDPOINT_TIMEOUT_ENV = "MOPD_ENDPOINT_TIMEOUT_S"
 #: Poll period, seconds.
 POLL_S = 0.2
 
 
 def endpoint_timeout_s(environ: Mapping[str, str]) -> float:
-    """The deadline for the job's servers, seconds: ENDPOINT_TIMEOUT_ENV of `environ`, else DEFAULT_TIMEOUT_S.
+    """The deadline for the job's servers, seconds: child_env.ENDPOINT_TIMEOUT_S of `environ`, else DEFAULT_TIMEOUT_S.
 
     Raises:
         ValueError: the variable is set but not a number.
     """
-    return float(environ.get(ENDPOINT_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+    return float(environ.get(child_env.ENDPOINT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ ENV = {
     "local_world_size": child_env.LOCAL_WORLD_SIZE,
 }
 #: Environment variables naming the directory relative model paths are relative to, in order.
-SUBMIT_DIR_KEYS = ("MOPD_SUBMIT_DIR", "SLURM_SUBMIT_DIR", "PWD")
+SUBMIT_DIR_KEYS = (child_env.SUBMIT_DIR, "SLURM_SUBMIT_DIR", "PWD")
 
 
 class RoleEnvError(ValueError):

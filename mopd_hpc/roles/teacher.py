@@ -72,14 +72,14 @@ SCORING_BUDGET_BYTES = 4 << 30
 #: Logical key → environment variable of the standalone server (read at the edge, in `main`).
 ENV = {
     "teacher_id": child_env.TEACHER_ID,
-    "model_path": "MOPD_MODEL_PATH",
+    "model_path": child_env.MODEL_PATH,
     "port": child_env.port_env_name("http"),
     "run_dir": child_env.RUN_DIR,
-    "host": "MOPD_BIND_HOST",
+    "host": child_env.BIND_HOST,
     "advertise_host": child_env.HOST,
-    "device": "MOPD_DEVICE",
-    "dtype": "MOPD_DTYPE",
-    "engine": "MOPD_TEACHER_ENGINE",
+    "device": child_env.DEVICE,
+    "dtype": child_env.DTYPE,
+    "engine": child_env.TEACHER_ENGINE,
 }
 #: Bind addresses that cannot be connected to as given: the endpoint file advertises MOPD_HOST instead.
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
