@@ -89,8 +89,8 @@ def collect_guard_status(
     Raises:
         GuardStatusError: the run dir has no guard record, or the token file is unusable.
     """
-    from mopd_hpc.runtime.guard.auth import GuardAuthError, read_token_file
     from mopd_hpc.runtime.guard.client import GuardClient, GuardError
+    from mopd_hpc.runtime.http_auth import GuardAuthError, read_token_file
 
     root = Path(run_dir)
     records = sorted((root / GUARDS_DIR).glob("*.json")) if (root / GUARDS_DIR).is_dir() else []

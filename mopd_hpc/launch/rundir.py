@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd_hpc.records.run_dir import LOGS_DIR, STATE_DIR, SUBMIT_DIR, TOKEN_FILE
-from mopd_hpc.runtime.guard.auth import create_token_file, read_token_file
+from mopd_hpc.runtime.http_auth import create_token_file, read_token_file
 
 #: Mode of the run directory and its subdirectories: the owner only (the token lives there).
 RUN_DIR_MODE = 0o700
