@@ -7,7 +7,7 @@ the job runs on the submit host or in its roles:
 
     plan      plan/placement.place_children (the children, GPUs, ports, rank env) and the actor's shape
     dry_run   `mopd-submit --dry-run` (warnings, rank map, memory plan, the sbatch command and script)
-    warnings  the warnings `--check` prints (cli/submit.py submit_warnings)
+    warnings  the warnings `--check` prints (launch/prepare.py submit_warnings)
     data      trainer/data_setup.build_run_data: the first step's draws, the sources, the held-out prompts
     rollout   trainer/rollout_phase.step_rollouts (the controller's ROLLOUT): the /generate bodies sent
     timeline  trainer/intervals (the controller's metrics/checkpoint/evaluation/export steps)
@@ -167,7 +167,7 @@ def _dry_run(cfg: RunConfig, tmp: Path) -> str:
 
 
 def _warnings(cfg: RunConfig) -> str:
-    from mopd_hpc.cli.submit import submit_warnings
+    from mopd_hpc.launch.prepare import submit_warnings
 
     return "\n".join(submit_warnings(cfg))
 
