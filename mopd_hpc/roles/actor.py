@@ -250,18 +250,15 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
                 )
             else:
                 signal.signal(CHECKPOINT_SIGNAL, signal.SIG_IGN)  # rank 0 decides when to checkpoint
-                shard_step = ShardStep(engine, teachers, plan, cfg.loss, route_weights(cfg), group, reference)
+                shard_step = ShardStep(
+                    engine, teachers, plan, cfg.loss, cfg.used_route_weights(), group, reference
+                )
                 writer = build_rank_writer(cfg, engine, role.run_dir)  # AWEX: its own shards at each sync
                 outcome = await Follower(engine, shard_step, group, role.run_dir, writer).run()
     finally:
         group.close()
     log.info("actor rank %d ended: %s at step %d", role.rank, outcome.reason, outcome.step)
     return 0
-
-
-def route_weights(cfg: RunConfig) -> dict[str, dict[str, float]]:
-    """route → {teacher id: w_j} for every route the data uses."""
-    return {r: dict(cfg.routes[r]) for r in cfg.data.routes_used}
 
 
 async def _lead(

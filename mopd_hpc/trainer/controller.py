@@ -159,7 +159,7 @@ class Controller:
         self.checkpoint_request = checkpoint_request
         self._token = token
         self.routes = tuple(cfg.data.routes_used)
-        self.route_weights = {r: dict(cfg.routes[r]) for r in self.routes}
+        self.route_weights = cfg.used_route_weights()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.gpu = any(g.gpus_per_node > 0 for g in cfg.cluster.groups().values())
         self.moving = moving_teachers(self.teachers, self.gpu, offload_teachers)
