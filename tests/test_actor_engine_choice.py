@@ -398,8 +398,8 @@ def test_controller_onloads_before_checkpoint_and_save_and_evaluates_on_the_engi
 
     from mopd_hpc.trainer import controller as controller_module
     from mopd_hpc.trainer import evaluator as evaluator_module
-    from mopd_hpc.trainer.actor_group import SoloGroup
     from mopd_hpc.trainer.evaluate import EngineEval
+    from mopd_hpc.trainer.group import SoloGroup
 
     asked: list[Any] = []
 

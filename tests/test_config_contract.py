@@ -49,7 +49,7 @@ from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.roles.actor import build_reference, build_train_engine, check_actor_engine
 from mopd_hpc.roles.env import RoleEnv
 from mopd_hpc.runtime.child_device import ChildDevice
-from mopd_hpc.trainer.actor_group import SoloGroup
+from mopd_hpc.trainer.group import SoloGroup
 from mopd_hpc.trainer.rank_step import ShardStep
 from mopd_hpc.trainer.step import orm_advantages
 from mopd_hpc.trainer.step_record import ControlRecord

@@ -66,9 +66,9 @@ from mopd_hpc.roles.residency import teachers_to_offload
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, CheckpointRequest
-from mopd_hpc.trainer.actor_group import Group
 from mopd_hpc.trainer.controller import Controller, RunOutcome
 from mopd_hpc.trainer.follower import Follower
+from mopd_hpc.trainer.group import Group
 from mopd_hpc.trainer.rank_step import ShardStep
 from mopd_hpc.trainer.rank_writer import build_rank_writer
 from mopd_hpc.trainer.weight_sync import SyncSettings, build_sync

@@ -70,7 +70,6 @@ from mopd_hpc.records.job_end import write_job_end
 from mopd_hpc.records.metrics import MetricsWriter
 from mopd_hpc.records.run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE
 from mopd_hpc.runtime.signals import CheckpointRequest
-from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.checkpoint import (
     capture_rng_state,
     load_latest,
@@ -81,6 +80,7 @@ from mopd_hpc.trainer.checkpoint import (
 from mopd_hpc.trainer.data_setup import RunData
 from mopd_hpc.trainer.evaluator import RunEvaluator, point_note
 from mopd_hpc.trainer.exports import write_export
+from mopd_hpc.trainer.group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.intervals import checkpoint_due, eval_due, export_due, metrics_due
 from mopd_hpc.trainer.phase_memory import PhaseMemory, server_peaks
 from mopd_hpc.trainer.progress import Progress

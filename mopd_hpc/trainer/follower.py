@@ -28,9 +28,9 @@ from pathlib import Path
 
 from mopd_hpc.engines.protocol import TrainEngine
 from mopd_hpc.records.run_dir import CHECKPOINTS_DIR
-from mopd_hpc.trainer.actor_group import ActorGroupError, Group
 from mopd_hpc.trainer.checkpoint import load_checkpoint, restore_rng_state, step_dir_name
 from mopd_hpc.trainer.controller import RunOutcome
+from mopd_hpc.trainer.group import ActorGroupError, Group
 from mopd_hpc.trainer.rank_step import ShardStep, make_resident
 from mopd_hpc.trainer.rank_writer import RankWriter
 from mopd_hpc.trainer.sharded_checkpoint import load_engine_shards, save_engine_shards
