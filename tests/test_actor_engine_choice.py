@@ -23,8 +23,8 @@ from helpers_configs import set_dotted
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config import LossConfig, RunConfig
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.models import OptimizerConfig
-from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching

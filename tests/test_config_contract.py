@@ -388,7 +388,7 @@ def test_docs_hold_the_refusals_table_of_the_declarations(doc: str) -> None:
 def test_the_roles_recheck_the_same_declarations_at_start(tmp_path: Path) -> None:
     """A config edited after submit (loaded, so valid, but refused by --check) stops the child before it
     waits for servers, with the refusal --check gives."""
-    from mopd_hpc.config.gaps import job_gaps
+    from mopd_hpc.config.job_gaps import job_gaps
     from mopd_hpc.roles.env import RoleEnvError
     from mopd_hpc.roles.rollout import server_args
 

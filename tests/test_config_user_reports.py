@@ -18,7 +18,7 @@ import pytest
 from mopd_hpc.cli import submit
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.data import unevaluated_sources
-from mopd_hpc.config.gaps import job_gaps
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.launch import start
 from mopd_hpc.launch.paths import MissingPath, local_path_errors, missing_paths, path_warnings

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig, load_run_config
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel
-from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.memory_check import memory_check
 from mopd_hpc.launch.model_check import prepare_models, resolution_notes
 from mopd_hpc.launch.prepare import gaps_refusal, memory_refusal, submit_warnings, summary

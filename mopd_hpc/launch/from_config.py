@@ -78,7 +78,8 @@ def jobspec_from_config(
         time_min=cluster.time_min,
         signal=cluster.signal,
         requeue=cluster.requeue,
-        max_requeues=cluster.max_requeues if cluster.requeue else 0,  # no requeue: no count (config/inert.py)
+        # no requeue: no count (config/inert_fields.py)
+        max_requeues=cluster.max_requeues if cluster.requeue else 0,
         checkpoint_grace_s=min(90, max(1, cluster.signal_lead_s - 10)),
         extra_sbatch=tuple(cluster.extra_sbatch),
     )

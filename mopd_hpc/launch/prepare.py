@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.config import RunConfig, load_run_config
-from mopd_hpc.config.inert import inert_warnings
+from mopd_hpc.config.inert_fields import inert_warnings
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
-from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.launch.from_config import jobspec_from_config
 from mopd_hpc.launch.jobspec import JobSpec
 from mopd_hpc.launch.memory_check import MemoryCheck, memory_check
@@ -128,8 +128,8 @@ def summary(cfg: RunConfig) -> str:
 
 def submit_warnings(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
     """Every warning --check prints: the config's own (`RunConfig.warnings`), the fields set where they have
-    no effect (`config/inert.py`), the paths missing here, then the GPUs that do not fit with their `always`
-    teachers resident (`plan/residency_plan.py`; none when the job cannot be placed: that error comes with the
+    no effect (`config/inert_fields.py`), the paths missing here, then the GPUs that do not fit with their
+    `always` teachers resident (`plan/residency_plan.py`; none when the job cannot be placed: that error comes with the
     plan). A plan over the GPUs' memory is not a warning: `memory_check` refuses it."""
     inert = [p.render() for p in inert_warnings(cfg)]
     return [*cfg.warnings(), *inert, *path_warnings(cfg, cwd), *_residency_warnings(cfg)]
