@@ -42,7 +42,6 @@ class PreparedJob:
 
     Attributes:
         cfg: the resolved config (models resolved, `run_dir` absolute).
-        written: the config as loaded, before the models were resolved (`resolution_notes` compares them).
         path: the absolute run directory.
         plan: the job plan; the probe-only plan when asked for (`probe`) or when a role has no entry point.
         parallel: the actor's parallel layout.
@@ -52,7 +51,6 @@ class PreparedJob:
     """
 
     cfg: RunConfig
-    written: RunConfig
     path: Path
     plan: JobPlan
     parallel: ActorParallel
@@ -88,8 +86,8 @@ def prepare_job(
         UsageError: a bad --resume target, or what the roles do not run, a memory plan over the GPUs' memory, a
             path missing here (the refusal lists them all).
     """
-    written = load_run_config(config, overrides, force_local)
-    cfg = prepare_models(written, config, check_files=not (review or probe))
+    cfg = load_run_config(config, overrides, force_local)
+    cfg = prepare_models(cfg, config, check_files=not (review or probe))
     path = resolve_run_dir(cfg, run_dir, resume)
     cfg = cfg.model_copy(update={"run_dir": str(path)})
     plan = place_children(cfg)
@@ -112,7 +110,7 @@ def prepare_job(
             )
         )
     spec = jobspec_from_config(cfg, path, python, plan)
-    return PreparedJob(cfg, written, path, plan, parallel, spec, memory, missing)
+    return PreparedJob(cfg, path, plan, parallel, spec, memory, missing)
 
 
 def summary(cfg: RunConfig) -> str:
