@@ -48,8 +48,9 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.engines.memory.residency import Residency
 from mopd_hpc.engines.teacher.score_frames import ScoreTensors
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.trainer.actor_group import ActorGroup, GroupSpec, SoloGroup
+from mopd_hpc.trainer.actor_group import ActorGroup, GroupSpec
 from mopd_hpc.trainer.follower import Follower
+from mopd_hpc.trainer.group import SoloGroup
 from mopd_hpc.trainer.rank_step import ShardStep
 from mopd_hpc.trainer.shards import shard_rows
 from mopd_hpc.trainer.step import shard_batch

@@ -23,8 +23,8 @@ from helpers_configs import set_dotted
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config import LossConfig, RunConfig
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.models import OptimizerConfig
-from mopd_hpc.config.rules import job_gaps
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching
@@ -399,8 +399,8 @@ def test_controller_onloads_before_checkpoint_and_save_and_evaluates_on_the_engi
 
     from mopd_hpc.trainer import controller as controller_module
     from mopd_hpc.trainer import evaluator as evaluator_module
-    from mopd_hpc.trainer.actor_group import SoloGroup
     from mopd_hpc.trainer.evaluate import EngineEval
+    from mopd_hpc.trainer.group import SoloGroup
 
     asked: list[Any] = []
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mopd_hpc.config import ConfigError, load_run_config
-from mopd_hpc.config.gaps import job_gaps
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel, ParallelError, RankCoords, actor_world
 from mopd_hpc.plan.placement import place_children
 

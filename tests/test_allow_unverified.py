@@ -24,7 +24,7 @@ from test_config_refusals import execute
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.config.capabilities import OPT_IN_WAY
-from mopd_hpc.config.gaps import job_gaps, unverified_gaps
+from mopd_hpc.config.job_gaps import job_gaps, unverified_gaps
 from mopd_hpc.records.metrics import MetricsWriter
 from mopd_hpc.records.run_dir import CONFIG_FILE, METRICS_FILE, UNVERIFIED_FILE
 from mopd_hpc.records.unverified import read_unverified

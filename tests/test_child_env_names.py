@@ -1,9 +1,9 @@
-"""The variables the guard and the job plan set for a child are named in one module: `runtime/child_env.py`.
+"""Every `MOPD_*` variable of the package is named in one module: `runtime/child_env.py`.
 
 Every string literal of `mopd_hpc/` (f-string parts included; docstrings are prose and do not count, comments
-are not in the syntax tree) is read with `ast`; a literal that holds one of the names of
-`child_env.CHILD_ENV_NAMES` (`MOPD_PORT_` as a prefix) anywhere but in `runtime/child_env.py` is a second
-source of the contract.
+are not in the syntax tree) is read with `ast`; a literal that holds `MOPD_` anywhere but in
+`runtime/child_env.py` is a second source of the contract: a child variable (`child_env.CHILD_ENV_NAMES`), a
+knob (`child_env.KNOB_NAMES`) or a variable the table lacks.
 """
 
 from __future__ import annotations
@@ -16,13 +16,8 @@ from mopd_hpc.runtime import child_env
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mopd_hpc"
 HOME = PACKAGE / "runtime" / "child_env.py"
-#: A name as a whole word (`MOPD_HOST` is not in `MOPD_HOSTNAME`); the port family by its prefix.
-NAMES = re.compile(
-    "|".join(
-        rf"\b{re.escape(n)}" + ("" if n == child_env.PORT_PREFIX else r"\b")
-        for n in child_env.CHILD_ENV_NAMES
-    )
-)
+#: Any variable of the family, in the table or not.
+NAMES = re.compile(rf"\b{re.escape(child_env.PREFIX)}")
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -56,8 +51,10 @@ def test_the_names_are_the_table_of_the_module_docstring() -> None:
         "MOPD_RUN_DIR",
         "MOPD_HOST",
     )
-    assert all(name in child_env.__doc__ for name in child_env.CHILD_ENV_NAMES)
-    assert len(set(child_env.CHILD_ENV_NAMES)) == len(child_env.CHILD_ENV_NAMES)
+    names = (*child_env.CHILD_ENV_NAMES, *child_env.KNOB_NAMES)
+    assert all(name in child_env.__doc__ and name.startswith(child_env.PREFIX) for name in names)
+    assert len(set(names)) == len(names)
+    assert child_env.SECRET_FILE == "MOPD_SECRET_FILE" and child_env.SUBMIT_DIR == "MOPD_SUBMIT_DIR"
     assert child_env.port_env_name("dist_init") == "MOPD_PORT_DIST_INIT"
     assert (child_env.port_name("MOPD_PORT_HTTP"), child_env.port_name("MOPD_RANK")) == ("http", None)
 
@@ -68,10 +65,15 @@ def test_the_reader_sees_f_string_parts_and_skips_docstrings(tmp_path: Path) -> 
         '"""MOPD_RANK in prose."""\n'
         "def f(x):\n"
         '    """MOPD_HOST too."""\n'
-        '    return f"MOPD_RANK={x}", "MOPD_PORT_HTTP", "MOPD_RANKS", "MOPD_HOSTNAME"\n',
+        '    return f"MOPD_RANK={x}", "MOPD_PORT_HTTP", "MOPD_RANKS", "MOPD_HOSTNAME", "XMOPD_A"\n',
         encoding="utf-8",
     )
-    assert sorted(literals_naming_child_variables(source)) == ["4: 'MOPD_PORT_HTTP'", "4: 'MOPD_RANK='"]
+    assert sorted(literals_naming_child_variables(source)) == [
+        "4: 'MOPD_HOSTNAME'",
+        "4: 'MOPD_PORT_HTTP'",
+        "4: 'MOPD_RANK='",
+        "4: 'MOPD_RANKS'",
+    ]
 
 
 def test_child_variables_are_named_only_in_child_env() -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from mopd_hpc.cli import debug_run, debug_shell, submit
 from mopd_hpc.config import load_run_config
+from mopd_hpc.launch import start
 from mopd_hpc.launch.debug_session import Allocation, AllocationShapeError, check_fit
 from mopd_hpc.launch.debug_shell import job_run_dir, parse_scontrol_job, shell_argv
 from mopd_hpc.launch.rankmap import broadcast_rank, rank_map_rows
@@ -159,12 +160,12 @@ def test_shell_run_dir_from_the_job_index_when_scontrol_has_no_batch_log(tmp_pat
 
 def test_submit_prints_a_ports_line_for_every_het_group(tmp_path: Path) -> None:
     debug = tmp_path / "bin" / "mopd-debug"
-    het = submit.ports_commands("77", place_children(load_run_config(HET)), debug)
+    het = start.ports_commands("77", place_children(load_run_config(HET)), debug)
     assert het == [
         f"srun --jobid=77 --het-group=0 --overlap {debug} ports   # leases on the trainer nodes",
         f"srun --jobid=77 --het-group=1 --overlap {debug} ports   # leases on the rollout nodes",
     ]
-    colocated = submit.ports_commands("78", place_children(load_run_config(AWEX)), debug)
+    colocated = start.ports_commands("78", place_children(load_run_config(AWEX)), debug)
     assert colocated == [f"srun --jobid=78 --overlap {debug} ports   # leases on its nodes"]
 
 

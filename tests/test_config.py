@@ -61,6 +61,7 @@ def test_local_cpu_is_the_embedded_default() -> None:
     assert cfg.models.teacher("chain").path == ".cache/models/teacher_chain_sum"
     assert (cfg.rollout.backend, cfg.weight_sync.backend) == ("hf", "torch")
     assert cfg.route_weights("chain") == {"chain": 1.0} and cfg.route_weights("legs") == {"legs": 1.0}
+    assert cfg.used_route_weights() == {"chain": {"chain": 1.0}, "legs": {"legs": 1.0}}
     chain, legs = cfg.data.sources
     assert isinstance(chain, ReasoningGymSource) and isinstance(legs, ReasoningGymSource)
     assert (chain.task, chain.route, chain.task_args) == (

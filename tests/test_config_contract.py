@@ -49,7 +49,7 @@ from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.roles.actor import build_reference, build_train_engine, check_actor_engine
 from mopd_hpc.roles.env import RoleEnv
 from mopd_hpc.runtime.child_device import ChildDevice
-from mopd_hpc.trainer.actor_group import SoloGroup
+from mopd_hpc.trainer.group import SoloGroup
 from mopd_hpc.trainer.rank_step import ShardStep
 from mopd_hpc.trainer.step import orm_advantages
 from mopd_hpc.trainer.step_record import ControlRecord
@@ -388,7 +388,7 @@ def test_docs_hold_the_refusals_table_of_the_declarations(doc: str) -> None:
 def test_the_roles_recheck_the_same_declarations_at_start(tmp_path: Path) -> None:
     """A config edited after submit (loaded, so valid, but refused by --check) stops the child before it
     waits for servers, with the refusal --check gives."""
-    from mopd_hpc.config.gaps import job_gaps
+    from mopd_hpc.config.job_gaps import job_gaps
     from mopd_hpc.roles.env import RoleEnvError
     from mopd_hpc.roles.rollout import server_args
 

@@ -1,5 +1,5 @@
 """Nothing silently ignored (issue 19): every config field, changed to another valid value, changes something
-observable, or `--check` refuses it; the fields inert in some settings are the rows of `config/inert.py`.
+observable, or `--check` refuses it; the fields inert in some settings are the rows of `config/inert_fields.py`.
 
 The fields are enumerated from the RunConfig type tree (a new field without a mutation here fails
 `test_every_field_has_a_mutation`). Each mutation names the observable it must change, computed by the code
@@ -7,7 +7,7 @@ the job runs on the submit host or in its roles:
 
     plan      plan/placement.place_children (the children, GPUs, ports, rank env) and the actor's shape
     dry_run   `mopd-submit --dry-run` (warnings, rank map, memory plan, the sbatch command and script)
-    warnings  the warnings `--check` prints (cli/submit.py submit_warnings)
+    warnings  the warnings `--check` prints (launch/prepare.py submit_warnings)
     data      trainer/data_setup.build_run_data: the first step's draws, the sources, the held-out prompts
     rollout   trainer/rollout_phase.step_rollouts (the controller's ROLLOUT): the /generate bodies sent
     timeline  trainer/intervals (the controller's metrics/checkpoint/evaluation/export steps)
@@ -17,7 +17,7 @@ the job runs on the submit host or in its roles:
     loss      roles/actor.build_train_engine (torch, CPU, a micro Qwen3) and 3 train steps on a fixed batch
     refused   loading the config raises a ConfigError naming the mutated field
 
-Each row of config/inert.py is checked the other way: under its condition the mutation changes none of them.
+Each row of config/inert_fields.py is checked the other way: under its condition the mutation changes none of them.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pydantic import BaseModel
 from transformers import Qwen3Config
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.inert import INERT, TOPK_NO_RATIO, inert_warnings
+from mopd_hpc.config.inert_fields import INERT, TOPK_NO_RATIO, inert_warnings
 from mopd_hpc.config.schema import strip, tag_of, union_members
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def _dry_run(cfg: RunConfig, tmp: Path) -> str:
 
 
 def _warnings(cfg: RunConfig) -> str:
-    from mopd_hpc.cli.submit import submit_warnings
+    from mopd_hpc.launch.prepare import submit_warnings
 
     return "\n".join(submit_warnings(cfg))
 
@@ -804,7 +804,7 @@ def test_every_field_has_a_mutation() -> None:
 
 def test_inert_rows_name_fields_that_exist_and_have_a_witness() -> None:
     for row in INERT:
-        assert any(row.matches(f) for f in FIELDS), f"config/inert.py names no field: {row.field}"
+        assert any(row.matches(f) for f in FIELDS), f"config/inert_fields.py names no field: {row.field}"
         assert (row.field, row.condition) in WITNESSES, (
             f"no witness for inert row {row.field} / {row.condition}"
         )

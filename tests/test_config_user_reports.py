@@ -18,8 +18,9 @@ import pytest
 from mopd_hpc.cli import submit
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.data import unevaluated_sources
-from mopd_hpc.config.gaps import job_gaps
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel
+from mopd_hpc.launch import start
 from mopd_hpc.launch.paths import MissingPath, local_path_errors, missing_paths, path_warnings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,7 +144,7 @@ def test_slurm_submit_prints_the_warnings_before_the_rank_map(tmp_path: Path) ->
          "--run-dir", str(tmp_path / "run"), "--set", "models.teachers[1].path=./nope/teacher"],
         capture_output=True, text=True, timeout=120, cwd=REPO, env=env, check=False,
     )  # fmt: skip
-    assert proc.returncode == submit.EXIT_SUBMIT_FAILED and "sbatch is not on PATH" in proc.stderr
+    assert proc.returncode == start.EXIT_SUBMIT_FAILED and "sbatch is not on PATH" in proc.stderr
     warning = (
         "# warning: models.teachers[1].path: no such directory here: ./nope/teacher "
         "(the job fails at start unless it exists there)"

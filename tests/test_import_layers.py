@@ -236,3 +236,13 @@ def test_every_package_has_a_layer(package: str) -> None:
     if package.startswith("__"):
         pytest.skip("not a package")
     layer_of(f"mopd_hpc.{package.removesuffix('.py')}")
+
+
+def test_no_cli_verb_imports_another() -> None:
+    """A CLI verb (`mopd_hpc/cli/<verb>.py`) parses its arguments and calls the layers below (the submit pipeline
+    is launch/'s, shared by `mopd-submit` and `mopd-debug run`); the verbs share cli/base.py only."""
+    graph = import_graph()
+    verbs = {m for m in graph if m.startswith("mopd_hpc.cli.") and m != "mopd_hpc.cli.base"}
+    assert {"mopd_hpc.cli.submit", "mopd_hpc.cli.debug_run"} <= verbs
+    crossing = {m: sorted(graph[m] & verbs - {m}) for m in sorted(verbs) if graph[m] & verbs - {m}}
+    assert crossing == {}

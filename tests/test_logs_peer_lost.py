@@ -34,7 +34,7 @@ def peer_lost_traceback() -> str:
     import torch
     import torch.distributed as dist
 
-    from mopd_hpc.trainer.actor_group import PeerLostError
+    from mopd_hpc.trainer.group import PeerLostError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

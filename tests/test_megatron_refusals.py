@@ -14,7 +14,7 @@ from helpers_models import build_micro_models
 
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.capabilities import ACTOR_ENGINES
-from mopd_hpc.config.gaps import job_gaps
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.launch.model_check import prepare_models
 
 REPO = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ from mopd_hpc.mopd.grpo import grpo_advantages, grpo_policy_loss
 from mopd_hpc.mopd.phases import PhaseMachine
 from mopd_hpc.mopd.plan import ExecutionPlan, Phase
 from mopd_hpc.roles.actor import build_reference
-from mopd_hpc.trainer.actor_group import SoloGroup
+from mopd_hpc.trainer.group import SoloGroup
 from mopd_hpc.trainer.rank_step import ShardStep
 
 BETA = 0.5

@@ -48,9 +48,14 @@ from mopd_hpc.engines.tcp_store import tcp_store
 from mopd_hpc.engines.teacher.http_app import TeacherServer
 from mopd_hpc.engines.teacher.process import teacher_app
 from mopd_hpc.engines.torch.scoring import TorchScoringEngine
-from mopd_hpc.runtime.guard.auth import AUTH_HEADER, authorization_value
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig
-from mopd_hpc.runtime.http_auth import LIVENESS_BODY, UNAUTHORIZED_BODY, protect
+from mopd_hpc.runtime.http_auth import (
+    AUTH_HEADER,
+    LIVENESS_BODY,
+    UNAUTHORIZED_BODY,
+    authorization_value,
+    protect,
+)
 from mopd_hpc.runtime.ports import LeasePolicy, read_ephemeral_range
 
 TESTS_DIR = Path(__file__).resolve().parent

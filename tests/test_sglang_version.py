@@ -17,7 +17,7 @@ from helpers_auth import write_run_dir_token
 from test_rollout_role_sglang import free_ports, role_env, sglang_config
 
 from mopd_hpc.config.capabilities import ROLLOUT_BACKENDS
-from mopd_hpc.config.gaps import job_gaps
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.engines.rollout.sglang_backend import SGLangBackendError
 from mopd_hpc.roles.rollout_sglang import run_sglang
 

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 from mopd_hpc.cli import submit
+from mopd_hpc.config import load_run_config
+from mopd_hpc.launch import prepare, start
 from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +96,7 @@ def test_resume_needs_an_existing_run(tmp_path: Path) -> None:
 
 def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path) -> None:
     proc = mopd_submit(CONFIGS / "slurm_het_cpu.yaml", "--probe", "--run-dir", tmp_path / "run")
-    assert proc.returncode == submit.EXIT_SUBMIT_FAILED
+    assert proc.returncode == start.EXIT_SUBMIT_FAILED
     assert "sbatch is not on PATH" in proc.stderr
     # the run dir was prepared before submission: plan, resolved config, private token
     assert (tmp_path / "run" / "plan.json").exists() and (tmp_path / "run" / "config.yaml").exists()
@@ -119,10 +121,10 @@ def test_layout_and_config_errors_exit_2() -> None:
 
 def test_unrunnable_roles_fall_back_to_probes() -> None:
 
-    plan = place_children(submit.load_run_config(CONFIGS / "local_cpu.yaml"))
-    missing = submit.unrunnable_roles(plan)
+    plan = place_children(load_run_config(CONFIGS / "local_cpu.yaml"))
+    missing = prepare.unrunnable_roles(plan)
     assert set(missing) <= {"actor", "teacher", "rollout"}
-    assert submit.unrunnable_roles(plan.as_probe()) == []
+    assert prepare.unrunnable_roles(plan.as_probe()) == []
 
 
 def test_render_quotes_a_hostile_run_dir(weird_tmp_path: Path) -> None:

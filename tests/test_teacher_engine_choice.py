@@ -24,7 +24,7 @@ from helpers_auth import TOKEN
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.config.rules import job_gaps
+from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.teacher import process as teacher_main

@@ -9,7 +9,6 @@ token), the binary transport, the run directory's endpoint files.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,8 @@ from mopd_hpc.engines.teacher.score_frames import ScoreTensors
 from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 from mopd_hpc.launch.rankmap import print_rank_map, rank_map_rows, teacher_lines
 from mopd_hpc.plan.placement import place_children
-from mopd_hpc.records.run_dir import rollout_ready_file, teacher_endpoint_file
+from mopd_hpc.records.endpoint import EndpointRecord
+from mopd_hpc.records.run_dir import rollout_ready_file
 from mopd_hpc.roles.endpoints import EndpointTimeoutError, wait_for_endpoints
 from mopd_hpc.runtime.http_auth import protect
 
@@ -145,11 +145,16 @@ async def _health_server():
     return await start_app(protect(app, TOKEN), "127.0.0.1", 0, asyncio.Event())
 
 
-def _record(path: Path, port: int, **fields: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps({"host": "127.0.0.1", "port": port, "url": f"http://127.0.0.1:{port}", **fields})
-    )
+def _teacher(run_dir: Path, port: int, replica: int, job_id: str | None) -> None:
+    EndpointRecord.teacher(
+        "math", replica, host="127.0.0.1", port=port, pid=1, job_id=job_id, model_path="m", fingerprint="f"
+    ).write(run_dir)
+
+
+def _rollout(run_dir: Path, port: int, job_id: str | None) -> None:
+    EndpointRecord.rollout(
+        0, host="127.0.0.1", port=port, pid=1, job_id=job_id, model_path="m", backend="hf"
+    ).write(run_dir)
 
 
 def test_endpoint_records_of_another_job_or_none_are_refused(tmp_path: Path) -> None:
@@ -159,16 +164,16 @@ def test_endpoint_records_of_another_job_or_none_are_refused(tmp_path: Path) -> 
     async def go():
         runner, port, _ = await _health_server()
         try:
-            _record(teacher_endpoint_file(tmp_path, "math", 0), port, job_id="job-old", replica=0)
-            _record(teacher_endpoint_file(tmp_path, "math", 1), port, job_id="job-new", replica=1)
-            _record(tmp_path / "endpoints" / "rollout-0.json", port)  # no job id
+            _teacher(tmp_path, port, 0, "job-old")
+            _teacher(tmp_path, port, 1, "job-new")
+            _rollout(tmp_path, port, None)  # no job id
             with pytest.raises(EndpointTimeoutError) as err:
                 await wait_for_endpoints(tmp_path, {"math": 2}, 1, "job-new", timeout_s=0.3)
             message = str(err.value)
             assert "teacher-math.r0.json belongs to job 'job-old', not to this job 'job-new'" in message
             assert "rollout-0.json has no job_id" in message and "math.r1" not in message
-            _record(teacher_endpoint_file(tmp_path, "math", 0), port, job_id="job-new", replica=0)
-            _record(tmp_path / "endpoints" / "rollout-0.json", port, job_id="job-new")
+            _teacher(tmp_path, port, 0, "job-new")
+            _rollout(tmp_path, port, "job-new")
             return await wait_for_endpoints(tmp_path, {"math": 2}, 1, "job-new", timeout_s=5)
         finally:
             await runner.cleanup()

@@ -26,6 +26,7 @@ from helpers_models import save_micro_qwen3
 from mopd_hpc.engines.teacher.client import TeacherClient, TeacherClientError
 from mopd_hpc.engines.teacher.http_app import checkpoint_fingerprint
 from mopd_hpc.engines.teacher.process import endpoint_path
+from mopd_hpc.records.endpoint import read_endpoint
 from mopd_hpc.roles.teacher import args_from_argv
 
 VOCAB = 32
@@ -115,6 +116,7 @@ def test_endpoint_file_and_health(server):
     assert record["pid"] == server["proc"].pid
     assert record["url"] == f"http://127.0.0.1:{record['port']}"
     assert record["fingerprint"] == checkpoint_fingerprint(server["model"])
+    assert read_endpoint(server["endpoint"]).to_json() == record  # written through records/endpoint.py
     health = run(call(server["url"], "health"))
     assert health == {
         "status": "ok",

@@ -23,7 +23,7 @@ from mopd_hpc.engines.span_clock import SpanClock, device_sync
 from mopd_hpc.engines.torch.engine import TorchTrainEngine
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.records.metrics_schema import TRAIN_SPAN_KEYS
-from mopd_hpc.trainer.actor_group import SoloGroup
+from mopd_hpc.trainer.group import SoloGroup
 from mopd_hpc.trainer.rank_step import ShardStep
 from mopd_hpc.trainer.step_record import ControlRecord
 

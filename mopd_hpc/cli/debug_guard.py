@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.cli.base import EXIT_USAGE
-from mopd_hpc.records.run_dir import GUARDS_DIR
-from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME
+from mopd_hpc.records.run_dir import GUARDS_DIR, TOKEN_FILE
 
 HELP = "ask a run's guards for their children (guard status RUN_DIR [--json])"
 #: Exit code when at least one guard did not answer.
@@ -90,8 +89,8 @@ def collect_guard_status(
     Raises:
         GuardStatusError: the run dir has no guard record, or the token file is unusable.
     """
-    from mopd_hpc.runtime.guard.auth import GuardAuthError, read_token_file
     from mopd_hpc.runtime.guard.client import GuardClient, GuardError
+    from mopd_hpc.runtime.http_auth import GuardAuthError, read_token_file
 
     root = Path(run_dir)
     records = sorted((root / GUARDS_DIR).glob("*.json")) if (root / GUARDS_DIR).is_dir() else []
@@ -101,7 +100,7 @@ def collect_guard_status(
             f"remove theirs); see `mopd-logs summarize {shlex.quote(str(root))}`"
         )
     try:
-        token = read_token_file(token_file or root / TOKEN_FILE_NAME)
+        token = read_token_file(token_file or root / TOKEN_FILE)
     except GuardAuthError as exc:
         raise GuardStatusError(str(exc)) from None
     factory = client_factory or GuardClient

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, TextIO
 
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.cli.base import EXIT_USAGE
-from mopd_hpc.plan.placement import place_children
 from mopd_hpc.records.run_dir import JOB_FILE
 
 if TYPE_CHECKING:
@@ -69,10 +68,10 @@ def write_job_state(run_dir: Path, alloc: Allocation, spec: JobSpec) -> None:
 def execute(
     args: argparse.Namespace, *, out: TextIO, err: TextIO, environ: Mapping[str, str], python: str
 ) -> int:
-    """Everything after argument parsing; collaborators passed in."""
-    from mopd_hpc.atomic import atomic_write_text
-    from mopd_hpc.cli.submit import CONFIG_FILE_NAME, record_in_job_index, unrunnable_roles
-    from mopd_hpc.config import ConfigError, load_run_config
+    """Everything after argument parsing; collaborators passed in. The job is prepared and its run dir
+    written as `mopd-submit` does (launch/prepare.py, launch/rundir.py), then started in this allocation."""
+    from mopd_hpc.config import ConfigError
+    from mopd_hpc.config.parallel import ParallelError
     from mopd_hpc.launch.debug_session import (
         Allocation,
         DebugSessionError,
@@ -82,22 +81,16 @@ def execute(
         salloc_hint,
         step_argvs,
     )
-    from mopd_hpc.launch.from_config import jobspec_from_config
     from mopd_hpc.launch.jobspec import JobSpecError
-    from mopd_hpc.launch.model_check import prepare_models
-    from mopd_hpc.launch.rundir import RunDirError, prepare_run_dir
-    from mopd_hpc.runtime.plan import PLAN_FILE_NAME, PlanError
+    from mopd_hpc.launch.prepare import UsageError, prepare_job
+    from mopd_hpc.launch.rundir import RunDirError, prepare_run_dir, write_run_files
+    from mopd_hpc.launch.start import record_in_job_index
+    from mopd_hpc.runtime.plan import PlanError
 
     try:
-        cfg = load_run_config(args.config, args.overrides, False)
-        # as mopd-submit: hub ids → this host's cached snapshots, the model files checked (launch/model_check.py)
-        cfg = prepare_models(cfg, args.config, check_files=not args.probe)
-        path = os.path.abspath(os.path.expanduser(args.run_dir or cfg.run_dir))
-        cfg = cfg.model_copy(update={"run_dir": path})
-        plan = place_children(cfg)
-        if args.probe or unrunnable_roles(plan):
-            plan = plan.as_probe()
-        cpus = [g.cpus_per_task for g in cfg.cluster.groups().values()]
+        job = prepare_job(args.config, args.overrides, python=python, run_dir=args.run_dir, probe=args.probe)
+        plan, spec = job.plan, job.spec
+        cpus = [g.cpus_per_task for g in job.cfg.cluster.groups().values()]
         try:
             alloc = Allocation.from_env(environ)
         except OutsideAllocationError as exc:
@@ -105,16 +98,22 @@ def execute(
                 f"{exc}; for this config: `{salloc_hint(plan, cpus)} mopd-debug run {args.config}`"
             ) from None
         check_fit(alloc, plan, cpus)
-        spec = jobspec_from_config(cfg, path, python, plan)
-        run_dir = prepare_run_dir(path)
-    except (ConfigError, DebugSessionError, PlanError, JobSpecError, RunDirError) as exc:
+        run_dir = prepare_run_dir(job.path)
+    except (
+        ConfigError,
+        DebugSessionError,
+        PlanError,
+        ParallelError,
+        JobSpecError,
+        RunDirError,
+        UsageError,
+    ) as exc:
         print(str(exc) if isinstance(exc, ConfigError) else f"mopd-debug run: {exc}", file=err)
         return EXIT_USAGE
-    atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
-    plan.write(run_dir.root / PLAN_FILE_NAME)
+    write_run_files(run_dir, job.cfg, plan)
     write_job_state(run_dir.root, alloc, spec)
     record_in_job_index(
-        alloc.job_id, run_dir, cfg.name, args.config, environ, err
+        alloc.job_id, run_dir, job.cfg.name, args.config, environ, err
     )  # `mopd-logs summarize JOB`
     groups = ", ".join(f"{g.name}: {','.join(h)}" for g, h in zip(plan.groups, alloc.groups, strict=True))
     print(f"[debug run] job {alloc.job_id} ({groups}); run dir {run_dir.root}; Ctrl-C stops", file=out)

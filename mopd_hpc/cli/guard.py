@@ -38,23 +38,22 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from mopd_hpc.records.run_dir import PLAN_FILE, TOKEN_FILE
 from mopd_hpc.runtime import child_env, run_lock
-from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, GuardAuthError, read_token_file
 from mopd_hpc.runtime.guard.autostart import NodeAssignment, assign_node, run_plan, visible_gpus
 from mopd_hpc.runtime.guard.events import events_path
 from mopd_hpc.runtime.guard.keeper import fork_guard
 from mopd_hpc.runtime.guard.proctree import set_child_subreaper
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig, GuardConfigError
+from mopd_hpc.runtime.http_auth import GuardAuthError, read_token_file
 from mopd_hpc.runtime.node_address import LOOPBACK, NodeAddressError, node_address
-from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan, PlanError
+from mopd_hpc.runtime.plan import JobPlan, PlanError
 from mopd_hpc.runtime.ports import DEFAULT_LEASE_RANGE, LeasePolicy, PortLeaseError, read_ephemeral_range
 from mopd_hpc.runtime.run_lock import RunDirLockedError
 from mopd_hpc.runtime.signals import EXIT_GUARD_START_FAILED, EXIT_USAGE
 from mopd_hpc.runtime.topology import TopologyError
 
-#: The token file's path as `launchers/node.sh` exports it (a path, never the token).
-SECRET_FILE_ENV = "MOPD_SECRET_FILE"
 #: Slurm's name for this node (several slurmd may share one host in a test cluster).
 NODENAME_ENV = "SLURMD_NODENAME"
 #: `--bind` value: listen on this node's own address.
@@ -80,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-file",
         default=None,
-        help=f"0600 token file (default: ${SECRET_FILE_ENV}, else <run-dir>/{TOKEN_FILE_NAME})",
+        help=f"0600 token file (default: ${child_env.SECRET_FILE}, else <run-dir>/{TOKEN_FILE})",
     )
     parser.add_argument("--kill-wait-s", type=float, default=10.0, help="SIGTERM→SIGKILL wait, seconds")
     parser.add_argument(
@@ -99,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY",
-        help="let a spawn set env KEY besides MOPD_* and runtime/guard/env_policy.py's ALLOWED_KEYS",
+        help=f"let a spawn set env KEY besides {child_env.PREFIX}* and runtime/guard/env_policy.py's ALLOWED_KEYS",
     )
     parser.add_argument(
         "--keeper",
@@ -112,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--plan", default=None, help="job plan (plan.json): spawn this node's children, exit after"
     )
-    plan.add_argument("--autostart", action="store_true", help=f"--plan <run-dir>/{PLAN_FILE_NAME}")
+    plan.add_argument("--autostart", action="store_true", help=f"--plan <run-dir>/{PLAN_FILE}")
 
 
 def resolve_bind(bind: str, host: str, backend: str) -> str:
@@ -135,7 +134,7 @@ def load_assignment(args: argparse.Namespace, env: dict[str, str]) -> NodeAssign
     Raises:
         PlanError: the plan is unreadable or does not fit this node. TopologyError: no valid topology.
     """
-    path = args.plan or (os.path.join(args.run_dir, PLAN_FILE_NAME) if args.autostart else None)
+    path = args.plan or (os.path.join(args.run_dir, PLAN_FILE) if args.autostart else None)
     if path is None:
         return None
     return assign_node(JobPlan.load(path), env)
@@ -174,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mopd-guard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     token_file = (
-        args.token_file or os.environ.get(SECRET_FILE_ENV) or os.path.join(config.run_dir, TOKEN_FILE_NAME)
+        args.token_file or os.environ.get(child_env.SECRET_FILE) or os.path.join(config.run_dir, TOKEN_FILE)
     )
     try:
         token = read_token_file(token_file)

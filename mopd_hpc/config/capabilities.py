@@ -2,7 +2,7 @@
 backend and weight-sync backend (issue 19), and the refusals derived from them.
 
 The rule: if `mopd-submit --check` passes, the job's roles can run the config. `--check` (so every submit)
-refuses what a declaration here does not cover (`config/gaps.py` `job_gaps`, the config rules' device checks
+refuses what a declaration here does not cover (`config/job_gaps.py` `job_gaps`, the config rules' device checks
 in `config/rules.py`), each refusal a `Problem` naming the field, the value and the way out; the engines and
 roles re-check the same declarations at start (a config edited after submit): `TorchTrainEngine` and
 `MegatronTrainEngine` call `loss_refusals` (engine_only), `roles/actor.check_actor_engine` calls

@@ -19,7 +19,7 @@ from typing import Any
 
 from mopd_hpc.config.capabilities import ACTOR_ENGINES, ROLLOUT_BACKENDS, optimizer_refusals
 from mopd_hpc.config.data import unevaluated_sources
-from mopd_hpc.config.gaps import job_gaps, unverified_gaps, unverified_warning
+from mopd_hpc.config.job_gaps import job_gaps, unverified_gaps, unverified_warning
 from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message
 from mopd_hpc.config.problems import Problem, join_path, known, needs_gpus
 from mopd_hpc.config.teacher_rules import teacher_layout, teacher_residency, teachers_started

@@ -153,6 +153,11 @@ class RunConfig(Section):
             raise KeyError(f"unknown route {route!r} (known: {', '.join(self.routes)})")
         return dict(self.routes[route])
 
+    def used_route_weights(self) -> dict[str, dict[str, float]]:
+        """route → {teacher_id: w_j} for every route the data uses (`data.routes_used`, in its order): the
+        weights the train step and the evaluation read."""
+        return {route: self.route_weights(route) for route in self.data.routes_used}
+
     def warnings(self) -> list[str]:
         """Legal but suspicious settings (a teacher no route weights, ...), rendered one per line."""
         return rules.config_warnings(self)

@@ -15,7 +15,8 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.launch.jobspec import Component, JobSpec
 from mopd_hpc.launch.rundir import RunDir
 from mopd_hpc.plan.placement import place_children
-from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan
+from mopd_hpc.records.run_dir import PLAN_FILE
+from mopd_hpc.runtime.plan import JobPlan
 
 #: The repository's node launcher (beside the package in a source checkout / editable install).
 LAUNCHER = Path(__file__).resolve().parents[2] / "launchers" / "node.sh"
@@ -72,12 +73,13 @@ def jobspec_from_config(
         shape=cluster.shape,
         components=tuple(components),
         launcher=str(LAUNCHER),
-        guard_command=guard_command(python, paths.root / PLAN_FILE_NAME),
+        guard_command=guard_command(python, paths.root / PLAN_FILE),
         secret_file=str(paths.secret_file),
         time_min=cluster.time_min,
         signal=cluster.signal,
         requeue=cluster.requeue,
-        max_requeues=cluster.max_requeues if cluster.requeue else 0,  # no requeue: no count (config/inert.py)
+        # no requeue: no count (config/inert_fields.py)
+        max_requeues=cluster.max_requeues if cluster.requeue else 0,
         checkpoint_grace_s=min(90, max(1, cluster.signal_lead_s - 10)),
         extra_sbatch=tuple(cluster.extra_sbatch),
     )

@@ -30,11 +30,12 @@ from mopd_hpc.launch import local_setup
 from mopd_hpc.launch.env import scrub_slurm_env
 from mopd_hpc.launch.pipe_out import is_broken
 from mopd_hpc.launch.rundir import RunDir
+from mopd_hpc.records.run_dir import PLAN_FILE
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.guard import proctree
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.guard.events import events_path
-from mopd_hpc.runtime.plan import PLAN_FILE_NAME, JobPlan
+from mopd_hpc.runtime.plan import JobPlan
 from mopd_hpc.runtime.run_lock import RunLock
 from mopd_hpc.runtime.signals import killpg_quiet
 
@@ -54,7 +55,7 @@ def local_environment(environ: Mapping[str, str], gpus: Sequence[str] = ()) -> d
     """The guard's environment: `environ` without inherited Slurm/PMI variables or a token path, plus
     MOPD_BACKEND=local and CUDA_VISIBLE_DEVICES = the job's GPU tokens (`launch.local_gpus`; "" for none)."""
     env = scrub_slurm_env(environ, keep=())
-    env.pop("MOPD_SECRET_FILE", None)
+    env.pop(child_env.SECRET_FILE, None)
     env[child_env.BACKEND] = "local"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return env
@@ -70,7 +71,7 @@ def guard_argv(python: str, run_dir: RunDir, job_id: str, host: str) -> list[str
         "--token-file",
         str(run_dir.secret_file),
         "--plan",
-        str(run_dir.root / PLAN_FILE_NAME),
+        str(run_dir.root / PLAN_FILE),
     ]
     return [*wrapper, *guard, "--bind", "auto"]
 
@@ -150,7 +151,7 @@ def run_local(
     host = host or socket.gethostname()
     job_id = job_id or local_job_id()
     progress = local_setup.prepare_local_run(run_dir.root, environ, out, python, probe=plan.probe)
-    plan.write(run_dir.root / PLAN_FILE_NAME)
+    plan.write(run_dir.root / PLAN_FILE)
     follower = _EventFollower(events_path(run_dir.root, host), plan, out)
     follower._offset = _size(follower.path)  # only this run's events
     log_path = run_dir.logs / GUARD_LOG_NAME

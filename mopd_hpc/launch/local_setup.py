@@ -31,9 +31,9 @@ from typing import TextIO
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.config import RunConfig
 from mopd_hpc.records.job_end import read_job_end
-from mopd_hpc.records.run_dir import CONFIG_FILE as CONFIG_FILE_NAME
-from mopd_hpc.records.run_dir import METRICS_FILE
+from mopd_hpc.records.run_dir import CONFIG_FILE, METRICS_FILE
 from mopd_hpc.roles.env import with_absolute_paths
+from mopd_hpc.runtime import child_env
 from mopd_hpc.trainer.evaluate import print_eval_table
 from mopd_hpc.trainer.progress import Progress
 
@@ -148,11 +148,11 @@ def prepare_local_run(
 ) -> LocalProgress:
     """Steps 1-2 of the module docstring; returns the progress follower of the run. A probe-only run (no
     model is loaded) or a run directory without config.yaml is left alone (the follower then shows nothing)."""
-    path = Path(run_dir) / CONFIG_FILE_NAME
+    path = Path(run_dir) / CONFIG_FILE
     if probe or not path.is_file():
         return LocalProgress(run_dir, None, out)
     cfg = RunConfig.from_yaml(path)
-    base = {"MOPD_SUBMIT_DIR": os.getcwd(), **{k: v for k, v in environ.items() if k == "MOPD_SUBMIT_DIR"}}
+    base = {child_env.SUBMIT_DIR: environ.get(child_env.SUBMIT_DIR, os.getcwd())}
     cfg = with_absolute_paths(cfg, base)
     for directory, names in missing_builder_models(cfg).items():
         build_tiny_models(directory, python, out, names=names)

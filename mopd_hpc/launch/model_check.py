@@ -1,6 +1,7 @@
 """`--check` of the models a job reads, on the submit host: hub ids resolved, files opened, tokenizers compared.
 
-`prepare_models(cfg, source)` runs at `mopd-submit --check` and before every submission (cli/submit.py):
+`prepare_models(cfg, source)` runs at `mopd-submit --check` and before every submission (launch/check.py,
+launch/prepare.py):
 
 1. each model path that is a hub id (launch/hub_cache.py) becomes the snapshot directory of this host's hub
    cache; the returned RunConfig carries it, and so does the run_dir/config.yaml every child reads. An id the

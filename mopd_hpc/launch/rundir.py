@@ -3,7 +3,8 @@
 Layout: `run_dir/` (0700), `run_dir/logs/` (batch and per-component step logs), `run_dir/state/` (the batch
 shell's records: job.json, first_failure.json, last_signal.json, requeue.json), `run_dir/submit/`
 (submitit's folder: the submitted script as `<job_id>_submission.sh`), and the guard's token file
-(`mopd_hpc.runtime.guard.auth.TOKEN_FILE_NAME`, mode 0600; the token never appears in a script, argv or log).
+(`mopd_hpc.records.run_dir.TOKEN_FILE`, mode 0600; the token never appears in a script, argv or log).
+`write_run_files` then writes what the guards and `mopd-logs` read: config.yaml, plan.json, unverified.json.
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from mopd_hpc.records.run_dir import LOGS_DIR, STATE_DIR, SUBMIT_DIR
-from mopd_hpc.runtime.guard.auth import TOKEN_FILE_NAME, create_token_file, read_token_file
+from mopd_hpc.atomic import atomic_write_text
+from mopd_hpc.config import RunConfig
+from mopd_hpc.config.job_gaps import unverified_gaps, unverified_warning
+from mopd_hpc.records.run_dir import CONFIG_FILE, LOGS_DIR, PLAN_FILE, STATE_DIR, SUBMIT_DIR, TOKEN_FILE
+from mopd_hpc.records.unverified import write_unverified
+from mopd_hpc.runtime.http_auth import create_token_file, read_token_file
+from mopd_hpc.runtime.plan import JobPlan
 
 #: Mode of the run directory and its subdirectories: the owner only (the token lives there).
 RUN_DIR_MODE = 0o700
@@ -45,7 +51,7 @@ class RunDir:
             logs=path / LOGS_DIR,
             state=path / STATE_DIR,
             submit=path / SUBMIT_DIR,
-            secret_file=path / TOKEN_FILE_NAME,
+            secret_file=path / TOKEN_FILE,
         )
 
 
@@ -70,6 +76,15 @@ def prepare_run_dir(root: str | os.PathLike[str]) -> RunDir:
     else:
         create_token_file(run_dir.secret_file)
     return run_dir
+
+
+def write_run_files(run_dir: RunDir, cfg: RunConfig, plan: JobPlan) -> None:
+    """Write the resolved config (CONFIG_FILE: what `--resume` and `mopd-logs` read), what it lets through
+    unverified (records/unverified.py) and the job plan (PLAN_FILE: what the guards read), each atomically.
+    Raises OSError when the run directory is not writable."""
+    atomic_write_text(run_dir.root / CONFIG_FILE, cfg.to_yaml())
+    write_unverified(run_dir.root, [unverified_warning(p) for p in unverified_gaps(cfg)])
+    plan.write(run_dir.root / PLAN_FILE)
 
 
 def _make_private_dir(path: Path) -> None:

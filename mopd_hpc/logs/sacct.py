@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mopd_hpc.runtime.jobids import JobIdError, SlurmJobId, fold_job_id, state_from_slurm
+from mopd_hpc.runtime.jobids import fold_job_id, sacct_rows, state_from_slurm
 
 #: The columns asked for (all exist in Slurm 22.05; order does not matter to the parser).
 SACCT_FIELDS = (
@@ -37,10 +37,6 @@ SACCT_FIELDS = (
 SACCT_TIMEOUT_S = 30
 #: A runner takes an argv and returns stdout, raising on failure (subprocess in production, a fake in tests).
 SacctRunner = Callable[[Sequence[str]], str]
-
-
-class SacctParseError(ValueError):
-    """sacct output without the `--parsable2` header this parser needs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,24 +149,13 @@ def run_sacct(argv: Sequence[str]) -> str:
 def parse_sacct_jobs(text: str) -> dict[str, SacctJob]:
     """Parse `sacct --parsable2 [--duplicates]` text into jobs by leader id; het components are folded.
 
+    The rows come from `runtime/jobids.py` `sacct_rows` (the project's one sacct parser).
+
     Raises:
         SacctParseError: the first line is not a header with JobID and State.
     """
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines:
-        return {}
-    header = lines[0].split("|")
-    if "JobID" not in header or "State" not in header:
-        raise SacctParseError(
-            f"sacct header {lines[0]!r}: expected --parsable2 columns including JobID and State"
-        )
     rows: dict[str, dict[str, dict[str, Any]]] = {}  # leader → component id → accumulated record
-    for line in lines[1:]:
-        row = dict(zip(header, line.split("|"), strict=False))
-        try:
-            jid = SlurmJobId.parse(row.get("JobID", ""))
-        except JobIdError:
-            continue
+    for jid, row in sacct_rows(text):
         comp = rows.setdefault(jid.leader, {}).setdefault(jid.component, {"n": 0, "row": None, "steps": {}})
         if jid.step is None:
             comp["n"] += 1

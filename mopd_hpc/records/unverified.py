@@ -2,7 +2,7 @@
 config.yaml) and read by `mopd-logs summarize`.
 
 With `allow_unverified: true` (`mopd-submit --allow-unverified`), each setting whose code is written but has
-not run on GPUs here (config/capabilities.py, `config.gaps.unverified_gaps`) is a warning instead of a
+not run on GPUs here (config/capabilities.py, `config.job_gaps.unverified_gaps`) is a warning instead of a
 refusal. The run dir keeps those warnings, so that whoever reads the run later (a failure, odd numbers)
 sees what it ran unverified: `{"warnings": [str, ...]}`, one line each as --check printed it, written
 atomically; removed when a later submission in the same run dir lets nothing through unverified.

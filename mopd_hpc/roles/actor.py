@@ -61,15 +61,14 @@ from mopd_hpc.engines.teacher.replica_pool import TeacherPool
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError, AwexUnavailableError
 from mopd_hpc.mopd.compatibility import CompatibilityError, ModelFiles, check_models
 from mopd_hpc.mopd.plan import ExecutionPlan
-from mopd_hpc.roles.endpoints import ENDPOINT_TIMEOUT_ENV
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, cpu_threads, load_run, master_address, read_job_token
 from mopd_hpc.roles.residency import teachers_to_offload
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.child_device import ChildDevice
 from mopd_hpc.runtime.signals import CHECKPOINT_SIGNAL, CheckpointRequest
-from mopd_hpc.trainer.actor_group import Group
 from mopd_hpc.trainer.controller import Controller, RunOutcome
 from mopd_hpc.trainer.follower import Follower
+from mopd_hpc.trainer.group import Group
 from mopd_hpc.trainer.rank_step import ShardStep
 from mopd_hpc.trainer.rank_writer import build_rank_writer
 from mopd_hpc.trainer.weight_sync import SyncSettings, build_sync
@@ -78,8 +77,6 @@ log = logging.getLogger("mopd_hpc.trainer")
 
 EXIT_CONFIG = 2
 EXIT_INCOMPATIBLE = 3
-#: Variables read at the edge besides the guard's (`roles.env.ENV`; ENDPOINT_TIMEOUT_ENV: roles/endpoints.py).
-THREADS_ENV = "MOPD_ACTOR_THREADS"
 #: Total time allowed per rollout request, seconds.
 ROLLOUT_TIMEOUT_S = 600.0
 
@@ -229,7 +226,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
     check_compatibility(cfg, plan)
     kind = check_actor_engine(cfg, role, environ)
     token = read_job_token(role)  # the servers' token, read once here (before waiting for them)
-    timeout_s = float(environ.get(ENDPOINT_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+    timeout_s = float(environ.get(child_env.ENDPOINT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
     group = join_group(role, cfg, environ, timeout_s)
     try:
         replicas = {t: teacher_replicas(cfg, cfg.models.teacher(t)) for t in plan.teachers}
@@ -253,18 +250,15 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
                 )
             else:
                 signal.signal(CHECKPOINT_SIGNAL, signal.SIG_IGN)  # rank 0 decides when to checkpoint
-                shard_step = ShardStep(engine, teachers, plan, cfg.loss, route_weights(cfg), group, reference)
+                shard_step = ShardStep(
+                    engine, teachers, plan, cfg.loss, cfg.used_route_weights(), group, reference
+                )
                 writer = build_rank_writer(cfg, engine, role.run_dir)  # AWEX: its own shards at each sync
                 outcome = await Follower(engine, shard_step, group, role.run_dir, writer).run()
     finally:
         group.close()
     log.info("actor rank %d ended: %s at step %d", role.rank, outcome.reason, outcome.step)
     return 0
-
-
-def route_weights(cfg: RunConfig) -> dict[str, dict[str, float]]:
-    """route → {teacher id: w_j} for every route the data uses."""
-    return {r: dict(cfg.routes[r]) for r in cfg.data.routes_used}
 
 
 async def _lead(
@@ -332,15 +326,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         role = RoleEnv.from_env(environ)
         cfg = load_run(role.run_dir, environ)
         threads = (
-            int(environ[THREADS_ENV])
-            if environ.get(THREADS_ENV)
+            int(environ[child_env.ACTOR_THREADS])
+            if environ.get(child_env.ACTOR_THREADS)
             else cpu_threads(environ, share=role.local_world_size)  # the node's actor ranks train together
         )
     except (RoleEnvError, ConfigError) as exc:
         print(f"actor: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except ValueError:
-        print(f"actor: {THREADS_ENV}={environ[THREADS_ENV]!r}: expected a positive integer", file=sys.stderr)
+        print(
+            f"actor: {child_env.ACTOR_THREADS}={environ[child_env.ACTOR_THREADS]!r}: expected a positive integer",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     try:
         awex_env = awex_environment(role, cfg)

@@ -23,7 +23,8 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, master_address
 from mopd_hpc.runtime import child_env
-from mopd_hpc.trainer.actor_group import ActorGroup, Group, GroupSpec, SoloGroup
+from mopd_hpc.trainer.actor_group import ActorGroup, GroupSpec
+from mopd_hpc.trainer.group import Group, SoloGroup
 
 
 def group_spec(

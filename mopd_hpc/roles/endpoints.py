@@ -11,7 +11,6 @@ why (no file, another job — naming both ids —, no job id, no answer), with t
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,23 +18,23 @@ from pathlib import Path
 
 import aiohttp
 
+from mopd_hpc.records.endpoint import EndpointRecordError, read_endpoint
 from mopd_hpc.records.run_dir import LOGS_DIR, endpoint_file, teacher_endpoint_file
+from mopd_hpc.runtime import child_env
 
 #: Default deadline for every server to be up, in seconds (model loading included).
 DEFAULT_TIMEOUT_S = 600.0
-#: The variable that overrides it (read at the edge: the actor's and the teacher replicas' `main`).
-ENDPOINT_TIMEOUT_ENV = "MOPD_ENDPOINT_TIMEOUT_S"
 #: Poll period, seconds.
 POLL_S = 0.2
 
 
 def endpoint_timeout_s(environ: Mapping[str, str]) -> float:
-    """The deadline for the job's servers, seconds: ENDPOINT_TIMEOUT_ENV of `environ`, else DEFAULT_TIMEOUT_S.
+    """The deadline for the job's servers, seconds: child_env.ENDPOINT_TIMEOUT_S of `environ`, else DEFAULT_TIMEOUT_S.
 
     Raises:
         ValueError: the variable is set but not a number.
     """
-    return float(environ.get(ENDPOINT_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+    return float(environ.get(child_env.ENDPOINT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,30 +59,20 @@ async def _probe(url: str) -> bool:
         return False
 
 
-def record_job_problem(path: Path, record: Mapping[str, object], job_id: str) -> str | None:
-    """Why the endpoint record at `path` is not this job's (naming both ids), or None when it is."""
-    found = record.get("job_id")
-    if found is None:
-        return f"{path} has no job_id (a standalone server's or an older record), not this job's {job_id!r}"
-    if found != job_id:
-        return f"{path} belongs to job {found!r}, not to this job {job_id!r} (a record left by another job)"
-    return None
-
-
 async def _ready(path: Path, job_id: str) -> tuple[str | None, str]:
     """(url, "") when ready, else (None, why not)."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = read_endpoint(path)
     except FileNotFoundError:
         return None, f"no file {path}"
-    except (OSError, ValueError) as exc:
+    except EndpointRecordError as exc:
+        return None, str(exc)
+    except OSError as exc:
         return None, f"unreadable {path}: {exc}"
-    if not isinstance(record, dict):
-        return None, f"{path} is not a JSON object"
-    problem = record_job_problem(path, record, job_id)
+    problem = record.job_problem(path, job_id)
     if problem is not None:
         return None, problem
-    url = record.get("url") or f"http://{record['host']}:{int(record['port'])}"
+    url = record.url
     if not await _probe(url):
         return None, f"{url}/health does not answer (file {path})"
     return url, ""

@@ -33,7 +33,7 @@ from mopd_hpc.config import RunConfig
 from mopd_hpc.records.run_dir import CONFIG_FILE, TOKEN_FILE
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.child_device import ChildDevice
-from mopd_hpc.runtime.guard.auth import GuardAuthError, read_token_file
+from mopd_hpc.runtime.http_auth import GuardAuthError, read_token_file
 from mopd_hpc.runtime.node_address import LOOPBACK, NodeAddressError, is_wildcard, node_address
 from mopd_hpc.runtime.topology_env import TopologyError, read_int
 
@@ -51,7 +51,7 @@ ENV = {
     "local_world_size": child_env.LOCAL_WORLD_SIZE,
 }
 #: Environment variables naming the directory relative model paths are relative to, in order.
-SUBMIT_DIR_KEYS = ("MOPD_SUBMIT_DIR", "SLURM_SUBMIT_DIR", "PWD")
+SUBMIT_DIR_KEYS = (child_env.SUBMIT_DIR, "SLURM_SUBMIT_DIR", "PWD")
 
 
 class RoleEnvError(ValueError):

@@ -33,15 +33,7 @@ from typing import Any
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.records.run_dir import CONFIG_FILE, LATEST_CHECKPOINT, probe_report_file
 from mopd_hpc.runtime import child_env
-from mopd_hpc.runtime.ports import PORT_ENV_PREFIX
 from mopd_hpc.runtime.signals import EXIT_OK, EXIT_USAGE
-
-#: Comma-separated names of extra variables the probe reports verbatim.
-PROBE_ENV_KEYS = "MOPD_PROBE_ENV_KEYS"
-#: Test knobs: hold after writing (seconds); exit code; the het group the exit code applies to.
-PROBE_HOLD_S = "MOPD_PROBE_HOLD_S"
-PROBE_EXIT_CODE = "MOPD_PROBE_EXIT_CODE"
-PROBE_EXIT_HET_GROUP = "MOPD_PROBE_EXIT_HET_GROUP"
 
 
 def resume_checkpoint(run_dir: Path) -> str | None:
@@ -83,11 +75,15 @@ def probe_report(env: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
     topology = RankTopology.from_env(env, role=role)
     host = env.get(child_env.HOST) or topology.hostname
     ports = {
-        k[len(PORT_ENV_PREFIX) :].lower(): int(v) for k, v in env.items() if k.startswith(PORT_ENV_PREFIX)
+        k[len(child_env.PORT_PREFIX) :].lower(): int(v)
+        for k, v in env.items()
+        if k.startswith(child_env.PORT_PREFIX)
     }
-    extra = [k for k in env.get(PROBE_ENV_KEYS, "").split(",") if k]
+    extra = [k for k in env.get(child_env.PROBE_ENV_KEYS, "").split(",") if k]
     shown = {
-        k: v for k, v in env.items() if k.startswith("MOPD_") or k == "CUDA_VISIBLE_DEVICES" or k in extra
+        k: v
+        for k, v in env.items()
+        if k.startswith(child_env.PREFIX) or k == "CUDA_VISIBLE_DEVICES" or k in extra
     }
     transfer = [int(r) for r in env.get(child_env.TRANSFER_RANKS, "").split(",") if r.strip()]
     restart = env.get("SLURM_RESTART_COUNT", "0").strip()
@@ -125,12 +121,12 @@ def main(env: Mapping[str, str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, report)
     print(f"probe: wrote {path}", flush=True)
-    code = env.get(PROBE_EXIT_CODE, "").strip()
-    group = env.get(PROBE_EXIT_HET_GROUP, "").strip()
+    code = env.get(child_env.PROBE_EXIT_CODE, "").strip()
+    group = env.get(child_env.PROBE_EXIT_HET_GROUP, "").strip()
     if code and (not group or group == str(report["topology"]["het_group"])):
-        print(f"probe: exiting with {code} as {PROBE_EXIT_CODE} asks", flush=True)
+        print(f"probe: exiting with {code} as {child_env.PROBE_EXIT_CODE} asks", flush=True)
         return int(code)
-    hold_s = float(env.get(PROBE_HOLD_S, "0") or 0)
+    hold_s = float(env.get(child_env.PROBE_HOLD_S, "0") or 0)
     if hold_s > 0:
         _hold(hold_s)
     return EXIT_OK

@@ -1,9 +1,8 @@
 """The rollout engine's endpoint record, `run_dir/endpoints/rollout-<index>.json`: one writer for every
 rollout backend (roles/rollout.py's hf server, roles/rollout_sglang.py's sglang engine).
 
-Fields: url, host, port (where the trainer connects: the guard's advertised address), pid, index, job_id (the
-trainer accepts only its own job's records: roles/endpoints.py), model_path, backend ("hf" | "sglang").
-Written atomically once the server answers; removed by the server on its way out.
+The record is records/endpoint.py's `EndpointRecord` (role "rollout": index, backend "hf" | "sglang"), written
+atomically once the server answers; removed by the server on its way out.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.records.endpoint import EndpointRecord
 from mopd_hpc.records.run_dir import endpoint_file
 from mopd_hpc.roles.env import RoleEnv
 
@@ -24,18 +23,17 @@ def rollout_endpoint(role: RoleEnv) -> Path:
     return endpoint_file(role.run_dir, "rollout", str(role.index))
 
 
-def publish_rollout_endpoint(role: RoleEnv, port: int, model_path: str, backend: str) -> dict[str, object]:
-    """Write this engine's record (module docstring); returns it."""
-    record: dict[str, object] = {
-        "url": f"http://{role.advertise_host}:{port}",
-        "host": role.advertise_host,
-        "port": port,
-        "pid": os.getpid(),
-        "index": role.index,
-        "job_id": role.job_id,
-        "model_path": model_path,
-        "backend": backend,
-    }
-    atomic_write_json(rollout_endpoint(role), record)
-    log.info("rollout engine %d (%s) published at %s", role.index, backend, record["url"])
+def publish_rollout_endpoint(role: RoleEnv, port: int, model_path: str, backend: str) -> EndpointRecord:
+    """Write this engine's record (records/endpoint.py); returns it."""
+    record = EndpointRecord.rollout(
+        role.index,
+        host=role.advertise_host,
+        port=port,
+        pid=os.getpid(),
+        job_id=role.job_id,
+        model_path=model_path,
+        backend=backend,
+    )
+    record.write(role.run_dir)
+    log.info("rollout engine %d (%s) published at %s", role.index, backend, record.url)
     return record

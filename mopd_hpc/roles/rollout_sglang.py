@@ -48,7 +48,7 @@ import aiohttp
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.capabilities import version_refusals
-from mopd_hpc.config.gaps import installed_version
+from mopd_hpc.config.job_gaps import installed_version
 from mopd_hpc.engines.rollout.engine_thread import EngineThread
 from mopd_hpc.engines.rollout.graph_shape import graph_rows
 from mopd_hpc.engines.rollout.sglang_backend import (

@@ -67,21 +67,19 @@ from mopd_hpc.roles.teacher_replica import (
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.http_auth import standalone_token
 
-#: The plan's variable naming the teacher of this child.
-TEACHER_ID_ENV = child_env.TEACHER_ID
 #: Bytes of float32 logits one scoring forward may materialize (module docstring).
 SCORING_BUDGET_BYTES = 4 << 30
 #: Logical key → environment variable of the standalone server (read at the edge, in `main`).
 ENV = {
     "teacher_id": child_env.TEACHER_ID,
-    "model_path": "MOPD_MODEL_PATH",
+    "model_path": child_env.MODEL_PATH,
     "port": child_env.port_env_name("http"),
     "run_dir": child_env.RUN_DIR,
-    "host": "MOPD_BIND_HOST",
+    "host": child_env.BIND_HOST,
     "advertise_host": child_env.HOST,
-    "device": "MOPD_DEVICE",
-    "dtype": "MOPD_DTYPE",
-    "engine": "MOPD_TEACHER_ENGINE",
+    "device": child_env.DEVICE,
+    "dtype": child_env.DTYPE,
+    "engine": child_env.TEACHER_ENGINE,
 }
 #: Bind addresses that cannot be connected to as given: the endpoint file advertises MOPD_HOST instead.
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -126,13 +124,13 @@ def teacher_args(
             megatron while CUDA_VISIBLE_DEVICES is empty). The message names the config field
             (`models.teachers[i].tensor_parallel`, `models.teachers[i].engine`) and its value.
     """
-    teacher_id = environ.get(TEACHER_ID_ENV)
+    teacher_id = environ.get(child_env.TEACHER_ID)
     if not teacher_id:
-        raise RoleEnvError(f"{TEACHER_ID_ENV} is not set: the job plan names the teacher of each child")
+        raise RoleEnvError(f"{child_env.TEACHER_ID} is not set: the job plan names the teacher of each child")
     try:
         teacher = cfg.models.teacher(teacher_id)
     except KeyError as exc:
-        raise RoleEnvError(f"{TEACHER_ID_ENV}={teacher_id!r}: {exc.args[0]}") from None
+        raise RoleEnvError(f"{child_env.TEACHER_ID}={teacher_id!r}: {exc.args[0]}") from None
     index = cfg.models.teacher_ids.index(teacher.id)
     here = f"models.teachers[{index}]"
     replica = _replica(environ, here, teacher_replicas(cfg, teacher))

@@ -1,5 +1,5 @@
-"""The environment of a guard child: every `MOPD_*` variable the guard and the job plan set for it, named here
-and nowhere else.
+"""Every `MOPD_*` environment variable of the package, named here and nowhere else: what the guard and the job
+plan set for a guard child, and the knobs the launchers, the standalone servers and the tests set.
 
 Writers: the guard (`runtime/guard/children.py`: the identity keys, named ports, CUDA_VISIBLE_DEVICES), the
 job plan (`plan/placement.py`: each child's rank variables and role specifics; `runtime/plan.py
@@ -16,9 +16,27 @@ child_environment`: backend, het group and size, transfer ranks, base GPU). Read
                        probe standing in for another role)
     node (plan)        MOPD_BACKEND ("slurm" | "local") MOPD_HET_GROUP MOPD_HET_SIZE MOPD_TRANSFER_RANKS
                        (comma-separated) MOPD_BASE_GPU_ID (the device ordinal a child starts at, when not its first)
+
+The knobs (`KNOB_NAMES`), each read once at the edge by the module named:
+
+    launch             MOPD_SECRET_FILE    the token file's path, as launchers/node.sh exports it (cli/guard.py)
+                       MOPD_SUBMIT_DIR     the directory relative model paths are relative to (roles/env.py)
+    local backend      MOPD_HOSTNAME       the host name (default socket.gethostname(); runtime/topology_env.py)
+    roles              MOPD_ACTOR_THREADS  the actor's torch threads (roles/actor.py)
+                       MOPD_ENDPOINT_TIMEOUT_S  the deadline for every server to be up (roles/endpoints.py)
+    probe (tests)      MOPD_PROBE_ENV_KEYS MOPD_PROBE_HOLD_S MOPD_PROBE_EXIT_CODE MOPD_PROBE_EXIT_HET_GROUP
+                       (roles/probe.py)
+    standalone servers MOPD_MODEL_PATH MOPD_BIND_HOST MOPD_DEVICE MOPD_DTYPE MOPD_TEACHER_ENGINE (the teacher
+                       server, roles/teacher.py); MOPD_ROLLOUT_READY_FILE MOPD_ROLLOUT_MODEL MOPD_ROLLOUT_DEVICE
+                       (the HF rollout server, engines/rollout/server_args.py)
+
+A spawn's overrides may set any variable of the family (`PREFIX`, runtime/guard/env_policy.py) but the identity.
 """
 
 from __future__ import annotations
+
+#: The family: every variable below starts with it.
+PREFIX = "MOPD_"
 
 #: Identity: the guard sets them for every child; neither a spawn's overrides nor the plan may set them.
 ROLE = "MOPD_ROLE"
@@ -76,6 +94,51 @@ CHILD_ENV_NAMES: tuple[str, ...] = (
     HET_SIZE,
     TRANSFER_RANKS,
     BASE_GPU_ID,
+)
+
+
+#: The knobs of the module docstring's second table.
+SECRET_FILE = "MOPD_SECRET_FILE"
+SUBMIT_DIR = "MOPD_SUBMIT_DIR"
+HOSTNAME = "MOPD_HOSTNAME"
+ACTOR_THREADS = "MOPD_ACTOR_THREADS"
+ENDPOINT_TIMEOUT_S = "MOPD_ENDPOINT_TIMEOUT_S"
+#: Comma-separated names of extra variables the probe reports verbatim.
+PROBE_ENV_KEYS = "MOPD_PROBE_ENV_KEYS"
+#: Test knobs of the probe: hold after writing (seconds); exit code; the het group the exit code applies to.
+PROBE_HOLD_S = "MOPD_PROBE_HOLD_S"
+PROBE_EXIT_CODE = "MOPD_PROBE_EXIT_CODE"
+PROBE_EXIT_HET_GROUP = "MOPD_PROBE_EXIT_HET_GROUP"
+#: The standalone teacher server's settings (roles/teacher.py `ENV`).
+MODEL_PATH = "MOPD_MODEL_PATH"
+BIND_HOST = "MOPD_BIND_HOST"
+DEVICE = "MOPD_DEVICE"
+DTYPE = "MOPD_DTYPE"
+TEACHER_ENGINE = "MOPD_TEACHER_ENGINE"
+#: The HF rollout server's settings (engines/rollout/server_args.py `ENV`).
+ROLLOUT_READY_FILE = "MOPD_ROLLOUT_READY_FILE"
+ROLLOUT_MODEL = "MOPD_ROLLOUT_MODEL"
+ROLLOUT_DEVICE = "MOPD_ROLLOUT_DEVICE"
+
+#: Every knob, in the order of the module docstring's second table.
+KNOB_NAMES: tuple[str, ...] = (
+    SECRET_FILE,
+    SUBMIT_DIR,
+    HOSTNAME,
+    ACTOR_THREADS,
+    ENDPOINT_TIMEOUT_S,
+    PROBE_ENV_KEYS,
+    PROBE_HOLD_S,
+    PROBE_EXIT_CODE,
+    PROBE_EXIT_HET_GROUP,
+    MODEL_PATH,
+    BIND_HOST,
+    DEVICE,
+    DTYPE,
+    TEACHER_ENGINE,
+    ROLLOUT_READY_FILE,
+    ROLLOUT_MODEL,
+    ROLLOUT_DEVICE,
 )
 
 

@@ -245,30 +245,46 @@ class JobStatus:
         raise KeyError(f"job {self.leader} has no component +{het_offset} (reported: {self.components})")
 
 
-def parse_sacct(text: str) -> dict[str, JobStatus]:
-    """Parse `sacct --parsable2` output (a header line, then `|`-separated rows) into statuses by leader.
+class SacctParseError(ValueError):
+    """sacct output without the `--parsable2` header the parser needs."""
 
-    With `--duplicates` a requeued job prints one row per incarnation; the last row of an id wins (sacct
-    prints them oldest first). Rows whose JobID is not an id are skipped.
+
+def sacct_rows(text: str) -> list[tuple[SlurmJobId, dict[str, str]]]:
+    """The one parser of `sacct --parsable2` output (a header line, then `|`-separated rows): each row's
+    JobID parsed and its columns by header name, in sacct's order. Rows whose JobID is not an id are skipped.
 
     Raises:
-        ValueError: the header lacks a JobID or State column.
+        SacctParseError: the header lacks a JobID or State column.
     """
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
-        return {}
+        return []
     header = lines[0].split("|")
     if "JobID" not in header or "State" not in header:
-        raise ValueError(
+        raise SacctParseError(
             f"sacct output header {lines[0]!r}: expected --parsable2 columns including JobID and State"
         )
     rows = []
     for line in lines[1:]:
         row = dict(zip(header, line.split("|"), strict=False))
         try:
-            job_id = SlurmJobId.parse(row["JobID"])
+            rows.append((SlurmJobId.parse(row.get("JobID", "")), row))
         except JobIdError:
             continue
+    return rows
+
+
+def parse_sacct(text: str) -> dict[str, JobStatus]:
+    """Parse `sacct --parsable2` output (`sacct_rows`) into statuses by leader.
+
+    With `--duplicates` a requeued job prints one row per incarnation; the last row of an id wins (sacct
+    prints them oldest first).
+
+    Raises:
+        SacctParseError: the header lacks a JobID or State column.
+    """
+    rows = []
+    for job_id, row in sacct_rows(text):
         raw = row.get("State", "")
         nodes = row.get("NodeList") or None
         rows.append(

@@ -23,14 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.atomic import atomic_write_text
-from mopd_hpc.records.run_dir import PLAN_FILE
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.topology import ROLES
 
 #: Version of plan.json; bumped when a key changes meaning.
 PLAN_VERSION = 1
-#: File name of the plan in the run directory.
-PLAN_FILE_NAME = PLAN_FILE
 #: Role that stands in for every role of a probe-only plan.
 PROBE_ROLE = "probe"
 #: Keys the guard sets itself for every child (`child_env.GUARD_KEYS`); a plan may not set them.

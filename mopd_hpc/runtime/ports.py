@@ -30,15 +30,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mopd_hpc.runtime.child_env import PORT_PREFIX
+from mopd_hpc.runtime.child_env import port_env_name
 from mopd_hpc.runtime.ports_registry import OwnerRecordServer, bind_lease_socket
 
 #: Where Linux keeps the ephemeral port range ("lo<TAB>hi"); read at the edge, passed in.
 EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
 #: Default search range for leases (the ephemeral range is cut out of it).
 DEFAULT_LEASE_RANGE = (20000, 65535)
-#: Environment variable that carries named port `<name>` to a child: `MOPD_PORT_<NAME>`.
-PORT_ENV_PREFIX = PORT_PREFIX
 
 _PORT_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _ROLE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -62,11 +60,6 @@ def read_ephemeral_range(path: str = EPHEMERAL_RANGE_PATH) -> tuple[int, int]:
     with open(path, encoding="ascii") as f:
         lo, hi = (int(x) for x in f.read().split())
     return lo, hi
-
-
-def port_env_key(name: str) -> str:
-    """`"dist_init"` → `"MOPD_PORT_DIST_INIT"`."""
-    return PORT_ENV_PREFIX + name.upper()
 
 
 def validate_port_name(name: object) -> str:
@@ -115,7 +108,7 @@ class PortLease:
 
     @property
     def env_key(self) -> str:
-        return port_env_key(self.name)
+        return port_env_name(self.name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ ENV: dict[str, str] = {
     "mopd_local_world_size": child_env.LOCAL_WORLD_SIZE,  # tasks on this host (local default: world)
     "mopd_het_size": child_env.HET_SIZE,  # local backend: number of groups (default 1)
     "mopd_job_id": child_env.JOB_ID,  # local backend: job id (default "local")
-    "mopd_hostname": "MOPD_HOSTNAME",  # local backend: host name (default socket.gethostname())
+    "mopd_hostname": child_env.HOSTNAME,  # local backend: host name (default socket.gethostname())
     "job_id": "SLURM_JOB_ID",  # the het leader's id in every component
     "job_id_legacy": "SLURM_JOBID",
     "het_size": "SLURM_HET_SIZE",

@@ -30,7 +30,8 @@ dp·pp_rank), config/parallel.py), hold the same rows; `tp_broadcast` sends TP r
 of its group over the group's own process group (the world's backend: gloo on CPU, NCCL on GPU), which
 `join` creates on every rank, one per TP group, in rank order. At TP 1 no such group exists.
 
-`SoloGroup` is the one-rank group (world size 1): no torch.distributed at all, the same interface.
+The interface the step loop uses (`Group`), the group's errors and the one-rank group (`SoloGroup`) are
+trainer/group.py's.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ import torch.distributed as dist
 from mopd_hpc.engines.daemon_thread import in_daemon_thread
 from mopd_hpc.engines.tcp_store import tcp_store
 from mopd_hpc.runtime.netif import bind_gloo_to, local_address_towards
+from mopd_hpc.trainer.group import ActorGroupError, PeerLostError, Receipts
 from mopd_hpc.trainer.rendezvous import Rendezvous, RendezvousFile, connect_store, publish_store
 from mopd_hpc.trainer.step_record import ControlRecord
 
@@ -66,15 +68,6 @@ HEARTBEAT_S = 2.0
 CLOSE_WAIT_S = 10.0
 #: A follower's poll period while it waits for a control record grows from the first value to the second.
 POLL_S = (0.002, 0.05)
-
-
-class ActorGroupError(RuntimeError):
-    """The actor group cannot be formed or used (bad rank/world, backend, a record out of order)."""
-
-
-class PeerLostError(ActorGroupError):
-    """A rank of the actor group is gone or silent: a collective failed or timed out, or rank 0's store
-    is unreachable. A consequence of another rank's failure, as a rule (module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,73 +132,6 @@ def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
     if tp_size == 1:
         return []
     return [list(range(k, k + tp_size)) for k in range(0, world_size, tp_size)]
-
-
-#: (rank, step, rows scored) of each rank, at rank 0.
-Receipts = list[tuple[int, int, int]]
-
-
-class Group(Protocol):
-    """The actor group as the step loop uses it (`ActorGroup`, `SoloGroup`)."""
-
-    rank: int
-    world_size: int
-    dp_rank: int
-    dp_size: int
-    tp_rank: int
-    tp_size: int
-
-    async def publish(self, record: ControlRecord) -> None: ...
-
-    async def receive(self) -> ControlRecord: ...
-
-    def gather_receipts(self, step: int, rows: int) -> Receipts | None: ...
-
-    def all_reduce_sum(self, values: Sequence[float]) -> list[float]: ...
-
-    def barrier(self, what: str) -> None: ...
-
-    def tp_broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]: ...
-
-    def forget_read_records(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class SoloGroup:
-    """The actor group of one rank: no torch.distributed, no store (module docstring)."""
-
-    rank = 0
-    world_size = 1
-    dp_rank = 0
-    dp_size = 1
-    tp_rank = 0
-    tp_size = 1
-
-    async def publish(self, record: ControlRecord) -> None:
-        del record
-
-    async def receive(self) -> ControlRecord:
-        raise ActorGroupError("rank 0 of a one-rank actor group receives no control record (a bug)")
-
-    def gather_receipts(self, step: int, rows: int) -> Receipts:
-        return [(0, step, rows)]
-
-    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
-        return [float(v) for v in values]
-
-    def barrier(self, what: str) -> None:
-        del what
-
-    def tp_broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        del what
-        return list(tensors)
-
-    def forget_read_records(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class ActorGroup:

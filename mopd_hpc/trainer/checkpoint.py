@@ -50,12 +50,8 @@ from mopd_hpc.trainer import checkpoint_verify as verify
 
 log = logging.getLogger(__name__)
 
-#: Version of the on-disk layout, written to state.json.
-FORMAT_VERSION = verify.FORMAT_VERSION
 #: Checkpoints kept by default (the newest N; `latest` is never removed).
 DEFAULT_KEEP_LAST = 3
-
-_STEP_RE = verify.STEP_RE
 
 
 class CheckpointError(ValueError):
@@ -89,7 +85,9 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     base = Path(root)
     if not base.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in base.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in base.iterdir() if p.is_dir() and (m := verify.STEP_RE.match(p.name))
+    ]
     return sorted(found)
 
 
@@ -189,7 +187,7 @@ def save_checkpoint(
         "step": step,
         "data_state": dict(data_state or {}),
         "extra": dict(extra or {}),
-        "format": FORMAT_VERSION,
+        "format": verify.FORMAT_VERSION,
         "files": {key: entry.name for key, entry in own.items()},
     }
     try:

@@ -70,7 +70,6 @@ from mopd_hpc.records.job_end import write_job_end
 from mopd_hpc.records.metrics import MetricsWriter
 from mopd_hpc.records.run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE
 from mopd_hpc.runtime.signals import CheckpointRequest
-from mopd_hpc.trainer.actor_group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.checkpoint import (
     capture_rng_state,
     load_latest,
@@ -81,6 +80,7 @@ from mopd_hpc.trainer.checkpoint import (
 from mopd_hpc.trainer.data_setup import RunData
 from mopd_hpc.trainer.evaluator import RunEvaluator, point_note
 from mopd_hpc.trainer.exports import write_export
+from mopd_hpc.trainer.group import ActorGroupError, SoloGroup
 from mopd_hpc.trainer.intervals import checkpoint_due, eval_due, export_due, metrics_due
 from mopd_hpc.trainer.phase_memory import PhaseMemory, server_peaks
 from mopd_hpc.trainer.progress import Progress
@@ -94,8 +94,6 @@ from mopd_hpc.trainer.weight_sync import WeightSync
 
 log = logging.getLogger("mopd_hpc.trainer")
 
-#: Checkpoints live here, under the run directory.
-CHECKPOINT_DIR = CHECKPOINTS_DIR
 #: The student as an HF checkpoint at the end of the run.
 #: The consumer name of actor rank r's drain receipts.
 ACTOR_CONSUMER = "actor-{rank}"
@@ -161,7 +159,7 @@ class Controller:
         self.checkpoint_request = checkpoint_request
         self._token = token
         self.routes = tuple(cfg.data.routes_used)
-        self.route_weights = {r: dict(cfg.routes[r]) for r in self.routes}
+        self.route_weights = cfg.used_route_weights()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.gpu = any(g.gpus_per_node > 0 for g in cfg.cluster.groups().values())
         self.moving = moving_teachers(self.teachers, self.gpu, offload_teachers)
@@ -191,7 +189,7 @@ class Controller:
         if start > 0 and getattr(
             self.engine, "sharded_checkpoint", False
         ):  # with the followers: a collective
-            load_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(start))
+            load_engine_shards(self.engine, self.run_dir / CHECKPOINTS_DIR / step_dir_name(start))
         self.group.barrier(f"after every rank loaded the state of step {start}")
         metrics = MetricsWriter.open(self.run_dir / METRICS_FILE, resume_step=start)
         with contextlib.closing(metrics):
@@ -330,9 +328,9 @@ class Controller:
     # ------------------------------------------------------------------ resume, checkpoints, eval
 
     def _resume(self) -> int:
-        ckpt = load_latest(self.run_dir / CHECKPOINT_DIR)
+        ckpt = load_latest(self.run_dir / CHECKPOINTS_DIR)
         if ckpt is None:
-            log.info("no checkpoint under %s: starting at step 0", self.run_dir / CHECKPOINT_DIR)
+            log.info("no checkpoint under %s: starting at step 0", self.run_dir / CHECKPOINTS_DIR)
             return 0
         for line in ckpt.skipped:  # a damaged newer checkpoint: said where the user reads, then passed over
             print(f"checkpoint skipped: {line}", file=self.out, flush=True)
@@ -359,9 +357,9 @@ class Controller:
         if sharded or getattr(self.engine, "collective_state_dict", False):  # the other ranks join
             await self.group.publish(ControlRecord.checkpoint(step))
         if sharded:  # every TP rank's shards first (a collective)
-            save_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(step))
+            save_engine_shards(self.engine, self.run_dir / CHECKPOINTS_DIR / step_dir_name(step))
         path = save_checkpoint(
-            self.run_dir / CHECKPOINT_DIR,
+            self.run_dir / CHECKPOINTS_DIR,
             step,
             self.engine.state_dict(),
             data_state=self.data.dataset.state_dict(),

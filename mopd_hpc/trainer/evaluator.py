@@ -59,7 +59,7 @@ class RunEvaluator:
     ) -> None:
         self.cfg, self.data, self.tokenizer = cfg, data, tokenizer
         self.rollout, self.teachers, self.run_dir, self.out = list(rollout), dict(teachers), run_dir, out
-        self.route_weights = {r: dict(cfg.routes[r]) for r in cfg.data.routes_used}
+        self.route_weights = cfg.used_route_weights()
         self.prompts = data.eval_prompts
         self.counts = {r: len(p) for r, p in self.prompts.items()}
 

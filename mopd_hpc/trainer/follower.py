@@ -27,9 +27,10 @@ import logging
 from pathlib import Path
 
 from mopd_hpc.engines.protocol import TrainEngine
-from mopd_hpc.trainer.actor_group import ActorGroupError, Group
+from mopd_hpc.records.run_dir import CHECKPOINTS_DIR
 from mopd_hpc.trainer.checkpoint import load_checkpoint, restore_rng_state, step_dir_name
-from mopd_hpc.trainer.controller import CHECKPOINT_DIR, RunOutcome
+from mopd_hpc.trainer.controller import RunOutcome
+from mopd_hpc.trainer.group import ActorGroupError, Group
 from mopd_hpc.trainer.rank_step import ShardStep, make_resident
 from mopd_hpc.trainer.rank_writer import RankWriter
 from mopd_hpc.trainer.sharded_checkpoint import load_engine_shards, save_engine_shards
@@ -69,7 +70,7 @@ class Follower:
         if start.kind != "start":
             raise ActorGroupError(f"actor rank {self.group.rank}: first control record is {start.kind!r}")
         if start.step > 0:
-            path = self.run_dir / CHECKPOINT_DIR / step_dir_name(start.step)
+            path = self.run_dir / CHECKPOINTS_DIR / step_dir_name(start.step)
             # its own files (the optimizer parameter state, which DP rank 0 alone reads: rank 0 here) are
             # not opened: rank 0's load_latest verified them before naming this checkpoint
             ckpt = load_checkpoint(path, verify_own_files=False)
@@ -95,7 +96,7 @@ class Follower:
                 continue
             if record.kind == "checkpoint":
                 make_resident(self.engine, "checkpoint")
-                save_engine_shards(self.engine, self.run_dir / CHECKPOINT_DIR / step_dir_name(record.step))
+                save_engine_shards(self.engine, self.run_dir / CHECKPOINTS_DIR / step_dir_name(record.step))
                 if getattr(self.engine, "collective_state_dict", False):  # its shard of rank 0's state_dict
                     self.engine.join_state_dict()
                 continue

@@ -38,7 +38,7 @@ from mopd_hpc.engines.span_clock import SpanClock
 from mopd_hpc.engines.teacher.replica_pool import TeacherPool
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB
-from mopd_hpc.trainer.actor_group import Group, Receipts
+from mopd_hpc.trainer.group import Group, Receipts
 from mopd_hpc.trainer.shards import Shard, shard_rows
 from mopd_hpc.trainer.step import MISMATCH_KEY, RATIO_KEYS, ratio_means, ratio_sums, shard_batch
 from mopd_hpc.trainer.step_record import ControlRecord

@@ -30,7 +30,7 @@ import torch
 
 from mopd_hpc.mopd.targets import TeacherTargets
 from mopd_hpc.mopd.topk import TeacherTopK
-from mopd_hpc.trainer.actor_group import Group
+from mopd_hpc.trainer.group import Group
 from mopd_hpc.trainer.teacher_phase import TeacherScores
 
 #: Header entries before the per-teacher ones, and per teacher.

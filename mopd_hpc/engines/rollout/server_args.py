@@ -20,9 +20,9 @@ DESCRIPTION = (
 #: Environment variables read (once, in `main`) at the edge.
 ENV = {
     "port": child_env.port_env_name("http"),
-    "ready_file": "MOPD_ROLLOUT_READY_FILE",
-    "model_path": "MOPD_ROLLOUT_MODEL",
-    "device": "MOPD_ROLLOUT_DEVICE",
+    "ready_file": child_env.ROLLOUT_READY_FILE,
+    "model_path": child_env.ROLLOUT_MODEL,
+    "device": child_env.ROLLOUT_DEVICE,
 }
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from mopd_hpc.engines.request_fields import RolloutRequestError
 from mopd_hpc.engines.rollout.protocol import GeneratedSample, GenerateRequest
-from mopd_hpc.runtime.ports import port_env_key
+from mopd_hpc.runtime.child_env import port_env_name
 
 log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
 
@@ -171,7 +171,7 @@ def ports_from_env(env: Mapping[str, str]) -> dict[str, int]:
     """
     out = {}
     for name in PORT_FIELDS:
-        key = port_env_key(name)
+        key = port_env_name(name)
         raw = env.get(key)
         if raw is None or not raw.isdigit():
             raise SGLangBackendError(f"{key}={raw!r}: expected the port the guard leased for {name!r}")

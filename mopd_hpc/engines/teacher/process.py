@@ -5,9 +5,8 @@
 NCCL group rendezvoused in memory, torn down when the server stops; at tensor parallel > 1 one shard per
 rank of the replica's TP group, which roles/teacher_replica.py forms, its leader serving through
 `serve_engine`). When the server listens and
-`args.run_dir` is known, it writes `run_dir/endpoints/teacher-<id>.r<replica>.json` atomically ({teacher_id,
-replica, job_id, host, port, url, pid, model_path, fingerprint}; job_id null for a standalone server, whose
-record no job accepts) and logs "teacher server ready". Setting `stop` (or SIGTERM/SIGINT) stops it
+`args.run_dir` is known, it writes `run_dir/endpoints/teacher-<id>.r<replica>.json` atomically
+(records/endpoint.py `EndpointRecord`; job_id null for a standalone server, whose record no job accepts) and logs "teacher server ready". Setting `stop` (or SIGTERM/SIGINT) stops it
 cleanly and removes the endpoint file. Routes: `http_app`; every one requires the job's token except
 the bare liveness probe (`teacher_app`, `runtime/http_auth.py`). The programs that run it (a job's teacher
 child, or a standalone server from flags) are `roles/teacher.py`; they read the token and pass it in.
@@ -25,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.config.capabilities import TEACHER_ENGINES
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.serving import start_app
+from mopd_hpc.records.endpoint import EndpointRecord
 from mopd_hpc.records.run_dir import teacher_endpoint_file
 from mopd_hpc.runtime.http_auth import protect
 
@@ -232,20 +231,17 @@ async def serve_engine(args: TeacherArgs, token: str, engine: Any, stop: asyncio
     runner, port, stop = await start_app(teacher_app(server, token), args.host, args.port, stop)
     url = f"http://{args.advertise_host}:{port}"
     if args.run_dir:
-        path = endpoint_path(args.run_dir, args.teacher_id, args.replica)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "teacher_id": args.teacher_id,
-            "replica": args.replica,
-            "job_id": args.job_id,
-            "host": args.advertise_host,
-            "port": port,
-            "url": url,
-            "pid": os.getpid(),
-            "model_path": args.model_path,
-            "fingerprint": server.fingerprint,
-        }
-        atomic_write_json(path, record)
+        record = EndpointRecord.teacher(
+            args.teacher_id,
+            args.replica,
+            host=args.advertise_host,
+            port=port,
+            pid=os.getpid(),
+            job_id=args.job_id,
+            model_path=args.model_path,
+            fingerprint=server.fingerprint,
+        )
+        record.write(args.run_dir)
     log.info(
         "teacher server ready: %s replica %d on %s (model %s, engine %s, device %s)",
         args.teacher_id,

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mopd_hpc.records.run_dir import guard_record_file
-from mopd_hpc.runtime.guard.auth import AUTH_HEADER, authorization_value, read_token_file
+from mopd_hpc.runtime.http_auth import AUTH_HEADER, authorization_value, read_token_file
 
 
 class GuardError(RuntimeError):

@@ -38,8 +38,10 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 
+from mopd_hpc.runtime import child_env
+
 #: Keys a spawn may set: every key with this prefix (the plan's own keys, runtime/child_env.py) ...
-ALLOWED_PREFIX = "MOPD_"
+ALLOWED_PREFIX = child_env.PREFIX
 #: ... and these, each a setting that names no file, module or host (reason shown in the docs).
 ALLOWED_KEYS: Mapping[str, str] = {
     "PYTORCH_CUDA_ALLOC_CONF": "torch's CUDA caching-allocator options (sizes and flags)",

@@ -16,10 +16,8 @@ from collections.abc import Collection, Mapping
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.gpus import NodeGpus, gpus_refusal
 from mopd_hpc.runtime.guard import env_policy
-from mopd_hpc.runtime.ports import PORT_ENV_PREFIX, PortLease
+from mopd_hpc.runtime.ports import PortLease
 
-#: Environment keys the guard sets for every child; overrides may not set them (`runtime/child_env.py`).
-IDENTITY_KEYS = child_env.IDENTITY_KEYS
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Bounds of a spawn's env overrides (module docstring).
 MAX_ENV_KEYS = 256
@@ -37,7 +35,9 @@ class ChildEnvDeniedError(ChildEnvError):
 
 
 def check_overrides(
-    overrides: Mapping[str, str], reserved: Collection[str] = IDENTITY_KEYS, site_keys: Collection[str] = ()
+    overrides: Mapping[str, str],
+    reserved: Collection[str] = child_env.IDENTITY_KEYS,
+    site_keys: Collection[str] = (),
 ) -> None:
     """Refuse what a spawn's env overrides may not carry (nothing is leased or started before this).
 
@@ -69,7 +69,7 @@ def check_overrides(
             raise ChildEnvError(f"env key {key!r} is invalid: expected [A-Za-z_][A-Za-z0-9_]*")
         if "\0" in value:
             raise ChildEnvError(f"env value of {key} contains a NUL byte, which no environment can carry")
-        if key in reserved or key.startswith(PORT_ENV_PREFIX):
+        if key in reserved or key.startswith(child_env.PORT_PREFIX):
             raise ChildEnvError(
                 f"env key {key} is set by the guard (identity, GPU tokens or named ports); "
                 "pass GPUs in 'gpus' and ports in 'ports' instead"
@@ -90,7 +90,7 @@ def spawn_refusal(
     """`(HTTP status, error kind, message)` when a spawn is refused for its env overrides (`check_overrides`
     with CUDA_VISIBLE_DEVICES reserved when `gpus` are given) or its `gpus` (`gpus_refusal` against `node`,
     when given), else None."""
-    reserved = (*IDENTITY_KEYS, *(("CUDA_VISIBLE_DEVICES",) if gpus is not None else ()))
+    reserved = (*child_env.IDENTITY_KEYS, *(("CUDA_VISIBLE_DEVICES",) if gpus is not None else ()))
     try:
         check_overrides(overrides, reserved, site_keys)
     except ChildEnvDeniedError as exc:
@@ -122,7 +122,7 @@ def build_child_env(
     if gpus is not None:
         reserved.add("CUDA_VISIBLE_DEVICES")
     check_overrides(overrides, reserved, site_keys)
-    env = {k: v for k, v in base.items() if not k.startswith(PORT_ENV_PREFIX)}
+    env = {k: v for k, v in base.items() if not k.startswith(child_env.PORT_PREFIX)}
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(overrides)
     env.update(identity)

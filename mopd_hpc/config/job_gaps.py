@@ -1,6 +1,6 @@
 """What the job's roles do not run: `job_gaps(cfg)`, one `Problem` per valid setting that `mopd-submit
---check` (and so every submit) refuses (re-exported by `config/rules.py`, whose `config_warnings` lists them
-first, for --dry-run and --render, which still show such a config).
+--check` (and so every submit) refuses (`config/rules.py` `config_warnings` lists them first, for --dry-run
+and --render, which still show such a config).
 
 Every refusal is derived from the declarations of `config/capabilities.py` (what each actor engine, teacher
 engine, rollout backend and weight-sync backend runs); each names the field, its value and the way out, so

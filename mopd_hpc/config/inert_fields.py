@@ -6,7 +6,7 @@ loss): tests/test_config_mutation.py mutates every field of the RunConfig type t
 checks each row here the other way (under its condition the mutation changes nothing observable). A field
 path uses `[]` for a list item and `*` for any name (`cluster.*.gpu_memory_gb`: the field of every group).
 
-    from mopd_hpc.config.inert import INERT, inert_fields, inert_warnings
+    from mopd_hpc.config.inert_fields import INERT, inert_fields, inert_warnings
     inert_fields(cfg)    # [(row, reason)] of the rows whose condition holds for this config
     inert_warnings(cfg)  # a Problem per field set (≠ its default) where its row holds: --check warns
 """
