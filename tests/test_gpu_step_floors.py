@@ -172,8 +172,10 @@ def test_one_shape_reads_the_run_and_prints_its_table(
         (models / m / "config.json").write_text(json.dumps(QWEN3_0_6B))
     seen: dict = {}
 
-    def fake_job(sets: list[str], run_dir: Path, timeout_s: float, log: Path) -> tuple[int, float]:
-        seen["sets"], seen["timeout_s"] = sets, timeout_s
+    def fake_job(
+        sets: list[str], run_dir: Path, timeout_s: float, log: Path, config: Path
+    ) -> tuple[int, float]:
+        seen["sets"], seen["timeout_s"], seen["config"] = sets, timeout_s, config
         run_dir.mkdir(parents=True)
         lines = [_line(s, 100.0 + 5 * s, 3.0, 2560.0) for s in (1, 2, 3)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -214,13 +216,25 @@ def test_one_shape_reads_the_run_and_prints_its_table(
     # 3 + 3 in step 3's train phase)
     plan = plan_of(seen["sets"], 139.8)
     assert record["plan"] == plan and record["plan_over_measured"] == round(plan["peak_gib"] / 6.0, 3)
-    # the config as shipped: no set of the benchmark's own changes a backend; the record names those that ran
-    assert not any(x.startswith(("rollout.backend", "weight_sync.", "rollout.mode")) for x in seen["sets"])
+    # the config as shipped (issue 35: sglang + ipc): no set of the benchmark's own changes a backend; the
+    # record names the config and the backends that ran
+    assert not any(
+        x.startswith(("rollout.", "weight_sync.")) and "max_new_tokens" not in x for x in seen["sets"]
+    )
+    assert seen["config"] == gpu_step_roles.CONFIG and record["config"] == "configs/local_gpu_colocated.yaml"
     assert record["implied_sets"] == [] and record["backends"] == {
-        "rollout": "hf", "rollout_mode": "colocated", "weight_sync": "awex",
+        "rollout": "sglang", "rollout_mode": "colocated", "weight_sync": "ipc",
         "source": "local_gpu_colocated.yaml + --set",
     }  # fmt: skip
-    assert gpu_step_roles.result_key(args.shapes[0], record["backends"]) == "32x4x128@0.6b/hf+awex"
+    assert gpu_step_roles.result_key(args.shapes[0], record["backends"]) == "32x4x128@0.6b/sglang+ipc"
+    # the baseline before issue 35: hf + AWEX colocate, its own config file, keyed apart in the same results
+    awex = gpu_step_roles.REPO / "configs" / "local_gpu_colocated_awex.yaml"
+    args = gpu_step_roles.parse_args(["--shapes", "32x4x128@0.6b", "--models-root", str(tmp_path / "models"),
+                                      "--commit", "abc", "--steps", "3", "--config", str(awex)])  # fmt: skip
+    base, _ = gpu_step_roles.one_shape(args.shapes[0], args, gpu_step_roles.time.perf_counter(), device)
+    assert seen["config"] == awex and base["config"] == "configs/local_gpu_colocated_awex.yaml"
+    assert gpu_step_roles.result_key(args.shapes[0], base["backends"]) == "32x4x128@0.6b/hf+awex"
+    assert base["plan"] == plan_of(seen["sets"], 139.8, awex) != record["plan"]
     text = gpu_step_roles.table("32x4x128@0.6b", record)
     assert "step_floor" not in text and "rollout" in text and "peak reserved GiB actor" in text
     assert f"plan / measured {record['plan_over_measured']}" in text
