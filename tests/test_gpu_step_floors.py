@@ -265,3 +265,20 @@ def test_sglang_runs_with_the_sync_that_reaches_it_and_names_both(tmp_path: Path
     assert gpu_step_roles.result_key(shape, backends) == "32x4x128@0.6b/sglang+ipc"
     args = gpu_step_roles.parse_args(["--shapes", "32x4x128@0.6b", "--set", "rollout.backend=sglang"])
     assert args.extra_sets == ["rollout.backend=sglang"]
+
+
+@pytest.mark.parametrize(("rows", "new", "expected"), [(128, 128, 36), (256, 1024, 6), (16, 64, 55)])
+def test_teacher_profile_scores_in_the_chunks_of_the_teacher_role(
+    tmp_path: Path, rows: int, new: int, expected: int
+) -> None:
+    """benchmarks/teacher_profile.py scores `max_batch_rows` rows a forward by roles/teacher.py's rule."""
+    import teacher_profile
+
+    from mopd_hpc.config import load_run_config
+    from mopd_hpc.roles.teacher import scoring_rows
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_0_6B))
+    sets = [f"data.batch_size={rows // 4}", f"rollout.sampling.max_new_tokens={new}"]
+    cfg = load_run_config(str(gpu_step_roles.CONFIG), sets, False)
+    got = teacher_profile.chunk_rows(rows, cfg.data.max_prompt_tokens + new, QWEN3_0_6B["vocab_size"])
+    assert got == scoring_rows(cfg, str(tmp_path)) == expected
