@@ -19,7 +19,8 @@ Timed, each the median of `--repeats` after 2 warm-ups (seconds, CUDA synchroniz
 
 beside the phase's floor (`step_floors.phase_floors`: 2 · matmul params · tokens at the bf16 matmul peak
 measured here). Then `torch.profiler` (CPU and CUDA) over 3 round trips: the key-averages tables, sorted by
-CUDA time and by CPU time, written next to `--out` as a .txt file. Writes `--out` (JSON).
+self device time, device time and CPU time, written next to `--out` as a .txt file. Writes `--out` (JSON).
+`--engine torch --device cpu --model DIR` runs the same glue on a CPU (tests/test_gpu_step_floors.py), no floor.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=64, help="data.max_prompt_tokens (chunk rule)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--models-root", type=Path, default=REPO / ".cache" / "models")
+    p.add_argument("--model", type=Path, default=None, help="a teacher checkpoint (default: the size's)")
+    p.add_argument(
+        "--engine", default="megatron", choices=("megatron", "torch"), help="torch: CPU glue check"
+    )
+    p.add_argument(
+        "--device", default="cuda", help="cuda (the benchmark) or cpu (the glue, with --engine torch)"
+    )
     p.add_argument("--commit", default=None)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "teacher_profile.json")
     return p.parse_args(argv)
@@ -65,22 +73,28 @@ def chunk_rows(rows: int, tokens: int, vocab: int) -> int:
     return max(1, min(max(64, rows), SCORING_BUDGET_BYTES // (tokens * vocab * 4)))
 
 
-async def timed(call: Callable[[], Awaitable[Any]], repeats: int) -> list[float]:
+def sync(device: str) -> None:
     import torch
 
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+async def timed(call: Callable[[], Awaitable[Any]], repeats: int, device: str) -> list[float]:
     for _ in range(2):
         await call()
     out = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         await call()
-        torch.cuda.synchronize()
+        sync(device)
         out.append(time.perf_counter() - t0)
     return out
 
 
-async def measure(args: argparse.Namespace, models: Path) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """The timings, the answer's agreement with the engine, and the profiler's tables (module docstring)."""
     import torch
 
     from mopd_hpc.engines.batch import TokenBatch
@@ -90,22 +104,13 @@ async def measure(args: argparse.Namespace, models: Path) -> dict[str, Any]:
     from mopd_hpc.engines.teacher_server import TeacherServer
     from mopd_hpc.runtime.http_auth import protect
 
-    teacher = str(models / "teacher")
-    vocab = json.loads((models / "teacher" / "config.json").read_text())["vocab_size"]
+    teacher, cuda = str(model), args.device.startswith("cuda")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rows = chunk_rows(args.rows, args.max_prompt_tokens + args.new_tokens, vocab)
     engine = build_engine(
-        TeacherArgs(
-            "teacher",
-            teacher,
-            "127.0.0.1",
-            0,
-            "127.0.0.1",
-            device="cuda",
-            dtype="bfloat16",
-            max_batch_rows=rows,
-            engine="megatron",
-        )  # fmt: skip
-    )
+        TeacherArgs("teacher", teacher, "127.0.0.1", 0, "127.0.0.1", device=args.device,
+                    dtype="bfloat16" if cuda else "float32", max_batch_rows=rows, engine=args.engine)
+    )  # fmt: skip
     server = TeacherServer(engine, "teacher", teacher)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.rows, args.prompt_tokens + args.new_tokens), generator=g).tolist()
@@ -125,21 +130,22 @@ async def measure(args: argparse.Namespace, models: Path) -> dict[str, Any]:
                 return engine.score(batch, None, host=False)
 
             async def after_empty_cache() -> Any:
-                torch.cuda.empty_cache()
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.empty_cache()
+                sync(args.device)
                 t0 = time.perf_counter()
                 out = engine.score(batch, None, host=False)
-                torch.cuda.synchronize()
+                sync(args.device)
                 after_empty_cache.seconds.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
                 return out
 
             after_empty_cache.seconds = []  # type: ignore[attr-defined]
             seconds = {
-                "round_trip": await timed(round_trip, args.repeats),
-                "server_score": await timed(server_score, args.repeats),
-                "engine_score": await timed(engine_score, args.repeats),
+                "round_trip": await timed(round_trip, args.repeats, args.device),
+                "server_score": await timed(server_score, args.repeats, args.device),
+                "engine_score": await timed(engine_score, args.repeats, args.device),
             }
-            await timed(after_empty_cache, args.repeats)
+            await timed(after_empty_cache, args.repeats, args.device)
             seconds["engine_score_after_empty_cache"] = after_empty_cache.seconds[2:]  # type: ignore[attr-defined]
             answer = await round_trip()
             reference = engine.score(batch, None)[0]
@@ -148,15 +154,16 @@ async def measure(args: argparse.Namespace, models: Path) -> dict[str, Any]:
             agree = float((answer.logprobs - packed).abs().max())
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+            with profile(activities=activities) as prof:
                 for _ in range(3):
                     await round_trip()
-                torch.cuda.synchronize()
+                sync(args.device)
     finally:
         await runner.cleanup()
     tables = {
         key: prof.key_averages().table(sort_by=key, row_limit=40)
-        for key in ("cuda_time_total", "cpu_time_total")
+        for key in ("self_device_time_total", "device_time_total", "cpu_time_total")
     }
     return {"max_batch_rows": rows, "seconds": seconds, "answer_vs_engine_max_abs": agree, "tables": tables}
 
@@ -164,38 +171,52 @@ async def measure(args: argparse.Namespace, models: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
-    from scoring_mfu import peak_bf16_tflops
-    from weight_sync import copy_gbps
 
-    if not torch.cuda.is_available():
-        print("teacher_profile: needs a CUDA GPU", file=sys.stderr)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print(
+            "teacher_profile: needs a CUDA GPU (or --engine torch --device cpu: the glue only)",
+            file=sys.stderr,
+        )
         return 2
-    models = ensure_models(
-        args.models_root / f"gpu_step_roles_{args.size.replace('.', '_')}", args.size, timeout_s=None
+    model = (
+        args.model
+        or ensure_models(
+            args.models_root / f"gpu_step_roles_{args.size.replace('.', '_')}", args.size, timeout_s=None
+        )
+        / "teacher"
     )
-    got = asyncio.run(measure(args, models))
-    device = Device(hbm_gbps=2 * copy_gbps(1 << 30), peak_tflops=peak_bf16_tflops())
-    shape = ModelShape.from_hf_config(json.loads((models / "teacher" / "config.json").read_text()))
-    tokens = StepTokens(
-        args.rows, 1, args.new_tokens, args.rows * args.prompt_tokens, args.rows * args.new_tokens
-    )
-    floor = phase_floors(shape, shape, tokens, device)["teacher"]
+    got = asyncio.run(measure(args, model))
     medians = {k: round(statistics.median(v), 5) for k, v in got["seconds"].items()}
+    floor = None
+    if cuda:
+        from scoring_mfu import peak_bf16_tflops
+        from weight_sync import copy_gbps
+
+        device = Device(hbm_gbps=2 * copy_gbps(1 << 30), peak_tflops=peak_bf16_tflops())
+        shape = ModelShape.from_hf_config(json.loads((model / "config.json").read_text()))
+        tokens = StepTokens(
+            args.rows, 1, args.new_tokens, args.rows * args.prompt_tokens, args.rows * args.new_tokens
+        )
+        floor = phase_floors(shape, shape, tokens, device)["teacher"]
     text_path = args.out.with_suffix(".txt")
     text_path.parent.mkdir(parents=True, exist_ok=True)
     text_path.write_text("\n\n".join(f"sorted by {k}\n{t}" for k, t in got["tables"].items()))
     result = {
-        "benchmark": "teacher_profile", "commit": commit_of(args.commit), "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__, "size": args.size, "rows": args.rows, "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens, "max_batch_rows": got["max_batch_rows"], "hbm_gbps": round(device.hbm_gbps, 1),
-        "peak_bf16_tflops": round(device.peak_tflops, 1), "teacher_floor_s": round(floor, 6),
+        "benchmark": "teacher_profile", "commit": commit_of(args.commit), "engine": args.engine,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+        "size": args.size if args.model is None else str(args.model), "rows": args.rows,
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "max_batch_rows": got["max_batch_rows"],
+        "teacher_floor_s": None if floor is None else round(floor, 6),
         "seconds_median": medians, "seconds": {k: [round(x, 5) for x in v] for k, v in got["seconds"].items()},
-        "floor_ratio": {k: round(v / floor, 2) for k, v in medians.items()},
+        "floor_ratio": None if floor is None else {k: round(v / floor, 2) for k, v in medians.items()},
         "answer_vs_engine_max_abs": got["answer_vs_engine_max_abs"], "profile_tables": text_path.name,
     }  # fmt: skip
+    if cuda:
+        result |= {"hbm_gbps": round(device.hbm_gbps, 1), "peak_bf16_tflops": round(device.peak_tflops, 1)}
     write_results(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "seconds"}, indent=1))
-    print(got["tables"]["cuda_time_total"])
+    print(next(iter(got["tables"].values())))
     return 0
 
 

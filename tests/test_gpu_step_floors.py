@@ -282,3 +282,28 @@ def test_teacher_profile_scores_in_the_chunks_of_the_teacher_role(
     cfg = load_run_config(str(gpu_step_roles.CONFIG), sets, False)
     got = teacher_profile.chunk_rows(rows, cfg.data.max_prompt_tokens + new, QWEN3_0_6B["vocab_size"])
     assert got == scoring_rows(cfg, str(tmp_path)) == expected
+
+
+def test_teacher_profile_glue_on_cpu(tmp_path: Path) -> None:
+    """The profile's parts on a CPU (the torch scoring engine, a micro Qwen3): the answer that came back
+    through the real server and client equals the engine's own scores, every timing is there, and the
+    profiler's tables are written beside the results."""
+    import teacher_profile
+    from helpers_models import save_micro_qwen3
+
+    model = save_micro_qwen3(tmp_path / "model", seed=0)
+    out = tmp_path / "teacher_profile.json"
+    argv = ["--engine", "torch", "--device", "cpu", "--model", str(model), "--rows", "4", "--prompt-tokens", "3",
+            "--new-tokens", "5", "--repeats", "1", "--commit", "abc", "--out", str(out)]  # fmt: skip
+    assert teacher_profile.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["answer_vs_engine_max_abs"] == 0.0 and result["commit"] == "abc"
+    assert set(result["seconds"]) == {
+        "round_trip",
+        "server_score",
+        "engine_score",
+        "engine_score_after_empty_cache",
+    }
+    assert all(len(v) == 1 and v[0] > 0 for v in result["seconds"].values())
+    assert result["teacher_floor_s"] is None and result["max_batch_rows"] == 64
+    assert "sorted by cpu_time_total" in (tmp_path / "teacher_profile.txt").read_text()
