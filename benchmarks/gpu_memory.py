@@ -4,15 +4,16 @@
     python benchmarks/gpu_memory.py --shape 64x4x256 --shape 64x4x1024      # writes results/gpu_memory.json
 
 Each shape (prompts × samples × new tokens) runs `mopd-submit configs/local_gpu_colocated.yaml --local` (the
-megatron actor and teacher, the HF rollout engine, AWEX colocate, all on GPU 0; random Qwen3-0.6B-shape models
+megatron actor and teacher, the rollout engine and weight sync it ships — sglang + ipc since issue 35, hf +
+AWEX colocate in the results before it —, all on GPU 0; random Qwen3-0.6B-shape models
 made by `benchmarks/gpu_models.py`) for `--steps` steps with `data.eval.size: 0`, every knob of
 memory at its default (micro_batch_tokens null: the engine derives its budget from the free memory;
 teacher residency auto). From its metrics.jsonl:
 
 - seconds per phase per step (`time/<phase>_s`);
 - peak reserved GiB per child and phase (`memory/<child>/<phase>/reserved_gib`: the actor's phases, the
-  teacher's and rollout engine's phases and `held`, what they keep between their requests), the max over
-  the steps;
+  teacher's and rollout engine's phases and `held`, what they keep between their requests; an sglang
+  engine's: its whole process tree's, from the driver, engines/rollout/tree_memory.py), the max over the steps;
 - the GPU's measured total per phase (rollout, teacher, drain, train, sync): Σ over the children of their
   peak in that phase (a server without a request in it: its `held`), and the largest;
 - the memory plan (`plan/residency_plan.planned_residency` with the GPU's memory as the job detects it):
@@ -59,9 +60,11 @@ def gpu_capacity_gib() -> float:
     return int(subprocess.check_output([sys.executable, "-c", code], text=True).strip()) / GIB
 
 
-def run_job(sets: list[str], run_dir: Path, timeout_s: float, log: Path) -> tuple[int | None, float]:
-    """mopd-submit --local with `sets`; (exit code or None when stopped at `timeout_s`, seconds)."""
-    argv = [sys.executable, "-m", "mopd_hpc.cli.submit", str(CONFIG), "--local", "--run-dir", str(run_dir)]
+def run_job(
+    sets: list[str], run_dir: Path, timeout_s: float, log: Path, config: Path = CONFIG
+) -> tuple[int | None, float]:
+    """mopd-submit `config` --local with `sets`; (exit code or None when stopped at `timeout_s`, seconds)."""
+    argv = [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local", "--run-dir", str(run_dir)]
     for s in sets:
         argv += ["--set", s]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
@@ -107,8 +110,8 @@ def measured_totals(lines: list[dict[str, Any]]) -> dict[str, float]:
     return totals
 
 
-def plan_of(sets: list[str], capacity: float) -> dict[str, Any]:
-    cfg = load_run_config(str(CONFIG), sets, False)
+def plan_of(sets: list[str], capacity: float, config: Path = CONFIG) -> dict[str, Any]:
+    cfg = load_run_config(str(config), sets, False)
     decision, gpus = planned_residency(cfg, place_children(cfg), capacity_gib=capacity)
     (gpu,) = gpus
     kept = frozenset(c.teacher for c in gpu.children if c.teacher and c.teacher not in decision.offload)
@@ -123,10 +126,12 @@ def plan_of(sets: list[str], capacity: float) -> dict[str, Any]:
     }
 
 
-def plan_against(sets: list[str], capacity: float, measured: dict[str, float]) -> dict[str, Any]:
-    """{"plan": `plan_of(sets, capacity)`, "plan_over_measured": its peak over the largest of `measured`
+def plan_against(
+    sets: list[str], capacity: float, measured: dict[str, float], config: Path = CONFIG
+) -> dict[str, Any]:
+    """{"plan": `plan_of(sets, capacity, config)`, "plan_over_measured": its peak over the largest of `measured`
     (phase → GiB, `measured_totals`), None when nothing was measured} (issue 21 asks 1 ≤ ratio ≤ 1.25)."""
-    plan = plan_of(sets, capacity)
+    plan = plan_of(sets, capacity, config)
     peak = max(measured.values(), default=0.0)
     return {"plan": plan, "plan_over_measured": plan["peak_gib"] / peak if peak else None}
 

@@ -1,29 +1,33 @@
-"""Seconds per phase of the job's step through its roles on one GPU, against each phase's floor (issue 22).
+"""Seconds per phase of the job's step through its roles on one GPU, against each phase's floor (issues 22, 35).
 
-    python benchmarks/gpu_step_roles.py --shapes 32x4x128@0.6b --steps 5    # one shape per device call
-    python benchmarks/gpu_step_roles.py --shapes 32x4x128@0.6b --set rollout.backend=sglang   # SGLang
+    python benchmarks/gpu_step_roles.py --shapes 32x4x128@0.6b,64x4x1024@0.6b --steps 5 --out $OUT/a.json
+    python benchmarks/gpu_step_roles.py --shapes 32x4x128@0.6b --config configs/local_gpu_colocated_awex.yaml
     python benchmarks/gpu_step_roles.py --merge a.json b.json                # fold results files into --out
 
 A shape is PROMPTSxSAMPLESxNEW_TOKENS@SIZE (SIZE: 0.6b or 1.7b, random Qwen3 shapes). Each runs
-`mopd-submit configs/local_gpu_colocated.yaml --local` as shipped (the megatron actor and teacher, the
-rollout backend and weight sync it names, all on GPU 0) with the overrides of `gpu_memory.job_sets`
-(`data.eval.size: 0`, `--steps` steps; none changes a backend), the models made once per size under
-`--models-root` by `gpu_step.py --make-models`, and the `--set`s given. `--set rollout.backend=sglang`
-without a `--set weight_sync.backend=...` also sets the weight sync that connects an actor and a colocated
-sglang engine on one GPU (`implied_sets`: ipc, from config/capabilities.py), recorded as `implied_sets`.
-Each record names the rollout backend and weight sync that ran (`backends`, from the run's resolved
-`config.yaml`), and is keyed SHAPE/ROLLOUT+SYNC (`result_key`), so runs of both backends share one file. From
-the run's metrics.jsonl, steps 2.. (step 1 is the warm-up): seconds per phase (`time/<phase>_s`, median),
-the step's tokens (`train/prompt_tokens`, `train/response_tokens`), peak reserved GiB per child and phase
-(`gpu_memory.child_peaks`, every step). Then, in this process, once the job has exited (the GPU its own
-again): the HBM bandwidth (a 4 GiB device-to-device copy, `weight_sync.copy_gbps`; HBM traffic is twice
-the bytes copied) and the bf16 matmul peak (8192³ GEMMs, `scoring_mfu.peak_bf16_tflops`). Floors per phase
-from those (`step_floors.py`), `phase_floor_ratio` per phase and `step_floor_ratio` (the step's seconds over
-the sum of its floors; issue 22 asks ≤ 10 at 32x4x128@0.6b, goal ≤ 5 and no phase above 10×).
+`mopd-submit CONFIG --local`, by default `configs/local_gpu_colocated.yaml` as shipped (the megatron actor
+and teacher, the rollout backend and weight sync it names — sglang + ipc since issue 35 —, all on GPU 0) with
+the overrides of `gpu_memory.job_sets` (`data.eval.size: 0`, `--steps` steps; none changes a backend), the
+models made once per size under `--models-root` by `gpu_step.py --make-models`, and the `--set`s given.
+`--config configs/local_gpu_colocated_awex.yaml` runs the hf engine with AWEX colocate, the baseline before.
+`--set rollout.backend=sglang` without a `--set weight_sync.backend=...` also sets the weight sync that
+connects an actor and a colocated sglang engine on one GPU (`implied_sets`: ipc, from
+config/capabilities.py), recorded as `implied_sets`.
+Each record names its config and the rollout backend and weight sync that ran (`backends`, from the run's
+resolved `config.yaml`), and is keyed SHAPE/ROLLOUT+SYNC (`result_key`), so runs of both backends share one
+file. From the run's metrics.jsonl, steps 2.. (step 1 is the warm-up): seconds per phase (`time/<phase>_s`,
+median), the step's tokens (`train/prompt_tokens`, `train/response_tokens`), peak reserved GiB per child and
+phase (`gpu_memory.child_peaks`, every step; an sglang engine's from the driver over its process tree,
+engines/rollout/tree_memory.py, so the release between phases shows). Then, in this process, once the job
+has exited (the GPU its own again): the HBM bandwidth (a 4 GiB device-to-device copy,
+`weight_sync.copy_gbps`; HBM traffic is twice the bytes copied) and the bf16 matmul peak (8192³ GEMMs,
+`scoring_mfu.peak_bf16_tflops`). Floors per phase from those (`step_floors.py`), `phase_floor_ratio` per
+phase and `step_floor_ratio` (the step's seconds over the sum of its floors; issue 35 asks ≤ 5 at every
+shape and no phase above 10×).
 
 The results file (`--out`) keeps the records it has and replaces those run again (so one device call per
-shape and backend builds it up); it is rewritten after each shape. A run stopped by `--deadline-s` reports the steps it
-finished. Prints one table per shape.
+shape and backend builds it up); it is rewritten after each shape. A run stopped by `--deadline-s` reports the
+steps it finished. Prints one table per shape.
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                    help="comma-separated PROMPTSxSAMPLESxNEW@SIZE (default: %(default)s)")  # fmt: skip
     p.add_argument("--steps", type=int, default=5, help="steps per run, step 1 the warm-up (≥ 2)")
+    p.add_argument("--config", type=Path, default=CONFIG,
+                   help="the config to run (default: %(default)s, as shipped)")  # fmt: skip
     p.add_argument("--models-root", type=Path, default=REPO / ".cache" / "models",
                    help="the models of SIZE are ROOT/gpu_step_roles_SIZE/{student,teacher}, made when absent")  # fmt: skip
     p.add_argument("--deadline-s", type=float, default=550.0,
@@ -136,16 +142,16 @@ def implied_sets(sets: Sequence[str]) -> list[str]:
     return [f"weight_sync.backend={sync}", "weight_sync.awex_mode=null"]
 
 
-def ran_backends(run_dir: Path, sets: Sequence[str]) -> dict[str, str]:
+def ran_backends(run_dir: Path, sets: Sequence[str], config: Path = CONFIG) -> dict[str, str]:
     """The rollout backend, rollout mode and weight sync the job ran: its resolved `run_dir/config.yaml`, or,
-    when the job wrote none, CONFIG with `sets` applied to those fields ("source" says which)."""
+    when the job wrote none, `config` with `sets` applied to those fields ("source" says which)."""
     import yaml
 
     resolved = run_dir / CONFIG_FILE
-    doc = yaml.safe_load((resolved if resolved.exists() else CONFIG).read_text())
+    doc = yaml.safe_load((resolved if resolved.exists() else config).read_text())
     out = {"rollout": doc["rollout"]["backend"], "rollout_mode": doc["rollout"]["mode"],
            "weight_sync": doc["weight_sync"]["backend"],
-           "source": "run_dir/config.yaml" if resolved.exists() else f"{CONFIG.name} + --set"}  # fmt: skip
+           "source": "run_dir/config.yaml" if resolved.exists() else f"{config.name} + --set"}  # fmt: skip
     if not resolved.exists():
         chosen = _chosen(sets)
         for field, key in (("rollout", "rollout.backend"), ("rollout_mode", "rollout.mode"),
@@ -157,6 +163,12 @@ def ran_backends(run_dir: Path, sets: Sequence[str]) -> dict[str, str]:
 def result_key(shape: Shape, backends: dict[str, str]) -> str:
     """SHAPE/ROLLOUT+SYNC, e.g. 32x4x128@0.6b/hf+awex: one record per shape and backend pair."""
     return f"{shape.name}/{backends['rollout']}+{backends['weight_sync']}"
+
+
+def _shown(config: Path) -> str:
+    """`config` relative to the repository where it is inside it."""
+    config = config.resolve()
+    return str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config)
 
 
 def models_for(root: Path, size: str) -> Path:
@@ -266,7 +278,8 @@ def one_shape(
     keep = args.keep or run_dir.parent
     keep.mkdir(parents=True, exist_ok=True)
     left = args.deadline_s - (time.perf_counter() - t0) - MEASURE_RESERVE_S
-    code, wall = run_job(sets, run_dir, left, keep / f"{shape.name.replace('@', '_')}_submit.log")
+    log = keep / f"{shape.name.replace('@', '_')}_submit.log"
+    code, wall = run_job(sets, run_dir, left, log, config=args.config)
     metrics = run_dir / "metrics.jsonl"
     lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     if args.keep is not None and (run_dir / "logs").is_dir():
@@ -285,9 +298,10 @@ def one_shape(
             "max_new_tokens": shape.new_tokens,
             "size": shape.size,
         },  # fmt: skip
+        "config": _shown(args.config),
         "extra_sets": list(args.extra_sets),
         "implied_sets": implied,
-        "backends": ran_backends(run_dir, sets),
+        "backends": ran_backends(run_dir, sets, args.config),
         "exit_code": code,
         "stopped_at_deadline": code is None,
         "job_wall_s": round(wall, 1),
@@ -297,7 +311,9 @@ def one_shape(
         **summarize(shape, lines, student, teacher, device),
     }
     # the memory plan of these sets at the GPU's memory (issue 21: 1 ≤ plan / measured peak ≤ 1.25)
-    against = plan_against(sets, device_info["gpu_capacity_gib"], record["measured_gpu_gib_per_phase"])
+    against = plan_against(
+        sets, device_info["gpu_capacity_gib"], record["measured_gpu_gib_per_phase"], args.config
+    )
     ratio = against["plan_over_measured"]
     record |= against | {"plan_over_measured": round(ratio, 3) if ratio is not None else None}
     return record, device_info

@@ -43,10 +43,12 @@ def test_every_config_validates_and_round_trips(path: Path) -> None:
     assert RunConfig.from_yaml_text(cfg.to_yaml()) == cfg
     assert RunConfig.from_yaml(cfg.to_yaml()) == cfg  # text (it has newlines) as well as a path
     # the only warnings a shipped config may carry: what the job's roles do not run yet (production engines),
-    # and that the sglang backend has run with a stand-in for its engine only
+    # that the sglang backend has run with a stand-in for its engine only, and (the local one-GPU config) that
+    # sglang does not import here, its version checked by the role at rollout start
     known = (
         "not run by the job's roles yet: ",
         "rollout.backend: the sglang backend has been tested with a stand-in",
+        "rollout.backend: the sglang backend's package 'sglang' does not import on this machine",
     )
     assert [w for w in cfg.warnings() if not w.startswith(known)] == []
 

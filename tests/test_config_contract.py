@@ -263,14 +263,13 @@ SHAPE_REFUSALS = [
      "models.actor.tensor_parallel"),
     ("gpu-hf-tp2-separated", LOCAL, ["cluster.group.gpus_per_node=3", "rollout.mode=separated",
      "rollout.engines.tensor_parallel=2"], "rollout.engines.tensor_parallel"),
-    ("gpu-sglang", LOCAL, ["cluster.group.gpus_per_node=1", "rollout.backend=sglang"], "rollout.backend"),
     ("gpu-megatron-tp2", LOCAL, [*MEGATRON, "loss.estimator=sampled", "cluster.group.gpus_per_node=2",
      "models.actor.tensor_parallel=2"], "models.actor.tensor_parallel"),
     ("gpu-megatron-dp2", LOCAL, [*MEGATRON, "loss.estimator=sampled", "cluster.group.gpus_per_node=2"],
      "models.actor.engine"),
     ("gpu-teacher-tp2", LOCAL, ["cluster.group.gpus_per_node=2", "models.teachers.0.tensor_parallel=2"],
      "models.teachers[0].tensor_parallel"),
-    ("gpu-awex-sglang", REPO / "configs" / "local_gpu_colocated.yaml", ["rollout.backend=sglang"],
+    ("gpu-awex-sglang", REPO / "configs" / "local_gpu_colocated_awex.yaml", ["rollout.backend=sglang"],
      "weight_sync.backend"),
     # NCCL refuses two ranks of one communicator on one GPU: the colocated broadcast never joins
     ("gpu-torch-broadcast-colocated", LOCAL, ["cluster.group.gpus_per_node=1"], "weight_sync.backend"),
@@ -280,8 +279,10 @@ SHAPE_REFUSALS = [
 
 #: CPU-free shapes that pass --check: where they run (skipped here: no CUDA).
 GPU_RUNS = [
-    ("gpu-megatron-awex-colocate", REPO / "configs" / "local_gpu_colocated.yaml", [],
-     "runs in tests/test_gpu_job.py[local_gpu_colocated-1] on the H200"),
+    ("gpu-megatron-sglang-ipc", REPO / "configs" / "local_gpu_colocated.yaml", [],
+     "runs in benchmarks/gpu_step_roles.py (5 steps, H100) and tests/test_gpu_job.py[local_gpu_colocated]"),
+    ("gpu-megatron-awex-colocate", REPO / "configs" / "local_gpu_colocated_awex.yaml", [],
+     "runs in tests/test_gpu_job.py[local_gpu_colocated_awex-1] on the H200"),
     ("gpu-megatron-awex-separate", REPO / "configs" / "local_gpu_separated.yaml", [],
      "runs in tests/test_gpu_job.py[local_gpu_separated-2] on two H200s"),
     ("gpu-torch-1", LOCAL, ["cluster.group.gpus_per_node=1", "weight_sync.backend=ipc"],

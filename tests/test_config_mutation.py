@@ -131,7 +131,9 @@ def _small(doc: dict[str, Any], files: SimpleNamespace) -> dict[str, Any]:
 
 def base_doc(name: str, files: SimpleNamespace) -> dict[str, Any]:
     """The documents the mutations start from: small copies of the shipped configs, paths to real files."""
-    source = {"cpu": "local_cpu", "het": "slurm_het_cpu", "gpu": "local_gpu_colocated"}.get(name, "local_cpu")
+    source = {"cpu": "local_cpu", "het": "slurm_het_cpu", "gpu": "local_gpu_colocated_awex"}.get(
+        name, "local_cpu"
+    )
     doc = _small(yaml.safe_load((CONFIGS / f"{source}.yaml").read_text()), files)
     if name == "loss":  # the sampled estimator, its correction resolved (truncate), RL-ready groups of 2
         doc["loss"].update(estimator="sampled")
@@ -359,6 +361,8 @@ def observe(name: str, cfg: RunConfig, tmp: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------- mutations
+SGLANG_GPU = {"rollout.backend": "sglang", "weight_sync.backend": "ipc", "weight_sync.awex_mode": None,
+              "cluster.group.gpu_memory_gb": 80}  # fmt: skip
 GPU2 = {"cluster.group.gpus_per_node": 2, "weight_sync.backend": "torch", "weight_sync.awex_mode": None}
 GROUP_SCRIPT = ("cpus_per_task", 3), ("mem_gb", 16), ("partition", "p2"), ("account", "a2"), ("qos", "q2")
 #: field (as `field_paths` writes it) → (base, setup, change, observer)
@@ -558,6 +562,8 @@ MUTATIONS: dict[str, M] = {
     # eager decoding frees the KV cache after each batch: the plan holds it in the rollout phase only
     "rollout.compile_decode": ("gpu", {}, {"rollout.compile_decode": False}, "dry_run"),
     "rollout.graph_rows": ("gpu", {}, {"rollout.graph_rows": 1}, "dry_run"),
+    # SGLang's static share: the memory plan's KV pool of the engine (shown with the GPU's memory known)
+    "rollout.mem_fraction_static": ("gpu", SGLANG_GPU, {"rollout.mem_fraction_static": 0.3}, "dry_run"),
     "weight_sync.backend": (
         "gpu",
         {},

@@ -2,11 +2,13 @@
 a Megatron actor (the controller), a Megatron teacher and an HF rollout engine; random Qwen3-0.6B-shape models
 (benchmarks/gpu_models.py `ensure_models`). 3 steps, checkpoints at 2 and 3 (the last), the evaluation at start
 and end. Two configs:
-- configs/local_gpu_colocated.yaml, one GPU: the three children on GPU 0, weights by AWEX colocate mode;
+- configs/local_gpu_colocated_awex.yaml, one GPU: the three children on GPU 0, weights by AWEX colocate mode;
+- configs/local_gpu_colocated.yaml as shipped (issue 35), one GPU: the rollout an in-process sglang.Engine,
+  weights by the ipc sync (needs sglang; skipped without it);
 - configs/local_gpu_separated.yaml, two GPUs: actor and teacher on GPU 0, rollout on GPU 1, weights by AWEX
   separate mode (NCCL between the two GPUs).
 
-Issue 20 adds two runs of configs/local_gpu_colocated.yaml (one GPU, the megatron actor): `loss.estimator:
+Issue 20 adds two runs of configs/local_gpu_colocated_awex.yaml (one GPU, the megatron actor): `loss.estimator:
 topk` with `loss.correction: none` (the student's top-k reverse KL over the teacher's top-64, vocab-parallel
 log-softmax) and `loss.rl_coefficient: 0.5` (GRPO at loss level); each run's per-phase figures, with its
 engine, estimator, rl_coefficient and kl_coefficient, go to MOPD_GPU_JOB_OUT/<case>/summary.json.
@@ -41,11 +43,16 @@ STEPS = 3
 
 CASES = {
     "local_gpu_colocated": ("local_gpu_colocated", 1, {}),
+    "local_gpu_colocated_awex": ("local_gpu_colocated_awex", 1, {}),
     "local_gpu_separated": ("local_gpu_separated", 2, {}),
-    "colocated_topk": ("local_gpu_colocated", 1, {"loss.estimator": "topk", "loss.correction": "none"}),
-    "colocated_rl": ("local_gpu_colocated", 1, {"loss.rl_coefficient": 0.5}),
+    "colocated_topk": ("local_gpu_colocated_awex", 1, {"loss.estimator": "topk", "loss.correction": "none"}),
+    "colocated_rl": ("local_gpu_colocated_awex", 1, {"loss.rl_coefficient": 0.5}),
     # GRPO with a KL penalty to the reference model (engines/reference.py, the megatron scoring engine)
-    "colocated_rl_kl": ("local_gpu_colocated", 1, {"loss.rl_coefficient": 0.5, "loss.kl_coefficient": 0.05}),
+    "colocated_rl_kl": (
+        "local_gpu_colocated_awex",
+        1,
+        {"loss.rl_coefficient": 0.5, "loss.kl_coefficient": 0.05},
+    ),
 }
 
 
@@ -56,7 +63,11 @@ def test_megatron_actor_teacher_and_awex_through_the_roles(tmp_path: Path, case:
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA device(s)")
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    pytest.importorskip("awex", reason="awex is not installed")
+    rollout = yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())["rollout"]["backend"]
+    if rollout == "sglang":
+        pytest.importorskip("sglang", reason="sglang (the sglang extra) is not installed")
+    else:
+        pytest.importorskip("awex", reason="awex is not installed")
     models = ensure_models(tmp_path / "models", "0.6b", timeout_s=300)  # benchmarks/gpu_models.py
     run_dir = tmp_path / "run"
     overrides = {

@@ -172,8 +172,10 @@ def test_one_shape_reads_the_run_and_prints_its_table(
         (models / m / "config.json").write_text(json.dumps(QWEN3_0_6B))
     seen: dict = {}
 
-    def fake_job(sets: list[str], run_dir: Path, timeout_s: float, log: Path) -> tuple[int, float]:
-        seen["sets"], seen["timeout_s"] = sets, timeout_s
+    def fake_job(
+        sets: list[str], run_dir: Path, timeout_s: float, log: Path, config: Path
+    ) -> tuple[int, float]:
+        seen["sets"], seen["timeout_s"], seen["config"] = sets, timeout_s, config
         run_dir.mkdir(parents=True)
         lines = [_line(s, 100.0 + 5 * s, 3.0, 2560.0) for s in (1, 2, 3)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -214,13 +216,25 @@ def test_one_shape_reads_the_run_and_prints_its_table(
     # 3 + 3 in step 3's train phase)
     plan = plan_of(seen["sets"], 139.8)
     assert record["plan"] == plan and record["plan_over_measured"] == round(plan["peak_gib"] / 6.0, 3)
-    # the config as shipped: no set of the benchmark's own changes a backend; the record names those that ran
-    assert not any(x.startswith(("rollout.backend", "weight_sync.", "rollout.mode")) for x in seen["sets"])
+    # the config as shipped (issue 35: sglang + ipc): no set of the benchmark's own changes a backend; the
+    # record names the config and the backends that ran
+    assert not any(
+        x.startswith(("rollout.", "weight_sync.")) and "max_new_tokens" not in x for x in seen["sets"]
+    )
+    assert seen["config"] == gpu_step_roles.CONFIG and record["config"] == "configs/local_gpu_colocated.yaml"
     assert record["implied_sets"] == [] and record["backends"] == {
-        "rollout": "hf", "rollout_mode": "colocated", "weight_sync": "awex",
+        "rollout": "sglang", "rollout_mode": "colocated", "weight_sync": "ipc",
         "source": "local_gpu_colocated.yaml + --set",
     }  # fmt: skip
-    assert gpu_step_roles.result_key(args.shapes[0], record["backends"]) == "32x4x128@0.6b/hf+awex"
+    assert gpu_step_roles.result_key(args.shapes[0], record["backends"]) == "32x4x128@0.6b/sglang+ipc"
+    # the baseline before issue 35: hf + AWEX colocate, its own config file, keyed apart in the same results
+    awex = gpu_step_roles.REPO / "configs" / "local_gpu_colocated_awex.yaml"
+    args = gpu_step_roles.parse_args(["--shapes", "32x4x128@0.6b", "--models-root", str(tmp_path / "models"),
+                                      "--commit", "abc", "--steps", "3", "--config", str(awex)])  # fmt: skip
+    base, _ = gpu_step_roles.one_shape(args.shapes[0], args, gpu_step_roles.time.perf_counter(), device)
+    assert seen["config"] == awex and base["config"] == "configs/local_gpu_colocated_awex.yaml"
+    assert gpu_step_roles.result_key(args.shapes[0], base["backends"]) == "32x4x128@0.6b/hf+awex"
+    assert base["plan"] == plan_of(seen["sets"], 139.8, awex) != record["plan"]
     text = gpu_step_roles.table("32x4x128@0.6b", record)
     assert "step_floor" not in text and "rollout" in text and "peak reserved GiB actor" in text
     assert f"plan / measured {record['plan_over_measured']}" in text
@@ -251,3 +265,45 @@ def test_sglang_runs_with_the_sync_that_reaches_it_and_names_both(tmp_path: Path
     assert gpu_step_roles.result_key(shape, backends) == "32x4x128@0.6b/sglang+ipc"
     args = gpu_step_roles.parse_args(["--shapes", "32x4x128@0.6b", "--set", "rollout.backend=sglang"])
     assert args.extra_sets == ["rollout.backend=sglang"]
+
+
+@pytest.mark.parametrize(("rows", "new", "expected"), [(128, 128, 36), (256, 1024, 6), (16, 64, 55)])
+def test_teacher_profile_scores_in_the_chunks_of_the_teacher_role(
+    tmp_path: Path, rows: int, new: int, expected: int
+) -> None:
+    """benchmarks/teacher_profile.py scores `max_batch_rows` rows a forward by roles/teacher.py's rule."""
+    import teacher_profile
+
+    from mopd_hpc.config import load_run_config
+    from mopd_hpc.roles.teacher import scoring_rows
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_0_6B))
+    sets = [f"data.batch_size={rows // 4}", f"rollout.sampling.max_new_tokens={new}"]
+    cfg = load_run_config(str(gpu_step_roles.CONFIG), sets, False)
+    got = teacher_profile.chunk_rows(rows, cfg.data.max_prompt_tokens + new, QWEN3_0_6B["vocab_size"])
+    assert got == scoring_rows(cfg, str(tmp_path)) == expected
+
+
+def test_teacher_profile_glue_on_cpu(tmp_path: Path) -> None:
+    """The profile's parts on a CPU (the torch scoring engine, a micro Qwen3): the answer that came back
+    through the real server and client equals the engine's own scores, every timing is there, and the
+    profiler's tables are written beside the results."""
+    import teacher_profile
+    from helpers_models import save_micro_qwen3
+
+    model = save_micro_qwen3(tmp_path / "model", seed=0)
+    out = tmp_path / "teacher_profile.json"
+    argv = ["--engine", "torch", "--device", "cpu", "--model", str(model), "--rows", "4", "--prompt-tokens", "3",
+            "--new-tokens", "5", "--repeats", "1", "--commit", "abc", "--out", str(out)]  # fmt: skip
+    assert teacher_profile.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["answer_vs_engine_max_abs"] == 0.0 and result["commit"] == "abc"
+    assert set(result["seconds"]) == {
+        "round_trip",
+        "server_score",
+        "engine_score",
+        "engine_score_after_empty_cache",
+    }
+    assert all(len(v) == 1 and v[0] > 0 for v in result["seconds"].values())
+    assert result["teacher_floor_s"] is None and result["max_batch_rows"] == 64
+    assert "sorted by cpu_time_total" in (tmp_path / "teacher_profile.txt").read_text()

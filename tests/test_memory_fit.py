@@ -24,7 +24,7 @@ from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "configs" / "gsm8k_qwen3_14b_to_0_6b.yaml"
-COLOCATED = REPO / "configs" / "local_gpu_colocated.yaml"
+COLOCATED = REPO / "configs" / "local_gpu_colocated_awex.yaml"
 #: Qwen3-14B's config.json fields (the model card's).
 QWEN3_14B = {
     "num_hidden_layers": 40, "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8,

@@ -2,7 +2,7 @@
 holdings from the config and the models' config.json (`engines/memory/estimates.py`), the largest phase, the
 `cluster.<group>.gpu_memory_gb` warning, and `mopd-submit --dry-run` / `--check` printing them.
 
-The case is issue 21's: configs/local_gpu_colocated.yaml (megatron actor and teacher, HF rollout, Qwen3-0.6B
+The case is issue 21's: configs/local_gpu_colocated_awex.yaml (megatron actor and teacher, HF rollout, Qwen3-0.6B
 shapes, one GPU) at 16 × 4 × 64 and at the 64 × 4 × 256 that ran out of memory on an H200.
 """
 
@@ -18,14 +18,15 @@ from types import SimpleNamespace
 import pytest
 from helpers_models import QWEN3_0_6B, QWEN3_1_7B, write_stub_checkpoint
 
-from mopd_hpc.config import load_run_config
+from mopd_hpc.config import ConfigError, load_run_config
+from mopd_hpc.config.rollout import SGLANG_MEM_FRACTION
 from mopd_hpc.engines.memory.estimates import ModelShape, default_micro_batch_tokens, micro_batch_bytes
 from mopd_hpc.plan import memory_fit as mf
 from mopd_hpc.plan import memory_plan as mp
 from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"
+CONFIG = REPO / "configs" / "local_gpu_colocated_awex.yaml"
 OOM = ["data.batch_size=64", "rollout.sampling.max_new_tokens=256"]
 GIB = 2**30
 
@@ -181,7 +182,22 @@ def test_a_colocated_sglang_engine_holds_its_gpu_in_the_rollout_only(mode: str, 
     assert [h.what.split(" (")[0] for h in rollout] == ["weights", "KV pool"]
     assert all(h.phase == phase for h in rollout)
     weights, pool = rollout
-    assert weights.bytes + pool.bytes == int(mp.SGLANG_MEM_FRACTION * 140 * GIB)
+    assert weights.bytes + pool.bytes == int(SGLANG_MEM_FRACTION * 140 * GIB)
+    # rollout.mem_fraction_static sizes the pool (the role passes the same value to sglang.Engine)
+    _, gpus = plan_of([*sets, "rollout.mem_fraction_static=0.3"])
+    (weights, pool) = [h for gpu in gpus for c in gpu.children if c.label == "rollout 0" for h in c.holdings]
+    assert (
+        weights.bytes + pool.bytes == int(0.3 * 140 * GIB)
+        and pool.what == "KV pool (mem_fraction_static 0.3)"
+    )
+
+
+@pytest.mark.parametrize(("sets", "why"), [(["rollout.mem_fraction_static=0.4"], "hf engine sizes its KV cache"),
+                                           (["rollout.backend=sglang", "rollout.mem_fraction_static=1.0"], "less than 1")])  # fmt: skip
+def test_mem_fraction_static_is_refused_with_hf_and_outside_0_1(sets: list[str], why: str) -> None:
+    with pytest.raises(ConfigError, match="rollout.mem_fraction_static") as err:
+        load_run_config(str(CONFIG), [*sets, "weight_sync.backend=ipc", "weight_sync.awex_mode=null"], False)
+    assert why in str(err.value)
 
 
 def test_unreadable_models_and_cpu_jobs() -> None:
@@ -216,7 +232,7 @@ def test_constants_follow_the_engines_defaults() -> None:
 
     assert mp.TEACHER_ROWS == TeacherArgs.__dataclass_fields__["max_batch_rows"].default
     assert mp.SCORING_BUDGET_BYTES == SCORING_BUDGET_BYTES
-    assert mp.SGLANG_MEM_FRACTION == SGLangLaunch.__dataclass_fields__["mem_fraction_static"].default
+    assert SGLANG_MEM_FRACTION == SGLangLaunch.__dataclass_fields__["mem_fraction_static"].default
 
 
 def mopd_submit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -18,7 +18,7 @@ from mopd_hpc.plan import residency_plan as rp
 from mopd_hpc.plan.placement import place_children
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "local_gpu_colocated.yaml"
+CONFIG = REPO / "configs" / "local_gpu_colocated_awex.yaml"
 OOM = ["data.batch_size=64", "rollout.sampling.max_new_tokens=256", "models.actor.micro_batch_tokens=16384"]
 GIB = 2**30
 

@@ -65,6 +65,24 @@ def test_check_names_the_installed_version_and_the_range(installed, version: str
     assert f"has run with sglang{RANGE} only" in problem and f"pip install 'sglang{RANGE}'" in problem
 
 
+def test_check_passes_where_sglang_does_not_import_and_says_the_role_checks_it() -> None:
+    """This machine has no sglang: --check of the shipped one-GPU config (sglang + ipc) passes, with one
+    warning naming the range and that the role checks the installed version at rollout start."""
+    from mopd_hpc.config import load_run_config
+    from mopd_hpc.config.rules import config_warnings
+
+    assert importlib.util.find_spec("sglang") is None
+    cfg = load_run_config(str(REPO / "configs" / "local_gpu_colocated.yaml"), [], False)
+    assert (cfg.rollout.backend, cfg.weight_sync.backend, cfg.cluster.backend) == ("sglang", "ipc", "local")
+    assert job_gaps(cfg) == []
+    (line,) = [w for w in config_warnings(cfg) if "does not import" in w]
+    assert line.startswith(
+        "rollout.backend: the sglang backend's package 'sglang' does not import on this machine"
+    )
+    assert f"checks the installed version (sglang{RANGE}) at rollout start" in line
+    assert "pip install -e '.[sglang]'" in line
+
+
 def test_the_role_refuses_another_version_before_the_engine_starts(installed, tmp_path: Path) -> None:
     installed("0.5.11")
     write_run_dir_token(tmp_path)

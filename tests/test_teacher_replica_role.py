@@ -4,7 +4,7 @@ replica is two real processes of `python tests/teacher_replica_prog.py` (the rol
 child (`plan/placement.py` + `runtime/plan.py child_environment` + the guard's identity keys and leased
 ports; the plan's GPUs replaced by none), in a run directory with the run's config.yaml and the job's token.
 
-Config: configs/local_gpu_colocated.yaml on a 2-GPU node with the teacher at tensor_parallel 2 (one replica:
+Config: configs/local_gpu_colocated_awex.yaml (the hf rollout) on a 2-GPU node with the teacher at tensor_parallel 2 (one replica:
 the leader on the actor's GPU 0 with `http` and `master`, a follower on GPU 1) and a collective timeout of
 COLLECTIVE_TIMEOUT_S. Oracle: the same role at tensor_parallel 1 (one process, the whole weight matrix).
 Checks: the TP = 2 replica's /score answers (log-probs, top-k ids and log-probs) equal the TP = 1 replica's
@@ -57,7 +57,7 @@ START_S = 120.0
 
 
 def replica_config(model: Path, tensor_parallel: int) -> RunConfig:
-    doc = yaml.safe_load((REPO / "configs" / "local_gpu_colocated.yaml").read_text())
+    doc = yaml.safe_load((REPO / "configs" / "local_gpu_colocated_awex.yaml").read_text())
     doc["models"]["teachers"][0].update(path=str(model), tensor_parallel=tensor_parallel, replicas=1)
     doc["models"]["actor"]["collective_timeout_s"] = COLLECTIVE_TIMEOUT_S
     doc["cluster"]["group"]["gpus_per_node"] = 2

@@ -95,20 +95,28 @@ def installed_version(package: str) -> str | None:
 
 def _backend_package(cfg: Any) -> list[Problem]:
     """The rollout backend's package where the job will run: on the local backend that is this machine, so
-    an sglang that does not import here, or whose version is outside the range the role has run with
-    (`capabilities.version_refusals`), is refused (on Slurm it is the rollout nodes', which the submit host
-    cannot see: `config_warnings` says so, and the role checks both at start)."""
+    an sglang whose version is outside the range the role has run with (`capabilities.version_refusals`) is
+    refused; one that does not import here is a warning (`backend_package_warning`): the role checks the
+    version at its start (on Slurm it is the rollout nodes', which the submit host cannot see:
+    `config_warnings` says so, and the role checks at start)."""
     package = ROLLOUT_BACKENDS[cfg.rollout.backend].package
-    if package is None or cfg.cluster.backend != "local":
+    if package is None or cfg.cluster.backend != "local" or importlib.util.find_spec(package) is None:
         return []
-    if importlib.util.find_spec(package) is not None:
-        return version_refusals(cfg.rollout.backend, installed_version(package))
-    return [
-        Problem(
-            "rollout.backend",
-            f"the {cfg.rollout.backend} backend's package {package!r} does not import on this machine, where "
-            "cluster.backend local runs the job",
-            cfg.rollout.backend,
-            f"install {package} here (pip install 'mopd_hpc[{package}]'), or rollout.backend: hf",
-        )
-    ]
+    return version_refusals(cfg.rollout.backend, installed_version(package))
+
+
+def backend_package_warning(cfg: Any) -> list[str]:
+    """With the local backend and the rollout backend's package not importable on this machine: one line
+    saying the role checks the installed version at rollout start, naming the range and the install; else []."""
+    spec = ROLLOUT_BACKENDS[cfg.rollout.backend]
+    if spec.package is None or cfg.cluster.backend != "local" or importlib.util.find_spec(spec.package):
+        return []
+    problem = Problem(
+        "rollout.backend",
+        f"the {spec.name} backend's package {spec.package!r} does not import on this machine, where cluster.backend "
+        f"local runs the job: the rollout role checks the installed version ({spec.package}{spec.version_range}) "
+        "at rollout start and stops the job there without it",
+        cfg.rollout.backend,
+        f"install it here (pip install -e '.[{spec.package}]'), or rollout.backend: hf",
+    )
+    return [problem.render()]

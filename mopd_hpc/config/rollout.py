@@ -9,6 +9,10 @@ from pydantic import Field, StrictBool, model_validator
 from mopd_hpc.config.base import Section
 from mopd_hpc.config.problems import Problem, raise_if_any
 
+#: SGLang's share of an engine GPU for weights + KV pool when `rollout.mem_fraction_static` is null (what the
+#: H100 runs of gpu_step_roles.json used; `SGLangLaunch.mem_fraction_static`'s default).
+SGLANG_MEM_FRACTION = 0.5
+
 
 class SamplingConfig(Section):
     """Sampling parameters of every rollout (the SGLang `sampling_params` subset the trainer sends)."""
@@ -70,6 +74,17 @@ class RolloutConfig(Section):
         "the same experts. hf backend (its loop decoder, eager: compile_decode false on a GPU rollout group) "
         "and torch actor only; a dense actor is refused at --check.",
     )
+    mem_fraction_static: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="sglang backend: the fraction of each engine GPU's memory that SGLang takes for the "
+        "model's weights and its KV pool (SGLang's `mem_fraction_static`; verl calls it "
+        "gpu_memory_utilization), in (0, 1). Colocated, it is released when the step leaves ROLLOUT and resumed "
+        "for the weight sync and the next rollout; the memory plan counts it in those phases. null = 0.5. "
+        "Refused with backend hf (its KV cache is sized from the step's rows: graph_rows).",
+    )
     forked: StrictBool = Field(
         True,
         description="Rollout engines run as children forked by the node's guard, so that a rollout crash or "
@@ -77,9 +92,16 @@ class RolloutConfig(Section):
         "child per engine, plan/placement.py); false is refused.",
     )
 
+    @property
+    def sglang_mem_fraction(self) -> float:
+        """`mem_fraction_static`, or `SGLANG_MEM_FRACTION` when null (the sglang engine's static share)."""
+        return SGLANG_MEM_FRACTION if self.mem_fraction_static is None else self.mem_fraction_static
+
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
-        raise_if_any(unforked_rollout(self) + uncompiled_sglang(self) + sglang_graph_rows(self))
+        raise_if_any(
+            unforked_rollout(self) + uncompiled_sglang(self) + sglang_graph_rows(self) + hf_mem_fraction(self)
+        )
         return self
 
 
@@ -92,6 +114,16 @@ def sglang_graph_rows(rollout: RolloutConfig) -> list[Problem]:
     return [
         Problem("graph_rows", why, rollout.graph_rows, "leave rollout.graph_rows out with backend sglang")
     ]
+
+
+def hf_mem_fraction(rollout: RolloutConfig) -> list[Problem]:
+    """`mem_fraction_static` with backend hf is refused: it sizes SGLang's static pool, and the hf engine sizes
+    its KV cache from the step's rows (accepting it would ignore it). Paths relative to `rollout`."""
+    if rollout.mem_fraction_static is None or rollout.backend == "sglang":
+        return []
+    why = "it is SGLang's static share of the GPU; the hf engine sizes its KV cache from the rows it decodes"
+    way = "leave rollout.mem_fraction_static out with backend hf (rollout.graph_rows bounds its KV cache)"
+    return [Problem("mem_fraction_static", why, rollout.mem_fraction_static, way)]
 
 
 def uncompiled_sglang(rollout: RolloutConfig) -> list[Problem]:

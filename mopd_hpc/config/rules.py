@@ -19,7 +19,7 @@ from typing import Any
 
 from mopd_hpc.config.capabilities import ACTOR_ENGINES, ROLLOUT_BACKENDS, optimizer_refusals
 from mopd_hpc.config.data import unevaluated_sources
-from mopd_hpc.config.job_gaps import job_gaps, unverified_gaps, unverified_warning
+from mopd_hpc.config.job_gaps import backend_package_warning, job_gaps, unverified_gaps, unverified_warning
 from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message
 from mopd_hpc.config.problems import Problem, join_path, known, needs_gpus
 from mopd_hpc.config.teacher_rules import teacher_layout, teacher_residency, teachers_started
@@ -370,6 +370,7 @@ def config_warnings(cfg: Any) -> list[str]:
     out += [f"unverified: {unverified_warning(gap)}" for gap in let_through]
     if cfg.allow_unverified and not let_through:
         out.append("allow_unverified: true lets nothing through here: every setting of this config has run")
+    out += backend_package_warning(cfg)
     backend = ROLLOUT_BACKENDS[cfg.rollout.backend]
     if cfg.rollout.mode in backend.stand_in_modes:
         where = (

@@ -25,7 +25,7 @@ Each child's holdings are either resident through the step, or held in one phase
   `HFRolloutEngine.release_cache`), in `rollout` only without, and the sampling buffers, in `rollout`;
   with `rollout.compile_decode`, also the CUDA-graph pool of the compiled decode step (one step's logits
   and activations, `GRAPH_POOL_BYTES` per row and vocabulary entry), held in every phase;
-  sglang: weights and KV pool are the static `SGLANG_MEM_FRACTION` of the GPU (known only with
+  sglang: weights and KV pool are the static `rollout.mem_fraction_static` of the GPU (known only with
   `cluster.<group>.gpu_memory_gb`), resident when separated, in `rollout` only when colocated (released at
   the end of the rollout: trainer/rollout_memory.py);
 - with `weight_sync.backend: ipc`, actor rank 0 (the sync's source) also holds the shared buffer of the HF
@@ -68,8 +68,6 @@ GIB = float(2**30)
 #: (`roles/teacher.py` scoring_rows: the same rule).
 TEACHER_ROWS = 64
 SCORING_BUDGET_BYTES = 4 << 30
-#: SGLang's static memory fraction for weights + KV pool (`engines/rollout/sglang_backend.py`'s default).
-SGLANG_MEM_FRACTION = 0.5
 PHASES = ("rollout", "teacher", "train")
 #: Bytes per row and vocabulary entry of one decode step's sampling (`engines/rollout/sampling.py`): float32
 #: log-probs, their exp and cumsum, and top-p's sorted values with int64 indices.
@@ -231,8 +229,9 @@ def _rollout(cfg: Any, shape: ModelShape, capacity_gib: float | None, share: int
         weights = Holding("weights", weights.bytes, phase)
         if capacity_gib is None:
             return (weights,)
-        pool = int(SGLANG_MEM_FRACTION * capacity_gib * GIB) - weights.bytes
-        label = f"KV pool (mem_fraction_static {SGLANG_MEM_FRACTION})"
+        fraction = cfg.rollout.sglang_mem_fraction
+        pool = int(fraction * capacity_gib * GIB) - weights.bytes
+        label = f"KV pool (mem_fraction_static {fraction})"
         return weights, Holding(label, max(0, pool), phase)
     rows = graph_rows(
         cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count, cfg.rollout.graph_rows

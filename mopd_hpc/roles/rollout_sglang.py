@@ -9,6 +9,8 @@ From the guard-given environment and the run's config (roles/rollout.py reads bo
                  base_gpu_id is its device index there)
     model        models.actor.path, dtype models.actor.dtype, seed run seed + engine index
     graphs       decode CUDA graphs up to the rows this engine decodes in a step (`graph_rows`)
+    memory       rollout.mem_fraction_static (null: config/rollout.py SGLANG_MEM_FRACTION) of the GPU for
+                 weights + KV pool
     AWEX         weight_sync.backend awex: AWEX's worker hooks installed before the Engine; the instance starts
                  with its weights released, so readiness is /model_info instead of the generating /health
                  (`readiness_path`)
@@ -84,6 +86,7 @@ def sglang_launch(role: RoleEnv, cfg: RunConfig) -> SGLangLaunch:
         base_gpu_id=role.device.index or 0,
         random_seed=cfg.seed + role.index,
         dtype=cfg.models.actor.dtype,
+        mem_fraction_static=cfg.rollout.sglang_mem_fraction,
         awex=cfg.weight_sync.backend == "awex",
         cuda_graph_max_bs=graph_rows(
             cfg.data.batch_size, cfg.data.samples_per_prompt, cfg.rollout.engines.count

@@ -310,7 +310,7 @@ class Controller:
         values |= {f"time/sync/{span}_s": seconds for span, seconds in sync_spans.items()}
         values |= self.phase_memory.take()
         if self.phase_memory.active:
-            values |= await server_peaks(self.teachers, self.rollout, self.cfg.rollout.backend)
+            values |= await server_peaks(self.teachers, self.rollout)
         return values
 
     async def _drained(self, receipts: Receipts) -> None:

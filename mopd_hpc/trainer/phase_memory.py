@@ -110,19 +110,16 @@ class PhaseMemory:
         return out
 
 
-async def server_peaks(
-    teachers: Mapping[str, Any], rollout: Sequence[Any], rollout_backend: str
-) -> dict[str, float]:
-    """The teachers' and (hf) rollout engines' peak GPU memory per phase since the last call, as metrics keys
+async def server_peaks(teachers: Mapping[str, Any], rollout: Sequence[Any]) -> dict[str, float]:
+    """The teachers' and rollout engines' peak GPU memory per phase since the last call, as metrics keys
     (`memory/teacher/<id>/<phase>/<kind>`, `memory/rollout/<i>/...`; `engines/memory/peaks.py`: their
-    phases, and `held` between their requests); {} from servers on CPU. SGLang's engine has no such route
-    (its memory is SGLang's static pool): not asked."""
+    phases, and `held` between their requests; an sglang engine: its process tree's, from the driver,
+    `engines/rollout/tree_memory.py`); {} from servers on CPU."""
     from mopd_hpc.engines.memory.peaks import peak_metrics
 
     out: dict[str, float] = {}
     for tid, client in teachers.items():
         out |= peak_metrics(f"teacher/{tid}", await client.memory_peaks())
-    if rollout_backend == "hf":
-        for i, client in enumerate(rollout):
-            out |= peak_metrics(f"rollout/{i}", await client.memory_peaks() or {})
+    for i, client in enumerate(rollout):
+        out |= peak_metrics(f"rollout/{i}", await client.memory_peaks() or {})
     return out

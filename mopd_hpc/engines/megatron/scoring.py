@@ -120,22 +120,25 @@ class MegatronScoringEngine:
         """`torch.cuda.device(self.device)` (the calling thread's current device), or nothing off CUDA."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """[B, T] float32 log π(y_t) on the CPU, through GPTModel's labels path (vocab-parallel cross
-        entropy: any tensor_parallel); 0 at padded positions. Raises EngineError when offloaded."""
+    def logprobs(self, batch: TokenBatch, *, host: bool = True) -> torch.Tensor:
+        """[B, T] float32 log π(y_t) through GPTModel's labels path (vocab-parallel cross entropy: any
+        tensor_parallel); 0 at padded positions. On the CPU (host), else left on the engine's device (the
+        teacher server packs it there and copies the packed answer to the host once,
+        `teacher_wire.pack_answer`: no copy of the padded rows). Raises EngineError when offloaded."""
         self._require_resident("logprobs")
         with self._device_scope(), torch.inference_mode():
             parts = [
                 self.forward.token_logprobs(batch.rows(i, min(i + self.max_batch_rows, batch.batch_size)))
                 for i in range(0, batch.batch_size, self.max_batch_rows)
             ]
-            return torch.cat(parts, dim=0).float().cpu()
+            out = torch.cat(parts, dim=0).float()
+            return out.cpu() if host else out
 
     def score(
         self, batch: TokenBatch, k: int | None = None, *, host: bool = True
     ) -> tuple[torch.Tensor, TeacherTopK | None]:
         """([B, T] float32 log-probs of the response tokens, top-k [B, T, min(k, V)] or None), on the CPU
-        (host False, with k: on the engine's device, for `teacher.score_frames.pack_answer`).
+        (host False: on the engine's device, for `teacher.score_frames.pack_answer`; with or without k).
 
         Without k: the labels path (`logprobs`). With k: one forward without labels, then log-probs and top-k
         from the vocab-parallel logits (`vocab_parallel_score`, module docstring: collectives over the TP
@@ -149,7 +152,7 @@ class MegatronScoringEngine:
         if k is not None and k < 1:
             raise EngineError(f"k={k}: expected >= 1 (or None for no top-k)")
         if k is None:
-            return self.logprobs(batch), None
+            return self.logprobs(batch, host=host), None
         tp, rank, group = core._tp_info()
         gather = None if tp == 1 else process_group_all_gather(group)
         reduce = None if tp == 1 else process_group_all_reduce(group)

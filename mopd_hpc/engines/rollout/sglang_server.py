@@ -12,6 +12,8 @@ The launch and mapping rules (named ports, environment, readiness, request and r
   POST /update_weights_from_ipc {buffers, tensors, weight_version}   a colocated actor's shared buffers
                                      (weight_sync.backend ipc), into `Engine.update_weights_from_tensor`
                                      as references the TP workers open (`sglang_ipc.py`)
+  POST /memory_peaks                 the GPU memory of this child's process tree (SGLang's schedulers
+                                     included) per phase since the last call (`tree_memory.py`; {} without NVML)
 
 Every route calls the Engine's synchronous Python method of the same name (`generate` for /generate and the
 probe), with SGLang 0.5.17's signatures (`srt/entrypoints/engine.py`), on the server's one engine thread
@@ -46,6 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mopd_hpc.engines.memory.peaks import add_peaks_route, peak_middleware
 from mopd_hpc.engines.request_fields import RolloutRequestError
 from mopd_hpc.engines.rollout.control import MemoryTagsRequest, add_memory_routes, add_weight_routes
 from mopd_hpc.engines.rollout.engine_thread import EngineThread
@@ -58,6 +61,7 @@ from mopd_hpc.engines.rollout.sglang_backend import (
     generate_kwargs,
     ports_from_env,
 )
+from mopd_hpc.engines.rollout.tree_memory import PHASE_OF_PATH, TreeMemoryTracker
 from mopd_hpc.engines.weight_sync.requests import (
     DEFAULT_GROUP_NAME,
     DistributedUpdateRequest,
@@ -74,10 +78,14 @@ class SGLangRolloutServer:
     update_weights_from_distributed, update_weights_from_tensor, update_weights_from_disk; get_server_info
     and destroy_weights_update_group where it has them)."""
 
-    def __init__(self, launch: SGLangLaunch, engine: Any, thread: EngineThread | None = None) -> None:
-        """`thread`: the one that built `engine` and makes every call to it (a new one when None)."""
+    def __init__(
+        self, launch: SGLangLaunch, engine: Any, thread: EngineThread | None = None, memory: Any = None
+    ) -> None:
+        """`thread`: the one that built `engine` and makes every call to it (a new one when None); `memory`:
+        the per-phase memory tracker (default `tree_memory.TreeMemoryTracker()` of this process's tree)."""
         self.launch, self.engine = launch, engine
         self.thread = thread or EngineThread()
+        self.memory = TreeMemoryTracker() if memory is None else memory
         self.released: set[str] = set()
         self.weight_version = "default"
         #: Weights resumed and not loaded since: SGLang's memory saver keeps no copy of released weights, so
@@ -86,8 +94,11 @@ class SGLangRolloutServer:
         self.stale_weights = False
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(
+            client_max_size=1 << 30, middlewares=[peak_middleware(self.memory, PHASE_OF_PATH)]
+        )
         r = app.router
+        add_peaks_route(r, self.memory)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         r.add_get("/model_info", self.model_info)
