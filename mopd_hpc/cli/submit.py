@@ -54,11 +54,11 @@ from mopd_hpc.config.capabilities import OPT_IN_FIELD
 from mopd_hpc.config.gaps import unverified_gaps, unverified_warning
 from mopd_hpc.config.inert import inert_warnings
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
-from mopd_hpc.config.rules import job_gaps
+from mopd_hpc.config.rules import NOTHING_LET_THROUGH, job_gaps
 from mopd_hpc.launch.jobspec import JobSpecError
 from mopd_hpc.launch.local_gpus import LocalGpuError, local_gpu_tokens
 from mopd_hpc.launch.memory_check import memory_check
-from mopd_hpc.launch.model_check import prepare_models, resolution_notes
+from mopd_hpc.launch.model_check import prepare_models, resolution_notes, unverified_model_warnings
 from mopd_hpc.launch.paths import local_path_errors, path_warnings
 from mopd_hpc.launch.pipe_out import PipeOut
 from mopd_hpc.launch.resume import ResumeError, check_resume, resume_choice
@@ -144,7 +144,9 @@ def submit_warnings(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
     teachers resident (`plan/residency_plan.py`; none when the job cannot be placed: that error comes with the
     plan). A plan over the GPUs' memory is not a warning: `memory_check` refuses it."""
     inert = [p.render() for p in inert_warnings(cfg)]
-    return [*cfg.warnings(), *inert, *path_warnings(cfg, cwd), *_residency_warnings(cfg)]
+    models = [f"unverified: {w}" for w in unverified_model_warnings(cfg, cwd)]  # a checkpoint family
+    own = [w for w in cfg.warnings() if not (models and w == NOTHING_LET_THROUGH)]
+    return [*own, *inert, *models, *path_warnings(cfg, cwd), *_residency_warnings(cfg)]
 
 
 def _residency_warnings(cfg: RunConfig) -> list[str]:
@@ -342,7 +344,9 @@ def execute(
     for line in choice.skipped:  # a damaged newer checkpoint: the actor passes over it too
         print(f"# warning: checkpoint skipped: {line}", file=out)
     atomic_write_text(run_dir.root / CONFIG_FILE_NAME, cfg.to_yaml())
-    write_unverified(run_dir.root, [unverified_warning(p) for p in unverified_gaps(cfg)])
+    write_unverified(
+        run_dir.root, [unverified_warning(p) for p in unverified_gaps(cfg)] + unverified_model_warnings(cfg)
+    )
     plan.write(run_dir.root / PLAN_FILE_NAME)
     if args.render:  # the run dir is prepared as for a submission, so the script runs as written
         Path(args.render).parent.mkdir(parents=True, exist_ok=True)
