@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
+from mopd_hpc.engines.expert_names import EXPERT_NAME
+
 #: take(key, shape) → the tensor of `key` checked against `shape` (it records the key as used).
 Take = Callable[[str, tuple[int, ...]], torch.Tensor]
 
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_SPLIT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def mlp_hf_to_mcore(take: Take, src: str, dst: str, shape: Any, moe: bool) -> dict[str, torch.Tensor]:
@@ -103,7 +104,7 @@ def fuse_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, t in sd.items():
-        m = _SPLIT.match(key)
+        m = EXPERT_NAME.match(key)
         if m is None:
             out[key] = t
             continue
