@@ -99,12 +99,12 @@ def test_an_moe_checkpoint_is_refused_for_megatron_until_its_gpu_test_has_run(mo
     assert "or allow_unverified: true (--allow-unverified) to run it unverified" in text
     # the opt-in lets the megatron MoE checkpoint through (not AWEX, which does not move experts, nor the
     # checkpoint's load-balancing coefficient, which megatron would leave out), and --check warns for both fields
-    opt_in = [*overrides, "allow_unverified=true"]
+    opt_in = [*overrides, "allow_unverified=true", "weight_sync.backend=awex"]
     with pytest.raises(ConfigError) as err:
         prepare_models(load_run_config(CODER, opt_in), str(CODER))
     text = str(err.value)
     assert "2 problems" in text and "awex does not move its experts" in text
-    assert "(got 'awex'; weight_sync.backend: torch)" in text
+    assert "(got 'awex'; weight_sync.backend: torch)" in text  # the broadcast the shipped config uses
     assert (
         "loss.router_aux_loss_coefficient: null takes the actor's router_aux_loss_coef (0.001 in "
         f"{path}/config.json), and the megatron actor engine adds no router loss (got null; 0 (no "
