@@ -41,3 +41,58 @@ def test_checkpoint_names_load_into_fused_experts_bitwise(tmp_path: Path) -> Non
     with pytest.raises(WeightLoadError, match=rf"experts\.{MOE_EXPERTS}\.down_proj"):
         engine.load_named_tensors(bad, "3")
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_sglang_names_are_the_checkpoint_files_names_as_views(tmp_path: Path) -> None:
+    """SGLang's Qwen3-MoE loader reads the checkpoint files' names: `CheckpointNames(engine).named_weights()` of an
+    engine holding transformers 5's fused experts gives exactly the names of the model's safetensors file, each
+    tensor bitwise the file's, the experts as views of the fused parameters (no copy); a dense model's and
+    megatron's (already per expert) names pass unchanged; `build_sync` wraps the actor for an sglang rollout."""
+    from safetensors.torch import load_file
+
+    from mopd_hpc.engines.expert_names import CheckpointNames, checkpoint_named
+
+    path = save_micro_moe(tmp_path / "moe", 0)
+    model = HFRolloutEngine.load(str(path), "cpu", "float32").model
+
+    class Engine:
+        device = "cpu"
+
+        def named_weights(self):
+            return iter(model.state_dict().items())
+
+    named = dict(CheckpointNames(Engine()).named_weights())
+    files = load_file(str(path / "model.safetensors"))
+    assert list(named) != list(model.state_dict()) and set(named) == set(files)
+    for key, t in files.items():
+        assert torch.equal(named[key], t), key
+    fused = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+    assert named["model.layers.0.mlp.experts.1.up_proj.weight"].untyped_storage().data_ptr() == (
+        fused.untyped_storage().data_ptr()
+    )
+    assert CheckpointNames(Engine()).device == "cpu"
+    assert list(checkpoint_named(files.items())) == list(files.items())  # already per expert: unchanged
+
+
+def test_build_sync_names_experts_for_sglang() -> None:
+    from types import SimpleNamespace
+
+    from mopd_hpc.engines.expert_names import CheckpointNames
+    from mopd_hpc.trainer.weight_sync import IpcSync, SyncSettings, TorchSync, build_sync
+
+    engine, settings = object(), SyncSettings("127.0.0.1", 1)
+    for rollout, sync_backend, kind in (
+        ("hf", "ipc", IpcSync),
+        ("sglang", "ipc", IpcSync),
+        ("sglang", "torch", TorchSync),
+    ):
+        cfg = SimpleNamespace(
+            weight_sync=SimpleNamespace(backend=sync_backend),
+            rollout=SimpleNamespace(backend=rollout, engines=SimpleNamespace(tensor_parallel=1)),
+        )
+        sync = build_sync(cfg, engine, settings, "/nonexistent")
+        assert isinstance(sync, kind)
+        if rollout == "sglang":
+            assert isinstance(sync.engine, CheckpointNames) and sync.engine.engine is engine
+        else:
+            assert sync.engine is engine

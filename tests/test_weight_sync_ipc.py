@@ -209,31 +209,17 @@ def test_three_syncs_arrive_bitwise_mapped_once(models, tmp_path, device):
         assert stop_server(proc) == 0
 
 
-class CheckpointNames:
-    """An actor engine whose `named_weights()` spells each expert by its checkpoint name, as the megatron
-    actor's export does (`convert_moe.split_fused_experts`); everything else is the wrapped engine's."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def named_weights(self):
-        from mopd_hpc.engines.megatron.convert_moe import split_fused_experts
-
-        yield from split_fused_experts(dict(self.engine.named_weights())).items()
-
-
 @pytest.mark.parametrize("tied", [True, False, "moe", "moe_checkpoint_names"])
 def test_the_torch_engine_syncs_tied_and_untied_bitwise(tmp_path, tied):
     """The torch actor engine's `named_weights()` (a tied head under both names) through one sync after a
     train-like change: the server's every parameter is bitwise the actor's, the buffer holds each storage once,
     and in the tied case the server's head still is its embedding; "moe": an untied Qwen3-MoE (its fused expert
-    tensors and routers); "moe_checkpoint_names": the same with each expert under its checkpoint name, as a
-    megatron actor sends them, loaded into the served model's fused experts (`engines/expert_names.py`)."""
+    tensors and routers); "moe_checkpoint_names": the same with each expert under its checkpoint name (views of the
+    fused tensors, `engines/expert_names.CheckpointNames`), as a megatron actor sends them and SGLang loads them,
+    loaded into the served model's fused experts (`engines/expert_names.py`)."""
     from mopd_hpc.config import LossConfig
     from mopd_hpc.config.models import OptimizerConfig
+    from mopd_hpc.engines.expert_names import CheckpointNames
     from mopd_hpc.engines.torch_engine import TorchTrainEngine
 
     names = tied

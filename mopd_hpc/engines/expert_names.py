@@ -12,12 +12,15 @@ fused parameters they are: copying a tensor into such a view writes the expert's
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 #: A per-expert checkpoint name: (the layer's `…mlp.experts` prefix, expert e, gate_proj / up_proj / down_proj).
 EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+#: transformers 5's fused expert tensor of a layer: (the `…mlp.experts` prefix, gate_up_proj / down_proj).
+FUSED_NAME = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def expert_views(state: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -41,3 +44,38 @@ def expert_views(state: Mapping[str, torch.Tensor], names: Iterable[str]) -> dic
             data = data[:half] if kind == "gate_proj" else data[half:]
         out[name] = data
     return out
+
+
+def checkpoint_named(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`items` with each fused expert tensor (`FUSED_NAME`: gate_up_proj [E, 2·f_e, h], down_proj [E, h, f_e])
+    given as its experts' checkpoint names instead (e = 0..E−1: gate_proj, up_proj [f_e, h] (the first and
+    second half of expert e's rows), down_proj [h, f_e]); views of the fused tensor, no copies. Other items
+    pass unchanged, in order: a megatron actor's names (already per expert) and a dense model's are kept."""
+    for name, t in items:
+        m = FUSED_NAME.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, kind = m.groups()
+        for e in range(t.shape[0]):
+            if kind == "down_proj":
+                yield f"{prefix}.{e}.down_proj.weight", t[e]
+            else:
+                gate, up = t[e].chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+
+
+class CheckpointNames:
+    """An actor engine whose `named_weights()` gives each expert under its checkpoint name (`checkpoint_named`),
+    as SGLang's Qwen3-MoE loader reads them (it maps `experts.e.{gate,up,down}_proj.weight` onto its fused
+    layers and knows no `experts.gate_up_proj`); every other attribute is the wrapped engine's."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from checkpoint_named(self.engine.named_weights())
