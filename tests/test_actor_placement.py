@@ -76,7 +76,7 @@ def test_a_one_rank_plan_is_unchanged_but_for_the_sync_port() -> None:
         ("rollout", 0, ("http", "nccl", "dist_init")),
     ]  # fmt: skip
     # AWEX does not use the torch weight-sync group: rank 0 leases `master` only
-    awex = place_children(load_run_config(CONFIGS / "qwen3_coder_4node.yaml"))
+    awex = place_children(load_run_config(CONFIGS / "qwen3_coder_4node.yaml", ["weight_sync.backend=awex"]))
     assert awex.by_role("actor")[0].port_names == ("master",)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,62 @@ def test_names_match_a_real_megatron_gpt_model_with_moe_layers(family: str, tmp_
     assert report["same"] is True
     if family != "llama":
         assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in report["names"]
+
+
+_MOE_LAYER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(1, 1)
+    from megatron.core.transformer.moe import router
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore
+    from mopd_hpc.engines.megatron.convert_moe import split_fused_experts
+    from mopd_hpc.engines.megatron.model import build_gpt_model, load_mcore_state
+
+    # TopKRouter.gating moves a CPU weight to CUDA first; on this CUDA-less host it computes the same logits
+    router.TopKRouter.gating = lambda self, x: torch.nn.functional.linear(x, self.weight)
+    report = {}
+    for norm in (True, False):
+        torch.manual_seed(0)
+        cfg = Qwen3MoeConfig(
+            vocab_size=120, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=8,
+            num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, norm_topk_prob=norm)
+        hf = Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():
+            hf.model.layers[0].mlp.gate.weight.normal_(0.0, 0.2)
+        shape = Qwen3Shape.from_hf_config(cfg)
+        model = build_gpt_model(shape, dtype="float32", cpu_init=True).eval()
+        load_mcore_state(model, hf_to_mcore(split_fused_experts(hf.state_dict()), shape))
+        x = torch.randn(7, 3, 64)  # [s, b, h], megatron's layout
+        with torch.no_grad():
+            out = model.decoder.layers[0].mlp(x)
+            out = out[0] if isinstance(out, tuple) else out
+            ref = hf.model.layers[0].mlp(x.transpose(0, 1).contiguous()).transpose(0, 1)
+        report[str(norm)] = {"err": (out - ref).abs().max().item(), "scale": ref.abs().max().item(),
+                             "pre_softmax": model.config.moe_router_pre_softmax}
+    print(json.dumps(report))
+    """
+)
+
+
+def test_megatron_moe_layer_equals_transformers_sparse_moe_block(tmp_path: Path) -> None:
+    """megatron-core's MoELayer (TopKRouter, allgather dispatcher, SequentialMLP) built by `build_gpt_model`
+    with the converter's weights gives transformers' `Qwen3MoeSparseMoeBlock` output in float32 (1e-6, against
+    outputs of ~1e-2), with norm_topk_prob true (top k, then softmax over the k) and false (softmax over all
+    E, then top k): routing and expert math agree on CPU. The router's gating (a CUDA move, then the same
+    linear) is replaced by the linear; the whole model on a GPU: tests/test_megatron_moe_gpu.py."""
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MOE_LAYER_SCRIPT, str(tmp_path / "pg_store")],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["True"]["pre_softmax"] is False and report["False"]["pre_softmax"] is True
+    for r in report.values():
+        assert r["err"] < 1e-6 and r["scale"] > 1e-3, report

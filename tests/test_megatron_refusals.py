@@ -15,7 +15,7 @@ from helpers_models import build_micro_models
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.capabilities import ACTOR_ENGINES
 from mopd_hpc.config.job_gaps import job_gaps
-from mopd_hpc.launch.model_check import prepare_models
+from mopd_hpc.launch.model_check import prepare_models, unverified_model_warnings
 
 REPO = Path(__file__).resolve().parents[1]
 CODER = REPO / "configs" / "qwen3_coder_4node.yaml"
@@ -96,6 +96,26 @@ def test_an_moe_checkpoint_is_refused_for_megatron_until_its_gpu_test_has_run(mo
         "one on GPUs: tests/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU) has not run" in text
     )
     assert "models.actor.engine: torch" in text and "models.teachers[0].engine: torch" in text
+    assert "or allow_unverified: true (--allow-unverified) to run it unverified" in text
+    # the opt-in lets the megatron MoE checkpoint through (not AWEX, which does not move experts, nor the
+    # checkpoint's load-balancing coefficient, which megatron would leave out), and --check warns for both fields
+    opt_in = [*overrides, "allow_unverified=true", "weight_sync.backend=awex"]
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, opt_in), str(CODER))
+    text = str(err.value)
+    assert "2 problems" in text and "awex does not move its experts" in text
+    assert "(got 'awex'; weight_sync.backend: torch)" in text  # the broadcast the shipped config uses
+    assert (
+        "loss.router_aux_loss_coefficient: null takes the actor's router_aux_loss_coef (0.001 in "
+        f"{path}/config.json), and the megatron actor engine adds no router loss (got null; 0 (no "
+        "load-balancing loss), or models.actor.engine: torch)" in text
+    )
+    opt_in += ["weight_sync.backend=torch", "loss.router_aux_loss_coefficient=0"]
+    opted = prepare_models(load_run_config(CODER, opt_in), str(CODER))
+    warnings = unverified_model_warnings(opted)
+    assert [w.split(" = ")[0] for w in warnings] == ["models.actor.path", "models.teachers[0].path"]
+    assert all("let through by allow_unverified" in w and "test_megatron_moe_gpu.py" in w for w in warnings)
+    assert unverified_model_warnings(cfg) == []
     # the torch engine loads a Qwen3-MoE checkpoint: no architecture refusal
     torch_cfg = load_run_config(
         CODER,

@@ -60,7 +60,8 @@ def test_qwen3_coder_4node_rank_map() -> None:
     assert max(gpu_owners(plan, "rollout").values()) == 1 and len(gpu_owners(plan, "rollout")) == 32
     # named ports per child
     assert all(r.port_names == ("http", "nccl", "dist_init") for r in rollouts)
-    assert actors[0].port_names == ("master",) and all(a.port_names == () for a in actors[1:])
+    # the torch broadcast's group: actor rank 0 leases its nccl port too
+    assert actors[0].port_names == ("master", "nccl") and all(a.port_names == () for a in actors[1:])
     # 4 replicas of TP 8: each leader serves http and leases its TP group's rendezvous port
     assert [t.port_names for t in teachers[:9]] == [("http", "master")] + [()] * 7 + [("http", "master")]
     t9 = teachers[9].env_dict

@@ -40,7 +40,14 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_dry_run_prints_the_script_and_the_rank_map_without_slurm(tmp_path: Path) -> None:
     assert not any((Path(p) / "sbatch").exists() for p in no_slurm_env()["PATH"].split(os.pathsep))
-    proc = mopd_submit("--dry-run", CONFIGS / "qwen3_coder_4node.yaml", "--run-dir", tmp_path / "run")
+    proc = mopd_submit(  # AWEX (into sglang: not run by the job yet) prints its transfer world
+        "--dry-run",
+        CONFIGS / "qwen3_coder_4node.yaml",
+        "--run-dir",
+        tmp_path / "run",
+        "--set",
+        "weight_sync.backend=awex",
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     # the --check warnings (one a line), then the rank map, then the script (sbatch command first)

@@ -209,17 +209,21 @@ def test_three_syncs_arrive_bitwise_mapped_once(models, tmp_path, device):
         assert stop_server(proc) == 0
 
 
-@pytest.mark.parametrize("tied", [True, False, "moe"])
+@pytest.mark.parametrize("tied", [True, False, "moe", "moe_checkpoint_names"])
 def test_the_torch_engine_syncs_tied_and_untied_bitwise(tmp_path, tied):
     """The torch actor engine's `named_weights()` (a tied head under both names) through one sync after a
     train-like change: the server's every parameter is bitwise the actor's, the buffer holds each storage once,
     and in the tied case the server's head still is its embedding; "moe": an untied Qwen3-MoE (its fused expert
-    tensors and routers)."""
+    tensors and routers); "moe_checkpoint_names": the same with each expert under its checkpoint name (views of the
+    fused tensors, `engines/expert_names.CheckpointNames`), as a megatron actor sends them and SGLang loads them,
+    loaded into the served model's fused experts (`engines/expert_names.py`)."""
     from mopd_hpc.config import LossConfig
     from mopd_hpc.config.models import OptimizerConfig
+    from mopd_hpc.engines.expert_names import CheckpointNames
     from mopd_hpc.engines.torch.engine import TorchTrainEngine
 
-    if tied == "moe":
+    names = tied
+    if tied in ("moe", "moe_checkpoint_names"):
         served, trainer_dir = save_micro_moe(tmp_path / "served", 0), save_micro_moe(tmp_path / "trainer", 1)
         tied = False
     else:
@@ -231,12 +235,17 @@ def test_the_torch_engine_syncs_tied_and_untied_bitwise(tmp_path, tied):
     with torch.no_grad():  # the head and the embedding differ unless they are one tensor
         actor.model.lm_head.weight.mul_(2.0)
     proc, url, _ = start_server(served, tmp_path)
-    sync = IpcSync(actor)
+    sync = IpcSync(CheckpointNames(actor) if names == "moe_checkpoint_names" else actor)
 
     async def scenario():
         async with RolloutClient(url, token=TOKEN) as client:
             await sync.push(1, [client])
-            assert_tied_once(sync, actor.model)
+            if names == "moe_checkpoint_names":
+                assert "model.layers.1.mlp.experts.3.up_proj.weight" in {
+                    s.name for s in sync.buffers.request("x").tensors
+                }
+            else:
+                assert_tied_once(sync, actor.model)
             want = actor.model.state_dict()
             got = await server_weights(client, want)
             assert_bitwise(got, want)

@@ -362,6 +362,11 @@ def _cpu_budget(cfg: Any) -> Iterator[Problem]:
         )
 
 
+#: The warning of an opt-in that lets no setting of the config through (a checkpoint's family may still: the
+#: model check, launch/model_check.py, which reads the files, drops it then).
+NOTHING_LET_THROUGH = "allow_unverified: true lets nothing through here: every setting of this config has run"
+
+
 def config_warnings(cfg: Any) -> list[str]:
     """Legal but suspicious settings of a valid RunConfig, rendered as problems (not errors); `job_gaps`
     first, as "not run by the job's roles yet: ..."."""
@@ -369,7 +374,7 @@ def config_warnings(cfg: Any) -> list[str]:
     let_through = unverified_gaps(cfg)
     out += [f"unverified: {unverified_warning(gap)}" for gap in let_through]
     if cfg.allow_unverified and not let_through:
-        out.append("allow_unverified: true lets nothing through here: every setting of this config has run")
+        out.append(NOTHING_LET_THROUGH)
     out += backend_package_warning(cfg)
     backend = ROLLOUT_BACKENDS[cfg.rollout.backend]
     if cfg.rollout.mode in backend.stand_in_modes:

@@ -29,7 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.capabilities import MODEL_FAMILIES, MODEL_TYPE_ARCHITECTURES, model_family_refusals
+from mopd_hpc.config.capabilities import (
+    MODEL_FAMILIES,
+    MODEL_TYPE_ARCHITECTURES,
+    model_family_refusals,
+    standing,
+)
 from mopd_hpc.config.problems import Problem
 from mopd_hpc.launch.data_check import data_problems
 from mopd_hpc.launch.hub_cache import (
@@ -40,6 +45,7 @@ from mopd_hpc.launch.hub_cache import (
     is_local_directory,
 )
 from mopd_hpc.launch.model_files import directory_problems
+from mopd_hpc.launch.moe_check import moe_actor_problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +215,23 @@ def architecture_problems(cfg: RunConfig, here: dict[str, Path]) -> list[Problem
             out += model_family_refusals(field, _engine(cfg, field), arch, str(directory))
         if arch in MODEL_FAMILIES and field == "models.actor.path" and not MODEL_FAMILIES[arch].moe:
             out += dense_actor_problems(cfg, arch)
+        elif arch in MODEL_FAMILIES and field == "models.actor.path":
+            out += moe_actor_problems(cfg, arch, directory)
     return out
+
+
+def unverified_model_warnings(cfg: RunConfig, base: Path | None = None) -> list[str]:
+    """With `cfg.allow_unverified`: the warning of each checkpoint family its engine has not run on GPUs
+    (`architecture_problems`' unverified refusals, which `prepare_models` let through), as --check prints
+    them; [] without the opt-in. `cfg` has its hub ids resolved (`prepare_models`)."""
+    from mopd_hpc.config.job_gaps import unverified_warning
+
+    if not cfg.allow_unverified:
+        return []
+    root = base or Path.cwd()
+    here = {mp.field: root / Path(_path(cfg, mp.field)).expanduser() for mp in model_paths(cfg) if mp.read}
+    here = {f: p for f, p in here.items() if p.is_dir()}
+    return [unverified_warning(p) for p in architecture_problems(cfg, here) if p.unverified]
 
 
 def dense_actor_problems(cfg: RunConfig, arch: str) -> list[Problem]:
@@ -285,7 +307,7 @@ def prepare_models(
     if not check_files:
         return resolved
     problems += file_problems(resolved, paths, base) + data_problems(resolved, base)
-    if problems:
+    if problems := standing(problems, resolved.allow_unverified):  # `unverified_model_warnings` the rest
         raise ConfigError(problems, source)
     return resolved
 

@@ -21,10 +21,11 @@ from mopd_hpc.config import RunConfig, load_run_config
 from mopd_hpc.config.inert_fields import inert_warnings
 from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
+from mopd_hpc.config.rules import NOTHING_LET_THROUGH
 from mopd_hpc.launch.from_config import jobspec_from_config
 from mopd_hpc.launch.jobspec import JobSpec
 from mopd_hpc.launch.memory_check import MemoryCheck, memory_check
-from mopd_hpc.launch.model_check import prepare_models
+from mopd_hpc.launch.model_check import prepare_models, unverified_model_warnings
 from mopd_hpc.launch.paths import local_path_errors, path_warnings
 from mopd_hpc.plan.placement import place_children
 from mopd_hpc.plan.residency_plan import planned_residency, residency_modes, residency_warnings
@@ -130,7 +131,9 @@ def submit_warnings(cfg: RunConfig, cwd: Path | None = None) -> list[str]:
     `always` teachers resident (`plan/residency_plan.py`; none when the job cannot be placed: that error comes with the
     plan). A plan over the GPUs' memory is not a warning: `memory_check` refuses it."""
     inert = [p.render() for p in inert_warnings(cfg)]
-    return [*cfg.warnings(), *inert, *path_warnings(cfg, cwd), *_residency_warnings(cfg)]
+    models = [f"unverified: {w}" for w in unverified_model_warnings(cfg, cwd)]  # a checkpoint family
+    own = [w for w in cfg.warnings() if not (models and w == NOTHING_LET_THROUGH)]
+    return [*own, *inert, *models, *path_warnings(cfg, cwd), *_residency_warnings(cfg)]
 
 
 def _residency_warnings(cfg: RunConfig) -> list[str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.job_gaps import unverified_gaps, unverified_warning
+from mopd_hpc.launch.model_check import unverified_model_warnings
 from mopd_hpc.records.run_dir import CONFIG_FILE, LOGS_DIR, PLAN_FILE, STATE_DIR, SUBMIT_DIR, TOKEN_FILE
 from mopd_hpc.records.unverified import write_unverified
 from mopd_hpc.runtime.http_auth import create_token_file, read_token_file
@@ -83,7 +84,9 @@ def write_run_files(run_dir: RunDir, cfg: RunConfig, plan: JobPlan) -> None:
     unverified (records/unverified.py) and the job plan (PLAN_FILE: what the guards read), each atomically.
     Raises OSError when the run directory is not writable."""
     atomic_write_text(run_dir.root / CONFIG_FILE, cfg.to_yaml())
-    write_unverified(run_dir.root, [unverified_warning(p) for p in unverified_gaps(cfg)])
+    write_unverified(
+        run_dir.root, [unverified_warning(p) for p in unverified_gaps(cfg)] + unverified_model_warnings(cfg)
+    )
     plan.write(run_dir.root / PLAN_FILE)
 
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.engines.daemon_thread import in_daemon_thread
+from mopd_hpc.engines.expert_names import CheckpointNames
 from mopd_hpc.engines.weight_sync.awex import REGISTERED_ARCHITECTURES, AwexConfigError, AwexJobConfig
 from mopd_hpc.engines.weight_sync.awex_actor import (
     AwexActorPublisher,
@@ -387,12 +388,15 @@ def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
 
 def build_sync(cfg: RunConfig, engine: Any, settings: SyncSettings, run_dir: str | Path) -> WeightSync:
     """The sync weight_sync.backend names: `TorchSync(engine, settings)`, `IpcSync(engine)` or
-    `AwexSync(awex_job_config(cfg), engine, run_dir, host=settings.master_addr)`.
+    `AwexSync(awex_job_config(cfg), engine, run_dir, host=settings.master_addr)`; into sglang engines the
+    engine's fused experts go under their checkpoint names (`engines.expert_names.CheckpointNames`).
 
     Raises:
         AwexConfigError: AWEX settings the job cannot have (`awex_job_config`).
     """
     backend = cfg.weight_sync.backend
+    if cfg.rollout.backend == "sglang":  # SGLang loads an MoE's experts under their checkpoint names
+        engine = CheckpointNames(engine)
     if backend == "torch":
         return TorchSync(engine, settings, ranks_per_server=cfg.rollout.engines.tensor_parallel)
     if backend == "ipc":

@@ -19,17 +19,15 @@ per-expert names above to its checkpoint files; `split_fused_experts` / `fuse_ex
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from mopd_hpc.engines.expert_names import EXPERT_NAME, checkpoint_named
+
 #: take(key, shape) → the tensor of `key` checked against `shape` (it records the key as used).
 Take = Callable[[str, tuple[int, ...]], torch.Tensor]
-
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_SPLIT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def mlp_hf_to_mcore(take: Take, src: str, dst: str, shape: Any, moe: bool) -> dict[str, torch.Tensor]:
@@ -76,22 +74,8 @@ def mlp_mcore_to_hf(take: Take, src: str, dst: str, shape: Any, moe: bool) -> di
 
 def split_fused_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers 5's in-memory expert tensors (`…mlp.experts.gate_up_proj` [E, 2·f_e, h],
-    `…mlp.experts.down_proj` [E, h, f_e]) → the per-expert checkpoint names; other keys pass through."""
-    out: dict[str, torch.Tensor] = {}
-    for key, t in sd.items():
-        m = _FUSED.match(key)
-        if m is None:
-            out[key] = t
-            continue
-        prefix, kind = m.groups()
-        for e in range(t.shape[0]):
-            if kind == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
-            else:
-                gate, up = t[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate.clone()
-                out[f"{prefix}.{e}.up_proj.weight"] = up.clone()
-    return out
+    `…mlp.experts.down_proj` [E, h, f_e]) → the per-expert checkpoint names (clones); other keys pass through."""
+    return {name: t if name in sd else t.clone() for name, t in checkpoint_named(sd.items())}
 
 
 def fuse_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -103,7 +87,7 @@ def fuse_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, t in sd.items():
-        m = _SPLIT.match(key)
+        m = EXPERT_NAME.match(key)
         if m is None:
             out[key] = t
             continue

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mopd_hpc.engines.expert_names import expert_views
 from mopd_hpc.engines.moe_routing import RouterHooks
 from mopd_hpc.engines.rollout.graph_shape import SPANS, attention_span
 from mopd_hpc.engines.rollout.grouped_attention import NAME as GROUPED_SDPA
@@ -501,7 +502,8 @@ class HFRolloutEngine:
     # ---- weights -----------------------------------------------------------------------------------
 
     def load_named_tensors(self, named: Mapping[str, torch.Tensor], weight_version: str | None) -> int:
-        """Copy tensors into the model's parameters (HF state_dict names); all or nothing.
+        """Copy tensors into the model's parameters (HF state_dict names, or a fused MoE layer's per-expert
+        checkpoint names: `engines/expert_names.py`); all or nothing.
 
         Tied weights may come once or under both names. Dtypes are cast to the model's.
         Returns:
@@ -510,6 +512,7 @@ class HFRolloutEngine:
             WeightLoadError: an unknown name or a shape mismatch; nothing was changed.
         """
         state = self.model.state_dict(keep_vars=True)
+        state = {**state, **expert_views(state, named)}  # per-expert names into fused experts (MoE)
         for name, tensor in named.items():
             if name not in state:
                 known = ", ".join(list(state)[:4])
