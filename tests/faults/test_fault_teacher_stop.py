@@ -20,11 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 from test_controller import micro_config, micro_models  # noqa: F401  (the module-scoped fixture)
+from test_fault_kill_resume import child_pid
 from test_local_backend import env_for, processes_of, wait_for
 
 from mopd_hpc.engines.teacher_client import TeacherClient, TeacherUnavailableError
@@ -34,14 +34,6 @@ from mopd_hpc.records.metrics import read_metrics
 TIMEOUT_S = 4.0
 STEP_S = 6.0
 MARGIN_S = 40.0
-
-
-def child_pid(run_dir: Path, role: str, index: int) -> int:
-    for record in (run_dir / "ports").glob("*.json"):
-        for child in json.loads(record.read_text())["children"]:
-            if (child["role"], child["index"]) == (role, index):
-                return int(child["pid"])
-    raise AssertionError(f"no {role}[{index}] in {run_dir / 'ports'}")
 
 
 def test_sigstop_of_a_teacher_fails_the_step_within_its_timeout_naming_it(micro_models, tmp_path):  # noqa: F811
