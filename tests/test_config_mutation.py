@@ -14,6 +14,7 @@ the job runs on the submit host or in its roles:
     evaluation trainer/evaluator.RunEvaluator.point against engine stand-ins: its /generate bodies and values
     exports   trainer/exports.write_export at every export step: the exports left on disk after each step
     group     roles/actor_group.group_spec (the actor group's spec)
+    teachers  roles/actor.teacher_pool for each teacher the actor scores (each replica client's name, timeout)
     loss      roles/actor.build_train_engine (torch, CPU, a micro Qwen3) and 3 train steps on a fixed batch
     refused   loading the config raises a ConfigError naming the mutated field
 
@@ -304,6 +305,15 @@ def _group(cfg: RunConfig) -> str:
     return repr(group_spec(role, cfg, {}, 60.0))
 
 
+def _teachers(cfg: RunConfig) -> str:
+    from mopd_hpc.mopd.plan import ExecutionPlan
+    from mopd_hpc.roles.actor import teacher_pool
+
+    plan = ExecutionPlan.from_config(cfg.loss, teachers=cfg.models.teacher_ids)
+    pools = {t: teacher_pool(cfg, t, ["http://127.0.0.1:1"], None) for t in plan.teachers}
+    return repr({t: [(c.name, c.timeout_s) for c in pool.clients] for t, pool in pools.items()})
+
+
 def _loss(cfg: RunConfig) -> str:
     """3 train steps of the actor's torch engine as the role builds it, on one fixed batch carrying what
     every term reads (the teachers' top-k at k = loss.topk, as the teacher phase asks for it)."""
@@ -344,6 +354,7 @@ OBSERVERS: dict[str, Callable[..., str]] = {
     "evaluation": _evaluation,
     "exports": _exports,
     "group": _group,
+    "teachers": _teachers,
     "loss": _loss,
 }
 
@@ -411,6 +422,12 @@ MUTATIONS: dict[str, M] = {
     "models.teachers[].tensor_parallel": ("gpu", GPU2, {"models.teachers[0].tensor_parallel": 2}, "plan"),
     "models.teachers[].replicas": ("cpu", {}, {"models.teachers[0].replicas": 2}, "plan"),
     "models.teachers[].residency": ("gpu", {}, {"models.teachers[0].residency": "never"}, "dry_run"),
+    "models.teachers[].request_timeout_s": (
+        "cpu",
+        {},
+        {"models.teachers[0].request_timeout_s": 30.0},
+        "teachers",
+    ),
     "models.tokenizer.path": ("cpu", {}, {"models.tokenizer.path": "@root/nothing"}, "warnings"),
     "routes": ("cpu", {}, {"routes.legs": {"chain": 1.0}}, "warnings"),
     "data.sources[]<reasoning_gym>.kind": (
@@ -693,6 +710,11 @@ WITNESSES: dict[tuple[str, str], tuple[str, dict[str, Any], dict[str, Any]]] = {
         "cpu",
         C_D0,
         {"models.teachers[0].replicas": 2},
+    ),
+    ("models.teachers[].request_timeout_s", "loss.distillation_coefficient is 0"): (
+        "cpu",
+        C_D0,
+        {"models.teachers[0].request_timeout_s": 30.0},
     ),
     ("models.teachers[].residency", "loss.distillation_coefficient is 0"): (
         "gpu",

@@ -80,7 +80,7 @@ INERT: tuple[InertField, ...] = (
         InertField(
             f"models.teachers[].{name}", "loss.distillation_coefficient is 0", _no_distillation, _NO_TEACHER
         )
-        for name in ("id", "path", "engine", "dtype", "replicas", "residency")
+        for name in ("id", "path", "engine", "dtype", "replicas", "request_timeout_s", "residency")
     ),
     InertField(
         "models.teachers[].residency",

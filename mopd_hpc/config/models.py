@@ -124,6 +124,16 @@ class TeacherConfig(Section):
         "cluster.teacher_placement), on CPU 1. On GPUs a replica takes tensor_parallel of the teachers' GPUs "
         "(replicas·tensor_parallel at most their number).",
     )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Seconds the actor waits for one answer of this teacher's scoring servers (a step's /score "
+        "of a replica's rows, the evaluation's greedy answers), connecting included; past it the step fails "
+        "with an error naming the teacher, the replica and its URL, and the job ends (a stopped or hung "
+        "server). Raise it for a large teacher on slow hardware; at most 86400 (a day).",
+    )
     residency: Literal["auto", "always", "never"] = Field(
         "auto",
         description="Where the teacher's weights are between its phases on a GPU: 'auto' stays resident when "

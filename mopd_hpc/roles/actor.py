@@ -15,7 +15,8 @@ ranks follow it (trainer/follower.py). In order, on every rank:
 5. build the train engine `models.actor.engine` names (the loss section bound once, the data-parallel rank
    of the group; `build_train_engine`), with a KL penalty its reference model (`build_reference`: the
    starting actor from models.actor.path, offloaded between uses), open a client per teacher over its
-   replicas (`TeacherPool`; every rank scores its own rows);
+   replicas (`teacher_pool`: each request bounded by `models.teachers[].request_timeout_s`; every rank
+   scores its own rows);
 6. rank 0: the tokenizer, the routed data, the rollout clients and the weight sync (the `nccl` port), the
    SIGUSR2 checkpoint handler, on a GPU the residency decision (`roles/residency.py`: which teachers leave
    the GPU between phases; printed with the memory plan), then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
@@ -241,7 +242,7 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
         reference = build_reference(cfg, kind, engine) if plan.requires_reference else None
         async with contextlib.AsyncExitStack() as stack:
             teachers = {
-                t: await stack.enter_async_context(TeacherPool(endpoints.teachers[t], token=token))
+                t: await stack.enter_async_context(teacher_pool(cfg, t, endpoints.teachers[t], token))
                 for t in plan.teachers
             }
             if role.rank == 0:
@@ -259,6 +260,13 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
         group.close()
     log.info("actor rank %d ended: %s at step %d", role.rank, outcome.reason, outcome.step)
     return 0
+
+
+def teacher_pool(cfg: RunConfig, teacher_id: str, urls: Sequence[str], token: str | None) -> TeacherPool:
+    """The actor's client of one teacher's replicas (`urls`, in replica order): each request bounded by
+    `models.teachers[].request_timeout_s` seconds, its errors naming the teacher, the replica and the URL."""
+    timeout_s = cfg.models.teacher(teacher_id).request_timeout_s
+    return TeacherPool(urls, name=teacher_id, token=token, timeout_s=timeout_s)
 
 
 async def _lead(

@@ -7,8 +7,10 @@ JSON and binary); `score_tensors` returns the packed tensors of a binary answer 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,15 @@ class TeacherClientError(RuntimeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"teacher server error {status}: {message}")
         self.status = status
+
+
+class TeacherUnavailableError(TeacherClientError):
+    """No answer from a teacher server: it did not answer within the request timeout (a stopped or hung
+    server), or the connection failed (a dead one). The message names the teacher, its URL and the path."""
+
+    def __init__(self, message: str) -> None:
+        RuntimeError.__init__(self, message)
+        self.status = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +70,8 @@ class TeacherClient:
 
     Args:
         url: "http://host:port".
-        timeout_s: total time allowed per request, in seconds.
+        timeout_s: total time allowed per request (connect, send, the server's work, the answer), in
+            seconds; past it the request raises TeacherUnavailableError.
         connect_timeout_s: time allowed to connect, in seconds.
         binary: `score` travels as frames (binary transport) when True, as JSON when False; the answer
             is the same, bit for bit. `score_tensors` is always binary.
@@ -68,6 +80,8 @@ class TeacherClient:
             each is as large as the largest answer.
         token: the job's token, sent with every request (`runtime/http_auth.py`; a job's server answers 401
             without it); None sends none.
+        name: what error messages call this server (the teacher id and replica: `'chain' replica 0`);
+            None: `teacher server`.
     """
 
     def __init__(
@@ -80,8 +94,13 @@ class TeacherClient:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         keep_buffers: int = 1,
         token: str | None = None,
+        name: str | None = None,
     ) -> None:
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}, connect_timeout_s={connect_timeout_s}: expected > 0")
         self.url = url.rstrip("/")
+        self.name = "teacher server" if name is None else f"teacher {name}"
+        self.timeout_s = timeout_s
         self._headers = auth_headers(token)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self.binary, self.max_body_bytes = binary, max_body_bytes
@@ -105,9 +124,30 @@ class TeacherClient:
             await self._session.close()
             self._session = None
 
+    @contextlib.contextmanager
+    def _reaching(self, path: str) -> Iterator[None]:
+        """Raise a timeout or a failed connection during a request to `path` as TeacherUnavailableError."""
+        try:
+            yield
+        except TimeoutError as exc:  # aiohttp's total timeout (and its ServerTimeoutError subclasses)
+            raise TeacherUnavailableError(
+                f"{self.name} at {self.url}: {path}: no answer within {self.timeout_s:g} s (its request "
+                "timeout, models.teachers[].request_timeout_s): the server is stopped, hung or overloaded"
+            ) from exc
+        except aiohttp.ClientConnectionError as exc:
+            raise TeacherUnavailableError(
+                f"{self.name} at {self.url}: {path}: {type(exc).__name__}: {exc}"
+            ) from exc
+
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         if self._session is None:
             raise RuntimeError("TeacherClient used outside `async with` (no session)")
+        with self._reaching(path):
+            async with asyncio.timeout(self.timeout_s):
+                return await self._request(method, path, body)
+
+    async def _request(self, method: str, path: str, body: Any) -> dict[str, Any]:
+        assert self._session is not None
         async with self._session.request(method, self.url + path, json=body) as resp:
             try:
                 data = await resp.json()
@@ -155,10 +195,18 @@ class TeacherClient:
         Raises:
             TeacherClientError: an error status (the server's message), or an answer that is not a
                 valid frame (status 200, the WireError's message).
+            TeacherUnavailableError: no answer within `timeout_s`, or the connection failed.
         """
         if self._session is None:
             raise RuntimeError("TeacherClient used outside `async with` (no session)")
         body = encode_score_request(input_ids, response_start, top_k)
+        with self._reaching("/score"):
+            # the whole request, the answer's direct socket read too (aiohttp's own total does not cover it)
+            async with asyncio.timeout(self.timeout_s):
+                return await self._score_frame(body)
+
+    async def _score_frame(self, body: memoryview) -> ScoreTensors:
+        assert self._session is not None
         post = self._session.post(
             self.url + "/score", data=body, headers=FRAME_HEADERS, read_bufsize=READ_BUFSIZE
         )

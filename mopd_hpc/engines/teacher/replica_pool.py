@@ -111,17 +111,21 @@ class TeacherPool:
 
     Args:
         urls: "http://host:port" of each replica, in replica order (at least one).
+        name: the teacher's id; each replica's errors name it and the replica (`'chain' replica 1`).
         **client_kwargs: passed to each replica's `TeacherClient` (token, timeout_s, max_body_bytes, ...).
 
     Raises:
         ValueError: no URL.
     """
 
-    def __init__(self, urls: Sequence[str], **client_kwargs: Any) -> None:
+    def __init__(self, urls: Sequence[str], name: str | None = None, **client_kwargs: Any) -> None:
         if not urls:
             raise ValueError("a teacher pool needs at least one replica URL")
         self.urls = tuple(urls)
-        self.clients = [TeacherClient(url, **client_kwargs) for url in self.urls]
+        names = [None if name is None else f"{name!r} replica {r}" for r in range(len(self.urls))]
+        self.clients = [
+            TeacherClient(url, name=n, **client_kwargs) for url, n in zip(self.urls, names, strict=True)
+        ]
 
     async def __aenter__(self) -> TeacherPool:
         for client in self.clients:

@@ -9,7 +9,8 @@ signal, then exec in place: the reported pid is the worker's), in a new session 
 
 `generation` counts the spawns of one (role, index) on this guard, from 1. Exit is noticed through a pidfd
 in the event loop (no polling thread). Kill (STYLE.md rule 10): SIGTERM to the group and to every process
-of the child's tree, wait up to `wait_s`, SIGKILL to them, wait until none is left. Safe to call many times.
+of the child's tree (then SIGCONT, so a stopped one acts on it), wait up to `wait_s`, SIGKILL to them, wait
+until none is left. Safe to call many times.
 
 The tree (runtime/guard/proctree.py) is the group, the descendants by parent links, and the orphans the
 guard adopted as subreaper that carry the child's identity in their environment: a process that started
@@ -380,6 +381,9 @@ class ChildSupervisor:
         if self.gone(child):
             return True
         await self.signal_group(child, signal.SIGTERM, whole_tree=True)
+        # a stopped process (SIGSTOP, a debugger) acts on SIGTERM only once continued (as systemd does)
+        killpg_quiet(child.pgid, signal.SIGCONT)
+        proctree.signal_all(self.members(child), signal.SIGCONT)
         if await self.wait_gone(child, wait_s):
             return True
         await self.signal_group(child, signal.SIGKILL, whole_tree=True)

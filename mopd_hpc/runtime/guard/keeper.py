@@ -75,6 +75,7 @@ def sweep(grace_s: float) -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signum)
+                os.kill(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
         time.sleep(_POLL_S)
         reap()
         if time.monotonic() > deadline:
