@@ -288,16 +288,15 @@ def test_llama3_rope_scaling_gives_transformers_frequencies(tmp_path: Path) -> N
 
 
 def test_rope_scaling_megatron_cannot_reproduce_is_refused() -> None:
-    from mopd_hpc.engines.megatron.rope import megatron_rope_scaling
-    from mopd_hpc.engines.protocol import EngineError
+    from mopd_hpc.engines.megatron.rope import RopeScalingError, megatron_rope_scaling
 
     assert megatron_rope_scaling({"rope_theta": 1e6}) is None
     assert megatron_rope_scaling({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) is None
     assert megatron_rope_scaling({"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}) == 32.0
-    with pytest.raises(EngineError, match="rope_type='yarn'"):
+    with pytest.raises(RopeScalingError, match="rope_type='yarn'"):
         megatron_rope_scaling({"rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(
-        EngineError, match="rope high_freq_factor=2.0: megatron-core's llama3 scaling fixes it to 4.0"
+        RopeScalingError, match="rope high_freq_factor=2.0: megatron-core's llama3 scaling fixes it to 4.0"
     ):
         megatron_rope_scaling(
             {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 2.0}}
