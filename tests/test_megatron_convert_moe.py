@@ -177,6 +177,17 @@ def test_names_match_a_real_megatron_gpt_model_with_moe_layers(family: str, tmp_
         assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in report["names"]
 
 
+def _megatron_report(script: str, tmp_path: Path) -> dict:
+    """The last stdout line (JSON) of `script` run with megatron-core on one gloo rank (a file store)."""
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "pg_store")],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 _MOE_LAYER_SCRIPT = textwrap.dedent(
     """
     import json, sys, warnings
@@ -224,13 +235,68 @@ def test_megatron_moe_layer_equals_transformers_sparse_moe_block(tmp_path: Path)
     outputs of ~1e-2), with norm_topk_prob true (top k, then softmax over the k) and false (softmax over all
     E, then top k): routing and expert math agree on CPU. The router's gating (a CUDA move, then the same
     linear) is replaced by the linear; the whole model on a GPU: tests/test_megatron_moe_gpu.py."""
-    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-c", _MOE_LAYER_SCRIPT, str(tmp_path / "pg_store")],
-        capture_output=True, text=True, timeout=240, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _megatron_report(_MOE_LAYER_SCRIPT, tmp_path)
     assert report["True"]["pre_softmax"] is False and report["False"]["pre_softmax"] is True
     for r in report.values():
         assert r["err"] < 1e-6 and r["scale"] > 1e-3, report
+
+
+_ROPE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(1, 1)
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from mopd_hpc.engines.megatron.convert import Qwen3Shape
+    from mopd_hpc.engines.megatron.engine import rope_theta
+    from mopd_hpc.engines.megatron.model import build_gpt_model
+    from mopd_hpc.engines.megatron.rope import megatron_rope_scaling
+
+    report = {}
+    for factor in (8.0, 32.0):  # Llama 3.1 / 3.3, Llama 3.2
+        cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=96, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=128, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+        hf_config = cfg.to_dict()
+        model = build_gpt_model(Qwen3Shape.from_hf_config(hf_config), dtype="float32", cpu_init=True,
+                                rope_theta=rope_theta(hf_config), rope_scaling_factor=megatron_rope_scaling(hf_config))
+        ours = model.rotary_pos_emb.inv_freq.float()
+        ref = LlamaRotaryEmbedding(cfg).inv_freq.float()
+        plain = build_gpt_model(Qwen3Shape.from_hf_config(hf_config), dtype="float32", cpu_init=True,
+                                rope_theta=rope_theta(hf_config)).rotary_pos_emb.inv_freq.float()
+        report[str(factor)] = {"err": ((ours - ref).abs() / ref).max().item(),
+                               "unscaled_err": ((plain - ref).abs() / ref).max().item()}
+    print(json.dumps(report))
+    """
+)
+
+
+def test_llama3_rope_scaling_gives_transformers_frequencies(tmp_path: Path) -> None:
+    """A Llama 3.x config.json's llama3 RoPE scaling reaches megatron's GPTModel (`engines/megatron/rope.py`):
+    its rotary inverse frequencies equal transformers' `LlamaRotaryEmbedding` (relative 1e-6) at factor 8
+    (3.1/3.3) and 32 (3.2); without the scaling they would differ by the factor (the low frequencies)."""
+    report = _megatron_report(_ROPE_SCRIPT, tmp_path)
+    for factor, r in report.items():
+        assert r["err"] < 1e-6, report
+        assert r["unscaled_err"] > 0.5 * (float(factor) - 1) / float(factor), report
+
+
+def test_rope_scaling_megatron_cannot_reproduce_is_refused() -> None:
+    from mopd_hpc.engines.megatron.rope import RopeScalingError, megatron_rope_scaling
+
+    assert megatron_rope_scaling({"rope_theta": 1e6}) is None
+    assert megatron_rope_scaling({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) is None
+    assert megatron_rope_scaling({"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}) == 32.0
+    with pytest.raises(RopeScalingError, match="rope_type='yarn'"):
+        megatron_rope_scaling({"rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(
+        RopeScalingError, match="rope high_freq_factor=2.0: megatron-core's llama3 scaling fixes it to 4.0"
+    ):
+        megatron_rope_scaling(
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 2.0}}
+        )

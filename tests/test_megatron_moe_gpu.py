@@ -58,8 +58,8 @@ _SCRIPT = textwrap.dedent(
         "all_moe": dict(num_hidden_layers=2, mlp_only_layers=[], norm_topk_prob=False),
     }
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
-    outputs = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (7, 4, 11, 9)]
+    prompts = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    outputs = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (7, 4, 11, 9)]
     batch = TokenBatch.from_samples(prompts, outputs, pad_id=0)
     mask = batch.response_mask.cuda()
     report = {}

@@ -265,3 +265,36 @@ def test_routing_replay_and_expert_parallel_are_refused_for_a_dense_actor(moe_ch
         in text
     )
     assert f"models.actor.expert_parallel: the actor ({dense}) is a dense Qwen3ForCausalLM" in text
+
+
+def test_a_rope_scaling_megatron_does_not_compute_is_refused_at_check(
+    moe_checkpoint: Path, tmp_path: Path
+) -> None:
+    """launch/rope_check.py: a megatron Llama checkpoint whose config.json asks for yarn RoPE scaling is refused
+    by --check naming the field and the value (megatron-core computes llama3's only); llama3 passes."""
+    import json
+
+    ckpt = tmp_path / "llama"
+    shutil.copytree(moe_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text()) | {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+    }
+    overrides = [f"models.actor.path={ckpt}", f"models.tokenizer.path={ckpt}", f"models.teachers.0.path={ckpt}",
+                 "allow_unverified=true", "weight_sync.backend=torch"]  # fmt: skip
+    for scaling, refused in (
+        ({"rope_type": "yarn", "factor": 4.0}, True),
+        ({"rope_type": "llama3", "factor": 8.0}, False),
+    ):
+        (ckpt / "config.json").write_text(json.dumps(config | {"rope_scaling": scaling}))
+        if not refused:
+            prepare_models(load_run_config(CODER, overrides), str(CODER))
+            continue
+        with pytest.raises(ConfigError) as err:
+            prepare_models(load_run_config(CODER, overrides), str(CODER))
+        text = str(err.value)
+        assert (
+            f"models.actor.path: {ckpt}/config.json: rope_type='yarn': the megatron engine applies no RoPE"
+            in text
+        )
+        assert "models.teachers[0].path" in text

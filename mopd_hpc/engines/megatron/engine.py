@@ -64,6 +64,7 @@ from mopd_hpc.engines.megatron import optimizer_state
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
+from mopd_hpc.engines.megatron.rope import megatron_rope_scaling
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.megatron.tp_gather import gathered_hf_weights
 from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, train_state
@@ -186,7 +187,10 @@ def build_from_hf(
         raise EngineError(f"vocab_size={shape.vocab_size} is not divisible by tensor_parallel={tp}")
     eps = float(hf_config.get("rms_norm_eps", 1e-6))
     theta = rope_theta(hf_config)
-    model = build_gpt_model(shape, dtype, tp, rope_theta=theta, layernorm_epsilon=eps).to(device)
+    scaling = megatron_rope_scaling(hf_config)  # Llama 3.x (engines/megatron/rope.py)
+    model = build_gpt_model(
+        shape, dtype, tp, rope_theta=theta, layernorm_epsilon=eps, rope_scaling_factor=scaling
+    ).to(device)
     if path is not None:
         _, hf = read_hf_checkpoint(path)
         load_mcore_state(

@@ -169,9 +169,12 @@ def build_gpt_model(
     fused_attention: bool = True,
     cpu_init: bool = False,
     layernorm_epsilon: float = 1e-6,
+    rope_scaling_factor: float | None = None,
 ) -> GPTModel:
-    """A megatron-core GPTModel of a Qwen3 / Qwen3-MoE / Llama shape (this TP rank's shard). megatron's
-    parallel_state must be initialized (`initialize_model_parallel`) with the same tensor_parallel first."""
+    """A megatron-core GPTModel of a Qwen3 / Qwen3-MoE / Llama shape (this TP rank's shard); RoPE base
+    `rope_theta`, Llama 3's frequency scaling by `rope_scaling_factor` (None: none; engines/megatron/rope.py).
+    megatron's parallel_state must be initialized (`initialize_model_parallel`) with the same tensor_parallel
+    first."""
     cfg = transformer_config(
         shape, dtype, tensor_parallel, layernorm_epsilon=layernorm_epsilon, cpu_init=cpu_init
     )
@@ -185,6 +188,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(rope_theta),
+        rope_scaling=rope_scaling_factor is not None,
+        rope_scaling_factor=rope_scaling_factor or 8.0,
     )
     # The local spec's norms are torch.nn.RMSNorm built in the default dtype (float32) whatever params_dtype
     # says: cast every parameter to `dtype` (as HF stores them, and as AWEX requires: its plan refuses a
