@@ -72,7 +72,6 @@ from mopd_hpc.engines.memory.residency import Residency
 from mopd_hpc.engines.micro_batch import (
     MicroBatching,
     StepStats,
-    is_additive,
     release_activations,
     split_rows,
     step_budget,
@@ -355,12 +354,7 @@ class TorchTrainEngine:
         self.scheduler.step()
         clock.lap(TRAIN_OPTIMIZER_KEY)
         self.steps += 1
-        out = combined.result() | observed
-        if dp.distributed:
-            # The loss shares and token counts are sums (`observe`'s values are means whatever their names).
-            sums = {k: v for k, v in out.items() if is_additive(k) and k not in observed}
-            means = {k: v for k, v in out.items() if k not in sums}
-            out = dp.all_reduce_stats(means, sums, float(local_tokens), self.device)
+        out = combined.step_result(observed, dp, float(local_tokens), self.device)
         out |= {
             "grad_norm": grad_norm,
             "grad_clip_coef": min(1.0, clip / (grad_norm + 1e-6)) if clip is not None and finite else 1.0,
