@@ -31,6 +31,7 @@ from mopd_hpc.engines.memory.estimates import ModelShape, default_micro_batch_to
 
 if TYPE_CHECKING:
     from mopd_hpc.config.models import ActorConfig
+    from mopd_hpc.engines.data_parallel import DataParallel
 
 
 class MicroBatchError(ValueError):
@@ -204,3 +205,21 @@ class StepStats:
             else:
                 out[key] = total[i] / weight if weight > 0 else total[k + i] / len(self._rows)
         return out
+
+    def step_result(
+        self, observed: Mapping[str, float], dp: DataParallel, local_tokens: float, device: torch.device
+    ) -> dict[str, float]:
+        """The train step's statistics, as both train engines report them: `result()` with `observed` (the
+        `observe` function's values) added, then reduced over `dp` (`DataParallel.all_reduce_stats`):
+        additive names summed over ranks, `observed`'s and every other one the mean weighted by each rank's
+        `local_tokens` (its loss-token count). At DP = 1 the combined values, unreduced.
+
+        Raises:
+            DataParallelError: the ranks' names differ.
+        """
+        out = self.result() | dict(observed)
+        if not dp.distributed:
+            return out
+        sums = {k: v for k, v in out.items() if is_additive(k) and k not in observed}
+        means = {k: v for k, v in out.items() if k not in sums}
+        return dp.all_reduce_stats(means, sums, float(local_tokens), device)

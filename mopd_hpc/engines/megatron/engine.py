@@ -71,7 +71,6 @@ from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, trai
 from mopd_hpc.engines.micro_batch import (
     MicroBatching,
     StepStats,
-    is_additive,
     release_activations,
     split_rows,
     step_budget,
@@ -404,11 +403,7 @@ class MegatronTrainEngine:
             self.scheduler.step(1)
         clock.lap(TRAIN_OPTIMIZER_KEY)
         self.steps += 1
-        out = combined.result() | observed
-        if dp.distributed:  # as TorchTrainEngine: loss shares and counts summed, means token-weighted
-            sums = {k: v for k, v in out.items() if is_additive(k) and k not in observed}
-            means = {k: v for k, v in out.items() if k not in sums}
-            out = dp.all_reduce_stats(means, sums, float(local_tokens), self.device)
+        out = combined.step_result(observed, dp, float(local_tokens), self.device)
         out |= {
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "step_skipped": 0.0 if ok else 1.0,

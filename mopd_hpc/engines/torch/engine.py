@@ -53,7 +53,6 @@ Shape legend: B rows, L prompt + response positions, T response positions, V voc
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 import shutil
@@ -73,7 +72,6 @@ from mopd_hpc.engines.memory.residency import Residency
 from mopd_hpc.engines.micro_batch import (
     MicroBatching,
     StepStats,
-    is_additive,
     release_activations,
     split_rows,
     step_budget,
@@ -81,6 +79,7 @@ from mopd_hpc.engines.micro_batch import (
 from mopd_hpc.engines.moe_routing import RouterHooks, load_balancing_loss, z_loss
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.span_clock import SpanClock
+from mopd_hpc.engines.torch.ddp import distributed_module
 from mopd_hpc.engines.torch.hf_model import (
     TOKENIZER_FILES,
     CausalLMForward,
@@ -96,32 +95,6 @@ from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
 
 log = logging.getLogger(__name__)
-
-
-def _distributed_module(module: torch.nn.Module, dp: DataParallel, device: torch.device) -> torch.nn.Module:
-    """`module` under torch DDP over `dp.group` (a collective: every rank builds it at the same time; rank 0's
-    parameters are broadcast). Buffers are not broadcast per forward (the models' buffers are constants such
-    as RoPE frequencies).
-
-    Raises:
-        EngineError: the group's backend cannot reduce tensors of `device` (NCCL with a CPU device).
-    """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    backend = str(dist.get_backend(dp.group))
-    if backend == "nccl" and device.type != "cuda":
-        raise EngineError(
-            f"data parallelism over a {backend!r} group needs a CUDA device; the actor is on {device} "
-            "(use a gloo group on CPU)"
-        )
-    ids = None
-    if device.type == "cuda":
-        ids = [device.index if device.index is not None else torch.cuda.current_device()]
-    # No buffer broadcast before each forward (torch >= 2.13 names it forward_sync_buffers).
-    params = inspect.signature(DistributedDataParallel.__init__).parameters
-    no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
-    return DistributedDataParallel(module, device_ids=ids, process_group=dp.group, **no_sync)
 
 
 class TorchTrainEngine:
@@ -155,7 +128,7 @@ class TorchTrainEngine:
         #: What the train step's forward runs through: the response-logits module, under DDP at size > 1.
         self.train_module = self.forward.module
         if data_parallel.distributed:
-            self.train_module = _distributed_module(self.forward.module, data_parallel, device)
+            self.train_module = distributed_module(self.forward.module, data_parallel, device)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, optimizer, total_steps)
@@ -381,12 +354,7 @@ class TorchTrainEngine:
         self.scheduler.step()
         clock.lap(TRAIN_OPTIMIZER_KEY)
         self.steps += 1
-        out = combined.result() | observed
-        if dp.distributed:
-            # The loss shares and token counts are sums (`observe`'s values are means whatever their names).
-            sums = {k: v for k, v in out.items() if is_additive(k) and k not in observed}
-            means = {k: v for k, v in out.items() if k not in sums}
-            out = dp.all_reduce_stats(means, sums, float(local_tokens), self.device)
+        out = combined.step_result(observed, dp, float(local_tokens), self.device)
         out |= {
             "grad_norm": grad_norm,
             "grad_clip_coef": min(1.0, clip / (grad_norm + 1e-6)) if clip is not None and finite else 1.0,

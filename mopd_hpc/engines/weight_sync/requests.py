@@ -9,7 +9,7 @@ rollout servers. No torch, no aiohttp.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mopd_hpc.engines.request_fields import (
     RolloutRequestError,
@@ -154,3 +154,15 @@ class DistributedUpdateRequest:
         if self.load_format is not None:
             out["load_format"] = self.load_format
         return out
+
+
+class WeightUpdateClient(Protocol):
+    """What the actor's sender calls on each rollout server (`engines/rollout/client.py`'s `RolloutClient` is
+    one): the three weight-update endpoints, each answering the server's JSON. Declared here so that weight
+    sync needs no import of the rollout package."""
+
+    async def init_weights_update_group(self, req: InitGroupRequest) -> dict[str, Any]: ...
+
+    async def update_weights_from_distributed(self, req: DistributedUpdateRequest) -> dict[str, Any]: ...
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict[str, Any]: ...

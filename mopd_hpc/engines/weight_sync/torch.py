@@ -30,7 +30,7 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,10 +42,8 @@ from mopd_hpc.engines.weight_sync.requests import (
     DTYPE_NAMES,
     DistributedUpdateRequest,
     InitGroupRequest,
+    WeightUpdateClient,
 )
-
-if TYPE_CHECKING:
-    from mopd_hpc.engines.rollout.client import RolloutClient
 
 log = logging.getLogger(__name__)
 
@@ -256,10 +254,10 @@ class TorchBroadcastSender:
         self.weight_version = 0
 
     @staticmethod
-    def _clients(clients: RolloutClient | Sequence[RolloutClient]) -> list[RolloutClient]:
+    def _clients(clients: WeightUpdateClient | Sequence[WeightUpdateClient]) -> list[WeightUpdateClient]:
         return list(clients) if isinstance(clients, Sequence) else [clients]
 
-    async def init_group(self, clients: RolloutClient | Sequence[RolloutClient]) -> None:
+    async def init_group(self, clients: WeightUpdateClient | Sequence[WeightUpdateClient]) -> None:
         """Join as rank 0 while every server joins (POST /init_weights_update_group): server i as ranks
         1 + i·ranks_per_server … (i + 1)·ranks_per_server."""
         clients = self._clients(clients)
@@ -298,7 +296,7 @@ class TorchBroadcastSender:
     async def send(
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        clients: RolloutClient | Sequence[RolloutClient],
+        clients: WeightUpdateClient | Sequence[WeightUpdateClient],
         weight_version: str | None = None,
         load_format: str | None = "flattened_bucket",
         flush_cache: bool = True,
@@ -349,7 +347,7 @@ class TorchBroadcastSender:
         for tensor in tensors:
             self.group.broadcast(tensor)
 
-    async def destroy(self, clients: RolloutClient | Sequence[RolloutClient]) -> None:
+    async def destroy(self, clients: WeightUpdateClient | Sequence[WeightUpdateClient]) -> None:
         """POST /destroy_weights_update_group to every server, then leave the group."""
         await asyncio.gather(
             *(c.destroy_weights_update_group(self.group_name) for c in self._clients(clients))
