@@ -65,7 +65,8 @@ from mopd_hpc.engines.rollout.sglang_backend import (
     generate_kwargs,
     ports_from_env,
 )
-from mopd_hpc.runtime.http_auth import GuardAuthError, protect, standalone_token
+from mopd_hpc.records.job_token import GuardAuthError
+from mopd_hpc.runtime.http_auth import protect, standalone_token
 
 log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
 
