@@ -7,8 +7,9 @@ import secrets
 from pathlib import Path
 
 from mopd_hpc.atomic import atomic_write_text
+from mopd_hpc.records.job_token import read_token_file
 from mopd_hpc.records.run_dir import TOKEN_FILE
-from mopd_hpc.runtime.http_auth import AUTH_HEADER, authorization_value, read_token_file
+from mopd_hpc.runtime.http_auth import AUTH_HEADER, authorization_value
 
 #: The token every hand-started server of a test session requires.
 TOKEN = secrets.token_urlsafe(32)

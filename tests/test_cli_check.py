@@ -14,11 +14,11 @@ import yaml
 from helpers_models import hub_cache_for
 
 from mopd_hpc.cli import submit
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.launch.hub_cache import is_hub_id
 from mopd_hpc.launch.model_check import model_paths, resolve_hub_ids
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

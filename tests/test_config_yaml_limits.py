@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.loader import load_run_config
 from mopd_hpc.config.problems import ConfigError
 from mopd_hpc.config.yaml_io import load_yaml_text
 from mopd_hpc.config.yaml_limits import MAX_BYTES, MAX_DEPTH, MAX_NODES
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CPU = REPO / "configs" / "local_cpu.yaml"

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from mopd_hpc.records.job_token import create_token_file, read_token_file
 from mopd_hpc.runtime.guard.client import (
     GuardBadRequestError,
     GuardClient,
@@ -29,7 +30,6 @@ from mopd_hpc.runtime.guard.client import (
     GuardUnauthorizedError,
 )
 from mopd_hpc.runtime.guard.events import read_events
-from mopd_hpc.runtime.http_auth import create_token_file, read_token_file
 from mopd_hpc.runtime.ports_registry import bind_lease_socket, read_owner_record
 
 TESTS_DIR = Path(__file__).resolve().parent

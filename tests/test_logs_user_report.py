@@ -19,12 +19,12 @@ from test_logs_summary import RunBuilder, _render, logs_cli_args
 
 from mopd_hpc.cli import logs as logs_cli
 from mopd_hpc.cli import logs_summarize
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.logs.causes import classify_text, message_lines
 from mopd_hpc.logs.index import append_job_index
 from mopd_hpc.logs.next_steps import next_steps
 from mopd_hpc.logs.render import SCREEN_LINES_BY_CAUSE
 from mopd_hpc.logs.summary import NothingRanError, RunDirMissingError, no_sacct, summarize_run
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 MISSING_MODEL = "/work/trial/.cache/models/nope"
 

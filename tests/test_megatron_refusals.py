@@ -40,7 +40,7 @@ def test_megatron_tp_and_dp_stay_refused_by_the_capability_limit_only() -> None:
 def test_awex_from_several_trainer_ranks_names_the_test_that_has_not_run() -> None:
     """AWEX with every trainer rank a writer (trainer/rank_writer.py) is refused on GPUs beyond one trainer rank
     until tests/test_awex_tp_gpu.py has run, naming it; one trainer rank and CPU groups are not refused by it."""
-    from mopd_hpc.config.capabilities import weight_sync_refusals
+    from mopd_hpc.config.serving_refusals import weight_sync_refusals
 
     (problem,) = weight_sync_refusals("awex", "megatron", "hf", "colocated", "gpu", actor_world=2)
     assert problem.path == "weight_sync.backend" and problem.got == "awex"

@@ -21,8 +21,8 @@ import yaml
 from helpers_models import save_micro_model_dir, write_hub_snapshot
 
 from mopd_hpc.cli import submit
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.launch.model_files import safetensors_header
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local_cpu.yaml"

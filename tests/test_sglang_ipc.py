@@ -26,8 +26,8 @@ import torch
 from helpers_auth import TOKEN, write_run_dir_token
 from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, sglang_config, start_role
 
-from mopd_hpc.config.capabilities import weight_sync_refusals
 from mopd_hpc.config.rollout import SamplingConfig, WeightSyncConfig
+from mopd_hpc.config.serving_refusals import weight_sync_refusals
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError
 from mopd_hpc.engines.rollout.sglang_ipc import IpcTensorRef, named_refs
 from mopd_hpc.engines.weight_sync.ipc import BufferHandle, IpcUpdateRequest, TensorSlot

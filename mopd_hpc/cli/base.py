@@ -13,8 +13,6 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-#: Exit code for bad input (config, topology, arguments): the argparse convention.
-EXIT_USAGE = 2
 #: Exit status when the reader of stdout went away (128 + SIGPIPE, as a shell reports it).
 EXIT_BROKEN_PIPE = 141
 

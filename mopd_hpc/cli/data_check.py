@@ -9,10 +9,10 @@ import argparse
 import sys
 from typing import TextIO
 
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.data.convert import convert_rows, rows_note
 from mopd_hpc.data.errors import DataSourceError
 from mopd_hpc.data.sources import JsonlSource
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 HELP = "read a project jsonl as the job does and report rows, duplicate prompts and empty answers"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TextIO
 
 from mopd_hpc.atomic import atomic_write_text
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.data.convert import ConvertError, convert_rows, read_rows, to_jsonl
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 HELP = "turn a local dataset (jsonl, parquet, a datasets save_to_disk directory) into the project's jsonl"
 

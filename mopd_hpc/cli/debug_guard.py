@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.records.run_dir import GUARDS_DIR, TOKEN_FILE
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 HELP = "ask a run's guards for their children (guard status RUN_DIR [--json])"
 #: Exit code when at least one guard did not answer.
@@ -89,8 +89,8 @@ def collect_guard_status(
     Raises:
         GuardStatusError: the run dir has no guard record, or the token file is unusable.
     """
+    from mopd_hpc.records.job_token import GuardAuthError, read_token_file
     from mopd_hpc.runtime.guard.client import GuardClient, GuardError
-    from mopd_hpc.runtime.http_auth import GuardAuthError, read_token_file
 
     root = Path(run_dir)
     records = sorted((root / GUARDS_DIR).glob("*.json")) if (root / GUARDS_DIR).is_dir() else []

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from mopd_hpc.atomic import atomic_write_json
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.records.run_dir import JOB_FILE
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 if TYPE_CHECKING:
     from mopd_hpc.launch.debug_session import Allocation

@@ -17,9 +17,9 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.launch.debug_session import DebugSessionError
 from mopd_hpc.launch.debug_shell import job_run_dir, parse_scontrol_job, shell_argv
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 HELP = "open an interactive shell (srun --overlap --pty) on a node of a running job, topology first"
 

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.signals import EXIT_USAGE
 from mopd_hpc.runtime.topology import ROLES, RankTopology, TopologyError
 
 HELP = "print this task's rank topology (het group, host, rank, GPUs) as a table or JSON"

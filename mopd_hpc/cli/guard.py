@@ -38,6 +38,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from mopd_hpc.records.job_token import GuardAuthError, read_token_file
 from mopd_hpc.records.run_dir import PLAN_FILE, TOKEN_FILE
 from mopd_hpc.runtime import child_env, run_lock
 from mopd_hpc.runtime.guard.autostart import NodeAssignment, assign_node, run_plan, visible_gpus
@@ -46,7 +47,6 @@ from mopd_hpc.runtime.guard.keeper import fork_guard
 from mopd_hpc.runtime.guard.proctree import set_child_subreaper
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
 from mopd_hpc.runtime.guard.server import Guard, GuardConfig, GuardConfigError
-from mopd_hpc.runtime.http_auth import GuardAuthError, read_token_file
 from mopd_hpc.runtime.node_address import LOOPBACK, NodeAddressError, node_address
 from mopd_hpc.runtime.plan import JobPlan, PlanError
 from mopd_hpc.runtime.ports import DEFAULT_LEASE_RANGE, LeasePolicy, PortLeaseError, read_ephemeral_range

@@ -16,13 +16,13 @@ from typing import TextIO
 
 from rich.console import Console
 
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.logs.index import JobIndexError, find_run_dir, index_key, state_home_from_env
 from mopd_hpc.logs.plot import PlotError, plot_summary
 from mopd_hpc.logs.render import render_summary
 from mopd_hpc.logs.sacct import SacctRunner
 from mopd_hpc.logs.summary import RunDirMissingError, no_sacct, summarize_run
 from mopd_hpc.runtime.jobids import JobIdError
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 HELP = "summarize a run: job state, children per node, the first failure and its cause, training progress"
 #: Exit code when the summary found a failure (so scripts can branch on it).

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.logs.tailing import FOLLOW_POLL_S, find_child_logs, follow, known_roles, print_tail
 from mopd_hpc.records.run_dir import LOGS_DIR
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 HELP = (
     "print the last lines of every child log, merged by their timestamps, with [host role-index] prefixes; "

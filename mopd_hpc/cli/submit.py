@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import TextIO
 
 from mopd_hpc.atomic import atomic_write_text
-from mopd_hpc.cli.base import EXIT_USAGE
 from mopd_hpc.config import ConfigError
 from mopd_hpc.config.capabilities import OPT_IN_FIELD
 from mopd_hpc.config.parallel import ParallelError
@@ -65,6 +64,7 @@ from mopd_hpc.plan.memory_plan import format_memory_plan
 from mopd_hpc.plan.residency_plan import planned_residency
 from mopd_hpc.runtime.plan import PlanError
 from mopd_hpc.runtime.run_lock import RunDirLockedError
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 #: Exit code after Ctrl-C (128 + SIGINT, the shell's convention).
 EXIT_INTERRUPTED = 130

@@ -17,20 +17,16 @@ import importlib.metadata
 import importlib.util
 from typing import Any
 
-from mopd_hpc.config.capabilities import (
-    OPT_IN_FIELD,
-    ROLLOUT_BACKENDS,
-    actor_refusals,
-    loss_refusals,
-    moe_refusals,
+from mopd_hpc.config.actor_refusals import actor_refusals, loss_refusals, moe_refusals
+from mopd_hpc.config.capabilities import OPT_IN_FIELD, ROLLOUT_BACKENDS, standing
+from mopd_hpc.config.parallel import actor_world
+from mopd_hpc.config.problems import Problem, show
+from mopd_hpc.config.serving_refusals import (
     rollout_refusals,
-    standing,
     teacher_refusals,
     version_refusals,
     weight_sync_refusals,
 )
-from mopd_hpc.config.parallel import actor_world
-from mopd_hpc.config.problems import Problem, show
 
 
 def job_gaps(cfg: Any) -> list[Problem]:
@@ -95,7 +91,7 @@ def installed_version(package: str) -> str | None:
 
 def _backend_package(cfg: Any) -> list[Problem]:
     """The rollout backend's package where the job will run: on the local backend that is this machine, so
-    an sglang whose version is outside the range the role has run with (`capabilities.version_refusals`) is
+    an sglang whose version is outside the range the role has run with (`serving_refusals.version_refusals`) is
     refused; one that does not import here is a warning (`backend_package_warning`): the role checks the
     version at its start (on Slurm it is the rollout nodes', which the submit host cannot see:
     `config_warnings` says so, and the role checks at start)."""

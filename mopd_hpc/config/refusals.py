@@ -1,4 +1,6 @@
-"""The table of what `mopd-submit --check` refuses, generated from the declarations of `config/capabilities.py`.
+"""The docs' table of what `mopd-submit --check` refuses, generated from the declarations of
+`config/capabilities.py` (the refusals themselves are config/actor_refusals.py's and config/serving_refusals.py's,
+applied by config/job_gaps.py).
 
 README.md and docs/{en,zh}/mopd.md hold `refusals_table()` between the markers `BEGIN` and `END`
 (tests/test_config_contract.py checks they match; regenerate with

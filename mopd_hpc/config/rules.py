@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mopd_hpc.config.capabilities import ACTOR_ENGINES, ROLLOUT_BACKENDS, optimizer_refusals
+from mopd_hpc.config.actor_refusals import optimizer_refusals
+from mopd_hpc.config.capabilities import ACTOR_ENGINES, ROLLOUT_BACKENDS
 from mopd_hpc.config.data import unevaluated_sources
 from mopd_hpc.config.job_gaps import backend_package_warning, job_gaps, unverified_gaps, unverified_warning
 from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message

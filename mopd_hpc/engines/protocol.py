@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from mopd_hpc.config.capabilities import loss_refusals
+from mopd_hpc.config.actor_refusals import loss_refusals
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.mopd.topk import TeacherTopK
 

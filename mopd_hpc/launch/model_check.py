@@ -32,10 +32,10 @@ from mopd_hpc.config import ConfigError, RunConfig
 from mopd_hpc.config.capabilities import (
     MODEL_FAMILIES,
     MODEL_TYPE_ARCHITECTURES,
-    model_family_refusals,
     standing,
 )
 from mopd_hpc.config.problems import Problem
+from mopd_hpc.config.serving_refusals import model_family_refusals
 from mopd_hpc.launch.data_check import data_problems
 from mopd_hpc.launch.hub_cache import (
     HubNotCachedError,
@@ -205,7 +205,7 @@ def read_architecture(directory: Path) -> str | None:
 
 def architecture_problems(cfg: RunConfig, here: dict[str, Path]) -> list[Problem]:
     """Each actor or teacher checkpoint (config.json `architectures[0]`, read here) of no declared model family,
-    or of one its engine has not run (`config.capabilities.model_family_refusals`), naming the architecture.
+    or of one its engine has not run (`config.serving_refusals.model_family_refusals`), naming the architecture.
     An unreadable config.json is `directory_problems`' to report."""
     out = []
     for field, directory in here.items():

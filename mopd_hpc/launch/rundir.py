@@ -18,9 +18,9 @@ from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.job_gaps import unverified_gaps, unverified_warning
 from mopd_hpc.launch.model_check import unverified_model_warnings
+from mopd_hpc.records.job_token import create_token_file, read_token_file
 from mopd_hpc.records.run_dir import CONFIG_FILE, LOGS_DIR, PLAN_FILE, STATE_DIR, SUBMIT_DIR, TOKEN_FILE
 from mopd_hpc.records.unverified import write_unverified
-from mopd_hpc.runtime.http_auth import create_token_file, read_token_file
 from mopd_hpc.runtime.plan import JobPlan
 
 #: Mode of the run directory and its subdirectories: the owner only (the token lives there).

@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopd_hpc.config import ConfigError, RunConfig
-from mopd_hpc.config.capabilities import ACTOR_ENGINES, actor_refusals, loss_refusals, standing
+from mopd_hpc.config.actor_refusals import actor_refusals, loss_refusals
+from mopd_hpc.config.capabilities import ACTOR_ENGINES, standing
 from mopd_hpc.config.parallel import teacher_replicas
 from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.micro_batch import MicroBatching

@@ -30,10 +30,10 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mopd_hpc.config import RunConfig
+from mopd_hpc.records.job_token import GuardAuthError, read_token_file
 from mopd_hpc.records.run_dir import CONFIG_FILE, TOKEN_FILE
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.child_device import ChildDevice
-from mopd_hpc.runtime.http_auth import GuardAuthError, read_token_file
 from mopd_hpc.runtime.node_address import LOOPBACK, NodeAddressError, is_wildcard, node_address
 from mopd_hpc.runtime.topology_env import TopologyError, read_int
 

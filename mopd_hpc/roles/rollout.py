@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.config.capabilities import rollout_refusals
+from mopd_hpc.config.serving_refusals import rollout_refusals
 from mopd_hpc.engines.rollout.graph_shape import graph_length, graph_rows
 from mopd_hpc.engines.rollout.hf_server import ServerArgs
 from mopd_hpc.records.job_end import stop_on_job_end

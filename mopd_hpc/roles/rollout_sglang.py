@@ -49,8 +49,8 @@ from typing import Any
 import aiohttp
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.config.capabilities import version_refusals
 from mopd_hpc.config.job_gaps import installed_version
+from mopd_hpc.config.serving_refusals import version_refusals
 from mopd_hpc.engines.rollout.engine_thread import EngineThread
 from mopd_hpc.engines.rollout.graph_shape import graph_rows
 from mopd_hpc.engines.rollout.sglang_backend import (

@@ -51,8 +51,10 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mopd_hpc.config import RunConfig
-from mopd_hpc.config.capabilities import TEACHER_ENGINES, TeacherEngineSpec, standing, teacher_refusals
+from mopd_hpc.config.capabilities import TEACHER_ENGINES, standing
+from mopd_hpc.config.capability_specs import TeacherEngineSpec
 from mopd_hpc.config.parallel import teacher_replicas
+from mopd_hpc.config.serving_refusals import teacher_refusals
 from mopd_hpc.engines.serving import cli_port
 from mopd_hpc.engines.teacher.process import ENGINES, TeacherArgs, build_engine
 from mopd_hpc.records.job_end import stop_on_job_end

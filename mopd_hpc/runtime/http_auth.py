@@ -1,9 +1,9 @@
 """The job's token and its check on every HTTP server of the job: one aiohttp middleware for the guard, the
 teacher, the hf rollout server and the sglang backend (DESIGN.md §4).
 
-The token is a 0600 file in the run directory (`create_token_file`, `read_token_file`): it never travels in
-argv, the environment, a URL or a log line; the guard, the servers and their clients read it from the file and
-send it as `Authorization: Bearer <token>`. A request passes when it carries that header (compared in constant
+The token is a 0600 file in the run directory (records/job_token.py): it never travels in argv, the
+environment, a URL or a log line; the guard, the servers and their clients read it from the file and send it as
+`Authorization: Bearer <token>`. A request passes when it carries that header (compared in constant
 time: `token_matches`). Without it (or with a wrong one) every route answers 401
 
     {"error": "unauthorized", "message": "missing or wrong token (Authorization: Bearer <token>)"}
@@ -28,59 +28,21 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import secrets
-import stat
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
-from mopd_hpc.atomic import atomic_write_text
+from mopd_hpc.records.job_token import create_token_file, read_token_file
 from mopd_hpc.records.run_dir import TOKEN_FILE
 from mopd_hpc.runtime.http_limits import DEFAULT_LIMITS, HttpLimits, limits_middleware
 
 log = logging.getLogger("mopd_hpc.auth")
 
-#: Bytes of randomness in a new token (256 bits).
-TOKEN_BYTES = 32
 #: The HTTP header and scheme that carry the token.
 AUTH_HEADER = "Authorization"
 AUTH_SCHEME = "Bearer "
-
-
-class GuardAuthError(ValueError):
-    """The token file is missing, empty, or readable by others."""
-
-
-def create_token_file(path: str | os.PathLike[str]) -> None:
-    """Write a new random token to `path` with mode 0600, atomically (the launcher calls this once per job)."""
-    atomic_write_text(path, secrets.token_urlsafe(TOKEN_BYTES) + "\n", perms=0o600)
-
-
-def read_token_file(path: str | os.PathLike[str]) -> str:
-    """Read the token from `path`.
-
-    Raises:
-        GuardAuthError: the file is missing, not owned by this user, group/other-accessible (mode must be
-            0600 or stricter), or empty. The message names the path and mode, never the token.
-    """
-    p = Path(path)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise GuardAuthError(
-            f"token file {p} does not exist: create it with mode 0600 in the run dir"
-        ) from None
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        raise GuardAuthError(f"token file {p} has mode {mode:04o}: expected 0600 (chmod 600 {p})")
-    if st.st_uid != os.geteuid():
-        raise GuardAuthError(f"token file {p} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})")
-    token = p.read_text(encoding="utf-8").strip()
-    if not token:
-        raise GuardAuthError(f"token file {p} is empty")
-    return token
 
 
 def authorization_value(token: str) -> str:

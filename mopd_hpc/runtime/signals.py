@@ -25,7 +25,8 @@ CHECKPOINT_SIGNAL = signal.SIGUSR2
 #: child's own children must take their own parent-death signal (SGLang and torch workers do).
 PARENT_DEATH_SIGNAL = signal.SIGKILL
 
-#: Guard exit codes.
+#: Exit codes of the guard, the roles and the CLI: done; bad input (config, topology, arguments: the argparse
+#: convention).
 EXIT_OK = 0
 EXIT_USAGE = 2
 #: The guard could not start: its token file, run directory or HTTP port lease failed.

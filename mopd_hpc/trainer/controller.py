@@ -94,7 +94,6 @@ from mopd_hpc.trainer.weight_sync import WeightSync
 
 log = logging.getLogger("mopd_hpc.trainer")
 
-#: The student as an HF checkpoint at the end of the run.
 #: The consumer name of actor rank r's drain receipts.
 ACTOR_CONSUMER = "actor-{rank}"
 #: The checkpoint's `extra` key of the actor world size that saved it.

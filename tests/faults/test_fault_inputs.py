@@ -21,7 +21,7 @@ import yaml
 from test_model_check import check, copy_model, model  # noqa: F401 (model: the fixture check's callers use)
 
 from mopd_hpc.cli import submit
-from mopd_hpc.cli.base import EXIT_USAGE
+from mopd_hpc.runtime.signals import EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_CPU = REPO / "configs" / "local_cpu.yaml"

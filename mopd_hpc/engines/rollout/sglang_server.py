@@ -67,7 +67,8 @@ from mopd_hpc.engines.weight_sync.requests import (
     DistributedUpdateRequest,
     InitGroupRequest,
 )
-from mopd_hpc.runtime.http_auth import GuardAuthError, protect, standalone_token
+from mopd_hpc.records.job_token import GuardAuthError
+from mopd_hpc.runtime.http_auth import protect, standalone_token
 
 log = logging.getLogger("mopd_hpc.engines.rollout.sglang")
 

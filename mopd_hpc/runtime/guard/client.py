@@ -17,8 +17,9 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mopd_hpc.records.job_token import read_token_file
 from mopd_hpc.records.run_dir import guard_record_file
-from mopd_hpc.runtime.http_auth import AUTH_HEADER, authorization_value, read_token_file
+from mopd_hpc.runtime.http_auth import AUTH_HEADER, authorization_value
 
 
 class GuardError(RuntimeError):
