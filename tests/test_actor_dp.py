@@ -26,7 +26,6 @@ import pytest
 import torch
 import yaml
 from helpers_configs import set_dotted
-from helpers_models import build_micro_models
 from safetensors.torch import load_file
 from test_local_backend import processes_of, wait_for
 
@@ -36,13 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 DP2 = REPO / "configs" / "local_cpu_dp2.yaml"
 #: What the SIGKILL test's job may take to end after the kill, seconds (the issue's bound).
 END_AFTER_KILL_S = 60
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def dp_config(models: Path, run_dir: Path, path: Path, ranks: int, **changes: object) -> Path:

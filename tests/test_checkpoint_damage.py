@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import build_micro_models
 from test_controller import assert_metrics, micro_config
 
 from mopd_hpc.config import load_run_config
@@ -140,13 +139,6 @@ def test_a_checkpoint_without_a_manifest_is_accepted_with_a_warning(
     flip_a_byte(tmp_path / S30 / "model.pt")  # no manifest: the zip's CRC-32 still catches it
     loaded = load_latest(tmp_path)
     assert loaded.step == 20 and "fails its CRC-32" in loaded.skipped[0]
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def test_a_local_run_resumes_past_a_truncated_newest_checkpoint(micro_models: Path, tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ import pytest
 import torch
 import yaml
 from helpers_configs import set_dotted
-from helpers_models import build_micro_models, save_micro_qwen3
+from helpers_models import save_micro_qwen3
 
 from mopd_hpc.cli import submit
 from mopd_hpc.config import load_run_config
@@ -304,13 +304,6 @@ def test_shape_is_refused_by_check_naming_the_field(config: Path, overrides: lis
 def test_gpu_shape_passes_check_and_runs_on_gpus(config: Path, overrides: list[str], where: str) -> None:
     assert run_check(overrides, config) == (0, [])
     pytest.skip(f"gpu: {where}")
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 #: CPU shapes that pass --check, each with a different estimator / RL term than the other (the loss axes are

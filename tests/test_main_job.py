@@ -12,20 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
-from helpers_models import build_micro_models
 from test_controller import assert_metrics, micro_config
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.launch.local_setup import missing_builder_dirs
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def test_local_smoke_through_mopd_submit(micro_models, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers_models import build_micro_models, load_builder
+from helpers_models import load_builder
 from test_controller import micro_config
 
 from mopd_hpc.data import JsonlSource, score_completion
@@ -65,9 +66,9 @@ def teach_student(student_dir: Path, steps: int = 300) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
+def models(micro_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "micro"
+    shutil.copytree(micro_models, out)  # the shared models stay as built: this module trains its own student
     teach_student(out / "student")
     return out
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers_models import build_micro_models
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = REPO / "configs" / "local_cpu.yaml"
@@ -46,9 +45,8 @@ def run(models: Path, tmp: Path, backend: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_ipc_run_matches_the_broadcast_run(tmp_path: Path) -> None:
-    models = tmp_path / "models"
-    assert build_micro_models(models) == 0
+def test_ipc_run_matches_the_broadcast_run(micro_models: Path, tmp_path: Path) -> None:
+    models = micro_models
     (tmp_path / "torch").mkdir()
     (tmp_path / "ipc").mkdir()
     broadcast = run(models, tmp_path / "torch", "torch")
