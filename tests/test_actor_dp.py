@@ -26,6 +26,7 @@ import pytest
 import torch
 import yaml
 from helpers_configs import set_dotted
+from helpers_jobs import submit_local
 from safetensors.torch import load_file
 from test_local_backend import processes_of, wait_for
 
@@ -58,8 +59,7 @@ def env() -> dict[str, str]:
 
 
 def submit(config: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local", *args]
-    return subprocess.run(argv, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return submit_local(config, *args, cwd=REPO, timeout_s=timeout, env=env())
 
 
 def metric_lines(run_dir: Path) -> list[dict]:

@@ -24,9 +24,6 @@ import asyncio
 import io
 import itertools
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import pytest
 import torch
 import yaml
 from helpers_configs import set_dotted
+from helpers_jobs import submit_local
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.cli import submit
@@ -333,11 +331,7 @@ def test_cpu_shape_that_passes_check_runs_locally(micro_models: Path, tmp_path: 
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(doc))
     assert run_check([], config) == (0, [])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = submit_local(config, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [yaml.safe_load(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers_jobs import submit_local
 from helpers_models import load_builder
 from test_controller import assert_metrics, micro_config
 
@@ -42,11 +40,7 @@ def test_local_cpu_moe_runs_two_steps_and_writes_its_evaluation(micro_models: Pa
     config = micro_config(
         micro_models, run_dir, tmp_path / "moe.yaml", "local_cpu_moe.yaml", "student_moe", steps=2
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+    proc = submit_local(config, cwd=tmp_path, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = assert_metrics(run_dir, 2)
     for line in lines:

@@ -7,13 +7,11 @@ everything computed from them are the same. Oracle: the broadcast run's metrics 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers_jobs import submit_local
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = REPO / "configs" / "local_cpu.yaml"
@@ -35,11 +33,7 @@ def run(models: Path, tmp: Path, backend: str) -> list[dict]:
     doc["weight_sync"] = {"backend": backend}
     config = tmp / "c.yaml"
     config.write_text(yaml.safe_dump(doc))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+    proc = submit_local(config, cwd=tmp, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
