@@ -1,6 +1,6 @@
 # mopd_hpc — every target does its own set-up, idempotently (a second call skips what is done).
 #   make run    the main job: configs/local_cpu.yaml on the local backend
-#   make test   the whole test suite, the real local Slurm cluster included (when root)
+#   make test   the whole test suite on PYTEST_WORKERS parallel workers, the real local Slurm cluster included (when root)
 #   make lint   ruff
 
 SHELL := /bin/bash
@@ -14,6 +14,10 @@ TORCH_SPEC ?= torch==2.13.0
 DEBIAN_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server iproute2 procps tmux
 RUN_CONFIG ?= configs/local_cpu.yaml
 PYTEST_ARGS ?=
+# Parallel test workers (pytest-xdist). Most tests wait on subprocesses, sockets and Slurm rather than compute,
+# so more workers than cores pays; the Slurm tests run on one worker, in order (tests/conftest.py groups them).
+# PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 4
 
 .PHONY: run test lint setup debian clean-venv
 
@@ -38,7 +42,7 @@ run: setup
 	$(VENV)/bin/mopd-submit $(RUN_CONFIG) --local
 
 test: setup debian
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check mopd_hpc tests tools benchmarks

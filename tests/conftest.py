@@ -6,6 +6,16 @@ mode: every node has its own hostname and address) and yields a :class:`SlurmClu
 marked test needs no argument unless it wants the object. Without root the marked tests skip, saying why; when
 ``setup.sh`` fails the test fails with the script's output. The fixture tears the cluster down at the end of the
 session only when it started it: a cluster that was already running is left running.
+
+``micro_models`` (session scope) is the directory of the three micro tiny models (``tools/build_tiny_models.py
+--micro``), built once per run and shared read-only by every test that trains, serves or scores them.
+
+Parallel runs (``make test`` runs ``pytest -n N --dist loadgroup``, pytest-xdist): ``pytest_collection_modifyitems``
+puts every Slurm test on one worker, one after another (``xdist_group("slurm")``: one cluster, started once),
+and keeps the tests of a module that share a module-scoped fixture on one worker (the fixture then runs once,
+not once per worker). Everything else a test writes lives under its own tmp path; the micro models are built
+under the run's shared temp root with a file lock, so parallel workers build them once. A plain
+``pytest tests/x.py`` (no ``-n``) runs as before.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 import pytest
+from filelock import FileLock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SLURM_LOCAL_DIR = REPO_ROOT / "tools" / "slurm_local"
@@ -28,6 +39,10 @@ SLURM_LOCAL_KNOB_PREFIX = "SLURM_LOCAL_"  # setup.sh's knobs (Slurm's own SLURM_
 SETUP_TIMEOUT_S = 900
 TEARDOWN_TIMEOUT_S = 120
 OUTPUT_TAIL_CHARS = 4000
+#: The xdist group of the tests that use the local Slurm cluster: one worker runs them all, in order.
+SLURM_GROUP = "slurm"
+#: Module-scoped fixtures of this file that are cheap to repeat: they do not keep a module on one worker.
+CHEAP_MODULE_FIXTURES = frozenset({"one_torch_thread"})
 # A directory name with a space, a quote and a shell command: any unquoted use of the path breaks or runs `echo`.
 WEIRD_DIR_NAME = "we ird'; echo x"
 
@@ -211,3 +226,52 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _module_fixture_names(item: pytest.Item) -> list[str]:
+    """The module- or class-scoped fixtures `item` uses, less the cheap ones (`CHEAP_MODULE_FIXTURES`)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [
+        name
+        for name, defs in info.name2fixturedefs.items()
+        if name not in CHEAP_MODULE_FIXTURES and defs and defs[-1].scope in ("module", "class")
+    ]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group tests for ``--dist loadgroup`` (runs before xdist reads the groups; without xdist the marks are inert).
+
+    Slurm tests (marker ``slurm`` or the ``slurm_cluster`` fixture) share one group: one worker starts the
+    cluster once and runs them in order (they wait for an idle cluster, take its 4 nodes, and count its jobs).
+    The tests of a module with a module-scoped fixture share a group named after the module, so the fixture
+    (a job run once and asserted on by several tests, a served model) runs on one worker, once.
+    """
+    for item in items:
+        if item.get_closest_marker("slurm") is not None or "slurm_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group(SLURM_GROUP))
+        elif _module_fixture_names(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def _shared_tmp_root(factory: pytest.TempPathFactory) -> Path:
+    """The temp root all xdist workers of this run share (each worker's basetemp is ``<root>/gwN``); the
+    basetemp itself without xdist."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def micro_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The micro tiny models (teacher_chain_sum, teacher_leg_counting, student; ``--micro``), built once for the
+    run: the first worker builds them under a file lock, the others wait and reuse them (the builder's
+    fingerprint check makes the second call a no-op). Read-only: a test that changes a model copies it first."""
+    from helpers_models import build_micro_models
+
+    root = _shared_tmp_root(tmp_path_factory)
+    out = root / "micro_models"
+    with FileLock(str(root / "micro_models.lock")):
+        assert build_micro_models(out) == 0
+    return out

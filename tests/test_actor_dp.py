@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 from helpers_configs import set_dotted
-from helpers_models import build_micro_models
+from helpers_jobs import submit_local
 from safetensors.torch import load_file
 from test_local_backend import processes_of, wait_for
 
@@ -36,13 +36,6 @@ REPO = Path(__file__).resolve().parents[1]
 DP2 = REPO / "configs" / "local_cpu_dp2.yaml"
 #: What the SIGKILL test's job may take to end after the kill, seconds (the issue's bound).
 END_AFTER_KILL_S = 60
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def dp_config(models: Path, run_dir: Path, path: Path, ranks: int, **changes: object) -> Path:
@@ -66,8 +59,7 @@ def env() -> dict[str, str]:
 
 
 def submit(config: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local", *args]
-    return subprocess.run(argv, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return submit_local(config, *args, cwd=REPO, timeout_s=timeout, env=env())
 
 
 def metric_lines(run_dir: Path) -> list[dict]:

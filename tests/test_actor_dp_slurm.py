@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers_models import build_micro_models
 from test_main_job_slurm import SUBMIT, assert_steps, events, metrics, sacct_states
 from test_slurm_jobs import job_gone, job_processes, node_leases, require_netns, stop, wait_for, wait_idle
 
@@ -25,13 +24,6 @@ ROUTES = ("chain", "legs")
 CHILDREN = {("actor", 0), ("actor", 1), ("teacher", 0), ("teacher", 1), ("rollout", 0), ("rollout", 1)}
 # A het job sits PENDING 5-10 s; six children import torch and load models on 2 shared cores.
 JOB_S = 240
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def submit(cluster, models: Path, run_dir: Path, *overrides: str) -> str:

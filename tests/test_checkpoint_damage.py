@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import build_micro_models
+from helpers_jobs import submit_local
 from test_controller import assert_metrics, micro_config
 
 from mopd_hpc.config import load_run_config
@@ -142,29 +141,14 @@ def test_a_checkpoint_without_a_manifest_is_accepted_with_a_warning(
     assert loaded.step == 20 and "fails its CRC-32" in loaded.skipped[0]
 
 
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
-
-
 def test_a_local_run_resumes_past_a_truncated_newest_checkpoint(micro_models: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = micro_config(micro_models, run_dir, tmp_path / "c.yaml", steps=6, checkpoint_interval=3)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-
-    def submit() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-
-    first = submit()
+    first = submit_local(config, cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_000006\n"
     truncate(run_dir / "checkpoints" / "step_000006" / "model.pt")
-    again = submit()
+    again = submit_local(config, cwd=tmp_path)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     bad = run_dir / "checkpoints" / "step_000006" / "model.pt"
     assert f"# warning: checkpoint skipped: {bad}: " in again.stdout

@@ -24,9 +24,6 @@ import asyncio
 import io
 import itertools
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +31,8 @@ import pytest
 import torch
 import yaml
 from helpers_configs import set_dotted
-from helpers_models import build_micro_models, save_micro_qwen3
+from helpers_jobs import submit_local
+from helpers_models import save_micro_qwen3
 
 from mopd_hpc.cli import submit
 from mopd_hpc.config import load_run_config
@@ -307,13 +305,6 @@ def test_gpu_shape_passes_check_and_runs_on_gpus(config: Path, overrides: list[s
     pytest.skip(f"gpu: {where}")
 
 
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
-
-
 #: CPU shapes that pass --check, each with a different estimator / RL term than the other (the loss axes are
 #: above): one trainer rank with the rollout colocated; two data-parallel CPU ranks with it separated.
 LOCAL_RUNS = [
@@ -341,11 +332,7 @@ def test_cpu_shape_that_passes_check_runs_locally(micro_models: Path, tmp_path: 
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(doc))
     assert run_check([], config) == (0, [])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = submit_local(config, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [yaml.safe_load(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]

@@ -27,7 +27,6 @@ import pytest
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
-from helpers_models import build_micro_models
 
 from mopd_hpc.mopd.phases import Phase
 from mopd_hpc.records.metrics import MetricsWriter, read_metrics, rollback_metrics
@@ -89,13 +88,6 @@ def micro_config(
     set_dotted(doc, changes)
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def start_role(

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
+from helpers_jobs import submit_local
 from helpers_models import load_builder
 from test_controller import assert_metrics, micro_config
 
@@ -21,14 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
+def micro_models(micro_models: Path, tmp_path_factory) -> Path:
+    """The shared micro models copied, with the micro MoE student built beside them."""
     import torch
 
-    out = tmp_path_factory.mktemp("models")
+    out = tmp_path_factory.mktemp("models") / "micro"
+    shutil.copytree(micro_models, out)
     before = torch.get_num_threads()
     try:
-        names = ("teacher_chain_sum", "teacher_leg_counting", "student_moe")
-        argv = ["--out", str(out), "--micro", "--threads", "1", *(a for n in names for a in ("--only", n))]
+        argv = ["--out", str(out), "--micro", "--threads", "1", "--only", "student_moe"]
         assert load_builder().main(argv) == 0
     finally:
         torch.set_num_threads(before)
@@ -40,11 +40,7 @@ def test_local_cpu_moe_runs_two_steps_and_writes_its_evaluation(micro_models: Pa
     config = micro_config(
         micro_models, run_dir, tmp_path / "moe.yaml", "local_cpu_moe.yaml", "student_moe", steps=2
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+    proc = submit_local(config, cwd=tmp_path, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = assert_metrics(run_dir, 2)
     for line in lines:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers_models import build_micro_models
+from helpers_jobs import job_env, submit_local
 from test_controller import assert_metrics, micro_config
 
 from mopd_hpc.config import RunConfig
@@ -22,13 +22,12 @@ from mopd_hpc.launch.local_setup import missing_builder_dirs
 
 
 @pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
-
-
-def test_local_smoke_through_mopd_submit(micro_models, tmp_path):
+def smoke(
+    micro_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One 3-step local run (the smoke test's), its models named relative to the submit directory; the run dir
+    and the finished `mopd-submit` process. Shared by the tests that assert on it."""
+    tmp_path = tmp_path_factory.mktemp("smoke")
     run_dir = tmp_path / "run"
     config = micro_config(micro_models, run_dir, tmp_path / "c.yaml", **{"loss.estimator": "topk"})
     doc = yaml.safe_load(config.read_text())
@@ -36,16 +35,13 @@ def test_local_smoke_through_mopd_submit(micro_models, tmp_path):
     for model in (doc["models"]["actor"], doc["models"]["tokenizer"], *doc["models"]["teachers"]):
         model["path"] = str(Path(rel) / Path(model["path"]).name)
     config.write_text(yaml.safe_dump(doc))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    env["PWD"] = "/nonexistent"  # relative paths must not depend on the submitter's shell variable
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # relative paths must not depend on the submitter's shell variable
+    proc = submit_local(config, cwd=tmp_path, env=job_env(PWD="/nonexistent"))
+    return run_dir, proc
+
+
+def test_local_smoke_through_mopd_submit(micro_models, smoke):
+    run_dir, proc = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = assert_metrics(run_dir, 3)
     assert [line["rollout/weight_version"] for line in lines] == [0.0, 1.0, 2.0]
@@ -79,17 +75,11 @@ def test_missing_tiny_models_are_built_on_first_use(tmp_path):
     assert missing_builder_dirs(cfg) == []
 
 
-def test_summarizer_on_the_smoke_runs_real_run_dir(micro_models, tmp_path):
+def test_summarizer_on_the_smoke_runs_real_run_dir(smoke):
     """`mopd-logs summarize` on a real main-job run dir: no failure, progress and evaluation read back."""
     from mopd_hpc.logs.summary import no_sacct, summarize_run
 
-    run_dir = tmp_path / "run"
-    config = micro_config(micro_models, run_dir, tmp_path / "c.yaml", **{"loss.estimator": "topk"})
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    run_dir, proc = smoke  # the smoke test's run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = summarize_run(run_dir, sacct_runner=no_sacct)
     assert summary.first_failure is None
@@ -101,7 +91,7 @@ def test_summarizer_on_the_smoke_runs_real_run_dir(micro_models, tmp_path):
     }  # fmt: skip
     cli = subprocess.run(
         [sys.executable, "-m", "mopd_hpc.cli.logs", "summarize", str(run_dir), "--json"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=job_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["progress"]["last_step"] == 3

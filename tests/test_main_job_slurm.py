@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_models import build_micro_models
 from test_slurm_jobs import job_gone, job_processes, node_leases, require_netns, stop, wait_for, wait_idle
 
 pytestmark = pytest.mark.slurm
@@ -38,13 +37,6 @@ CHILDREN = {("actor", 0), ("teacher", 0), ("teacher", 1), ("rollout", 0), ("roll
 JOB_S = 150
 # A requeued job is held for the credential lifetime (10 s) before it is scheduled again: ~15-35 s here.
 REQUEUE_JOB_S = 240
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def submit(cluster, models: Path, run_dir: Path, *overrides: str, config: Path = CONFIG) -> str:

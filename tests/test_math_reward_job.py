@@ -8,15 +8,14 @@ source's route."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers_models import build_micro_models, load_builder
+from helpers_jobs import submit_local
+from helpers_models import load_builder
 from test_controller import micro_config
 
 from mopd_hpc.data import JsonlSource, score_completion
@@ -65,9 +64,9 @@ def teach_student(student_dir: Path, steps: int = 300) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
+def models(micro_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "micro"
+    shutil.copytree(micro_models, out)  # the shared models stay as built: this module trains its own student
     teach_student(out / "student")
     return out
 
@@ -113,15 +112,7 @@ def test_a_jsonl_source_scored_by_the_math_verifier_earns_reward_with_the_rl_ter
         "eval_path": str(held_out),
     }
     config.write_text(yaml.safe_dump(doc))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = submit_local(config, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = read_metrics(run_dir / "metrics.jsonl")
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers_models import build_micro_models
 
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.capabilities import ACTOR_ENGINES
@@ -55,14 +54,13 @@ def test_awex_from_several_trainer_ranks_names_the_test_that_has_not_run() -> No
 
 
 @pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory) -> Path:
+def moe_checkpoint(micro_models: Path, tmp_path_factory) -> Path:
     """A tiny Qwen3MoeForCausalLM (2 experts) with the micro student's tokenizer files."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     root = tmp_path_factory.mktemp("moe")
-    assert build_micro_models(root / "micro") == 0
-    student = root / "micro" / "student"
+    student = micro_models / "student"
     from transformers import AutoConfig
 
     size = AutoConfig.from_pretrained(student).vocab_size
@@ -184,9 +182,9 @@ def test_model_families_other_architectures_are_refused_naming_them(
     )
 
 
-def test_router_losses_are_refused_for_a_dense_actor(moe_checkpoint: Path) -> None:
+def test_router_losses_are_refused_for_a_dense_actor(moe_checkpoint: Path, micro_models: Path) -> None:
     """loss.router_* act on a mixture-of-experts actor's routers: for a dense one `--check` refuses them."""
-    dense = moe_checkpoint.parent / "micro" / "student"
+    dense = micro_models / "student"
     torch_engines = [
         "models.actor.engine=torch",
         "models.teachers.0.engine=torch",
@@ -245,8 +243,10 @@ def test_moe_settings_the_engines_do_not_run_are_refused_naming_the_field() -> N
         load_run_config(CODER, ["rollout.routing_replay=true", "rollout.backend=hf"])
 
 
-def test_routing_replay_and_expert_parallel_are_refused_for_a_dense_actor(moe_checkpoint: Path) -> None:
-    dense = moe_checkpoint.parent / "micro" / "student"
+def test_routing_replay_and_expert_parallel_are_refused_for_a_dense_actor(
+    moe_checkpoint: Path, micro_models: Path
+) -> None:
+    dense = micro_models / "student"
     overrides = [
         f"models.actor.path={dense}",
         f"models.tokenizer.path={dense}",

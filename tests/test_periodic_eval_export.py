@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_controller import micro_config, micro_models, run_controller  # noqa: F401 - the fixture
+from test_controller import micro_config, run_controller
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mopd_hpc.config import RunConfig
@@ -52,7 +52,7 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def run(micro_models, tmp_path_factory):  # noqa: F811 - the fixture imported above
+def run(micro_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("periodic")
     run_dir = tmp / "run"
     config = micro_config(micro_models, run_dir, tmp / "c.yaml", **{"loss.estimator": "topk"})

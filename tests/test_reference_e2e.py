@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_models import build_micro_models
 from test_actor_dp import dp_config
 from test_controller import micro_config
 from test_resume import actor_pid, latest_step, wait_for_lines
@@ -28,13 +27,6 @@ from mopd_hpc.records.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 5
 KL_SETS = ("--set", "loss.rl_coefficient=1.0", "--set", "loss.kl_coefficient=0.5")
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def argv(config: Path, *extra: str) -> list[str]:

@@ -14,8 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-from helpers_models import build_micro_models
 from test_controller import assert_metrics, micro_config
 
 from mopd_hpc.records.metrics import read_metrics
@@ -65,13 +63,6 @@ def finish_again(config: Path, cwd: Path, run_dir: Path) -> str:
     assert len({line["step"] for line in lines}) == STEPS
     final = json.loads((run_dir / "checkpoints" / "step_000080" / "state.json").read_text())
     assert final["data_state"]["position"] == STEPS * BATCH  # the stream continued, no draw repeated
-    return out
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
     return out
 
 

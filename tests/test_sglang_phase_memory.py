@@ -29,7 +29,6 @@ import torch
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
-from helpers_models import build_micro_models
 from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, start_role
 from test_sglang_ipc import IpcStandIn
 
@@ -94,13 +93,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def sglang_run_config(models: Path, run_dir: Path, **changes: Any) -> RunConfig:

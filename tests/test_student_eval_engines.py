@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 from helpers_auth import TOKEN
-from helpers_models import build_micro_models, save_micro_qwen3
+from helpers_models import save_micro_qwen3
 from test_rollout_server import start_server, stop_server
 from transformers import AutoTokenizer
 
@@ -42,9 +43,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
+def micro_models(micro_models: Path, tmp_path_factory) -> Path:
+    """The shared micro models copied (this module writes mine.jsonl and a random-weight model beside them)."""
+    out = tmp_path_factory.mktemp("models") / "micro"
+    shutil.copytree(micro_models, out)
     save_micro_qwen3(out / "random", seed=3, vocab_size=VOCAB_SIZE, initializer_range=0.2)
     save_char_tokenizer(build_char_tokenizer(), out / "random")
     return out

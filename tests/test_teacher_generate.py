@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers_auth import TOKEN
-from helpers_models import build_micro_models
 from transformers import AutoTokenizer
 
 from mopd_hpc.config import RunConfig
@@ -31,13 +30,6 @@ TEACHER_DIRS = ("teacher_chain_sum", "teacher_leg_counting")  # the micro builde
 MAX_NEW = 5
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def micro_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
-    return out
 
 
 def run_config(models: Path) -> RunConfig:

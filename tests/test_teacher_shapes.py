@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers_models import build_micro_models, load_builder
+from helpers_models import load_builder
 from test_controller import assert_metrics, micro_config, run_controller
 
 from mopd_hpc.config import load_run_config
@@ -30,9 +31,9 @@ WIDE = {"hidden_size": 24, "num_layers": 2, "num_heads": 2}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    assert build_micro_models(out) == 0
+def models(micro_models: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "micro"
+    shutil.copytree(micro_models, out)  # the shared models stay as built: a wide teacher joins them here
     builder = load_builder()
     legs = next(s for s in builder.MICRO_SPECS if s.name == "teacher_leg_counting")
     spec = dataclasses.replace(legs, name="teacher_legs_wide", **WIDE)

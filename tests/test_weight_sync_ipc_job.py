@@ -7,14 +7,11 @@ everything computed from them are the same. Oracle: the broadcast run's metrics 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers_models import build_micro_models
+from helpers_jobs import submit_local
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = REPO / "configs" / "local_cpu.yaml"
@@ -36,19 +33,14 @@ def run(models: Path, tmp: Path, backend: str) -> list[dict]:
     doc["weight_sync"] = {"backend": backend}
     config = tmp / "c.yaml"
     config.write_text(yaml.safe_dump(doc))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPD_", "SLURM_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", str(config), "--local"],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+    proc = submit_local(config, cwd=tmp, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_ipc_run_matches_the_broadcast_run(tmp_path: Path) -> None:
-    models = tmp_path / "models"
-    assert build_micro_models(models) == 0
+def test_ipc_run_matches_the_broadcast_run(micro_models: Path, tmp_path: Path) -> None:
+    models = micro_models
     (tmp_path / "torch").mkdir()
     (tmp_path / "ipc").mkdir()
     broadcast = run(models, tmp_path / "torch", "torch")
