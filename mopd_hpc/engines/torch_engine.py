@@ -297,6 +297,7 @@ class TorchTrainEngine:
                 orm_advantages=batch.orm_advantages,
                 ref_logprobs=batch.ref_logprobs,
                 denominator=denominator,
+                sft=batch.sft,
             )
         except ObjectiveError as err:
             raise EngineError(str(err)) from None

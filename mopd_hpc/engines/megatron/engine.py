@@ -353,7 +353,7 @@ class MegatronTrainEngine:
                 logprobs=logprobs, behavior_logprobs=batch.behavior_logprobs, loss_mask=mask,
                 targets=batch.targets, teacher_topk=batch.teacher_topk, teacher_weights=batch.teacher_weights,
                 student_logprobs=student, orm_advantages=batch.orm_advantages, ref_logprobs=batch.ref_logprobs,
-                denominator=denominator,
+                denominator=denominator, sft=batch.sft,
             )  # fmt: skip
         except ObjectiveError as err:
             raise EngineError(str(err)) from None
