@@ -1,10 +1,10 @@
 """Why MOPD learns slower than SFT on the embedded default: the learning signal of one step, from the same start.
 
     .venv/bin/python benchmarks/fidelity_signal.py [--config configs/local_cpu.yaml] [--batches 4]
-        [--checkpoint DIR]
+        [--checkpoint DIR] [--sft-steps N]
 
 On `--batches` batches of data.batch_size prompts (the run's stream), from the start student (or
-`--checkpoint`, e.g. a student after some SFT steps), with torch on one thread:
+`--checkpoint`, or the student after `--sft-steps` SFT steps at lr 2e-3), with torch on one thread:
 
 - on-policy samples (temperature 1 and 0.5, the hf rollout engine): the share that is right (reward 1), and
   the share of response positions whose state is on the teacher's path (the sampled prefix y_<t equals the
@@ -118,9 +118,17 @@ def position_signal(learner: Learner, batch: Any, routes: list[str]) -> dict[str
     return out
 
 
-def measure(bench: Bench, batches: int, checkpoint: Path | None) -> dict[str, Any]:
+def measure(bench: Bench, batches: int, checkpoint: Path | None, sft_steps: int = 0) -> dict[str, Any]:
     topk = Learner(bench, Setting("topk", 1e-3))
     sampled = Learner(bench, Setting("sampled", 1e-3))
+    if sft_steps:  # the student after an SFT warm-up (lr 2e-3, the run's), measured from there
+        warm = Learner(bench, Setting("sft", 2e-3))
+        for _ in range(sft_steps):
+            warm.step()
+        for learner in (topk, sampled):
+            learner.engine.model.load_state_dict(warm.engine.model.state_dict())
+            learner.rollout.load_named_tensors(dict(learner.engine.named_weights()), "warm")
+            learner.data = warm.data  # the stream after the warm-up's prompts
     for learner in (topk, sampled):
         if checkpoint is not None:
             from safetensors.torch import load_file
@@ -176,14 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "local_cpu.yaml")
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--checkpoint", type=Path, default=None, help="an HF student directory to start from")
+    parser.add_argument("--sft-steps", type=int, default=0, help="measure after this many SFT steps")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     bench = Bench(args.config)
-    means = measure(bench, args.batches, args.checkpoint)
+    means = measure(bench, args.batches, args.checkpoint, args.sft_steps)
     print("\n".join(f"{k:<32} {v:10.4f}" for k, v in means.items()))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     key = "start" if args.checkpoint is None else f"checkpoint {args.checkpoint.name}"
+    key = f"after {args.sft_steps} SFT steps" if args.sft_steps else key
     entry = {"config": str(args.config), "batches": args.batches, "means": means}
     RESULTS.write_text(json.dumps(old | {key: entry}, indent=1) + "\n")
     print(f"wrote {RESULTS}")
