@@ -231,16 +231,33 @@ class _Client:
         return (await self.generate_batch(body)).samples(input_ids, sampling.n)
 
 
+def _greedy(teacher: str, bodies: list[Any]) -> Any:
+    """A teacher server's greedy route stand-in that records each request and answers a digit and EOS."""
+
+    async def generate(ids: Any, new: int, eos: int, pad: int) -> list[list[int]]:
+        bodies.append((teacher, [list(i) for i in ids], new, eos, pad))
+        return [[3, eos] for _ in ids]
+
+    return generate
+
+
 def _rollout(cfg: RunConfig) -> str:
+    """The controller's ROLLOUT of step 1: the /generate bodies sent to the rollout engines or, in an SFT
+    warm-up step (`loss.sft_warmup_steps`), the greedy requests sent to the teachers."""
     from mopd_hpc.plan.placement import place_children
     from mopd_hpc.trainer.data_setup import build_run_data
     from mopd_hpc.trainer.rollout_phase import step_rollouts
+    from mopd_hpc.trainer.sft_warmup import is_sft_step, teacher_rollouts
 
     bodies: list[Any] = []
     engines = [c for c in place_children(cfg).children if c.role == "rollout"]
     clients = [_Client(f"engine{c.index}", bodies) for c in engines]
+    greedy = {t: _greedy(t, bodies) for t in cfg.models.teacher_ids}
     try:
-        asyncio.run(step_rollouts(cfg, build_run_data(cfg), clients, _Tokenizer(), 1, 0))
+        if is_sft_step(1, cfg.loss):
+            asyncio.run(teacher_rollouts(cfg, build_run_data(cfg), greedy, _Tokenizer(), 0))
+        else:
+            asyncio.run(step_rollouts(cfg, build_run_data(cfg), clients, _Tokenizer(), 1, 0))
     except ValueError as exc:  # RolloutPhaseError: a prompt over data.max_prompt_tokens
         return f"error: {exc}"
     return json.dumps(bodies, sort_keys=True)
@@ -566,6 +583,7 @@ MUTATIONS: dict[str, M] = {
     "rollout.routing_replay": ("cpu", {}, {"rollout.routing_replay": True}, "rollout"),
     "models.actor.expert_parallel": ("cpu", {}, {"models.actor.expert_parallel": 2}, "warnings"),
     "loss.orm_alpha": ("loss", {}, {"loss.orm_alpha": 0.5}, "loss"),
+    "loss.sft_warmup_steps": ("cpu", {}, {"loss.sft_warmup_steps": 1}, "rollout"),
     "loss.ppo_clip": ("loss", {"loss.rl_coefficient": 1.0}, {"loss.ppo_clip": 0.01}, "loss"),
     "loss.kl_coefficient": ("loss", {"loss.rl_coefficient": 1.0}, {"loss.kl_coefficient": 0.5}, "loss"),
     "rollout.backend": ("gpu", {}, {"rollout.backend": "sglang"}, "dry_run"),

@@ -58,6 +58,14 @@ class LossConfig(Section):
     kl_coefficient: float = Field(
         0.0, ge=0, description="β of a KL penalty to a reference model inside L_RL; > 0 needs a reference."
     )
+    sft_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Steps 1..N of the run are SFT steps: the route teacher's greedy answer to each prompt "
+        "(generated on its teacher server; the route's highest-weight teacher) trained with cross-entropy "
+        "(`mopd/sft.py`, normalized as `normalizer`) in place of the rollout and the loss above; steps "
+        "N+1.. are the configured objective. 0 = off (every step on-policy). In steps, at most `steps`.",
+    )
     router_aux_loss_coefficient: float | None = Field(
         None,
         ge=0,
@@ -113,6 +121,17 @@ class LossConfig(Section):
                     f"(orm_alpha={self.orm_alpha} alone does not make a loss)",
                     self.distillation_coefficient,
                     "set one of them > 0",
+                )
+            )
+        if self.sft_warmup_steps > 0 and self.distillation_coefficient == 0:
+            problems.append(
+                Problem(
+                    "sft_warmup_steps",
+                    f"loss.sft_warmup_steps {self.sft_warmup_steps} with distillation_coefficient 0: the "
+                    "warm-up trains on the teachers' greedy answers, and a run without distillation starts "
+                    "no teacher",
+                    self.sft_warmup_steps,
+                    "sft_warmup_steps: 0, or distillation_coefficient > 0",
                 )
             )
         if self.correction == "mask" and self.mask_low >= self.mask_high:

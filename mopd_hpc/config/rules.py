@@ -346,6 +346,18 @@ def _engine_schedule(c: Any) -> Iterator[Problem]:
     yield from optimizer_refusals(c.models.actor.engine, c.models.actor.optimizer)
 
 
+@rule("loss", "steps")
+def _sft_warmup(c: Any) -> Iterator[Problem]:
+    """SFT warm-up steps are steps of the run: more than `steps` would never end the warm-up."""
+    if c.loss.sft_warmup_steps > c.steps:
+        yield Problem(
+            "loss.sft_warmup_steps",
+            f"{c.loss.sft_warmup_steps} SFT warm-up steps in a run of {c.steps} steps",
+            c.loss.sft_warmup_steps,
+            f"at most steps ({c.steps})",
+        )
+
+
 def _cpu_budget(cfg: Any) -> Iterator[Problem]:
     """The actor ranks of a CPU node train at the same time, on the node's cpus_per_task CPUs (one task per
     node; its children share them): more ranks than CPUs means more threads than cores, which spin-wait

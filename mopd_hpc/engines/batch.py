@@ -268,6 +268,8 @@ class TrainBatch:
         routed_experts: [B, T, M, k] integer expert ids the rollout's router selected for each response token
             in each of the M MoE layers (at the position that predicts it; −1: not recorded), for rollout
             routing replay (`engines/moe_routing.py`).
+        sft: an SFT warm-up step's batch (`loss.sft_warmup_steps`): the responses are the teachers' greedy
+            answers and the loss is their cross-entropy (`mopd/sft.py`); μ and the teacher fields are not read.
     """
 
     tokens: TokenBatch
@@ -278,6 +280,7 @@ class TrainBatch:
     orm_advantages: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    sft: bool = False
 
     @classmethod
     def create(
@@ -291,6 +294,7 @@ class TrainBatch:
         orm_advantages: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
+        sft: bool = False,
     ) -> TrainBatch:
         """Validate shapes against `tokens` and freeze the mappings.
 
@@ -340,6 +344,7 @@ class TrainBatch:
             orm_advantages,
             ref_logprobs,
             routed_experts,
+            sft,
         )
 
     @property
@@ -366,6 +371,7 @@ class TrainBatch:
             opt(self.orm_advantages),
             opt(self.ref_logprobs),
             opt(self.routed_experts),
+            self.sft,
         )
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -411,6 +417,7 @@ class TrainBatch:
             opt(self.orm_advantages),
             opt(self.ref_logprobs),
             opt(self.routed_experts),
+            self.sft,
         )
 
     def stand_in(self) -> TrainBatch:

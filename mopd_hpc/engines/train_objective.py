@@ -62,6 +62,7 @@ def batch_objective(
             orm_advantages=batch.orm_advantages,
             ref_logprobs=batch.ref_logprobs,
             denominator=denominator,
+            sft=batch.sft,
         )
     except ObjectiveError as err:
         raise EngineError(str(err)) from None

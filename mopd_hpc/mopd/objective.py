@@ -32,6 +32,7 @@ from mopd_hpc.mopd.compose import compose_loss
 from mopd_hpc.mopd.grpo import grpo_policy_loss
 from mopd_hpc.mopd.loss import Stats, mopd_loss
 from mopd_hpc.mopd.normalize import LossInputError
+from mopd_hpc.mopd.sft import sft_loss
 from mopd_hpc.mopd.targets import TeacherTargets
 from mopd_hpc.mopd.topk import StudentLogprobs, TeacherTopK, topk_reverse_kl
 
@@ -81,8 +82,10 @@ class Objective:
         orm_advantages: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
         denominator: torch.Tensor | int | None = None,
+        sft: bool = False,
     ) -> tuple[torch.Tensor, Stats]:
-        """The composed loss and its terms' statistics.
+        """The composed loss and its terms' statistics; for an SFT warm-up step (`sft`) the cross-entropy
+        `sft.sft_loss` of `logprobs` (the teacher's answer tokens) alone, whatever the coefficients.
 
         Args:
             logprobs: [B, T] log π_θ(y_t) of the sampled tokens (carries the gradient).
@@ -94,15 +97,19 @@ class Objective:
             orm_advantages: [B] A_ORM; read by GRPO (c_rl > 0) and α·A_ORM (orm_alpha > 0).
             ref_logprobs: [B, T] reference log-probs; GRPO's KL penalty (kl_coefficient > 0).
             denominator: the whole step's count (`loss_denominator` summed over shards); None: this batch's.
+            sft: the batch is an SFT warm-up step's (`TrainBatch.sft`, `loss.sft_warmup_steps`).
 
         Returns:
-            (0-d loss, stats: `mopd/*` or `topk/*` when c_d > 0, `grpo/*` when c_rl > 0; detached float32).
+            (0-d loss, stats: `mopd/*` or `topk/*` when c_d > 0, `grpo/*` when c_rl > 0, `sft/*` alone for an
+            SFT step; detached float32).
 
         Raises:
             ObjectiveError: what a positive coefficient's term reads is missing.
             LossInputError: shapes or values the terms refuse.
         """
         cfg = self.config
+        if sft:
+            return sft_loss(logprobs, loss_mask, cfg.normalizer, denominator)
         stats: Stats = {}
 
         def distill() -> torch.Tensor:

@@ -3,7 +3,8 @@
 Per step (DESIGN.md §3, `mopd.PhaseMachine`; c_d = 0 skips TEACHER and DRAIN; §7 for the group):
 
     ROLLOUT  draw data.batch_size prompts from the routed stream; the rollout engines sample
-             samples_per_prompt responses each with behavior log-probs μ; rewards by each source's scorer;
+             samples_per_prompt responses each with behavior log-probs μ (in an SFT warm-up step, the
+             route teachers answer greedily instead: `trainer/sft_warmup.py`); rewards by each source's scorer;
              A_ORM over the whole step (GRPO groups need every row); the step record goes to every rank
              of the actor group (`trainer/step_record.py`); a colocated sglang engine then releases its
              memory (kv_cache, weights, cuda_graph: `trainer/rollout_memory.py`)
@@ -86,7 +87,8 @@ from mopd_hpc.trainer.phase_memory import PhaseMemory, server_peaks
 from mopd_hpc.trainer.progress import Progress
 from mopd_hpc.trainer.rank_step import Group, Receipts, ShardStep, make_resident
 from mopd_hpc.trainer.rollout_memory import RolloutMemory
-from mopd_hpc.trainer.rollout_phase import step_rollouts
+from mopd_hpc.trainer.rollout_phase import Rollouts, step_rollouts
+from mopd_hpc.trainer.sft_warmup import is_sft_step, teacher_rollouts
 from mopd_hpc.trainer.sharded_checkpoint import load_engine_shards, save_engine_shards
 from mopd_hpc.trainer.step import orm_advantages, step_metrics
 from mopd_hpc.trainer.step_record import ControlRecord
@@ -261,9 +263,7 @@ class Controller:
         try:
             t0 = time.perf_counter()
             n = self.cfg.data.samples_per_prompt
-            rollouts = await step_rollouts(
-                self.cfg, self.data, self.rollout, self.tokenizer, step, self.pad_id
-            )
+            rollouts = await self._rollouts(step)
             await self.rollout_memory.release(self.rollout)  # every row is back: the engines are idle
             record = ControlRecord.from_rows(
                 step,
@@ -311,6 +311,16 @@ class Controller:
         if self.phase_memory.active:
             values |= await server_peaks(self.teachers, self.rollout)
         return values
+
+    async def _rollouts(self, step: int) -> Rollouts:
+        """The step's rows: student samples on the rollout engines, or in an SFT warm-up step
+        (`loss.sft_warmup_steps`) the route teachers' greedy answers on their servers (onloaded first)."""
+        if not is_sft_step(step, self.cfg.loss):
+            return await step_rollouts(self.cfg, self.data, self.rollout, self.tokenizer, step, self.pad_id)
+        for client in self.moving.values():
+            await client.onload()
+        generators = {tid: client.generate_greedy for tid, client in self.teachers.items()}
+        return await teacher_rollouts(self.cfg, self.data, generators, self.tokenizer, self.pad_id)
 
     async def _drained(self, receipts: Receipts) -> None:
         """DRAIN: every rank's receipt recorded, then the teachers released (offloaded on GPU)."""

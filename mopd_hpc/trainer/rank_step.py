@@ -39,6 +39,7 @@ from mopd_hpc.engines.teacher.replica_pool import TeacherPool
 from mopd_hpc.mopd.plan import ExecutionPlan
 from mopd_hpc.mopd.targets import REFUSED_LOGPROB
 from mopd_hpc.trainer.group import Group, Receipts
+from mopd_hpc.trainer.sft_warmup import is_sft_step
 from mopd_hpc.trainer.shards import Shard, shard_rows
 from mopd_hpc.trainer.step import MISMATCH_KEY, RATIO_KEYS, ratio_means, ratio_sums, shard_batch
 from mopd_hpc.trainer.step_record import ControlRecord
@@ -186,13 +187,14 @@ class ShardStep:
         """TRAIN: one `train_step` on the shard (`ref_logprobs`: the reference's [b, T] log-probs of its rows);
         the ratio statistics of the topk estimator summed over the data-parallel ranks (every rank takes part
         in that all-reduce)."""
-        batch = shard_batch(record, shard, scores, ref_logprobs)
+        batch = shard_batch(record, shard, scores, ref_logprobs, is_sft_step(record.step, self.loss))
         seen: dict[str, Any] = {}
         topk = self.plan.estimator == "topk" and self.plan.requires_teacher_scoring
 
         # ρ statistics (topk) and |log π_θ − log μ| from the train step's own log π_θ (no second forward pass)
         def observe(logprobs: torch.Tensor) -> dict[str, float]:
-            seen["sums"] = ratio_sums(logprobs, batch, self.loss)
+            if not batch.sft:  # an SFT warm-up step's rows are the teachers' answers: no μ, no ratio
+                seen["sums"] = ratio_sums(logprobs, batch, self.loss)
             return {}
 
         stats = dict(self.engine.train_step(batch, observe=observe))

@@ -50,12 +50,14 @@ def shard_batch(
     shard: Shard,
     scores: TeacherScores | None,
     ref_logprobs: torch.Tensor | None = None,
+    sft: bool = False,
 ) -> TrainBatch:
     """The `TrainBatch` of rows [shard.start, shard.stop) of a step record: tokens and μ of those rows (as the
     rollout gave them), S and W, the teachers' top-k and per-row weights (topk estimator) from `scores` (the
     shard's own), the shard's slice of the step's A_ORM (computed over every row by rank 0), the
     reference model's [b, T] log-probs of the shard's rows (KL penalty only; None otherwise), and the
-    rollout's routed experts of those rows (rollout routing replay only)."""
+    rollout's routed experts of those rows (rollout routing replay only); `sft`: an SFT warm-up step's
+    (`TrainBatch.sft`)."""
     tokens = record.tokens(shard.start, shard.stop)
     return TrainBatch.create(
         tokens,
@@ -66,6 +68,7 @@ def shard_batch(
         teacher_weights=scores.weights if scores is not None and scores.topk else None,
         orm_advantages=record.orm_advantages(shard.start, shard.stop),
         ref_logprobs=ref_logprobs,
+        sft=sft,
     )
 
 
@@ -175,6 +178,8 @@ def step_metrics(
     values["train/prompt_tokens"] = float(sum(rollouts.starts))  # the rows' prompts (each sample's copy)
     if "mopd/teacher_refused_tokens" in stats:  # −inf teacher log-probs taken as the floor (mopd/targets.py)
         values["mopd/teacher_refused_tokens"] = stats["mopd/teacher_refused_tokens"]
+    if "sft/loss" in stats:  # an SFT warm-up step (loss.sft_warmup_steps): its cross-entropy, = loss/total
+        values["loss/sft"] = stats["sft/loss"]
     if MISMATCH_KEY in stats:
         values[MISMATCH_KEY] = stats[MISMATCH_KEY]
     for key in ROUTER_KEYS:  # a mixture-of-experts actor with a router loss (engines/moe_routing.py)
