@@ -15,7 +15,7 @@ engine's tp·pp·dp ranks; the teacher role one process per rank of each replica
 tensor_parallel 1 one server, above it a leader serving HTTP plus tensor_parallel − 1 followers holding the
 other shards (roles/teacher_replica.py); the rollout role one server per `rollout.engines.count`. A teacher
 engine's tensor_parallel below is the largest replica that has run with it: the role's leader/follower path
-is tested on CPU with a stand-in shard engine (tests/test_teacher_replica_role.py), and megatron's stays at 1
+is tested on CPU with a stand-in shard engine (tests/engines/test_teacher_replica_role.py), and megatron's stays at 1
 until its replica of TP > 1 has run on GPUs (the multi-GPU issue).
 
 Verified, unverified, unsupported: each limit below (tensor_parallel, data_parallel_gpu, trainer_ranks_gpu) is
@@ -28,7 +28,7 @@ rollout engine over several GPUs, the torch broadcast between two ranks of one G
 opt-in says.
 
 Imports no torch (it is read on the submit host in a second). The refusals' table in README.md and docs/ is
-`refusals_table()` (tests/test_config_contract.py checks the docs hold it).
+`refusals_table()` (tests/config/test_config_contract.py checks the docs hold it).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class RolloutBackendSpec:
     stand_in_modes: tuple[str, ...] = ()
     routed_experts: bool = False  # answers each token's routed experts (rollout routing replay)
     #: The package's versions the role has run with, as pip's (lowest inclusive, highest exclusive); also
-    #: pyproject's extra of the same name (tests/test_sglang_version.py checks the two agree).
+    #: pyproject's extra of the same name (tests/engines/test_sglang_version.py checks the two agree).
     versions: tuple[str, str] | None = None
 
     @property
@@ -256,7 +256,7 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         pipeline_parallel=1,
         data_parallel_cpu=None,
         data_parallel_gpu=1,
-        untested="tests/test_megatron_actor_group_gpu.py (2 GPUs)",
+        untested="tests/engines/test_megatron_actor_group_gpu.py (2 GPUs)",
         # megatron-core's MoELayer shards experts over an expert-parallel group; EP 1 holds them all
         expert_parallel=1,
         expert_parallel_untested="tests/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs)",
@@ -273,7 +273,7 @@ TEACHER_ENGINES: dict[str, TeacherEngineSpec] = {
         tensor_parallel=1,
         topk=True,
         unverified=("tensor_parallel",),
-        untested="tests/test_megatron_teacher_tp_gpu.py (2 GPUs)",
+        untested="tests/engines/test_megatron_teacher_tp_gpu.py (2 GPUs)",
     ),
 }
 
@@ -285,7 +285,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
     # roles/rollout_sglang.py: an in-process sglang.Engine, tensor parallel inside the engine, SGLang 0.5.17 (it
     # pins torch 2.11.0, the GPU machines' torch; 0.5.23 pins torch 2.14.1). CI runs a stand-in for
     # sglang.Engine; the one-GPU colocated path (ipc weight sync, memory release/resume) ran on an H100 with
-    # SGLang 0.5.17 itself (tests/test_sglang_ipc_gpu.py, benchmarks/results/gpu_step_roles.json); separated
+    # SGLang 0.5.17 itself (tests/engines/test_sglang_ipc_gpu.py, benchmarks/results/gpu_step_roles.json); separated
     # engines on GPUs of their own have run with the stand-in only (2 GPUs): --check warns for that mode
     "sglang": RolloutBackendSpec(
         "sglang",
@@ -321,7 +321,7 @@ WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
         actor_engines=("megatron",),
         rollout_backends=("hf",),
         trainer_ranks_gpu=1,
-        untested="tests/test_awex_tp_gpu.py (a TP 2 actor: 2 GPUs colocated, 4 separated)",
+        untested="tests/engines/test_awex_tp_gpu.py (a TP 2 actor: 2 GPUs colocated, 4 separated)",
         unverified=("trainer_ranks_gpu",),
     ),
 }
