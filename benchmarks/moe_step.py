@@ -12,7 +12,7 @@ PROMPTSxSAMPLESxNEW_TOKENS shape) and:
   vocabulary), both with the character tokenizer, made once under --models-root by a child process (this one
   opens no CUDA context: the children's memory is what is measured);
 - `allow_unverified=true`: megatron has not run a Qwen3-MoE in the job before this benchmark (the refusal it
-  lifts names tests/test_megatron_moe_gpu.py; `mopd-submit` prints it as a warning);
+  lifts names tests/engines/test_megatron_moe_gpu.py; `mopd-submit` prints it as a warning);
 - `weight_sync.backend=ipc`: the megatron actor sends each expert under its checkpoint name and the HF
   rollout engine loads it into transformers' fused experts (`engines/expert_names.py`); AWEX's plan
   matches the two sides' parameter names one to one, which the fused layout breaks;

@@ -1,6 +1,6 @@
 """The floor of each phase of one MOPD step on one GPU (issue 22): the seconds it could not go below, from the
 model's shape, the step's token counts, and the GPU's HBM bandwidth and bf16 matmul peak. Pure arithmetic:
-`benchmarks/gpu_step_roles.py` measures the GPU and the step, tests/test_gpu_step_floors.py checks the sums.
+`benchmarks/gpu_step_roles.py` measures the GPU and the step, tests/plan/test_gpu_step_floors.py checks the sums.
 
 Units: bytes, FLOPs, seconds; bandwidth in GB/s (10^9 bytes/s) and peak in TFLOP/s (10^12 FLOP/s).
 `hbm_gbps` is HBM traffic, bytes read plus bytes written per second: a device-to-device copy of n bytes

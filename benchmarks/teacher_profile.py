@@ -20,7 +20,7 @@ Timed, each the median of `--repeats` after 2 warm-ups (seconds, CUDA synchroniz
 beside the phase's floor (`step_floors.phase_floors`: 2 · matmul params · tokens at the bf16 matmul peak
 measured here). Then `torch.profiler` (CPU and CUDA) over 3 round trips: the key-averages tables, sorted by
 self device time, device time and CPU time, written next to `--out` as a .txt file. Writes `--out` (JSON).
-`--engine torch --device cpu --model DIR` runs the same glue on a CPU (tests/test_gpu_step_floors.py), no floor.
+`--engine torch --device cpu --model DIR` runs the same glue on a CPU (tests/plan/test_gpu_step_floors.py), no floor.
 """
 
 from __future__ import annotations

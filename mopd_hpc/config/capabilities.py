@@ -20,7 +20,7 @@ engine's tp·pp·dp ranks; the teacher role one process per rank of each replica
 tensor_parallel 1 one server, above it a leader serving HTTP plus tensor_parallel − 1 followers holding the
 other shards (roles/teacher_replica.py); the rollout role one server per `rollout.engines.count`. A teacher
 engine's tensor_parallel below is the largest replica that has run with it: the role's leader/follower path
-is tested on CPU with a stand-in shard engine (tests/test_teacher_replica_role.py), and megatron's stays at 1
+is tested on CPU with a stand-in shard engine (tests/engines/test_teacher_replica_role.py), and megatron's stays at 1
 until its replica of TP > 1 has run on GPUs (the multi-GPU issue).
 
 Verified, unverified, unsupported: each limit below (tensor_parallel, data_parallel_gpu, trainer_ranks_gpu) is
@@ -33,7 +33,7 @@ rollout engine over several GPUs, the torch broadcast between two ranks of one G
 opt-in says.
 
 Imports no torch (it is read on the submit host in a second). The refusals' table in README.md and docs/ is
-`refusals_table()` (tests/test_config_contract.py checks the docs hold it).
+`refusals_table()` (tests/config/test_config_contract.py checks the docs hold it).
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ MODEL_FAMILIES: dict[str, ModelFamilySpec] = {
         "Qwen3MoeForCausalLM",
         "qwen3_moe",
         moe=True,
-        untested=(("megatron", "tests/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU)"),),
+        untested=(
+            ("megatron", "tests/engines/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU)"),
+        ),
     ),
     # Llama 3.x (3.1/3.2/3.3: the llama3 RoPE scaling of its config.json)
     "LlamaForCausalLM": ModelFamilySpec(
@@ -133,10 +135,10 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         pipeline_parallel=1,
         data_parallel_cpu=None,
         data_parallel_gpu=1,
-        untested="tests/test_megatron_actor_group_gpu.py (2 GPUs)",
+        untested="tests/engines/test_megatron_actor_group_gpu.py (2 GPUs)",
         # megatron-core's MoELayer shards experts over an expert-parallel group; EP 1 holds them all
         expert_parallel=1,
-        expert_parallel_untested="tests/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs)",
+        expert_parallel_untested="tests/engines/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs)",
         unverified=("tensor_parallel", "data_parallel_gpu"),  # pipeline_parallel > 1: no code
     ),
 }
@@ -151,7 +153,7 @@ TEACHER_ENGINES: dict[str, TeacherEngineSpec] = {
         tensor_parallel=1,
         topk=True,
         unverified=("tensor_parallel",),
-        untested="tests/test_megatron_teacher_tp_gpu.py (2 GPUs)",
+        untested="tests/engines/test_megatron_teacher_tp_gpu.py (2 GPUs)",
     ),
 }
 
@@ -164,7 +166,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
     # roles/rollout_sglang.py: an in-process sglang.Engine, tensor parallel inside the engine, SGLang 0.5.17 (it
     # pins torch 2.11.0, the GPU machines' torch; 0.5.23 pins torch 2.14.1). CI runs a stand-in for
     # sglang.Engine; the one-GPU colocated path (ipc weight sync, memory release/resume) ran on an H100 with
-    # SGLang 0.5.17 itself (tests/test_sglang_ipc_gpu.py, benchmarks/results/gpu_step_roles.json); separated
+    # SGLang 0.5.17 itself (tests/engines/test_sglang_ipc_gpu.py, benchmarks/results/gpu_step_roles.json); separated
     # engines on GPUs of their own have run with the stand-in only (2 GPUs): --check warns for that mode
     "sglang": RolloutBackendSpec(
         "sglang",
@@ -201,7 +203,7 @@ WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
         actor_engines=("megatron",),
         rollout_backends=("hf",),
         trainer_ranks_gpu=1,
-        untested="tests/test_awex_tp_gpu.py (a TP 2 actor: 2 GPUs colocated, 4 separated)",
+        untested="tests/engines/test_awex_tp_gpu.py (a TP 2 actor: 2 GPUs colocated, 4 separated)",
         unverified=("trainer_ranks_gpu",),
         # its plan pairs the two sides' parameters name by name: megatron's per-expert tensors against the
         # hf engine's fused ones have no pairs

@@ -86,7 +86,7 @@ class RolloutBackendSpec:
     stand_in_modes: tuple[str, ...] = ()
     routed_experts: bool = False  # answers each token's routed experts (rollout routing replay)
     #: The package's versions the role has run with, as pip's (lowest inclusive, highest exclusive); also
-    #: pyproject's extra of the same name (tests/test_sglang_version.py checks the two agree).
+    #: pyproject's extra of the same name (tests/engines/test_sglang_version.py checks the two agree).
     versions: tuple[str, str] | None = None
 
     @property

@@ -2,7 +2,7 @@
 
 Every other field changes something observable whenever it changes (the job plan, the sbatch script, the
 `--dry-run` text, a `--check` warning or refusal, the data stream, the rollout request, a train step's
-loss): tests/test_config_mutation.py mutates every field of the RunConfig type tree and checks that, and
+loss): tests/config/test_config_mutation.py mutates every field of the RunConfig type tree and checks that, and
 checks each row here the other way (under its condition the mutation changes nothing observable). A field
 path uses `[]` for a list item and `*` for any name (`cluster.*.gpu_memory_gb`: the field of every group).
 

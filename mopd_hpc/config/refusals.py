@@ -3,7 +3,7 @@
 applied by config/job_gaps.py).
 
 README.md and docs/{en,zh}/mopd.md hold `refusals_table()` between the markers `BEGIN` and `END`
-(tests/test_config_contract.py checks they match; regenerate with
+(tests/config/test_config_contract.py checks they match; regenerate with
 `python -m mopd_hpc.config.refusals`). One row per refusal a declaration makes: the field, the value
 refused and with what, and the way out; a refusal of code that has not run on GPUs here (a declaration's
 `unverified`) says so in its way out (`allow_unverified: true`), the others are unsupported.

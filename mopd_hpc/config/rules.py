@@ -4,7 +4,7 @@ Rules inside one section live in that section's validator. Each rule here declar
 reads; the loader runs every rule whose sections are valid, even when other sections are not, so one
 `ConfigError` lists every problem it can find. Paths are absolute.
 
-Decisions (documented here, tested in tests/test_config_errors.py):
+Decisions (documented here, tested in tests/config/test_config_errors.py):
 - a route that no source uses is an ERROR (most often a typo in a source's `route`; an unused route
   would load and score its teachers for nothing);
 - a teacher with no positive weight in any route is a WARNING (`config_warnings`): it is how a user

@@ -9,7 +9,7 @@ megatron-core's data-parallel group (`megatron.engine.megatron_data_parallel`: `
 get_data_parallel_group()`, rank and size from `get_data_parallel_rank/world_size()`: the tensor-parallel ranks
 of one replica hold the same rows, so counts are reduced over the DP group only) with its own DDP and
 distributed optimizer. Megatron-core's DDP averages gradients over DP (scales them by 1/DP), so that engine
-scales its loss by the DP size as the torch engine does (tests/test_megatron_dp_cpu.py).
+scales its loss by the DP size as the torch engine does (tests/engines/test_megatron_dp_cpu.py).
 
 Statistics of a step are reduced by one rule (`all_reduce_stats`): SUMS (the loss and each term's loss, which
 are already shares of the global loss, and token counts) are summed over ranks; MEANS (masked means over a

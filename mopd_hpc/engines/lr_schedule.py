@@ -9,7 +9,7 @@ Loshchilov & Hutter, SGDR, https://openreview.net/pdf?id=BJYwwY9ll) with init_lr
 lr_warmup_steps W, lr_decay_steps D: the megatron engine runs that scheduler itself
 (`megatron_scheduler_args`); the torch engine runs transformers' `cosine_with_min_lr` / `constant_with_warmup`
 (the same f) and `linear_lr` for `linear` (transformers' `linear` decays to 0, not to r·lr).
-tests/test_lr_schedule.py checks the three against each other step by step.
+tests/engines/test_lr_schedule.py checks the three against each other step by step.
 
 The scheduler's state travels in the engine's checkpoint, so a resumed run continues the schedule where it
 stopped.

@@ -3,7 +3,7 @@
     log p(v | row) = x_v − logsumexp(x)          x = one row of logits, in float32 arithmetic
 
 equal to `torch.log_softmax(logits.float(), -1).gather(-1, index)` within 1e-5 absolute, in value and in
-gradient (tests/test_mopd_logprobs.py, V up to 151,936). Backends:
+gradient (tests/mopd/test_mopd_logprobs.py, V up to 151,936). Backends:
 
 - `triton`: one fused pass per row (online logsumexp) forward, one pass backward
   (`logprobs_triton`); CUDA tensors, one index per position. Triton is imported lazily.

@@ -12,7 +12,7 @@ Per response token t (DESIGN.md §3; MiMo-V2-Flash report §4.4 eqs. 6-9; AReaL 
     L    = −Σ_t m_t·ρ_t·A_t·log π_θ(y_t) / normalizer (see `normalize`)
 
 With ρ = 1 the expected gradient is ∇ Σ_t E_{s_t~sg(π_θ)} Σ_j w_j·KL(π_θ(·|s_t) ‖ π_j(·|s_t)) / normalizer
-(score-function estimator; tests/test_mopd_oracle.py checks it by enumeration to 1e-10). Truncation keeps
+(score-function estimator; tests/mopd/test_mopd_oracle.py checks it by enumeration to 1e-10). Truncation keeps
 the gradient of capped tokens (ρ is a detached weight, not a PPO clip that zeroes it).
 
 The behavior log-probs μ are read only: this module writes into no input, refuses a μ that requires

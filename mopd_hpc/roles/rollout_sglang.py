@@ -33,8 +33,8 @@ Readiness: once our server listens, the role probes `readiness_path` with the jo
 end of the job, then removes the record and shuts the Engine down.
 
 Tested in CI with a stand-in that has sglang.Engine's Python API as SGLang 0.5.17 defines it
-(tests/test_rollout_role_sglang.py; the ipc weight path: tests/test_sglang_ipc.py; the memory calls over three
-controller steps: tests/test_sglang_phase_memory.py); SGLang 0.5.17 itself runs on the GPU machines (torch
+(tests/engines/test_rollout_role_sglang.py; the ipc weight path: tests/engines/test_sglang_ipc.py; the memory calls over three
+controller steps: tests/engines/test_sglang_phase_memory.py); SGLang 0.5.17 itself runs on the GPU machines (torch
 2.11). Every call to the Engine is made on one thread, the one that built it (engine_thread.py).
 """
 

@@ -17,7 +17,7 @@ serves HTTP and the followers run the same forwards until the leader's STOP (rol
 lost ends the replica with a non-zero exit). What each engine serves, tensor_parallel included, is declared in
 `config/capabilities.py` (`teacher_refusals`, checked here as by `--check`); the engines are built through
 `TeacherEngines` (the declarations and the builder, `engines.teacher.process.build_engine`), which `main` takes as its
-one seam: tests pass a stand-in shard engine that runs on CPU (tests/teacher_replica_prog.py).
+one seam: tests pass a stand-in shard engine that runs on CPU (tests/engines/teacher_replica_prog.py).
 
 Rows scored per forward (`scoring_rows`): a forward materializes [rows, tokens, vocab] logits (and their
 float32 log-softmax), which for a production vocabulary (Qwen3: 151,936) and a long response is gigabytes per

@@ -6,7 +6,7 @@ job plan (`plan/placement.py`: each child's rank variables and role specifics; `
 child_environment`: backend, het group and size, transfer ranks, base GPU). Readers: `RankTopology.from_env`
 (`runtime/topology_env.py`), the role environment (`roles/env.py` `RoleEnv`, its device
 `runtime/child_device.py`), the probe, the rank map. Every other module uses these constants: a test
-(tests/test_child_env_names.py) checks that the names appear as string literals in this module only.
+(tests/runtime/test_child_env_names.py) checks that the names appear as string literals in this module only.
 
     identity (guard)   MOPD_ROLE MOPD_INDEX MOPD_GENERATION MOPD_JOB_ID MOPD_RUN_DIR MOPD_HOST
     address (guard)    MOPD_NODE_ADDR     the address the guard binds (the child's servers and rendezvous too)

@@ -16,7 +16,7 @@ its own.
   weight sync, `trainer/evaluator.py`). The engines' `weight_version` of every row is kept in eval.json as
   the proof of which weights answered. Greedy on the hf engine is the argmax of the same forward as
   `data.evaluation.greedy_complete`'s `model.generate(do_sample=False)`, so on the same weights and dtype
-  the answers equal the in-process evaluation's (tests/test_student_eval_engines.py).
+  the answers equal the in-process evaluation's (tests/engines/test_student_eval_engines.py).
 - A route's `teacher` accuracy is the best over the teachers the route gives a positive weight; each teacher
   generates on its own server, once, at the start (its accuracy does not change during the run; it is kept
   in eval.json, so a resumed run does not ask again).

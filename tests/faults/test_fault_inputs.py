@@ -4,8 +4,8 @@ the reason, exit 2, no traceback (issue 41). In this process: `submit.check` is 
 
 Pinned elsewhere, not repeated here: a damaged model file (truncated tokenizer.json, garbage or binary
 config.json, safetensors cut in half or to its header, no weights, no tokenizer) in
-tests/test_model_check.py::test_a_damaged_file_is_refused_naming_field_and_file; a YAML alias bomb, recursive
-alias, deep or huge text in tests/test_config_yaml_limits.py.
+tests/launch/test_model_check.py::test_a_damaged_file_is_refused_naming_field_and_file; a YAML alias bomb, recursive
+alias, deep or huge text in tests/config/test_config_yaml_limits.py.
 """
 
 from __future__ import annotations

@@ -17,29 +17,32 @@ FAULTS: dict[str, tuple[str, ...]] = {
         "faults/test_fault_inputs.py",
     ),
     "a bad model dir: no or garbage `config.json`, truncated `tokenizer.json`, safetensors cut in half": (
-        "test_model_check.py",
+        "launch/test_model_check.py",
         "faults/test_fault_inputs.py",
     ),
     "a wrong type in any field, an unknown key anywhere, a YAML alias bomb": (
         "faults/test_fault_inputs.py",
-        "test_config_yaml_limits.py",
+        "config/test_config_yaml_limits.py",
     ),
-    "a truncated newest checkpoint, an empty `latest` or `state.json`": ("test_checkpoint_damage.py",),
+    "a truncated newest checkpoint, an empty `latest` or `state.json`": ("faults/test_checkpoint_damage.py",),
     "the disk fills up during a checkpoint write": ("faults/test_fault_disk_full.py",),
     "SIGKILL of the actor, of a teacher or of the rollout server mid-run, then the same command again": (
         "faults/test_fault_kill_resume.py",
-        "test_resume.py",
+        "e2e/test_resume.py",
     ),
     "SIGSTOP of a teacher server mid-run": ("faults/test_fault_teacher_stop.py",),
-    "two jobs on one run dir": ("test_logs_local_faults.py", "test_run_lock.py"),
-    "SIGTERM of a local run": ("test_logs_local_faults.py",),
+    "two jobs on one run dir": ("logs/test_logs_local_faults.py", "runtime/test_run_lock.py"),
+    "SIGTERM of a local run": ("logs/test_logs_local_faults.py",),
     "Ctrl-C on `mopd-submit --local ... \\| tee out`": ("faults/test_fault_ctrl_c_tee.py",),
-    "SIGKILL of the guard": ("test_logs_local_faults.py", "test_guard_proctree.py"),
+    "SIGKILL of the guard": ("logs/test_logs_local_faults.py", "runtime/test_guard_proctree.py"),
     "garbage or half-written lines in `metrics.jsonl`, damaged event logs or state files": (
         "faults/test_fault_unreadable.py",
     ),
-    "malformed or abusive requests to a server of the job": ("test_http_limits.py", "test_guard.py"),
-    "env keys off the allow-list": ("test_guard_env_policy.py",),
+    "malformed or abusive requests to a server of the job": (
+        "runtime/test_http_limits.py",
+        "runtime/test_guard.py",
+    ),
+    "env keys off the allow-list": ("runtime/test_guard_env_policy.py",),
 }
 
 

@@ -21,7 +21,7 @@ its reciprocal RMS, its normalized value and its output in b; the q/k norms thei
 RMS and normalized values; attention its q, k (after RoPE), v, output and float32 log-sum-exp; the SwiGLU MLP
 its gate, up, silu(gate) and product (4f). Per position besides the layers: the final norm (4h + 4 + b·h),
 the token id (8) and RoPE's cos/sin (2·d·b, one sequence). On CPU this is exactly what autograd keeps
-(tests/test_memory_model.py measures it with saved-tensor hooks); megatron's local layer spec is estimated
+(tests/engines/test_memory_model.py measures it with saved-tensor hooks); megatron's local layer spec is estimated
 with the same count. Full recompute (`activation_checkpointing`) keeps each layer's input h·b and recomputes
 one layer at a time: layers·h·b + one layer's activations.
 

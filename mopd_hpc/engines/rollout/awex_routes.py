@@ -19,7 +19,7 @@ until /awex/init.
 Order (awex 0.9.0): the reader's initialize() waits at the MetaServer for the writer's parameter metadata,
 which the writer puts only in its first write_weights (`WeightsWriter._initialize`). So /awex/init returns
 only once the actor has started its first publish: the caller runs /awex/init while that publish runs, then
-/awex/update_weights for the same step (as tests/test_awex_hf_gpu.py's two processes do).
+/awex/update_weights for the same step (as tests/engines/test_awex_hf_gpu.py's two processes do).
 
 Colocate mode: awex's reader releases the engine's weights in initialize() and resumes them inside each
 update (awex/reader/weights_reader.py), so between /awex/init and the first update /generate fails.

@@ -5,7 +5,7 @@ Why in-process: AWEX's reader hooks (`install_sglang_worker_hooks`, `Engine.exec
 need the Python Engine, and SGLang's own HTTP server has no AWEX route (algo_awex.md §2.6). The server
 speaks the same subset as the hf backend (DESIGN.md §5), so the trainer cannot tell them apart.
 
-Mapping rules (pure functions, tested without sglang in tests/test_sglang_backend.py):
+Mapping rules (pure functions, tested without sglang in tests/engines/test_sglang_backend.py):
 - ports come from the guard's named leases, never positional: `http` → `--port`, `nccl` → `--nccl-port`,
   `dist_init` → the port of `--dist-init-addr host:port` (`SGLangLaunch.from_ports`). Our aiohttp server
   listens on `http`; SGLang's Engine gets the same number as its (unused) `port`, so its derived internal

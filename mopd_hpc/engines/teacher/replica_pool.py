@@ -10,7 +10,7 @@
 2. The replicas score their parts concurrently (`asyncio.gather`).
 3. `merge_answers`: the parts are reassembled in row order, packed as one `ScoreTensors` — the answer one
    server would have given for all the rows (the scores of a row do not depend on the other rows of its
-   call: equal to one replica's within float tolerance, tests/test_teacher_replicas.py).
+   call: equal to one replica's within float tolerance, tests/engines/test_teacher_replicas.py).
 
 The replicas must answer with the same weights: a part whose teacher_id, weight_version or fingerprint
 differs from the first part's raises `TeacherPoolError` naming both replicas. `onload`, `offload`,

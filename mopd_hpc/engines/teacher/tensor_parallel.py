@@ -31,9 +31,9 @@ connection closes, or the group's timeout runs out). Reloading weights is not pa
 
 The teacher role runs a replica of tensor_parallel > 1 this way (roles/teacher_replica.py); the GPU run
 (megatron-core TP > 1 in the role) is the multi-GPU issue's: `config/capabilities.py` declares megatron's
-teacher tensor_parallel 1 until it has run, so `--check` and the role refuse more. tests/test_teacher_tp.py
+teacher tensor_parallel 1 until it has run, so `--check` and the role refuse more. tests/engines/test_teacher_tp.py
 runs the protocol on CPU with a vocabulary-parallel fake forward (its logits all-gathered over the group) in
-real processes (gloo); tests/test_teacher_replica_role.py runs it through the role.
+real processes (gloo); tests/engines/test_teacher_replica_role.py runs it through the role.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ What AWEX needs (algo_awex.md §2, areal.md §4) and where it comes from here:
 - colocate or separate: from the plan's rollout mode (colocated → "colocate": CUDA IPC on shared GPUs,
   train_world must equal infer_world; separated → "separate": one NCCL group of infer_world + train_world).
 
-awex 0.9.0 gaps, each handled here (tests/test_awex_config.py):
+awex 0.9.0 gaps, each handled here (tests/engines/test_awex_config.py):
 1. `import awex` imports megatron.core (awex/__init__ → nccl_writer → weights_writer → mcore_converter),
    also on rollout nodes → `require_awex()` checks both first and names the fix.
 2. `SGLangEngine.initialize()` does nothing unless `config.node_rank == 0`, and `InferenceConfig.node_rank`
@@ -30,7 +30,7 @@ awex 0.9.0 gaps, each handled here (tests/test_awex_config.py):
    in session 2. `unsplit_custom_groups()` makes awex's group creation run with the default group's
    bound device cleared (restored right after), so the group is a fresh communicator of its own store's ranks
    on both sides. Found from torch's source (distributed_c10d._new_process_group_helper); on two H200s
-   separate mode then ran (tests/test_awex_hf_gpu.py[separate]: bitwise; tests/test_gpu_job.py, 3 steps).
+   separate mode then ran (tests/engines/test_awex_hf_gpu.py[separate]: bitwise; tests/e2e/test_gpu_job.py, 3 steps).
 (8–11: latency, in awex_latency.py.)
 
 `awex_plan.simulate_transfer_plan` validates AWEX transfer plans of a job's rank layout on CPU (awex's own

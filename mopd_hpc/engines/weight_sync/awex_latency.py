@@ -3,7 +3,7 @@
 Each patch keeps awex's semantics (the same results, timeouts and error messages) and may be applied any
 number of times; the writer (awex_actor.py) and the HF reader (awex_hf.py) apply gaps 8–10 before building
 awex's objects and call gap 11's after each sync (it acts once, after the first). Gaps 1–7 (correctness)
-are listed in awex.py. Tests: tests/test_awex_config.py (gap 8), tests/test_awex_latency.py (gaps 9–11).
+are listed in awex.py. Tests: tests/engines/test_awex_config.py (gap 8), tests/engines/test_awex_latency.py (gaps 9–11).
 
 8. latency: every AWEX handshake is a key or a set on the MetaServer (HTTP) that the other side polls for
    (`MetaServerClient.wait_key`, `.wait_set_until_size`) with a back-off from 0.2 s growing ×1.5 to 1 s (3 s
@@ -24,7 +24,7 @@ are listed in awex.py. Tests: tests/test_awex_config.py (gap 8), tests/test_awex
    colocate mode's collections (which must close CUDA IPC handles before signalling) stay full.
    Measured on 2 H200s (benchmarks/weight_sync.py, bf16, median of 3; NCCL bandwidth 362 GB/s in the same
    run), with gaps 9–11: a separate sync (the writer's `publish`) went from 0.359 to 0.028 s at 0.6B
-   (1.19 GB) and from 0.378 to 0.037 s at 1.7B (3.44 GB); in the job (tests/test_gpu_job.py, steps 2–3)
+   (1.19 GB) and from 0.378 to 0.037 s at 1.7B (3.44 GB); in the job (tests/e2e/test_gpu_job.py, steps 2–3)
    from 0.33–0.45 to 0.024–0.025 s.
 10. latency: `awex.util.device.get_device_type()` (called by every awex synchronize/current_device) retries
    `import torch_npu` on each call, a failing import that searches all of sys.path (~40 µs on a local
@@ -40,7 +40,7 @@ are listed in awex.py. Tests: tests/test_awex_config.py (gap 8), tests/test_awex
    of the cost. The price: a frozen object that later becomes part of an unreachable cycle is not reclaimed
    (CPython's documented trade-off of gc.freeze, meant for long-lived start-up objects). Measured on 2 H200s
    (the same run as gap 9's): a colocate sync went from 1.29 to 0.51 s at 0.6B and from 1.68 to 1.00 s at
-   1.7B; in the job (tests/test_gpu_job.py, steps 2–3) from 1.47–1.63 to 0.84–0.97 s.
+   1.7B; in the job (tests/e2e/test_gpu_job.py, steps 2–3) from 1.47–1.63 to 0.84–0.97 s.
 """
 
 from __future__ import annotations

@@ -1,0 +1,301 @@
+"""What `--check` keeps refusing of the megatron path (issue 18): pipeline_parallel > 1 (naming the field),
+megatron at tensor_parallel > 1 or data-parallel > 1 on GPUs until a multi-GPU run has passed (the capability
+limit alone), and an MoE checkpoint (configs/qwen3_coder_4node.yaml's Qwen3-Coder family) for a megatron
+actor or teacher, naming the architecture. Oracle: the refusals' field, value and message.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mopd_hpc.config import ConfigError, load_run_config
+from mopd_hpc.config.capabilities import ACTOR_ENGINES
+from mopd_hpc.config.job_gaps import job_gaps
+from mopd_hpc.launch.model_check import prepare_models, unverified_model_warnings
+
+REPO = Path(__file__).resolve().parents[2]
+CODER = REPO / "configs" / "qwen3_coder_4node.yaml"
+
+
+def test_pipeline_parallel_above_1_is_refused_naming_the_field() -> None:
+    cfg = load_run_config(CODER, ["models.actor.pipeline_parallel=2"])
+    pp = [p for p in job_gaps(cfg) if p.path == "models.actor.pipeline_parallel"]
+    assert len(pp) == 1 and pp[0].got == 2
+    assert "pipeline_parallel ≤ 1" in pp[0].message and pp[0].expected == "expected ≤ 1"
+
+
+def test_megatron_tp_and_dp_stay_refused_by_the_capability_limit_only() -> None:
+    spec = ACTOR_ENGINES["megatron"]
+    assert (spec.tensor_parallel, spec.data_parallel_gpu) == (1, 1)  # until a run on 2+ GPUs has passed
+    gaps = job_gaps(load_run_config(CODER))  # TP 4 × DP 8 on 32 GPUs
+    fields = {p.path: p for p in gaps}
+    assert fields["models.actor.tensor_parallel"].got == 4
+    assert "data-parallel size ≤ 1" in fields["models.actor.engine"].message
+
+
+def test_awex_from_several_trainer_ranks_names_the_test_that_has_not_run() -> None:
+    """AWEX with every trainer rank a writer (trainer/rank_writer.py) is refused on GPUs beyond one trainer rank
+    until tests/engines/test_awex_tp_gpu.py has run, naming it; one trainer rank and CPU groups are not refused by it."""
+    from mopd_hpc.config.serving_refusals import weight_sync_refusals
+
+    (problem,) = weight_sync_refusals("awex", "megatron", "hf", "colocated", "gpu", actor_world=2)
+    assert problem.path == "weight_sync.backend" and problem.got == "awex"
+    assert problem.message == (
+        "the awex sync from 2 trainer ranks (every rank a writer at its transfer rank) has not run on GPUs: it "
+        "has run from one trainer rank only, and tests/engines/test_awex_tp_gpu.py (a TP 2 actor: 2 GPUs colocated, "
+        "4 separated) has not run"
+    )
+    assert problem.expected.startswith("one trainer slot")
+    assert list(weight_sync_refusals("awex", "megatron", "hf", "colocated", "gpu", actor_world=1)) == []
+    assert list(weight_sync_refusals("torch", "megatron", "hf", "separated", "gpu", actor_world=8)) == []
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(micro_models: Path, tmp_path_factory) -> Path:
+    """A tiny Qwen3MoeForCausalLM (2 experts) with the micro student's tokenizer files."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("moe")
+    student = micro_models / "student"
+    from transformers import AutoConfig
+
+    size = AutoConfig.from_pretrained(student).vocab_size
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=2,
+        num_experts_per_tok=1, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    out = root / "moe"
+    Qwen3MoeForCausalLM(cfg).save_pretrained(str(out))
+    for f in student.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_an_moe_checkpoint_is_refused_for_megatron_until_its_gpu_test_has_run(moe_checkpoint: Path) -> None:
+    path = str(moe_checkpoint)
+    overrides = [
+        f"models.actor.path={path}",
+        f"models.tokenizer.path={path}",
+        f"models.teachers.0.path={path}",
+    ]
+    cfg = load_run_config(CODER, overrides)
+    with pytest.raises(ConfigError) as err:
+        prepare_models(cfg, str(CODER))
+    text = str(err.value)
+    assert "models.actor.path" in text and "models.teachers[0].path" in text
+    assert (
+        "the megatron engine maps Qwen3MoeForCausalLM checkpoints (engines/megatron/convert.py) but has not run "
+        "one on GPUs: tests/engines/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU) has not run"
+        in text
+    )
+    assert "models.actor.engine: torch" in text and "models.teachers[0].engine: torch" in text
+    assert "or allow_unverified: true (--allow-unverified) to run it unverified" in text
+    # the opt-in lets the megatron MoE checkpoint through (not AWEX, which does not move experts, nor the
+    # checkpoint's load-balancing coefficient, which megatron would leave out), and --check warns for both fields
+    opt_in = [*overrides, "allow_unverified=true", "weight_sync.backend=awex"]
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, opt_in), str(CODER))
+    text = str(err.value)
+    assert "2 problems" in text and "awex does not move its experts" in text
+    assert "(got 'awex'; weight_sync.backend: torch)" in text  # the broadcast the shipped config uses
+    assert (
+        "loss.router_aux_loss_coefficient: null takes the actor's router_aux_loss_coef (0.001 in "
+        f"{path}/config.json), and the megatron actor engine adds no router loss (got null; 0 (no "
+        "load-balancing loss), or models.actor.engine: torch)" in text
+    )
+    opt_in += ["weight_sync.backend=torch", "loss.router_aux_loss_coefficient=0"]
+    opted = prepare_models(load_run_config(CODER, opt_in), str(CODER))
+    warnings = unverified_model_warnings(opted)
+    assert [w.split(" = ")[0] for w in warnings] == ["models.actor.path", "models.teachers[0].path"]
+    assert all("let through by allow_unverified" in w and "test_megatron_moe_gpu.py" in w for w in warnings)
+    assert unverified_model_warnings(cfg) == []
+    # the torch engine loads a Qwen3-MoE checkpoint: no architecture refusal
+    torch_cfg = load_run_config(
+        CODER,
+        [
+            *overrides,
+            "models.actor.engine=torch",
+            "models.teachers.0.engine=torch",
+            "weight_sync.backend=torch",
+        ],
+    )
+    prepare_models(torch_cfg, str(CODER))
+
+
+@pytest.mark.parametrize(
+    ("architectures", "model_type", "torch_refused"),
+    [
+        (["LlamaForCausalLM"], "llama", None),
+        (None, "llama", None),  # no `architectures`: the class of its model_type
+        (["MistralForCausalLM"], "mistral", "MistralForCausalLM"),
+        (None, "gemma3", "model_type 'gemma3'"),
+    ],
+)
+def test_model_families_other_architectures_are_refused_naming_them(
+    moe_checkpoint: Path, tmp_path: Path, architectures, model_type, torch_refused
+) -> None:
+    """config/capabilities.py MODEL_FAMILIES: Llama loads on the torch engines and waits for its GPU test on
+    megatron; an architecture of no declared family is refused on either engine, named."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(moe_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = model_type
+    config.pop("architectures")
+    if architectures:
+        config["architectures"] = architectures
+    (ckpt / "config.json").write_text(json.dumps(config))
+    overrides = [
+        f"models.actor.path={ckpt}",
+        f"models.tokenizer.path={ckpt}",
+        f"models.teachers.0.path={ckpt}",
+    ]
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, overrides), str(CODER))
+    text = str(err.value)
+    shown = torch_refused or "LlamaForCausalLM"
+    assert f"is a {shown}" in text and "models.actor.path" in text and "models.teachers[0].path" in text
+    torch_cfg = load_run_config(
+        CODER,
+        [
+            *overrides,
+            "models.actor.engine=torch",
+            "models.teachers.0.engine=torch",
+            "weight_sync.backend=torch",
+        ],
+    )
+    if torch_refused is None:
+        prepare_models(torch_cfg, str(CODER))
+        return
+    with pytest.raises(ConfigError) as err:
+        prepare_models(torch_cfg, str(CODER))
+    text = str(err.value)
+    assert (
+        "the job's engines load Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM checkpoints only "
+        f"(config/capabilities.py MODEL_FAMILIES); {ckpt} is a {torch_refused}" in text
+    )
+
+
+def test_router_losses_are_refused_for_a_dense_actor(moe_checkpoint: Path, micro_models: Path) -> None:
+    """loss.router_* act on a mixture-of-experts actor's routers: for a dense one `--check` refuses them."""
+    dense = micro_models / "student"
+    torch_engines = [
+        "models.actor.engine=torch",
+        "models.teachers.0.engine=torch",
+        "weight_sync.backend=torch",
+    ]
+    for actor, refused in ((dense, True), (moe_checkpoint, False)):
+        overrides = [
+            f"models.actor.path={actor}",
+            f"models.tokenizer.path={actor}",
+            f"models.teachers.0.path={actor}",
+            "loss.router_z_loss_coefficient=0.01",
+            "loss.router_aux_loss_coefficient=0.001",
+            *torch_engines,
+        ]
+        cfg = load_run_config(CODER, overrides)
+        if not refused:
+            prepare_models(cfg, str(CODER))
+            continue
+        with pytest.raises(ConfigError) as err:
+            prepare_models(cfg, str(CODER))
+        text = str(err.value)
+        for field in ("loss.router_z_loss_coefficient", "loss.router_aux_loss_coefficient"):
+            assert f"{field}: the actor ({dense}) is a dense Qwen3ForCausalLM: it has no router" in text
+
+
+def test_moe_settings_the_engines_do_not_run_are_refused_naming_the_field() -> None:
+    """rollout.routing_replay (megatron actor, sglang rollout), the router losses (megatron) and expert_parallel
+    > 1 (naming the GPU test that has not run) through job_gaps: config/capabilities.py moe_refusals."""
+    cfg = load_run_config(
+        CODER,
+        [
+            "rollout.routing_replay=true",
+            "models.actor.expert_parallel=2",
+            "loss.router_z_loss_coefficient=0.01",
+            "rollout.backend=sglang",
+        ],
+    )
+    gaps = [p for p in job_gaps(cfg) if p.path in ("rollout.routing_replay", "models.actor.expert_parallel")]
+    gaps += [p for p in job_gaps(cfg) if p.path.startswith("loss.router")]
+    text = "\n".join(f"{p.path}: {p.message} ({p.expected})" for p in gaps)
+    assert (
+        "rollout.routing_replay: the megatron actor engine does not replay the rollout's routed experts"
+        in text
+    )
+    assert "rollout.routing_replay: the sglang rollout backend does not answer the routed experts" in text
+    assert (
+        "models.actor.expert_parallel: the actor role runs the megatron engine at expert_parallel ≤ 1: "
+        "expert_parallel 2 has not run on GPUs: tests/engines/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs) "
+        "has not run" in text
+    )
+    assert "loss.router_z_loss_coefficient: the megatron actor engine adds no router loss" in text
+    assert "models.actor.engine: torch" in text
+    with pytest.raises(
+        ConfigError, match="rollout.compile_decode: rollout.routing_replay records the routed"
+    ):
+        load_run_config(CODER, ["rollout.routing_replay=true", "rollout.backend=hf"])
+
+
+def test_routing_replay_and_expert_parallel_are_refused_for_a_dense_actor(
+    moe_checkpoint: Path, micro_models: Path
+) -> None:
+    dense = micro_models / "student"
+    overrides = [
+        f"models.actor.path={dense}",
+        f"models.tokenizer.path={dense}",
+        f"models.teachers.0.path={dense}",
+        "models.actor.engine=torch",
+        "models.teachers.0.engine=torch",
+        "weight_sync.backend=torch",
+        "rollout.routing_replay=true",
+        "models.actor.expert_parallel=2",
+    ]
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, overrides), str(CODER))
+    text = str(err.value)
+    assert (
+        f"rollout.routing_replay: the actor ({dense}) is a dense Qwen3ForCausalLM: it has no routed experts"
+        in text
+    )
+    assert f"models.actor.expert_parallel: the actor ({dense}) is a dense Qwen3ForCausalLM" in text
+
+
+def test_a_rope_scaling_megatron_does_not_compute_is_refused_at_check(
+    moe_checkpoint: Path, tmp_path: Path
+) -> None:
+    """launch/rope_check.py: a megatron Llama checkpoint whose config.json asks for yarn RoPE scaling is refused
+    by --check naming the field and the value (megatron-core computes llama3's only); llama3 passes."""
+    import json
+
+    ckpt = tmp_path / "llama"
+    shutil.copytree(moe_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text()) | {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+    }
+    overrides = [f"models.actor.path={ckpt}", f"models.tokenizer.path={ckpt}", f"models.teachers.0.path={ckpt}",
+                 "allow_unverified=true", "weight_sync.backend=torch"]  # fmt: skip
+    for scaling, refused in (
+        ({"rope_type": "yarn", "factor": 4.0}, True),
+        ({"rope_type": "llama3", "factor": 8.0}, False),
+    ):
+        (ckpt / "config.json").write_text(json.dumps(config | {"rope_scaling": scaling}))
+        if not refused:
+            prepare_models(load_run_config(CODER, overrides), str(CODER))
+            continue
+        with pytest.raises(ConfigError) as err:
+            prepare_models(load_run_config(CODER, overrides), str(CODER))
+        text = str(err.value)
+        assert (
+            f"models.actor.path: {ckpt}/config.json: rope_type='yarn': the megatron engine applies no RoPE"
+            in text
+        )
+        assert "models.teachers[0].path" in text

@@ -1,0 +1,218 @@
+"""CPU parts of AWEX through the HF rollout engine (issue 8): the "hf" engine registration, the inference-side
+parameter metadata `awex_hf` gives awex's resolver, the local-spec name fix of the trainer side, and a full
+metadata match + awex transfer plan between a real megatron-core GPTModel and the HF engine, replayed on CPU
+tensors (the NCCL transfer itself runs in tests/engines/test_awex_hf_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("awex", reason="awex is not installed")
+pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+
+from helpers_models import save_micro_qwen3  # noqa: E402
+
+from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine  # noqa: E402
+from mopd_hpc.engines.weight_sync.awex import AwexConfigError  # noqa: E402
+from mopd_hpc.engines.weight_sync.awex_actor import local_spec_name  # noqa: E402
+from mopd_hpc.engines.weight_sync.awex_hf import ENGINE_NAME, hf_awex_engine, register_hf_engine  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = {"tp_size": 1, "pp_size": 1, "dp_size": 1, "nnodes": 1, "node_rank": 0, "num_engines": 1,
+          "engine_rank": 0, "meta_server_addr": "127.0.0.1:1", "comm_backend": "nccl"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> HFRolloutEngine:
+    path = save_micro_qwen3(tmp_path_factory.mktemp("awex_hf") / "ckpt", seed=0)
+    return HFRolloutEngine.load(str(path), "cpu", "float32")
+
+
+def test_registration_resolves_hf_and_keeps_other_engines() -> None:
+    register_hf_engine()
+    register_hf_engine()  # idempotent: no double wrapping
+    import awex.meta.infer_meta_resolver as resolver
+    import awex.reader.weights_reader as reader
+    from awex.sharding.sglang_sharding import get_sglang_rank_info
+
+    assert resolver.get_rank_info_extractor("sglang") is get_sglang_rank_info
+    assert resolver.get_rank_info_extractor(ENGINE_NAME).__name__ == "hf_rank_info"
+    assert reader.get_rank_info_extractor.__wrapped__.__name__ == "get_rank_info_extractor"
+    with pytest.raises(ValueError, match="Unknown engine_name"):
+        resolver.get_rank_info_extractor("nope")
+
+
+def test_inference_metadata_is_the_hf_state_dict(engine: HFRolloutEngine) -> None:
+    from awex.meta.infer_meta_resolver import InferParamMetaResolver
+    from awex.sharding.param_sharding import ShardingType
+
+    awex_engine = hf_awex_engine(CONFIG, engine)
+    metas = InferParamMetaResolver(awex_engine, convert_params=True).get_parameters_meta()
+    state = engine.model.state_dict()
+    assert sorted(m.name for m in metas) == sorted(state)  # incl. the tied lm_head alias awex adds
+    for meta in metas:
+        assert meta.global_shape == tuple(state[meta.name].shape) and meta.dtype == torch.float32
+        assert len(meta.shards) == 1 and meta.shards[0].sharding_type == ShardingType.NO_SHARDING
+    calls = awex_engine.execute_task_in_model_worker(lambda model, model_context, k: (model, k), k=3)
+    assert calls == [(engine.model, 3)]
+
+
+def test_config_errors(engine: HFRolloutEngine) -> None:
+    with pytest.raises(AwexConfigError, match="node_rank is None"):
+        hf_awex_engine(CONFIG | {"node_rank": None}, engine)
+    with pytest.raises(AwexConfigError, match="tp_size"):
+        hf_awex_engine(CONFIG | {"tp_size": 2}, engine)
+    with pytest.raises(AwexConfigError, match="before initialize"):
+        hf_awex_engine(CONFIG, engine).update_weights()
+
+
+def test_local_spec_name() -> None:
+    assert local_spec_name("decoder.layers.3.input_layernorm.weight") == (
+        "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    )
+    assert (
+        local_spec_name("decoder.layers.3.pre_mlp_layernorm.weight")
+        == "decoder.layers.3.pre_mlp_layernorm.weight"
+    )
+
+
+_PLAN_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(1, 1)
+    import awex.util.device as device_util
+    device_util.device_count = lambda: 1  # a CPU host: awex takes the local rank modulo the GPU count
+    from types import SimpleNamespace
+    from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore
+    from mopd_hpc.engines.megatron.engine import read_hf_checkpoint
+    from mopd_hpc.engines.megatron.model import build_gpt_model, load_mcore_state
+    from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
+    from mopd_hpc.engines.weight_sync.awex_actor import pretrained_config, register_local_spec_names
+    from mopd_hpc.engines.weight_sync.awex_hf import hf_awex_engine
+    register_local_spec_names()
+    import awex.models.registry as registry
+    from awex.meta.infer_meta_resolver import InferParamMetaResolver
+    from awex.meta.train_meta_resolver import McoreParamMetaResolver
+    from awex.transfer.transfer_plan import TransferPlanBuilder
+    from awex.util.common import check_train_infer_params_meta, simple_hf_config
+    ckpt = sys.argv[1]
+    config, hf = read_hf_checkpoint(ckpt)
+    shape = Qwen3Shape.from_hf_config(config)
+    model = build_gpt_model(shape, dtype="float32", cpu_init=True)
+    load_mcore_state(model, hf_to_mcore(hf, shape))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # the actor moved away from the checkpoint
+    engine = HFRolloutEngine.load(ckpt, "cpu", "float32")
+    awex_engine = hf_awex_engine(json.loads(sys.argv[3]), engine)
+    infer = InferParamMetaResolver(awex_engine, convert_params=True).get_parameters_meta()
+    infer_conf = {"engine_name": "hf", "infer_atten_tp_size": 1, "infer_engine_config": awex_engine.config,
+                  "hf_config": simple_hf_config(awex_engine.hf_config), "infer_world_size": 1,
+                  "expected_pp_ranks": [0], "device_backend": "cpu"}
+    hf_cfg = pretrained_config(config)
+    trainer = SimpleNamespace(model=[model], engine_name="mcore", enable_debug_mode=False)
+    resolver = McoreParamMetaResolver(trainer, hf_cfg, infer_conf)
+    train = resolver.get_parameters_meta()
+    check_train_infer_params_meta(train, infer, raise_exception=True)
+    conv = registry.get_train_weights_converter("mcore", "Qwen3ForCausalLM", hf_cfg, resolver._rank_info,
+                                                infer_conf, tf_config=model.config)
+    sent = {hn: hp for n, p in model.named_parameters() for hn, hp in conv.convert_param(n, p.detach())}
+    sent.setdefault("lm_head.weight", sent["model.embed_tokens.weight"])
+    params = dict(engine.model.named_parameters())
+    params["lm_head.weight"] = params["model.embed_tokens.weight"]
+    ops = TransferPlanBuilder(1, 1, 1).build_weights_mapping_operations(infer, train)
+    with torch.no_grad():
+        for op in ops:  # replay what the NCCL reader does: recv into the HF parameter slices
+            name = op.recv_shard_meta.name
+            params[name][op.inf_slices].copy_(sent[name][op.train_slices])
+    from mopd_hpc.engines.megatron.convert import mcore_to_hf
+    want = mcore_to_hf({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, shape)
+    got = engine.model.state_dict()
+    print(json.dumps({"ops": len(ops), "names": len(train), "train_dtypes": sorted({str(m.dtype) for m in train}),
+                      "equal": all(torch.equal(got[k], want[k]) for k in want), "keys": sorted(want)}))
+    """
+)
+
+
+def test_trainer_and_hf_metadata_match_and_the_plan_replays_exactly(tmp_path: Path) -> None:
+    """A real (CPU) megatron GPTModel's AWEX metadata matches the HF engine's; awex's plan, replayed on
+    CPU, makes every HF parameter equal the actor's (converted to HF names) bitwise."""
+    ckpt = save_micro_qwen3(tmp_path / "ckpt", seed=1)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAN_SCRIPT, str(ckpt), str(tmp_path / "pg"), json.dumps(CONFIG)],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["names"] == 14 and report["ops"] == 14  # 13 weights + the tied lm_head alias
+    assert report["train_dtypes"] == ["torch.float32"]
+    assert "model.layers.0.input_layernorm.weight" in report["keys"]
+    assert report["equal"] is True
+
+
+class _Reader:
+    """The attributes awex's NCCLWorkerWeightsReader handshake reads."""
+
+    def __init__(self, colocate: bool, world_size: int) -> None:
+        self.enable_colocate_mode, self.world_size, self.calls = colocate, world_size, 0
+
+
+def test_colocate_reader_of_one_rank_skips_the_self_handshake() -> None:
+    """Gap 6: with one rollout rank in colocate mode the handshake would NCCL-receive from itself."""
+    from awex.reader.nccl_reader import NCCLWorkerWeightsReader
+
+    from mopd_hpc.engines.weight_sync.awex_hf import _skip_self_handshake
+
+    register_hf_engine()
+    register_hf_engine()
+    installed = NCCLWorkerWeightsReader._shake_hands_with_writer
+    assert installed._mopd_hf and not getattr(installed.__wrapped__, "_mopd_hf", False)  # wrapped once
+    calls: list[_Reader] = []
+    shake = _skip_self_handshake(calls.append)
+    alone, pair, separate = _Reader(True, 1), _Reader(True, 2), _Reader(False, 1)
+    for reader in (alone, pair, separate):
+        shake(reader)
+    assert calls == [pair, separate]
+
+
+def test_colocate_writer_never_frees_parameter_storage() -> None:
+    """Gap 5: awex's colocate writer resizes the storage of every converted tensor to 0; views of a
+    protected model's parameters (one flat buffer, as with Megatron DDP) must survive it."""
+    from mopd_hpc.engines.weight_sync.awex_actor import protect_parameter_storage
+
+    flat = torch.arange(12, dtype=torch.float32)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(flat[:8].view(2, 4))  # parameters as views into one buffer
+    model.b = torch.nn.Parameter(flat[8:])
+    protect_parameter_storage(model)
+    protect_parameter_storage(model)  # idempotent
+    import awex.writer.nccl_writer as nccl_writer
+
+    converted = [model.w.detach(), model.w.detach()[1], model.b.detach()]  # identity and sliced conversions
+    own_copy = torch.ones(5)
+    nccl_writer.release_tensors([*converted, own_copy])
+    assert flat.untyped_storage().size() == 12 * 4 and torch.equal(flat, torch.arange(12.0))
+    assert own_copy.untyped_storage().size() == 0  # awex's own grouped copies are still freed
+    nccl_writer.release_tensors(torch.zeros(3))  # a single tensor, as awex also calls it
+
+
+def test_awex_memory_tags_map_to_residency_parts() -> None:
+    from mopd_hpc.engines.weight_sync.awex_actor import residency_parts
+
+    assert residency_parts(None) == ("optimizer", "weights")
+    assert residency_parts("weights") == ("weights",)  # awex passes a bare string once
+    assert residency_parts(["optimizer"]) == ("optimizer",)
+    assert residency_parts(["weights", "optimizer"]) == ("optimizer", "weights")
+    assert residency_parts(["kv_cache"]) == ()  # not the actor's memory

@@ -1,0 +1,146 @@
+"""`loss.sft_warmup_steps`: the SFT-then-MOPD recipe (trainer/sft_warmup.py, mopd/sft.py).
+
+Checks, on micro models with the real servers (the controller in-process, as tests/trainer/test_controller.py):
+- warm-up 0 is today's run: the same three steps' losses, bitwise, as a config without the field, and the
+  same final weights;
+- the warm-up steps are SFT steps: step 1's loss equals the cross-entropy of the start student on the route
+  teachers' greedy answers to step 1's prompts (recomputed here: the teachers generating in this process,
+  the student's HF forward), the steps after the warm-up are MOPD steps;
+and the loss and the config's refusals without servers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from helpers_configs import set_dotted
+from safetensors.torch import load_file
+from test_controller import REPO, micro_config, micro_models, run_controller  # noqa: F401 - the fixture
+
+from mopd_hpc.config import ConfigError, RunConfig
+from mopd_hpc.config.loss import LossConfig
+from mopd_hpc.mopd.objective import Objective
+from mopd_hpc.records.metrics import read_metrics
+from mopd_hpc.trainer.sft_warmup import cut_after_eos, route_teacher
+
+
+def _losses(run_dir):
+    return [(line["step"], line["loss/total"]) for line in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def _final_weights(run_dir):
+    return load_file(str(run_dir / "student_final" / "model.safetensors"))
+
+
+def test_zero_warmup_is_todays_run(micro_models, tmp_path):  # noqa: F811
+    runs = {}
+    for name, changes in (("today", {}), ("zero", {"loss.sft_warmup_steps": 0})):
+        run_dir = tmp_path / name
+        config = micro_config(
+            micro_models, run_dir, tmp_path / f"{name}.yaml", **{"loss.estimator": "topk", **changes}
+        )
+        _, outcome, codes, out = run_controller(config, run_dir, f"job-{name}")
+        assert (outcome.reason, outcome.step) == ("finished", 3) and codes == [0, 0, 0], out
+        runs[name] = run_dir
+    assert _losses(runs["zero"]) == _losses(runs["today"])  # bitwise: float equality of every step
+    assert all("loss/sft" not in line for line in read_metrics(runs["zero"] / "metrics.jsonl"))
+    today, zero = _final_weights(runs["today"]), _final_weights(runs["zero"])
+    assert today.keys() == zero.keys() and all(torch.equal(today[k], zero[k]) for k in today)
+
+
+def _reference_sft_loss(cfg: RunConfig) -> float:
+    """Step 1's SFT loss recomputed: the stream's first batch, each prompt answered greedily by its route
+    teacher in this process (the same `greedy_ids` the teacher server runs), the start student's token-mean
+    cross-entropy on the answers from its HF forward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mopd_hpc.engines.teacher.greedy_generate import GreedyRequest, greedy_ids
+    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
+    from mopd_hpc.trainer.data_setup import build_run_data
+    from mopd_hpc.trainer.rollout_phase import encode_prompts
+
+    tok = AutoTokenizer.from_pretrained(cfg.models.tokenizer.path)
+    draws = build_run_data(cfg).dataset.take(cfg.data.batch_size)
+    prompts = encode_prompts(tok, draws, cfg.data.max_prompt_tokens)
+    answers: dict[int, list[int]] = {}
+    for teacher in cfg.models.teachers:
+        rows = [i for i, d in enumerate(draws) if route_teacher(cfg.routes[d.route]) == teacher.id]
+        engine = TorchScoringEngine.from_pretrained(teacher.path)
+        request = GreedyRequest(
+            tuple(tuple(prompts[i]) for i in rows),
+            cfg.rollout.sampling.max_new_tokens,
+            tok.eos_token_id,
+            tok.pad_token_id,
+        )
+        for i, row in zip(rows, greedy_ids(engine, request), strict=True):
+            answers[i] = cut_after_eos(row, tok.eos_token_id)
+    student = AutoModelForCausalLM.from_pretrained(cfg.models.actor.path, torch_dtype=torch.float32)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt + answers[i]])
+            logp = torch.log_softmax(student(input_ids=ids).logits[0].double(), dim=-1)
+            for t, token in enumerate(answers[i]):
+                nll -= float(logp[len(prompt) - 1 + t, token])
+                count += 1
+    return nll / count
+
+
+def test_warmup_steps_are_sft_steps(micro_models, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    config = micro_config(
+        micro_models, run_dir, tmp_path / "c.yaml", **{"loss.estimator": "topk", "loss.sft_warmup_steps": 2}
+    )
+    _, outcome, codes, out = run_controller(config, run_dir, "job-sft")
+    assert (outcome.reason, outcome.step) == ("finished", 3) and codes == [0, 0, 0], out
+    lines = read_metrics(run_dir / "metrics.jsonl")
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    sft, mopd = lines[:2], lines[2]
+    for line in sft:
+        assert line["loss/sft"] == line["loss/total"] and line["loss/mopd"] == 0.0
+    assert (
+        "loss/sft" not in mopd
+        and mopd["loss/mopd"] == mopd["loss/total"]
+        and mopd["mopd/reverse_kl"] >= -1e-6
+    )
+    assert [line["rollout/weight_version"] for line in lines][2] == 2.0  # step 3 sampled by the student
+    cfg = RunConfig.from_yaml(config)
+    assert sft[0]["loss/sft"] == pytest.approx(_reference_sft_loss(cfg), rel=1e-5)
+
+
+def test_sft_objective_is_the_token_mean_cross_entropy():
+    logprobs = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.1, 0.7, 0.3]], dtype=torch.float64))
+    logprobs.requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    for normalizer, want in (
+        ("token-mean", -(logprobs[mask]).sum() / 5),
+        ("seq-mean-token-mean", -(logprobs[0, :2].mean() + logprobs[1].mean()) / 2),
+    ):
+        objective = Objective(LossConfig(estimator="topk", normalizer=normalizer, rl_coefficient=1.0))
+        loss, stats = objective(
+            logprobs=logprobs, behavior_logprobs=torch.zeros(2, 3), loss_mask=mask, sft=True
+        )  # no teacher input and no A_ORM: the SFT step reads none
+        assert float(loss.detach()) == pytest.approx(float(want), rel=1e-12) and set(stats) == {
+            "sft/loss",
+            "sft/tokens",
+        }
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        (want_grad,) = torch.autograd.grad(want, logprobs)
+        assert torch.allclose(grad, want_grad)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"steps": 3, "loss.sft_warmup_steps": 4}, "loss.sft_warmup_steps"),
+        ({"loss.sft_warmup_steps": 1, "loss.distillation_coefficient": 0.0, "loss.rl_coefficient": 1.0},
+         "loss.sft_warmup_steps"),
+    ],
+)  # fmt: skip
+def test_refused_warmups_name_the_field(changes, field):
+    doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
+    set_dotted(doc, changes)
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(doc)
+    assert field in str(err.value)
