@@ -3,13 +3,16 @@ with a short request timeout, the child stopped after the third metrics line, th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from test_controller import micro_config
 from test_fault_kill_resume import child_pid
 from test_local_backend import env_for, processes_of, wait_for
 
+from mopd_hpc.engines.frames.codec import CONTENT_TYPE
 from mopd_hpc.records.metrics import read_metrics
 
 #: Seconds past the request timeout within which the job must have ended after the stop (the actor's exit,
@@ -97,3 +101,38 @@ def assert_job_ended_failed(run_dir: Path) -> None:
                              env=env_for(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert summary.returncode == 1 and "state FAILED" in summary.stdout, summary.stdout + summary.stderr
     assert "Traceback" not in summary.stdout + summary.stderr
+
+
+#: The head of a 2 MiB frame answer and its first KiB: a client reads the rest straight from the socket
+#: (`engines/frames/over_http.read_frame`), outside aiohttp's own timeout.
+STALLED_FRAME = (
+    f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {2 << 20}\r\n\r\n".encode()
+    + b"\0" * 1024
+)
+
+
+@contextlib.contextmanager
+def hung_server(sends: bytes) -> Iterator[str]:
+    """The URL of a listener that accepts one connection, reads the request, sends `sends` (b"": nothing;
+    `STALLED_FRAME`: an answer that stalls mid-body) and never more; closed at the end."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        held: list[socket.socket] = []
+
+        def serve() -> None:
+            conn, _ = server.accept()
+            held.append(conn)
+            conn.recv(1 << 16)
+            conn.sendall(sends)
+
+        threading.Thread(target=serve, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.getsockname()[1]}"
+        finally:
+            for conn in held:
+                conn.close()
+
+
+def closed_url() -> str:
+    """The URL of a port nothing listens on any more."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        return f"http://127.0.0.1:{server.getsockname()[1]}"

@@ -13,15 +13,19 @@ no process of the job is left; the summary says FAILED. Without the timeout the 
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import pytest
-from helpers_stop import MARGIN_S, assert_job_ended_failed, stop_mid_run
+from helpers_stop import (
+    MARGIN_S,
+    STALLED_FRAME,
+    assert_job_ended_failed,
+    closed_url,
+    hung_server,
+    stop_mid_run,
+)
 from test_controller import micro_models  # noqa: F401  (the module-scoped fixture)
 
-from mopd_hpc.engines.frames.codec import CONTENT_TYPE
 from mopd_hpc.engines.teacher.client import TeacherClient, TeacherUnavailableError
 
 TIMEOUT_S = 4.0
@@ -46,45 +50,26 @@ def test_sigstop_of_a_teacher_fails_the_step_within_its_timeout_naming_it(micro_
     assert_job_ended_failed(run.run_dir)
 
 
-@pytest.mark.parametrize("sends", [b"", b"head"], ids=["silent", "stalls-mid-answer"])
+@pytest.mark.parametrize("sends", [b"", STALLED_FRAME], ids=["silent", "stalls-mid-answer"])
 def test_a_silent_or_stalled_server_is_a_timeout_naming_the_teacher(sends: bytes) -> None:
     """A listener that accepts and never answers, or stalls after the head of a 2 MiB frame answer (read
     straight from the socket, outside aiohttp's own timeout): TeacherUnavailableError within the timeout."""
-    if sends:
-        sends = (
-            f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {2 << 20}\r\n\r\n".encode()
-            + b"\0" * 1024
-        )
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        url = f"http://127.0.0.1:{server.getsockname()[1]}"
-        held: list[socket.socket] = []
 
-        def serve() -> None:
-            conn, _ = server.accept()
-            held.append(conn)
-            conn.recv(1 << 16)
-            conn.sendall(sends)
+    async def score() -> None:
+        async with TeacherClient(url, timeout_s=1.0, name="'chain' replica 0") as client:
+            await client.score_tensors([[1, 2, 3]], [1])
 
-        threading.Thread(target=serve, daemon=True).start()
-
-        async def score() -> None:
-            async with TeacherClient(url, timeout_s=1.0, name="'chain' replica 0") as client:
-                await client.score_tensors([[1, 2, 3]], [1])
-
+    with hung_server(sends) as url:
         start = time.monotonic()
         with pytest.raises(TeacherUnavailableError) as info:
             asyncio.run(score())
         took = time.monotonic() - start
-        for conn in held:
-            conn.close()
     assert 1.0 <= took < 3.0, took
     assert str(info.value).startswith(f"teacher 'chain' replica 0 at {url}: /score: no answer within 1 s")
 
 
 def test_a_dead_server_is_named() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        url = f"http://127.0.0.1:{server.getsockname()[1]}"
-    # closed: nothing listens there any more
+    url = closed_url()
 
     async def score() -> None:
         async with TeacherClient(url, timeout_s=5.0, name="'legs' replica 1") as client:
