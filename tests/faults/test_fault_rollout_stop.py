@@ -6,7 +6,7 @@ than that, or as much earlier when the request was in flight at the stop (a requ
 before or after it; a step of the micro models takes about 2 s on 2 shared cores); the actor's error names
 the rollout engine's index and its URL (the endpoint record's); the job ends within `TIMEOUT_S + MARGIN_S`
 of the stop (helpers_stop.py); no process of the job is left; the summary says FAILED, without a traceback.
-Measured: the step failed 4.0 s and the job ended 16 to 28 s after the stop. Without the field the step waited
+Measured: the step failed 4.0 s and the job ended 11 to 28 s after the stop. Without the field the step waited
 600 s (the actor's constant before it).
 """
 
