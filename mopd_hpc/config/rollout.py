@@ -85,6 +85,16 @@ class RolloutConfig(Section):
         "for the weight sync and the next rollout; the memory plan counts it in those phases. null = 0.5. "
         "Refused with backend hf (its KV cache is sized from the step's rows: graph_rows).",
     )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Seconds the actor waits for one answer of a rollout engine (a step's /generate, a weight "
+        "update, a pause or release), connecting and reading the answer included; past it the step fails "
+        "with an error naming the engine's index and URL, and the job ends (a stopped or hung server). Raise "
+        "it for long responses on slow hardware; at most 86400 (a day).",
+    )
     forked: StrictBool = Field(
         True,
         description="Rollout engines run as children forked by the node's guard, so that a rollout crash or "

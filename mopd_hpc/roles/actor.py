@@ -17,7 +17,8 @@ ranks follow it (trainer/follower.py). In order, on every rank:
    starting actor from models.actor.path, offloaded between uses), open a client per teacher over its
    replicas (`teacher_pool`: each request bounded by `models.teachers[].request_timeout_s`; every rank
    scores its own rows);
-6. rank 0: the tokenizer, the routed data, the rollout clients and the weight sync (the `nccl` port), the
+6. rank 0: the tokenizer, the routed data, the rollout clients (`rollout_clients`: each request bounded by
+   `rollout.request_timeout_s`) and the weight sync (the `nccl` port), the
    SIGUSR2 checkpoint handler, on a GPU the residency decision (`roles/residency.py`: which teachers leave
    the GPU between phases; printed with the memory plan), then `Controller.run()`; a rank > 0: SIGUSR2 ignored (rank 0 decides when to
    checkpoint and sends the stop record), then `Follower.run()`, with weight_sync.backend awex its own AWEX
@@ -79,8 +80,6 @@ log = logging.getLogger("mopd_hpc.trainer")
 
 EXIT_CONFIG = 2
 EXIT_INCOMPATIBLE = 3
-#: Total time allowed per rollout request, seconds.
-ROLLOUT_TIMEOUT_S = 600.0
 
 
 def check_compatibility(cfg: RunConfig, plan: ExecutionPlan) -> None:
@@ -270,6 +269,16 @@ def teacher_pool(cfg: RunConfig, teacher_id: str, urls: Sequence[str], token: st
     return TeacherPool(urls, name=teacher_id, token=token, timeout_s=timeout_s)
 
 
+def rollout_clients(cfg: RunConfig, urls: Sequence[str], token: str | None) -> list[RolloutClient]:
+    """Rank 0's clients of the rollout engines (`urls`, in engine order): each request bounded by
+    `rollout.request_timeout_s` seconds (the answer's reading included), its errors naming the engine's
+    index and URL ("rollout engine 0 at http://...")."""
+    timeout_s = cfg.rollout.request_timeout_s
+    return [
+        RolloutClient(url, token=token, timeout_s=timeout_s, name=f"engine {i}") for i, url in enumerate(urls)
+    ]
+
+
 async def _lead(
     role: RoleEnv,
     cfg: RunConfig,
@@ -301,8 +310,7 @@ async def _lead(
     request.install()
     async with contextlib.AsyncExitStack() as stack:
         rollout = [
-            await stack.enter_async_context(RolloutClient(url, token=token, timeout_s=ROLLOUT_TIMEOUT_S))
-            for url in rollout_urls
+            await stack.enter_async_context(client) for client in rollout_clients(cfg, rollout_urls, token)
         ]
         controller = Controller(
             cfg,

@@ -15,6 +15,7 @@ the job runs on the submit host or in its roles:
     exports   trainer/exports.write_export at every export step: the exports left on disk after each step
     group     roles/actor_group.group_spec (the actor group's spec)
     teachers  roles/actor.teacher_pool for each teacher the actor scores (each replica client's name, timeout)
+    rollout_clients roles/actor.rollout_clients for the rollout engines (each client's name, URL, timeout)
     loss      roles/actor.build_train_engine (torch, CPU, a micro Qwen3) and 3 train steps on a fixed batch
     refused   loading the config raises a ConfigError naming the mutated field
 
@@ -331,6 +332,13 @@ def _teachers(cfg: RunConfig) -> str:
     return repr({t: [(c.name, c.timeout_s) for c in pool.clients] for t, pool in pools.items()})
 
 
+def _rollout_clients(cfg: RunConfig) -> str:
+    from mopd_hpc.roles.actor import rollout_clients
+
+    urls = [f"http://127.0.0.1:{1 + i}" for i in range(cfg.rollout.engines.count)]
+    return repr([(c.name, c.base_url, c.timeout.total) for c in rollout_clients(cfg, urls, None)])
+
+
 def _loss(cfg: RunConfig) -> str:
     """3 train steps of the actor's torch engine as the role builds it, on one fixed batch carrying what
     every term reads (the teachers' top-k at k = loss.topk, as the teacher phase asks for it)."""
@@ -372,6 +380,7 @@ OBSERVERS: dict[str, Callable[..., str]] = {
     "exports": _exports,
     "group": _group,
     "teachers": _teachers,
+    "rollout_clients": _rollout_clients,
     "loss": _loss,
 }
 
@@ -594,6 +603,7 @@ MUTATIONS: dict[str, M] = {
     "rollout.engines.tensor_parallel": ("gpu", GPU2, {"rollout.engines.tensor_parallel": 2}, "plan"),
     "rollout.mode": ("cpu", {}, {"rollout.mode": "separated"}, "plan"),
     "rollout.forked": ("het", {}, {"rollout.forked": False}, "refused"),
+    "rollout.request_timeout_s": ("cpu", {}, {"rollout.request_timeout_s": 30.0}, "rollout_clients"),
     # eager decoding frees the KV cache after each batch: the plan holds it in the rollout phase only
     "rollout.compile_decode": ("gpu", {}, {"rollout.compile_decode": False}, "dry_run"),
     "rollout.graph_rows": ("gpu", {}, {"rollout.graph_rows": 1}, "dry_run"),

@@ -19,6 +19,9 @@ from test_controller import assert_metrics, micro_config
 from mopd_hpc.records.metrics import read_metrics
 
 STEPS = 80
+#: The SIGKILL test's run: a checkpoint every `KILL_INTERVAL` steps, the actor killed after `KILL_AFTER` lines
+#: (one checkpoint behind it at least, lines past it to roll back).
+KILL_STEPS, KILL_INTERVAL, KILL_AFTER = 12, 4, 6
 BATCH = 8
 
 
@@ -55,14 +58,14 @@ def latest_step(run_dir: Path) -> int:
     return json.loads((run_dir / "checkpoints" / name / "state.json").read_text())["step"]
 
 
-def finish_again(config: Path, cwd: Path, run_dir: Path) -> str:
+def finish_again(config: Path, cwd: Path, run_dir: Path, steps: int = STEPS) -> str:
     again = submit(config, cwd)
     out, _ = again.communicate(timeout=300)
     assert again.returncode == 0, out[-3000:]
-    lines = assert_metrics(run_dir, STEPS)
-    assert len({line["step"] for line in lines}) == STEPS
-    final = json.loads((run_dir / "checkpoints" / "step_000080" / "state.json").read_text())
-    assert final["data_state"]["position"] == STEPS * BATCH  # the stream continued, no draw repeated
+    lines = assert_metrics(run_dir, steps)
+    assert len({line["step"] for line in lines}) == steps
+    final = json.loads((run_dir / "checkpoints" / f"step_{steps:06d}" / "state.json").read_text())
+    assert final["data_state"]["position"] == steps * BATCH  # the stream continued, no draw repeated
     return out
 
 
@@ -72,25 +75,25 @@ def test_sigkill_mid_run_then_rerun_loses_and_repeats_no_step(micro_models, tmp_
         micro_models,
         run_dir,
         tmp_path / "c.yaml",
-        steps=STEPS,
-        checkpoint_interval=10,
+        steps=KILL_STEPS,
+        checkpoint_interval=KILL_INTERVAL,
         **{"data.eval.size": 4},
     )
     first = submit(config, tmp_path)
-    wait_for_lines(run_dir, 25, first)
+    wait_for_lines(run_dir, KILL_AFTER, first)
     os.kill(actor_pid(run_dir), signal.SIGKILL)
     killed_at = time.time()
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 128 + signal.SIGKILL, out[-2000:]  # the guard reports the killed actor
     ckpt = latest_step(run_dir)
     before = {line["step"]: line["ts"] for line in read_metrics(run_dir / "metrics.jsonl")}
-    assert 20 <= ckpt <= max(before) < STEPS  # usually ckpt < max: lines past the checkpoint to roll back
-    out = finish_again(config, tmp_path, run_dir)
+    assert KILL_INTERVAL <= ckpt <= max(before) < KILL_STEPS  # usually ckpt < max: lines to roll back
+    out = finish_again(config, tmp_path, run_dir, KILL_STEPS)
     actor_out = next((run_dir / "logs").glob("*/actor-0.g1.out")).read_text()
     assert f"resuming from {run_dir / 'checkpoints' / f'step_{ckpt:06d}'} (step {ckpt})" in actor_out
     after = {line["step"]: line["ts"] for line in read_metrics(run_dir / "metrics.jsonl")}
     assert all(after[s] == before[s] for s in range(1, ckpt + 1))  # kept as written before the kill
-    assert all(after[s] > killed_at for s in range(ckpt + 1, STEPS + 1))  # rolled back and rerun
+    assert all(after[s] > killed_at for s in range(ckpt + 1, KILL_STEPS + 1))  # rolled back and rerun
     assert "end/teacher" in out
 
 

@@ -31,6 +31,7 @@ FAULTS: dict[str, tuple[str, ...]] = {
         "e2e/test_resume.py",
     ),
     "SIGSTOP of a teacher server mid-run": ("faults/test_fault_teacher_stop.py",),
+    "SIGSTOP of the rollout server mid-run": ("faults/test_fault_rollout_stop.py",),
     "two jobs on one run dir": ("logs/test_logs_local_faults.py", "runtime/test_run_lock.py"),
     "SIGTERM of a local run": ("logs/test_logs_local_faults.py",),
     "Ctrl-C on `mopd-submit --local ... \\| tee out`": ("faults/test_fault_ctrl_c_tee.py",),

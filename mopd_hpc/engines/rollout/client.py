@@ -1,10 +1,13 @@
 """`RolloutClient`: the trainer's asyncio client of a rollout server (hf or SGLang, same HTTP surface).
 
-Timeouts and retries: every call has a total timeout (`timeout_s`, seconds) and a connect timeout. A call
-that could not reach the server (connection refused; for GET also reset or timed out) is retried up to
-`retries` times with exponential backoff from `retry_backoff_s`; a 503 answer is retried for the
-idempotent GET endpoints only. A non-2xx answer raises `RolloutServerError` carrying the status and the
-server's message; exhausted retries raise `RolloutUnavailableError`. Every request carries the job's token
+Timeouts and retries: every call has a total timeout (`timeout_s`, seconds; the actor's is
+`rollout.request_timeout_s`) that bounds the whole call, its retries and the reading of the answer included
+(a frame read straight from the socket too), and a connect timeout. A call that could not reach the server
+(connection refused; for GET also reset) is retried up to `retries` times with exponential backoff from
+`retry_backoff_s` while the total allows; a 503 answer is retried for the idempotent GET endpoints only. A
+non-2xx answer raises `RolloutServerError` carrying the status and the server's message; no answer within
+the total, a failed connection or exhausted retries raise `RolloutUnavailableError` naming the server
+(`name`: e.g. "engine 0", the actor's rollout engine index) and its URL. Every request carries the job's token
 (`token`, as `Authorization: Bearer`; `runtime/http_auth.py`): without it a job's server answers 401.
 
 Binary transport (DESIGN.md §7): with `binary=True` (the default) `generate` and `generate_batch` ask for
@@ -50,14 +53,19 @@ class RolloutServerError(RuntimeError):
 
 
 class RolloutUnavailableError(RuntimeError):
-    """The server could not be reached within the retries (connection refused, reset, timeout)."""
+    """The server could not be reached within the retries (connection refused, reset), or gave no answer
+    within the call's total timeout (stopped, hung, overloaded); the message names the server and its URL."""
 
 
 class RolloutClient:
     """Async client of one rollout server. Use as `async with`, or call `close()` when done.
 
     `binary`: ask /generate for a frame (module docstring); `max_body_bytes`: the largest frame accepted,
-    in bytes (larger: RolloutServerError).
+    in bytes (larger: RolloutServerError); `name`: how errors name the server ("engine 0" → "rollout engine
+    0 at URL: ..."; None: "rollout server at URL: ...").
+
+    Raises:
+        ValueError: a timeout <= 0 or negative retries.
     """
 
     def __init__(
@@ -71,6 +79,7 @@ class RolloutClient:
         retry_backoff_s: float = 0.5,
         binary: bool = True,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        name: str | None = None,
     ) -> None:
         if retries < 0 or timeout_s <= 0 or connect_timeout_s <= 0 or retry_backoff_s < 0:
             raise ValueError(
@@ -78,6 +87,7 @@ class RolloutClient:
                 f"retry_backoff_s={retry_backoff_s}: expected positive timeouts and non-negative retries"
             )
         self.base_url = base_url.rstrip("/")
+        self.name = "rollout server" if name is None else f"rollout {name}"
         self._headers = auth_headers(token)  # the job's token (None: a server outside the job)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self.retries, self.retry_backoff_s = retries, retry_backoff_s
@@ -107,7 +117,34 @@ class RolloutClient:
     ) -> Any:
         """Send one request; returns the decoded JSON body (None for an empty body), or the `wire.Frame`
         when `accept_frame` asked for one and the server answered one. `timeout` replaces the client's for
-        this request."""
+        this request; its total bounds the whole call (retries and the answer's reading included).
+
+        Raises:
+            RolloutServerError: an error status (the server's message), or a frame that does not decode.
+            RolloutUnavailableError: no answer within the total, a failed connection, or exhausted retries;
+                the message names the server (`name`) and its URL.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        total = timeout.total  # None: unbounded (a caller's own ClientTimeout without a total)
+        try:
+            async with asyncio.timeout(total):
+                return await self._attempts(method, path, body, retry_503, timeout, accept_frame)
+        except TimeoutError as exc:  # the bound above, or aiohttp's own total (its ServerTimeoutError too)
+            raise RolloutUnavailableError(
+                f"{self.name} at {self.base_url}: {method} {path}: no answer within {total:g} s (its request "
+                "timeout, rollout.request_timeout_s): the server is stopped, hung or overloaded"
+            ) from exc
+
+    async def _attempts(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        retry_503: bool,
+        timeout: aiohttp.ClientTimeout,
+        accept_frame: bool,
+    ) -> Any:
+        """`request`'s attempts, unbounded in total (the caller bounds them)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers)
         url = f"{self.base_url}{path}"
@@ -120,7 +157,7 @@ class RolloutClient:
                     method,
                     url,
                     json=body,
-                    timeout=self.timeout if timeout is None else timeout,
+                    timeout=timeout,
                     headers=ACCEPT_HEADERS if accept_frame else None,
                 ) as resp:
                     if accept_frame and resp.status < 400 and is_frame(resp):
@@ -137,14 +174,19 @@ class RolloutClient:
                     if resp.status >= 400:
                         raise RolloutServerError(method, url, resp.status, _message(text))
                     return await resp.json(content_type=None) if text.strip() else None
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+            except aiohttp.ClientConnectionError as exc:
+                if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError: `request` names it
+                    raise
                 if method != "GET" and not isinstance(exc, aiohttp.ClientConnectorError):
                     # the request may have reached the server: a retry could run it twice
-                    raise RolloutUnavailableError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+                    raise RolloutUnavailableError(
+                        f"{self.name} at {self.base_url}: {method} {path}: {type(exc).__name__}: {exc}"
+                    ) from exc
                 last = exc
                 log.debug("%s %s attempt %d failed: %s", method, url, attempt + 1, exc)
         raise RolloutUnavailableError(
-            f"{method} {url}: unreachable after {self.retries + 1} attempts: {last}"
+            f"{self.name} at {self.base_url}: {method} {path}: unreachable after {self.retries + 1} "
+            f"attempts: {last}"
         )
 
     # ---- generation --------------------------------------------------------------------------------
