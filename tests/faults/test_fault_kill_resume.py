@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from test_controller import micro_config, micro_models  # noqa: F401  (the module-scoped fixture)
+from test_controller import micro_config
 from test_local_backend import env_for, processes_of, wait_for
 
 from mopd_hpc.records.metrics import read_metrics

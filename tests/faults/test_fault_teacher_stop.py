@@ -24,7 +24,6 @@ from helpers_stop import (
     hung_server,
     stop_mid_run,
 )
-from test_controller import micro_models  # noqa: F401  (the module-scoped fixture)
 
 from mopd_hpc.engines.teacher.client import TeacherClient, TeacherUnavailableError
 

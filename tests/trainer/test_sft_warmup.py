@@ -16,7 +16,7 @@ import torch
 import yaml
 from helpers_configs import set_dotted
 from safetensors.torch import load_file
-from test_controller import REPO, micro_config, micro_models, run_controller  # noqa: F401 - the fixture
+from test_controller import REPO, micro_config, run_controller
 
 from mopd_hpc.config import ConfigError, RunConfig
 from mopd_hpc.config.loss import LossConfig
