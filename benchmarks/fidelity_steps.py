@@ -152,8 +152,8 @@ class Learner:
         return draws, encode_prompts(self.bench.tok, draws, self.bench.cfg.data.max_prompt_tokens)
 
     def sample(self, prompt_ids: list[list[int]], n: int) -> list[Any]:
-        from mopd_hpc.engines.rollout.hf_engine import RowRequest
         from mopd_hpc.engines.rollout.protocol import SamplingParams
+        from mopd_hpc.engines.rollout.rows import RowRequest
 
         params = SamplingParams(max_new_tokens=self.bench.max_new, temperature=self.s.temperature)
         rows = [

@@ -95,8 +95,8 @@ def floor_seconds(engine, rows: int, prompt_len: int, new: int, bw: float) -> fl
 
 
 def requests(rows: int, prompt_len: int, new: int, vocab: int):
-    from mopd_hpc.engines.rollout.hf_engine import RowRequest
     from mopd_hpc.engines.rollout.protocol import SamplingParams
+    from mopd_hpc.engines.rollout.rows import RowRequest
 
     g = torch.Generator().manual_seed(rows * 7919 + new)
     sampling = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)

@@ -48,8 +48,9 @@ from results_file import commit_of, write_results  # noqa: E402
 from mopd_hpc.config.loss import LossConfig  # noqa: E402
 from mopd_hpc.config.models import OptimizerConfig  # noqa: E402
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch  # noqa: E402
-from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine, RowRequest  # noqa: E402
+from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine  # noqa: E402
 from mopd_hpc.engines.rollout.protocol import SamplingParams  # noqa: E402
+from mopd_hpc.engines.rollout.rows import RowRequest  # noqa: E402
 from mopd_hpc.engines.torch.engine import TorchTrainEngine  # noqa: E402
 from mopd_hpc.mopd import aggregate_teacher_targets  # noqa: E402
 from mopd_hpc.mopd.loss import importance_weights  # noqa: E402

@@ -71,7 +71,8 @@ _WRITER = textwrap.dedent(
 
 _READER = textwrap.dedent(
     """
-    from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine, RowRequest
+    from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
+    from mopd_hpc.engines.rollout.rows import RowRequest
     from mopd_hpc.engines.rollout.protocol import SamplingParams
     from mopd_hpc.engines.weight_sync.awex_hf import hf_awex_engine
 

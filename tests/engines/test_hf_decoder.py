@@ -12,8 +12,9 @@ import torch
 from helpers_models import save_micro_qwen3
 
 from mopd_hpc.engines.rollout import counter_rng
-from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine, RowRequest
+from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
 from mopd_hpc.engines.rollout.protocol import SamplingParams
+from mopd_hpc.engines.rollout.rows import RowRequest
 
 PROMPTS = [(1, 2, 3, 4), (5, 6), (7, 8, 9, 10, 11, 12), (3,)]
 TOL = 1e-5  # fp32 CPU: the same arithmetic up to reduction order

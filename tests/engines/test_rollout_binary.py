@@ -88,7 +88,8 @@ def test_frame_rebuilds_the_json_answer_exactly(url, extra):
 
 
 def test_client_generate_binary_equals_json_and_the_engine_bitwise(url, model):
-    from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine, RowRequest
+    from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
+    from mopd_hpc.engines.rollout.rows import RowRequest
 
     async def both():
         async with (

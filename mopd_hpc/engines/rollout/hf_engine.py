@@ -27,80 +27,27 @@ paused in place (as SGLang's in-place pause allows).
 from __future__ import annotations
 
 import inspect
-import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from mopd_hpc.engines.expert_names import expert_views
 from mopd_hpc.engines.moe_routing import RouterHooks
-from mopd_hpc.engines.rollout.graph_shape import SPANS, attention_span
-from mopd_hpc.engines.rollout.grouped_attention import NAME as GROUPED_SDPA
+from mopd_hpc.engines.rollout.graph_shape import SPANS
 from mopd_hpc.engines.rollout.grouped_attention import use_grouped_attention
-from mopd_hpc.engines.rollout.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
+from mopd_hpc.engines.rollout.hf_static import HFStaticDecoding
+from mopd_hpc.engines.rollout.protocol import DEFAULT_WEIGHT_VERSION
+from mopd_hpc.engines.rollout.rows import RowRequest, RowResult, StepGate
 from mopd_hpc.engines.rollout.sampling import behavior_logprobs, sample_next
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODERS = ("auto", "loop", "static")
 
 
-def allow_recompiles(entries: int) -> None:
-    """Raise torch dynamo's per-frame recompile limit (process-wide) to at least `entries`: the compiled decode
-    forward keeps one graph per (rows, cache length, attention span), and past the limit dynamo would run
-    the forward eagerly without saying so in the result."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), entries))
-
-
 class WeightLoadError(ValueError):
     """Tensors given to the engine do not fit the model: unknown name or wrong shape."""
-
-
-class StepGate(Protocol):
-    """Asked between decoding steps; False ends the batch with finish_reason abort."""
-
-    def between_steps(self) -> bool: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RowRequest:
-    """One row of a batch: a prompt and one copy's sampling parameters and seed."""
-
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    seed: int
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_routed_experts: bool = False
-
-
-@dataclass(slots=True)
-class RowResult:
-    """What one row produced. finish: SGLang's finish_reason object ({type: stop|length|abort, ...}).
-
-    output_logprobs[t]: log μ(output_ids[t]), float. input_logprobs: one entry per prompt position from
-    logprob_start_len, None at position 0 (nothing predicts the first token). *_top: per position, the
-    top_logprobs_num (logprob, token_id) pairs of the same distribution. routed_experts[t]: [M, k] int16
-    expert ids the M MoE layers' routers selected at the position whose logits gave output_ids[t]
-    (`return_routed_experts`, an MoE model).
-    """
-
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    finish: dict[str, Any] = field(default_factory=dict)
-    weight_version: str = DEFAULT_WEIGHT_VERSION
-    routed_experts: list[torch.Tensor] = field(default_factory=list)
 
 
 def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
@@ -108,8 +55,9 @@ def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return [(float(v), int(i)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
 
 
-class HFRolloutEngine:
-    """A transformers causal LM served for rollouts. Build with `HFRolloutEngine.load`."""
+class HFRolloutEngine(HFStaticDecoding):
+    """A transformers causal LM served for rollouts. Build with `HFRolloutEngine.load`. The static decoder's
+    methods (its cache, mask, compiled forward) are `hf_static.HFStaticDecoding`'s."""
 
     def __init__(
         self,
@@ -236,78 +184,6 @@ class HFRolloutEngine:
                 raise RuntimeError("model weights are released (POST /resume_memory_occupation first)")
             return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs).logits
 
-    def _forward_static(self, ids, mask4d, pos, cache, cache_position) -> torch.Tensor:
-        """One forward into a StaticCache with a prepared 4D mask: the last position's logits [B, V]."""
-        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
-        if self._has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        if self._has_cache_position:  # transformers versions whose StaticCache writes at cache_position
-            kwargs["cache_position"] = cache_position
-        with self.lock, torch.inference_mode():
-            if not self.weights_on_device:
-                raise RuntimeError("model weights are released (POST /resume_memory_occupation first)")
-            if self.compile_decode and ids.shape[1] == 1:
-                out = self._compiled_forward(ids, mask4d, pos, kwargs)
-                if out is not None:
-                    return out
-            out = self.model(input_ids=ids, attention_mask=mask4d, position_ids=pos, **kwargs).logits
-            return out[:, -1]
-
-    def _compiled_forward(self, ids, mask4d, pos, kwargs) -> torch.Tensor | None:
-        """The decode forward through the compiled model; None (and compiling off) once it failed."""
-        cache = kwargs[self._cache_kw]
-        # For the first calls of each shape (its compilation, CUDA-graph warm-up and recording), snapshot the
-        # cache's write offsets (StaticLayer advances its own in place), so that an eager retry after a
-        # failure mid-call writes where this call should have.
-        offsets = None
-        shape = (*ids.shape, *mask4d.shape)
-        if self._compiled_calls.get(shape, 0) < 3:
-            offsets = [
-                (layer, layer.cumulative_length.clone())
-                for layer in getattr(cache, "layers", [])
-                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
-            ]
-        try:
-            if self._compiled is None:
-                allow_recompiles(4 * (self.attention_spans or 1))
-                self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
-            torch.compiler.cudagraph_mark_step_begin()
-            out = self._compiled(input_ids=ids, attention_mask=mask4d, position_ids=pos, **kwargs).logits
-            self.compile_active = True
-            self._compiled_calls[shape] = self._compiled_calls.get(shape, 0) + 1
-            return out[:, -1].clone()  # the graph's output buffer is overwritten by the next replay
-        except Exception:  # noqa: BLE001 - any compile/capture failure: decode eagerly, say so
-            log.exception("compiled decode forward failed; decoding eagerly from now on")
-            for layer, offset in offsets or []:
-                layer.cumulative_length.copy_(offset)
-            self.compile_decode, self.compile_active, self._compiled = False, False, None
-            return None
-
-    def _static_cache(self, rows: int, length: int) -> Any:
-        """A StaticCache of `length` slots; with compile_decode, the last one again (reset) if its shape fits."""
-        from transformers import StaticCache
-
-        if self.compile_decode and self._kept_cache is not None and self._kept_cache[0] == (rows, length):
-            cache = self._kept_cache[1]
-            with torch.inference_mode():  # its tensors were made by a forward under inference mode
-                cache.reset()
-            return cache
-        cache = StaticCache(config=self.model.config, max_cache_len=length)
-        self._kept_cache = ((rows, length), cache) if self.compile_decode else None
-        return cache
-
-    def _static_mask(self):
-        """What the model's attention takes for a boolean "may attend" mask; None: not supported."""
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        if impl in ("sdpa", GROUPED_SDPA):
-            return lambda see: see
-        if impl == "eager":
-            low = torch.finfo(self.dtype).min
-            return lambda see: torch.zeros(see.shape, dtype=self.dtype, device=see.device).masked_fill(
-                ~see, low
-            )
-        return None
-
     def generate(self, rows: Sequence[RowRequest], gate: StepGate) -> list[RowResult]:
         """Decode `rows` as one batch on this engine's decoder; returns one result per row, in order."""
         if self.decoder == "static" and rows:
@@ -322,63 +198,6 @@ class HFRolloutEngine:
             if not wants_extra and mask_value is not None:
                 return self._generate_static(rows, gate, mask_value)
         return self._generate_loop(rows, gate)
-
-    def _generate_static(self, rows: Sequence[RowRequest], gate: StepGate, mask_value) -> list[RowResult]:
-        from mopd_hpc.engines.rollout.static_decoder import (
-            StaticRow,
-            cache_length,
-            decode_static,
-            kv_view,
-            padding_rows,
-        )
-
-        srows = [
-            StaticRow(
-                prompt_ids=tuple(r.prompt_ids),
-                temperature=r.sampling.temperature,
-                top_p=r.sampling.top_p,
-                top_k=r.sampling.top_k,
-                max_new_tokens=r.sampling.max_new_tokens,
-                stop_ids=frozenset(r.sampling.stop_token_ids)
-                | (frozenset() if r.sampling.ignore_eos else self.eos_token_ids),
-                seed=r.seed,
-            )
-            for r in rows
-        ]
-        min_length = 0
-        if self.compile_decode and self.graph_shape is not None:
-            graph_rows, graph_length = self.graph_shape
-            if len(srows) <= graph_rows and cache_length(srows)[1] <= graph_length:
-                srows += padding_rows(graph_rows - len(srows))
-                min_length = graph_length
-        length = cache_length(srows, min_length)[1]
-        cache = self._static_cache(len(srows), length)
-        forward, span = self._forward_static, None
-        if self.grouped_attention and self.attention_spans is not None:  # it reads the prefix its mask spans
-
-            def span(written: int, length=length, spans=self.attention_spans) -> int:
-                return attention_span(written, length, spans)
-
-        elif not self.compile_decode and (set_end := kv_view(cache)) is not None:
-
-            def span(written: int) -> int:
-                return written
-
-            def forward(ids, mask4d, pos, cache, cache_position, set_end=set_end):
-                set_end(mask4d.shape[-1])
-                return self._forward_static(ids, mask4d, pos, cache, cache_position)
-
-        outs = decode_static(srows, forward, cache, gate, self.device, mask_value, span, min_length)
-        version = self.weight_version  # the version at completion, as SGLang reports it
-        return [
-            RowResult(
-                output_ids=o.output_ids,
-                output_logprobs=o.output_logprobs if r.return_logprob else [],
-                finish=o.finish,
-                weight_version=version,
-            )
-            for r, o in zip(rows, outs[: len(rows)], strict=True)
-        ]
 
     def _generate_loop(self, rows: Sequence[RowRequest], gate: StepGate) -> list[RowResult]:
         from transformers import DynamicCache

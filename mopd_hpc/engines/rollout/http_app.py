@@ -167,7 +167,7 @@ class RolloutServer:
     # ---- generation --------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.Response:
-        from mopd_hpc.engines.rollout.hf_engine import RowRequest
+        from mopd_hpc.engines.rollout.rows import RowRequest
 
         req = GenerateRequest.from_json(await read_json_body(request))
         if "weights" in self.released:

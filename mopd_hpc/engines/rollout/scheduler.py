@@ -29,7 +29,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine, RowRequest, RowResult
+from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
+from mopd_hpc.engines.rollout.rows import RowRequest, RowResult
 
 log = logging.getLogger(__name__)
 
