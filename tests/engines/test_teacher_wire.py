@@ -12,6 +12,7 @@ import torch
 
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.frames.codec import WireError, decode
+from mopd_hpc.engines.packed_batch import token_batch_from_packed
 from mopd_hpc.engines.teacher.client import TeacherClient
 from mopd_hpc.engines.teacher.http_app import TeacherServer
 from mopd_hpc.engines.teacher.score_frames import LOGPROB_FLOOR, decode_score_request, encode_score_request
@@ -27,7 +28,7 @@ FIELDS = ("input_ids", "attention_mask", "response_ids", "response_mask", "respo
 def test_request_frame_builds_the_json_batch(as_tensors):
     rows = [torch.tensor(r, dtype=torch.int32) for r in ROWS] if as_tensors else ROWS
     ids, lengths, starts, top_k = decode_score_request(decode(encode_score_request(rows, STARTS, 5)), VOCAB)
-    packed = TokenBatch.from_packed(ids, lengths, starts, pad_id=0)
+    packed = token_batch_from_packed(ids, lengths, starts, pad_id=0)
     listed = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
     assert top_k == 5 and all(torch.equal(getattr(packed, f), getattr(listed, f)) for f in FIELDS)
     with pytest.raises(WireError, match=r"response_start\[1\] is 4; expected an int in \[1, 3\]"):

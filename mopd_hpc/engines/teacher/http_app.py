@@ -45,6 +45,7 @@ from mopd_hpc.engines.frames.buffer_pool import BufferPool
 from mopd_hpc.engines.frames.codec import WireError
 from mopd_hpc.engines.frames.over_http import accepts_frame, is_frame, read_frame, send_frame
 from mopd_hpc.engines.memory.peaks import PeakTracker, add_peaks_route, peak_middleware
+from mopd_hpc.engines.packed_batch import token_batch_from_packed
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.teacher.greedy_generate import GreedyRequestError, generate_route
 from mopd_hpc.engines.teacher.score_frames import PackedAnswer, decode_score_request, pack_answer
@@ -192,7 +193,7 @@ class TeacherServer:
             ids, lengths, starts, top_k = decode_score_request(
                 await read_frame(request, self.max_body_bytes), vocab
             )
-            batch = TokenBatch.from_packed(ids, lengths, starts, self.pad_id)
+            batch = token_batch_from_packed(ids, lengths, starts, self.pad_id)
         else:
             req = ScoreRequest.from_json(await request.json(), vocab)
             batch, top_k = TokenBatch.from_rows(req.input_ids, req.response_start, self.pad_id), req.top_k

@@ -84,7 +84,7 @@ def decode_score_request(
     frame: Frame, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
     """(input_ids [L], row_lengths [B], response_start [B], top_k) of a request frame, validated like the
-    JSON body (`TokenBatch.from_packed` builds the batch).
+    JSON body (`packed_batch.token_batch_from_packed` builds the batch).
 
     Raises:
         WireError: a missing tensor, a wrong dtype or rank, unknown meta fields, lengths that do not add up,
