@@ -74,7 +74,7 @@ INERT: tuple[InertField, ...] = (
         "weight_sync.awex_mode",
         "always",
         lambda c: True,
-        "only the mode rollout.mode implies is valid (config/rules.py _awex), and null resolves to it",
+        "only the mode rollout.mode implies is valid (config/weight_sync_rules.py awex_backend), and null resolves to it",
     ),
     *(
         InertField(

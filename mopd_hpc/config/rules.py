@@ -24,6 +24,7 @@ from mopd_hpc.config.job_gaps import backend_package_warning, job_gaps, unverifi
 from mopd_hpc.config.parallel import actor_world, divisors, indivisible_message
 from mopd_hpc.config.problems import Problem, join_path, known, needs_gpus
 from mopd_hpc.config.teacher_rules import teacher_layout, teacher_residency, teachers_started
+from mopd_hpc.config.weight_sync_rules import awex_backend, awex_colocate
 
 RuleFn = Callable[[Any], Iterator[Problem]]
 
@@ -221,32 +222,7 @@ def _rollout_layout(c: Any) -> Iterator[Problem]:
         )
 
 
-@rule("weight_sync", "rollout", "models")
-def _awex(c: Any) -> Iterator[Problem]:
-    if c.weight_sync.backend != "awex":
-        return
-    if c.rollout.backend == "hf" and c.rollout.engines.tensor_parallel != 1:
-        yield Problem(
-            "rollout.engines.tensor_parallel",
-            "the HF rollout engine's AWEX reader (engines/weight_sync/awex_hf.py) is one process",
-            c.rollout.engines.tensor_parallel,
-            "expected 1, or rollout.backend: sglang",
-        )
-    if c.models.actor.engine != "megatron":
-        yield Problem(
-            "weight_sync.backend",
-            f"the AWEX writer needs a megatron actor; models.actor.engine is {c.models.actor.engine!r}",
-            "awex",
-            "models.actor.engine: megatron, or weight_sync.backend: torch",
-        )
-    expected = {"colocated": "colocate", "separated": "separate"}[c.rollout.mode]
-    if c.weight_sync.awex_mode not in (None, expected):
-        yield Problem(
-            "weight_sync.awex_mode",
-            f"does not match rollout.mode {c.rollout.mode!r}",
-            c.weight_sync.awex_mode,
-            f"{expected!r}, or null to follow rollout.mode",
-        )
+rule("weight_sync", "rollout", "models")(awex_backend)
 
 
 @rule("weight_sync", "cluster")
@@ -263,26 +239,7 @@ def _ipc_one_node(c: Any) -> Iterator[Problem]:
         )
 
 
-@rule("weight_sync", "rollout", "cluster")
-def _awex_colocate(c: Any) -> Iterator[Problem]:
-    """AWEX colocate mode pairs every trainer rank with one rollout rank on the same GPU (its reader
-    requires that bijection, algo_awex.md §2.3): the rollout ranks must cover the actor's GPUs exactly.
-    Colocate mode is weight_sync.awex_mode, or rollout.mode colocated when it is null; an awex_mode that
-    contradicts rollout.mode is `_awex`'s problem alone (one cause, one problem)."""
-    if c.weight_sync.backend != "awex" or c.rollout.mode != "colocated":
-        return
-    if c.weight_sync.awex_mode not in (None, "colocate"):
-        return
-    group, engines = c.cluster.trainer_group, c.rollout.engines
-    infer_world, actor_gpus = engines.count * engines.tensor_parallel, actor_world(c.cluster, c.rollout).size
-    if group.gpus_per_node and infer_world != actor_gpus:
-        yield Problem(
-            "rollout.engines",
-            f"AWEX colocate pairs each of the actor's {actor_gpus} GPUs with one rollout rank, but "
-            f"count·tensor_parallel = {engines.count}·{engines.tensor_parallel} = {infer_world}",
-            infer_world,
-            f"count·tensor_parallel = {actor_gpus}, or rollout.mode: separated (AWEX separate mode)",
-        )
+rule("weight_sync", "rollout", "cluster")(awex_colocate)
 
 
 @rule("loss")

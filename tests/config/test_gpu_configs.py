@@ -1,5 +1,5 @@
 """The 8-GPU colocated production shape (issue 9): `--check` passes, the `--dry-run` rank map is right, and a
-config AWEX colocate mode cannot serve is rejected at validation (config/rules.py `_awex_colocate`)."""
+config AWEX colocate mode cannot serve is rejected at validation (config/weight_sync_rules.py `awex_colocate`)."""
 
 from __future__ import annotations
 
