@@ -205,13 +205,13 @@ def awex_environment(role: RoleEnv, cfg: RunConfig) -> dict[str, str]:
     refuses later); {} unless weight_sync.backend is awex.
 
     Raises:
-        AwexConfigError: the AWEX settings of the job (`trainer.weight_sync.awex_job_config`).
+        AwexConfigError: the AWEX settings of the job (`trainer.awex_job.awex_job_config`).
         AwexUnavailableError: awex (or megatron.core, which `import awex` needs) is not installed.
     """
     if cfg.weight_sync.backend != "awex":
         return {}
     from mopd_hpc.engines.weight_sync.awex import require_awex
-    from mopd_hpc.trainer.weight_sync import awex_job_config
+    from mopd_hpc.trainer.awex_job import awex_job_config
 
     require_awex()
 

@@ -81,6 +81,6 @@ def build_rank_writer(cfg: RunConfig, engine: Any, run_dir: str | Path) -> RankW
     """
     if cfg.weight_sync.backend != "awex":
         return None
-    from mopd_hpc.trainer.weight_sync import awex_job_config
+    from mopd_hpc.trainer.awex_job import awex_job_config
 
     return AwexRankWriter(awex_job_config(cfg), engine, run_dir, cfg.models.actor.collective_timeout_s)

@@ -31,12 +31,12 @@ from mopd_hpc.engines.weight_sync.awex import (
 )
 from mopd_hpc.engines.weight_sync.torch import WeightSyncError
 from mopd_hpc.trainer import weight_sync
+from mopd_hpc.trainer.awex_job import awex_job_config
 from mopd_hpc.trainer.weight_sync import (
     AwexSync,
     AwexSyncError,
     SyncSettings,
     TorchSync,
-    awex_job_config,
     build_sync,
 )
 
