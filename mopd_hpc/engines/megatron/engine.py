@@ -1,11 +1,7 @@
-"""The megatron backend's engines (DESIGN.md §5): the actor's train engine and the pieces the teachers'
-forward-only scoring engine (`scoring.py`) shares, on megatron-core GPTModel with the fused-attention
-local spec (`model.py`). GPU only.
-
-Process setup (`initialize_parallel`): NCCL default process group (a gloo default group with a CUDA model
-segfaulted in the first train step, algo_awex.md §4.1; world size 1 rendezvouses in an in-memory HashStore,
-no TCP port), `initialize_model_parallel(tp, 1)`, the CUDA RNG tracker. Arguments are explicit (from
-RankTopology at the edge), never read from the environment here.
+"""The megatron backend's train engine (DESIGN.md §5): the actor's `MegatronTrainEngine` and the labels-path
+forward `MegatronForward` the teachers' forward-only scoring engine (`scoring.py`) shares, on megatron-core
+GPTModel with the fused-attention local spec (`model.py`). GPU only. Process setup (`initialize_parallel`,
+`tp_info`, `megatron_data_parallel`) is `parallel.py`; the model build/load path (`build_from_hf`) `build.py`.
 
 Log-probs: GPTModel's `labels` path gives the per-position loss −log π(label_p | ≤ p) through megatron's
 vocab-parallel cross entropy (fp32), so tensor parallelism needs no full-vocabulary gather. With
@@ -58,13 +54,11 @@ import torch.distributed as dist
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
-from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.lr_schedule import megatron_scheduler_args
-from mopd_hpc.engines.megatron import optimizer_state
-from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
-from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
+from mopd_hpc.engines.megatron import optimizer_state, parallel
+from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, mcore_to_hf
+from mopd_hpc.engines.megatron.model import DTYPES, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
-from mopd_hpc.engines.megatron.rope import megatron_rope_scaling
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.megatron.tp_gather import gathered_hf_weights
 from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, train_state
@@ -91,118 +85,6 @@ from mopd_hpc.mopd.vocab_parallel import (
     vocab_parallel_topk,
 )
 from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
-
-
-def initialize_parallel(
-    *,
-    rank: int,
-    world_size: int,
-    tensor_parallel: int,
-    device_index: int,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    seed: int = 0,
-) -> torch.device:
-    """NCCL default group + megatron parallel state (TP `tensor_parallel`, PP 1) + CUDA RNG; returns the device.
-
-    world_size 1 (a TP-1 teacher, a one-GPU actor) rendezvouses in memory (`dist.HashStore`): no TCP port.
-    world_size > 1 uses `tcp://master_addr:master_port`. The NCCL group is bound to `cuda:device_index`
-    (eager init). Idempotent: an initialized default group or parallel state is kept.
-
-    Raises:
-        EngineError: tensor_parallel does not divide world_size, rank is not in [0, world_size), or
-            master_port is None with world_size > 1.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if world_size % tensor_parallel:
-        raise EngineError(f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}")
-    if not 0 <= rank < world_size:
-        raise EngineError(f"rank={rank}: expected in [0, world_size={world_size})")
-    torch.cuda.set_device(device_index)
-    device = torch.device("cuda", device_index)
-    if not dist.is_initialized():
-        if world_size == 1:
-            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-        else:
-            if master_port is None:
-                raise EngineError(f"master_port is None with world_size={world_size}; expected a TCP port")
-            dist.init_process_group(
-                "nccl", init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
-                device_id=device,
-            )  # fmt: skip
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, 1)
-    model_parallel_cuda_manual_seed(seed)
-    return device
-
-
-def read_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json as a dict, the state dict from every *.safetensors file) of an HF checkpoint directory."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    config = json.loads((root / "config.json").read_text())
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"{root}: no *.safetensors files; expected an HF checkpoint")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return config, state
-
-
-def _tp_info() -> tuple[int, int, Any]:
-    from megatron.core import parallel_state
-
-    return (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_group(),
-    )
-
-
-def megatron_data_parallel() -> DataParallel:
-    """This rank's place in megatron's data-parallel group (the ranks holding the same TP shard, different
-    rows): `DataParallel.single()` at DP 1, else (rank, size, `parallel_state.get_data_parallel_group()`)."""
-    from megatron.core import parallel_state
-
-    size = parallel_state.get_data_parallel_world_size()
-    if size == 1:
-        return DataParallel.single()
-    return DataParallel(
-        parallel_state.get_data_parallel_rank(), size, parallel_state.get_data_parallel_group()
-    )
-
-
-def build_from_hf(
-    path: str | Path | None, hf_config: Mapping[str, Any], dtype: str, device: torch.device
-) -> tuple[torch.nn.Module, Qwen3Shape]:
-    """This TP rank's GPTModel on `device`, with the checkpoint's weights (path None: random init)."""
-    tp, rank, _ = _tp_info()
-    shape = Qwen3Shape.from_hf_config(hf_config)
-    if shape.vocab_size % tp:
-        raise EngineError(f"vocab_size={shape.vocab_size} is not divisible by tensor_parallel={tp}")
-    eps = float(hf_config.get("rms_norm_eps", 1e-6))
-    theta = rope_theta(hf_config)
-    scaling = megatron_rope_scaling(hf_config)  # Llama 3.x (engines/megatron/rope.py)
-    model = build_gpt_model(
-        shape, dtype, tp, rope_theta=theta, layernorm_epsilon=eps, rope_scaling_factor=scaling
-    ).to(device)
-    if path is not None:
-        _, hf = read_hf_checkpoint(path)
-        load_mcore_state(
-            model,
-            {k: v.to(DTYPES[dtype]) for k, v in shard_tp(hf_to_mcore(hf, shape), shape, tp, rank).items()},
-        )
-    return model, shape
-
-
-def rope_theta(hf_config: Mapping[str, Any]) -> float:
-    """RoPE base of an HF config: `rope_parameters.rope_theta` (transformers 5) or `rope_theta` (4.x)."""
-    params = hf_config.get("rope_parameters") or {}
-    return float(params.get("rope_theta") or hf_config.get("rope_theta") or 1_000_000.0)
 
 
 class MegatronForward:
@@ -267,11 +149,11 @@ class MegatronTrainEngine:
         self.residency = DDPResidency(self.ddp, self.optimizer, device)
         self.steps = 0
         #: megatron's DP group: the step's token count and statistics are reduced over it (`train_step`).
-        self.data_parallel = megatron_data_parallel()
+        self.data_parallel = parallel.megatron_data_parallel()
         #: Which slice of each HF tensor this TP rank holds (weight sync and export gather per HF tensor).
-        self.shard_plan = ShardPlan.create(shape, _tp_info()[0])
+        self.shard_plan = ShardPlan.create(shape, parallel.tp_info()[0])
         #: This rank's place in its TP group (names its file of the optimizer state at tensor_parallel > 1).
-        self.tp_rank = _tp_info()[1]
+        self.tp_rank = parallel.tp_info()[1]
         try:  # what the default micro-batch budget is estimated from (None: the whole batch in one)
             self.memory_shape: ModelShape | None = ModelShape.from_hf_config(hf_config)
         except MemoryModelError:
@@ -300,7 +182,7 @@ class MegatronTrainEngine:
         self._require_resident("topk")
         self.ddp.eval()
         logits = self.forward.response_logits(batch)
-        tp, rank, group = _tp_info()
+        tp, rank, group = parallel.tp_info()
         gather = None if tp == 1 else process_group_all_gather(group)
         ids, values = vocab_parallel_topk(
             logits, rank * logits.shape[-1], self.shape.vocab_size, k, gather, self._tp_all_reduce()
@@ -309,7 +191,7 @@ class MegatronTrainEngine:
 
     def _tp_all_reduce(self) -> AllReduce | None:
         """The TP group's all-reduce (None at tensor_parallel 1: one shard, no collective)."""
-        tp, _, group = _tp_info()
+        tp, _, group = parallel.tp_info()
         return None if tp == 1 else process_group_all_reduce(group)
 
     def compute_loss(
@@ -329,7 +211,7 @@ class MegatronTrainEngine:
         student = None
         if self.objective.uses_topk:
             logits = self.forward.response_logits(tokens)
-            rank = _tp_info()[1]
+            rank = parallel.tp_info()[1]
             student = VocabParallelLogprobs(
                 logits, rank * logits.shape[-1], self.shape.vocab_size, self._tp_all_reduce()
             )
@@ -426,7 +308,7 @@ class MegatronTrainEngine:
 
     def full_mcore_state(self) -> dict[str, torch.Tensor]:
         """The whole model's megatron state dict (TP shards all-gathered over the TP group), on device."""
-        tp, _, group = _tp_info()
+        tp, _, group = parallel.tp_info()
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
         if tp == 1:
             return local
@@ -447,7 +329,7 @@ class MegatronTrainEngine:
         # TP > 1: one HF tensor at a time over the TP group (engines/megatron/tp_gather.py); every rank of
         # the group must iterate to the end (a follower does on rank 0's "weights" record)
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        yield from gathered_hf_weights(self.shard_plan, local, _tp_info()[2])
+        yield from gathered_hf_weights(self.shard_plan, local, parallel.tp_info()[2])
 
     @property
     def gathers_over_tp(self) -> bool:
@@ -490,7 +372,7 @@ class MegatronTrainEngine:
         """The 1-D device mesh of this rank's TP group (what torch.distributed.checkpoint shards over)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh.from_group(_tp_info()[2], self.device.type)
+        return DeviceMesh.from_group(parallel.tp_info()[2], self.device.type)
 
     @property
     def collective_state_dict(self) -> bool:
