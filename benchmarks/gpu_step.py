@@ -41,7 +41,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
     from mopd_hpc.config.loss import LossConfig
     from mopd_hpc.config.models import OptimizerConfig
     from mopd_hpc.engines.batch import TokenBatch, TrainBatch
-    from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
+    from mopd_hpc.engines.megatron.build import build_from_hf
+    from mopd_hpc.engines.megatron.engine import MegatronTrainEngine
+    from mopd_hpc.engines.megatron.parallel import initialize_parallel
     from mopd_hpc.engines.rollout.client import RolloutClient
     from mopd_hpc.engines.rollout.protocol import SamplingParams
     from mopd_hpc.engines.torch.scoring import TorchScoringEngine

@@ -101,7 +101,7 @@ def stats(lp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict[str, A
 
 
 def megatron_logprobs(path: Path, dtype: str, tokens: TokenBatch) -> torch.Tensor:
-    from mopd_hpc.engines.megatron.engine import initialize_parallel
+    from mopd_hpc.engines.megatron.parallel import initialize_parallel
     from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
 
     device = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)

@@ -5,7 +5,7 @@ A step's rows are split into one shard per data-parallel rank. Every rank runs t
 shard; the loss is normalized by the count of the WHOLE step (`mopd.normalize.loss_denominator` of each
 shard, summed here), so the ranks' losses and gradients sum to those of the step at DP = 1. The record is
 engine-agnostic: the torch engine wraps its model in torch DDP over `group`; the megatron engine passes
-megatron-core's data-parallel group (`megatron.engine.megatron_data_parallel`: `parallel_state.
+megatron-core's data-parallel group (`megatron.parallel.megatron_data_parallel`: `parallel_state.
 get_data_parallel_group()`, rank and size from `get_data_parallel_rank/world_size()`: the tensor-parallel ranks
 of one replica hold the same rows, so counts are reduced over the DP group only) with its own DDP and
 distributed optimizer. Megatron-core's DDP averages gradients over DP (scales them by 1/DP), so that engine

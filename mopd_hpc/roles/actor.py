@@ -163,7 +163,9 @@ def build_train_engine(
             data_parallel=data_parallel or DataParallel.single(),
         )
     try:
-        from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
+        from mopd_hpc.engines.megatron.build import build_from_hf
+        from mopd_hpc.engines.megatron.engine import MegatronTrainEngine
+        from mopd_hpc.engines.megatron.parallel import initialize_parallel
     except ImportError as err:
         raise RoleEnvError(
             f"models.actor.engine='megatron' needs megatron-core, which does not import here ({err}); "

@@ -95,7 +95,7 @@ _PLAN_SCRIPT = textwrap.dedent(
     device_util.device_count = lambda: 1  # a CPU host: awex takes the local rank modulo the GPU count
     from types import SimpleNamespace
     from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore
-    from mopd_hpc.engines.megatron.engine import read_hf_checkpoint
+    from mopd_hpc.engines.megatron.build import read_hf_checkpoint
     from mopd_hpc.engines.megatron.model import build_gpt_model, load_mcore_state
     from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
     from mopd_hpc.engines.weight_sync.awex_actor import pretrained_config, register_local_spec_names

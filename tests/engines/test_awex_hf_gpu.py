@@ -43,7 +43,9 @@ _WRITER = textwrap.dedent(
     """
     from mopd_hpc.config.loss import LossConfig
     from mopd_hpc.config.models import OptimizerConfig
-    from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
+    from mopd_hpc.engines.megatron.build import build_from_hf
+    from mopd_hpc.engines.megatron.engine import MegatronTrainEngine
+    from mopd_hpc.engines.megatron.parallel import initialize_parallel
     from mopd_hpc.engines.weight_sync.awex_actor import AwexActorPublisher, start_run_meta_server
     device = initialize_parallel(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
                                  tensor_parallel=1, device_index=0)

@@ -48,7 +48,9 @@ cfg = AwexJobConfig(mode=mode, comm_backend="nccl", ipc_backend="cuda", meta_ser
 _WRITER = """
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
-from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
+from mopd_hpc.engines.megatron.build import build_from_hf
+from mopd_hpc.engines.megatron.engine import MegatronTrainEngine
+from mopd_hpc.engines.megatron.parallel import initialize_parallel
 from mopd_hpc.engines.weight_sync.awex_actor import AwexActorPublisher, start_run_meta_server
 from mopd_hpc.trainer.rank_writer import AwexRankWriter
 os.environ.update(cfg.trainer_env(rank, "127.0.0.1", rank))  # the edge: AWEX_MASTER_ADDR, DEVICE = rank

@@ -5,7 +5,7 @@ weights the actor holds (float32, 1e-5).
 
 megatron's GPTModel needs CUDA, so the engine here holds a micro Qwen3's weights converted to megatron's names
 (`hf_to_mcore`, padded vocabulary rows included) in a module whose state_dict is that megatron state, at TP 1
-(`_tp_info` answers TP 1 without megatron's parallel state); the conversion, the engine's export and the
+(`parallel.tp_info` answers TP 1 without megatron's parallel state); the conversion, the engine's export and the
 exporter are the real code. Tied and untied embeddings. The GPU path of the same engine is tested by the
 megatron GPU tests (test_megatron_*_gpu.py).
 """
@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mopd_hpc.data.tokenizer import VOCAB_SIZE, build_char_tokenizer
 from mopd_hpc.engines.megatron import engine as megatron_engine
+from mopd_hpc.engines.megatron import parallel as megatron_parallel
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore, pad_vocab_size
 from mopd_hpc.trainer.exports import list_exports, write_export
 
@@ -51,7 +52,7 @@ def megatron_actor(hf_dir: Path) -> tuple[megatron_engine.MegatronTrainEngine, t
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_megatron_export_loads_and_equals_its_weights(tmp_path: Path, monkeypatch, tied: bool) -> None:
-    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))
+    monkeypatch.setattr(megatron_parallel, "tp_info", lambda: (1, 0, None))
     hf_dir = save_micro_qwen3(
         tmp_path / "hf", seed=4, vocab_size=VOCAB_SIZE, initializer_range=0.2, tied=tied
     )

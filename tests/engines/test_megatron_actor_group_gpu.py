@@ -58,8 +58,9 @@ _RANK = (
     from mopd_hpc.config.models import OptimizerConfig
     from mopd_hpc.engines.batch import TokenBatch, TrainBatch
     from mopd_hpc.engines.megatron.convert import mcore_to_hf
-    from mopd_hpc.engines.megatron.engine import (
-        MegatronTrainEngine, build_from_hf, initialize_parallel, read_hf_checkpoint)
+    from mopd_hpc.engines.megatron.build import build_from_hf, read_hf_checkpoint
+    from mopd_hpc.engines.megatron.engine import MegatronTrainEngine
+    from mopd_hpc.engines.megatron.parallel import initialize_parallel
     from mopd_hpc.mopd.targets import TeacherTargets
     from mopd_hpc.trainer.sharded_checkpoint import load_engine_shards, save_engine_shards
     from mopd_hpc.trainer.shards import shard_rows

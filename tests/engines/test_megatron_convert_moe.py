@@ -252,7 +252,7 @@ _ROPE_SCRIPT = textwrap.dedent(
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     from mopd_hpc.engines.megatron.convert import Qwen3Shape
-    from mopd_hpc.engines.megatron.engine import rope_theta
+    from mopd_hpc.engines.megatron.build import rope_theta
     from mopd_hpc.engines.megatron.model import build_gpt_model
     from mopd_hpc.engines.megatron.rope import megatron_rope_scaling
 

@@ -48,7 +48,7 @@ _SCRIPT = textwrap.dedent(
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from mopd_hpc.engines.batch import TokenBatch
     from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
-    from mopd_hpc.engines.megatron.engine import initialize_parallel
+    from mopd_hpc.engines.megatron.parallel import initialize_parallel
     from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
     root = sys.argv[1]

@@ -38,7 +38,9 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.megatron import optimizer_state
-from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
+from mopd_hpc.engines.megatron.build import build_from_hf
+from mopd_hpc.engines.megatron.engine import MegatronTrainEngine
+from mopd_hpc.engines.megatron.parallel import initialize_parallel
 from mopd_hpc.mopd.targets import TeacherTargets
 from mopd_hpc.trainer.checkpoint import load_latest, save_checkpoint
 

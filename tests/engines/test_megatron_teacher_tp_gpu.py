@@ -34,7 +34,7 @@ _SCRIPT = textwrap.dedent(
     import torch.multiprocessing as mp
     from mopd_hpc.engines.batch import TokenBatch
     from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
-    from mopd_hpc.engines.megatron.engine import initialize_parallel
+    from mopd_hpc.engines.megatron.parallel import initialize_parallel
 
     ROWS, STARTS, K = ROWS_VALUE, STARTS_VALUE, K_VALUE
 

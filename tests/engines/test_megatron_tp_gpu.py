@@ -31,7 +31,9 @@ from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.megatron.convert import mcore_to_hf
 from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
-from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel, read_hf_checkpoint
+from mopd_hpc.engines.megatron.build import build_from_hf, read_hf_checkpoint
+from mopd_hpc.engines.megatron.engine import MegatronTrainEngine
+from mopd_hpc.engines.megatron.parallel import initialize_parallel
 from mopd_hpc.mopd.targets import TeacherTargets
 
 def run(rank, world, tp, root, port, out):

@@ -48,7 +48,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
-from mopd_hpc.engines.megatron.engine import MegatronTrainEngine, build_from_hf, initialize_parallel
+from mopd_hpc.engines.megatron.build import build_from_hf
+from mopd_hpc.engines.megatron.engine import MegatronTrainEngine
+from mopd_hpc.engines.megatron.parallel import initialize_parallel
 from mopd_hpc.engines.micro_batch import MicroBatching
 from mopd_hpc.mopd.targets import TeacherTargets
 

@@ -267,7 +267,7 @@ class ShardStandInGPT(StandInGPT):
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    from mopd_hpc.engines.megatron import engine as megatron_engine
+    from mopd_hpc.engines.megatron import parallel as megatron_parallel
     from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
 
     path = save_micro_qwen3(
@@ -278,12 +278,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
     engine = MegatronScoringEngine(
         StandInGPT(reference.model), torch.device("cpu"), config, path=path, max_batch_rows=2
     )
-    return megatron_engine, engine, reference
+    return megatron_parallel, engine, reference
 
 
 def test_megatron_score_matches_torch_and_drops_padding_ids(engines, monkeypatch: pytest.MonkeyPatch) -> None:
-    megatron_engine, engine, reference = engines
-    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))
+    megatron_parallel, engine, reference = engines
+    monkeypatch.setattr(megatron_parallel, "tp_info", lambda: (1, 0, None))
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
     mask = batch.response_mask
     assert (engine.vocab_size, engine.path) == (VOCAB, reference.path)
@@ -307,7 +307,7 @@ def test_megatron_score_matches_torch_and_drops_padding_ids(engines, monkeypatch
 def test_megatron_score_errors(engines, monkeypatch: pytest.MonkeyPatch) -> None:
     from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
 
-    megatron_engine, engine, _ = engines
+    megatron_parallel, engine, _ = engines
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
     with pytest.raises(EngineError, match=r"^k=0: expected >= 1"):
         engine.score(batch, 0)
@@ -324,8 +324,8 @@ def test_megatron_engine_behind_the_teacher_server(engines, monkeypatch: pytest.
     from mopd_hpc.engines.teacher.http_app import TeacherServer
     from mopd_hpc.engines.teacher.process import teacher_app
 
-    megatron_engine, engine, _ = engines
-    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))
+    megatron_parallel, engine, _ = engines
+    monkeypatch.setattr(megatron_parallel, "tp_info", lambda: (1, 0, None))
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
     lp, top = engine.score(batch, 3)
 
@@ -371,12 +371,12 @@ _TP2_SCORE = textwrap.dedent(
     sys.path[:0] = sys.argv[4].split(':')
     from test_teacher_engine_choice import ROWS, STARTS, ShardStandInGPT
     from mopd_hpc.engines.batch import TokenBatch
-    from mopd_hpc.engines.megatron import engine as megatron_engine
+    from mopd_hpc.engines.megatron import parallel as megatron_parallel
     from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
     from mopd_hpc.engines.torch.scoring import TorchScoringEngine
     rank, path = int(sys.argv[1]), sys.argv[5]
     dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
-    megatron_engine._tp_info = lambda: (2, rank, None)  # the TP group: this gloo world
+    megatron_parallel.tp_info = lambda: (2, rank, None)  # the TP group: this gloo world
     hf = TorchScoringEngine.from_pretrained(path, dtype="float32", device="cpu").model
     config = json.load(open(path + "/config.json"))
     engine = MegatronScoringEngine(ShardStandInGPT(hf, rank, 2), torch.device("cpu"), config,
@@ -398,8 +398,8 @@ def test_megatron_score_at_tp2_in_two_gloo_ranks(
     its half of the padded vocabulary V' = 48 (rank 1: ids 24..39 real, 8 padding columns holding the
     largest logits). Both ranks give the TP 1 engine's answer (float32: 1e-6 absolute + 2 ulps; ids
     identical) and the torch engine's (1e-5), no padding id; k > V gives the whole real vocabulary."""
-    megatron_engine, engine, reference = engines
-    monkeypatch.setattr(megatron_engine, "_tp_info", lambda: (1, 0, None))
+    megatron_parallel, engine, reference = engines
+    monkeypatch.setattr(megatron_parallel, "tp_info", lambda: (1, 0, None))
     batch = TokenBatch.from_rows(ROWS, STARTS, pad_id=0)
     mask = batch.response_mask
     want_lp, want_top = engine.score(batch, 4)

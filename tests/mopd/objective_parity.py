@@ -113,14 +113,9 @@ def megatron_side(student: Path, cfg, batch, device: torch.device) -> tuple[floa
     from types import SimpleNamespace
 
     from mopd_hpc.config.models import OptimizerConfig
+    from mopd_hpc.engines.megatron.build import build_from_hf, read_hf_checkpoint, rope_theta
     from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore, mcore_to_hf
-    from mopd_hpc.engines.megatron.engine import (
-        MegatronForward,
-        MegatronTrainEngine,
-        build_from_hf,
-        read_hf_checkpoint,
-        rope_theta,
-    )
+    from mopd_hpc.engines.megatron.engine import MegatronForward, MegatronTrainEngine
     from mopd_hpc.engines.megatron.model import build_gpt_model, load_mcore_state
 
     config, hf = read_hf_checkpoint(student)
@@ -164,7 +159,7 @@ def main(out: Path, device_name: str) -> None:
     from mopd_hpc.config.loss import LossConfig
 
     if device_name == "cuda":
-        from mopd_hpc.engines.megatron.engine import initialize_parallel
+        from mopd_hpc.engines.megatron.parallel import initialize_parallel
 
         device = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)
     else:

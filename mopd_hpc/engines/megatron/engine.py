@@ -1,11 +1,7 @@
-"""The megatron backend's engines (DESIGN.md §5): the actor's train engine and the pieces the teachers'
-forward-only scoring engine (`scoring.py`) shares, on megatron-core GPTModel with the fused-attention
-local spec (`model.py`). GPU only.
-
-Process setup (`initialize_parallel`): NCCL default process group (a gloo default group with a CUDA model
-segfaulted in the first train step, algo_awex.md §4.1; world size 1 rendezvouses in an in-memory HashStore,
-no TCP port), `initialize_model_parallel(tp, 1)`, the CUDA RNG tracker. Arguments are explicit (from
-RankTopology at the edge), never read from the environment here.
+"""The megatron backend's train engine (DESIGN.md §5): the actor's `MegatronTrainEngine` and the labels-path
+forward `MegatronForward` the teachers' forward-only scoring engine (`scoring.py`) shares, on megatron-core
+GPTModel with the fused-attention local spec (`model.py`). GPU only. Process setup (`initialize_parallel`,
+`tp_info`, `megatron_data_parallel`) is `parallel.py`; the model build/load path (`build_from_hf`) `build.py`.
 
 Log-probs: GPTModel's `labels` path gives the per-position loss −log π(label_p | ≤ p) through megatron's
 vocab-parallel cross entropy (fp32), so tensor parallelism needs no full-vocabulary gather. With
@@ -58,13 +54,12 @@ import torch.distributed as dist
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
-from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.lr_schedule import megatron_scheduler_args
-from mopd_hpc.engines.megatron import optimizer_state
-from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
-from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
+from mopd_hpc.engines.megatron import parallel
+from mopd_hpc.engines.megatron.checkpoint_state import MegatronCheckpointState
+from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, mcore_to_hf
+from mopd_hpc.engines.megatron.model import DTYPES, enable_full_recompute
 from mopd_hpc.engines.megatron.residency import DDPResidency
-from mopd_hpc.engines.megatron.rope import megatron_rope_scaling
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.megatron.tp_gather import gathered_hf_weights
 from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, train_state
@@ -75,8 +70,6 @@ from mopd_hpc.engines.micro_batch import (
     split_rows,
     step_budget,
 )
-from mopd_hpc.engines.own_file import OwnFile, OwnFileError
-from mopd_hpc.engines.own_file import resolve as resolve_own_file
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.span_clock import SpanClock
 from mopd_hpc.engines.train_objective import batch_objective, bind_objective
@@ -91,118 +84,6 @@ from mopd_hpc.mopd.vocab_parallel import (
     vocab_parallel_topk,
 )
 from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
-
-
-def initialize_parallel(
-    *,
-    rank: int,
-    world_size: int,
-    tensor_parallel: int,
-    device_index: int,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    seed: int = 0,
-) -> torch.device:
-    """NCCL default group + megatron parallel state (TP `tensor_parallel`, PP 1) + CUDA RNG; returns the device.
-
-    world_size 1 (a TP-1 teacher, a one-GPU actor) rendezvouses in memory (`dist.HashStore`): no TCP port.
-    world_size > 1 uses `tcp://master_addr:master_port`. The NCCL group is bound to `cuda:device_index`
-    (eager init). Idempotent: an initialized default group or parallel state is kept.
-
-    Raises:
-        EngineError: tensor_parallel does not divide world_size, rank is not in [0, world_size), or
-            master_port is None with world_size > 1.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if world_size % tensor_parallel:
-        raise EngineError(f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}")
-    if not 0 <= rank < world_size:
-        raise EngineError(f"rank={rank}: expected in [0, world_size={world_size})")
-    torch.cuda.set_device(device_index)
-    device = torch.device("cuda", device_index)
-    if not dist.is_initialized():
-        if world_size == 1:
-            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-        else:
-            if master_port is None:
-                raise EngineError(f"master_port is None with world_size={world_size}; expected a TCP port")
-            dist.init_process_group(
-                "nccl", init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
-                device_id=device,
-            )  # fmt: skip
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, 1)
-    model_parallel_cuda_manual_seed(seed)
-    return device
-
-
-def read_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json as a dict, the state dict from every *.safetensors file) of an HF checkpoint directory."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    config = json.loads((root / "config.json").read_text())
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"{root}: no *.safetensors files; expected an HF checkpoint")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return config, state
-
-
-def _tp_info() -> tuple[int, int, Any]:
-    from megatron.core import parallel_state
-
-    return (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_group(),
-    )
-
-
-def megatron_data_parallel() -> DataParallel:
-    """This rank's place in megatron's data-parallel group (the ranks holding the same TP shard, different
-    rows): `DataParallel.single()` at DP 1, else (rank, size, `parallel_state.get_data_parallel_group()`)."""
-    from megatron.core import parallel_state
-
-    size = parallel_state.get_data_parallel_world_size()
-    if size == 1:
-        return DataParallel.single()
-    return DataParallel(
-        parallel_state.get_data_parallel_rank(), size, parallel_state.get_data_parallel_group()
-    )
-
-
-def build_from_hf(
-    path: str | Path | None, hf_config: Mapping[str, Any], dtype: str, device: torch.device
-) -> tuple[torch.nn.Module, Qwen3Shape]:
-    """This TP rank's GPTModel on `device`, with the checkpoint's weights (path None: random init)."""
-    tp, rank, _ = _tp_info()
-    shape = Qwen3Shape.from_hf_config(hf_config)
-    if shape.vocab_size % tp:
-        raise EngineError(f"vocab_size={shape.vocab_size} is not divisible by tensor_parallel={tp}")
-    eps = float(hf_config.get("rms_norm_eps", 1e-6))
-    theta = rope_theta(hf_config)
-    scaling = megatron_rope_scaling(hf_config)  # Llama 3.x (engines/megatron/rope.py)
-    model = build_gpt_model(
-        shape, dtype, tp, rope_theta=theta, layernorm_epsilon=eps, rope_scaling_factor=scaling
-    ).to(device)
-    if path is not None:
-        _, hf = read_hf_checkpoint(path)
-        load_mcore_state(
-            model,
-            {k: v.to(DTYPES[dtype]) for k, v in shard_tp(hf_to_mcore(hf, shape), shape, tp, rank).items()},
-        )
-    return model, shape
-
-
-def rope_theta(hf_config: Mapping[str, Any]) -> float:
-    """RoPE base of an HF config: `rope_parameters.rope_theta` (transformers 5) or `rope_theta` (4.x)."""
-    params = hf_config.get("rope_parameters") or {}
-    return float(params.get("rope_theta") or hf_config.get("rope_theta") or 1_000_000.0)
 
 
 class MegatronForward:
@@ -232,8 +113,9 @@ class MegatronForward:
         return logits.gather(1, index)
 
 
-class MegatronTrainEngine:
-    """The actor on megatron-core: DDP (distributed optimizer) + Megatron Adam, the MOPD loss bound once."""
+class MegatronTrainEngine(MegatronCheckpointState):
+    """The actor on megatron-core: DDP (distributed optimizer) + Megatron Adam, the MOPD loss bound once (its
+    checkpoint methods: `checkpoint_state.MegatronCheckpointState`)."""
 
     def __init__(
         self, model: torch.nn.Module, shape: Qwen3Shape, hf_config: Mapping[str, Any], loss: LossConfig,
@@ -267,11 +149,11 @@ class MegatronTrainEngine:
         self.residency = DDPResidency(self.ddp, self.optimizer, device)
         self.steps = 0
         #: megatron's DP group: the step's token count and statistics are reduced over it (`train_step`).
-        self.data_parallel = megatron_data_parallel()
+        self.data_parallel = parallel.megatron_data_parallel()
         #: Which slice of each HF tensor this TP rank holds (weight sync and export gather per HF tensor).
-        self.shard_plan = ShardPlan.create(shape, _tp_info()[0])
+        self.shard_plan = ShardPlan.create(shape, parallel.tp_info()[0])
         #: This rank's place in its TP group (names its file of the optimizer state at tensor_parallel > 1).
-        self.tp_rank = _tp_info()[1]
+        self.tp_rank = parallel.tp_info()[1]
         try:  # what the default micro-batch budget is estimated from (None: the whole batch in one)
             self.memory_shape: ModelShape | None = ModelShape.from_hf_config(hf_config)
         except MemoryModelError:
@@ -281,10 +163,6 @@ class MegatronTrainEngine:
     def objective(self) -> Objective:
         """The composed loss of the bound `loss:` section (`mopd.objective`; built from `loss_config`)."""
         return Objective(self.loss_config)
-
-    def _require_resident(self, what: str) -> None:
-        if not self.residency.on_device:
-            raise EngineError(f"{what}: the actor is offloaded; onload() first")
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
@@ -300,7 +178,7 @@ class MegatronTrainEngine:
         self._require_resident("topk")
         self.ddp.eval()
         logits = self.forward.response_logits(batch)
-        tp, rank, group = _tp_info()
+        tp, rank, group = parallel.tp_info()
         gather = None if tp == 1 else process_group_all_gather(group)
         ids, values = vocab_parallel_topk(
             logits, rank * logits.shape[-1], self.shape.vocab_size, k, gather, self._tp_all_reduce()
@@ -309,7 +187,7 @@ class MegatronTrainEngine:
 
     def _tp_all_reduce(self) -> AllReduce | None:
         """The TP group's all-reduce (None at tensor_parallel 1: one shard, no collective)."""
-        tp, _, group = _tp_info()
+        tp, _, group = parallel.tp_info()
         return None if tp == 1 else process_group_all_reduce(group)
 
     def compute_loss(
@@ -329,7 +207,7 @@ class MegatronTrainEngine:
         student = None
         if self.objective.uses_topk:
             logits = self.forward.response_logits(tokens)
-            rank = _tp_info()[1]
+            rank = parallel.tp_info()[1]
             student = VocabParallelLogprobs(
                 logits, rank * logits.shape[-1], self.shape.vocab_size, self._tp_all_reduce()
             )
@@ -426,7 +304,7 @@ class MegatronTrainEngine:
 
     def full_mcore_state(self) -> dict[str, torch.Tensor]:
         """The whole model's megatron state dict (TP shards all-gathered over the TP group), on device."""
-        tp, _, group = _tp_info()
+        tp, _, group = parallel.tp_info()
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
         if tp == 1:
             return local
@@ -447,7 +325,7 @@ class MegatronTrainEngine:
         # TP > 1: one HF tensor at a time over the TP group (engines/megatron/tp_gather.py); every rank of
         # the group must iterate to the end (a follower does on rank 0's "weights" record)
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        yield from gathered_hf_weights(self.shard_plan, local, _tp_info()[2])
+        yield from gathered_hf_weights(self.shard_plan, local, parallel.tp_info()[2])
 
     @property
     def gathers_over_tp(self) -> bool:
@@ -459,156 +337,6 @@ class MegatronTrainEngine:
         """A TP rank > 0's part in a gather rank 0 makes (sync, evaluation, export): iterate `named_weights`
         and drop the tensors. Returns the number of HF tensors."""
         return sum(1 for _ in self.named_weights())
-
-    @property
-    def sharded_checkpoint(self) -> bool:
-        """True at tensor_parallel > 1: each TP rank's weights differ, so a checkpoint holds every rank's
-        shards (trainer/sharded_checkpoint.py, from `shard_pieces`) and `state_dict` leaves the model out."""
-        return self.shard_plan.tp > 1
-
-    def _local_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-
-    def shard_pieces(self) -> dict[str, torch.Tensor]:
-        """This TP rank's piece of every HF tensor (`ShardPlan.hf_pieces` of its GPTModel), on its device."""
-        self._require_resident("shard_pieces")
-        return self.shard_plan.hf_pieces(self._local_state())
-
-    def load_shard_pieces(self, pieces: Mapping[str, torch.Tensor]) -> None:
-        """Load this TP rank's pieces (from a sharded checkpoint, any TP size it was saved at) into the model,
-        and the optimizer's main (fp32) copies from them (`reload_model_params`), as Megatron-LM does after
-        loading weights without their optimizer state."""
-        self._require_resident("load_shard_pieces")
-        dtype = DTYPES[self.dtype]
-        state = {k: v.to(self.device, dtype) for k, v in self.shard_plan.mcore_shard(pieces).items()}
-        load_mcore_state(self.model, state)
-        reload = getattr(self.optimizer, "reload_model_params", None)
-        if reload is not None:
-            reload()
-
-    def tp_mesh(self) -> Any:
-        """The 1-D device mesh of this rank's TP group (what torch.distributed.checkpoint shards over)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group(_tp_info()[2], self.device.type)
-
-    @property
-    def collective_state_dict(self) -> bool:
-        """True when `state_dict` is a collective the other DP ranks must join (`join_state_dict`): at
-        tensor_parallel 1 and DP > 1, the optimizer's parameter state is gathered over the DP group."""
-        return self.shard_plan.tp == 1 and self.data_parallel.size > 1
-
-    def tp_param_state(self) -> list[dict[Any, Any]] | None:
-        """At tensor_parallel > 1 (`sharded_checkpoint`), where `state_dict` leaves it out: this TP rank's
-        optimizer parameter state (the fp32 main params, exp_avg and exp_avg_sq of its shard; each TP rank's
-        differs) gathered over its DP group (`optimizer_state.gather`: a collective every DP rank of the group
-        joins). Returns it on DP rank 0 (`gather`'s per-distributed-optimizer dicts), None elsewhere; the
-        checkpoint keeps one file per TP rank (trainer/sharded_checkpoint.py `save_tp_param_state`)."""
-        self._require_resident("tp_param_state")
-        return optimizer_state.gather(self.optimizer)
-
-    def load_tp_param_state(self, states: list[Mapping[Any, Any]] | None) -> None:
-        """Inverse of `tp_param_state` (a collective over the DP group: DP rank 0 passes what it saved, the
-        others None), after `load_state_dict` (which zeroed the moments) and `load_shard_pieces` (main params
-        from the bf16 weights): the exact fp32 main params and Adam's moments of this TP rank's shard.
-
-        Raises:
-            EngineError: the saved state does not fit this rank's optimizer (another model or TP size), or
-                DP rank 0 has none.
-        """
-        self._require_resident("load_tp_param_state")
-        try:
-            optimizer_state.scatter(self.optimizer, states)
-        except optimizer_state.OptimizerStateError as err:
-            raise EngineError(
-                f"the checkpoint's optimizer state of TP rank {self.tp_rank}: {err}; resume at the saved "
-                "tensor_parallel with the model the checkpoint was saved with"
-            ) from None
-
-    def join_state_dict(self) -> None:
-        """A DP rank > 0's part in rank 0's `state_dict` (its optimizer shard); nothing to write."""
-        if self.collective_state_dict:
-            self.state_dict()
-
-    def state_dict(self) -> dict[str, Any]:
-        """model (None when `sharded_checkpoint`: the shards are saved apart), the optimizer's state_dict (the
-        distributed optimizer's DP-independent part: step count, lr), `optimizer_state.PARAM_STATE_KEY`: the
-        fp32 main params and Adam's exp_avg/exp_avg_sq gathered from every DP rank (`optimizer_state.gather`,
-        a collective over the DP group: every DP rank calls it, `join_state_dict`), as an `OwnFile`
-        (`optimizer_state.PARAM_STATE_FILE`: the checkpoint writes it apart from model.pt, engines/own_file.py),
-        and `optimizer_state.PARAM_LAYOUT_KEY`: its sizes (both None on DP ranks > 0 and at tensor_parallel
-        > 1, where each TP rank's shard differs: `tp_param_state` gives it to the sharded checkpoint), the lr
-        scheduler's state (`scheduler`), steps."""
-        self._require_resident("state_dict")
-        param_state = optimizer_state.gather(self.optimizer) if self.shard_plan.tp == 1 else None
-        return {
-            "model": None if self.sharded_checkpoint else self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            optimizer_state.PARAM_STATE_KEY: (
-                None if param_state is None else OwnFile(optimizer_state.PARAM_STATE_FILE, param_state)
-            ),
-            optimizer_state.PARAM_LAYOUT_KEY: optimizer_state.layout(param_state),
-            "scheduler": self.scheduler.state_dict(),
-            "steps": self.steps,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Inverse of `state_dict`; a None model (a sharded checkpoint) leaves the weights to
-        `load_shard_pieces`. With a saved parameter state (tensor_parallel 1) a collective over the DP
-        group: every DP rank calls it with the same checkpoint. Order: optimizer state_dict (each parameter's
-        step tensor then made its own, `optimizer_state.separate_steps`), weights and `reload_model_params`,
-        then the exact fp32 main params and moments (optimizer_state.py); without a saved parameter state
-        (an older checkpoint, tensor_parallel > 1) the moments are set to 0 (`optimizer_state.zero_moments`;
-        at tensor_parallel > 1 `load_tp_param_state` then restores them from the sharded checkpoint).
-
-        The parameter state's entry is a `FileRef` for a checkpoint that wrote it to its own file: only DP
-        rank 0 reads it (`optimizer_state.reads_saved_state`, `own_file.resolve`: memory-mapped), the other
-        DP ranks check its layout (`optimizer_state.PARAM_LAYOUT_KEY`) and join the scatter without opening
-        it. An `OwnFile` (straight from `state_dict`) or the state itself (an older checkpoint's model.pt)
-        is used on every rank, as it is.
-
-        Raises:
-            EngineError: a sharded checkpoint's state given to a TP 1 engine; the saved parameter state does
-                not fit this optimizer (optimizer_state.OptimizerStateError's message) or its file does not
-                load (own_file.OwnFileError's).
-        """
-        self._require_resident("load_state_dict")
-        if state["model"] is None and not self.sharded_checkpoint:
-            raise EngineError(
-                "the checkpoint's model was saved as TP shards (a tensor_parallel > 1 run); this engine runs at "
-                "tensor_parallel 1: load its shards with trainer/sharded_checkpoint.py, or resume at the saved TP"
-            )
-        entry = state.get(optimizer_state.PARAM_STATE_KEY)
-        read = entry is not None and optimizer_state.reads_saved_state(self.optimizer)
-        try:  # a FileRef: read (mmap) on DP rank 0 alone
-            param_state = resolve_own_file(entry, read=read)
-        except OwnFileError as err:
-            raise EngineError(
-                f"the checkpoint's optimizer state: {err}; the file changed after the checkpoint was verified: "
-                "remove that checkpoint directory to resume from the previous one"
-            ) from None
-        saved = param_state if param_state is not None else state.get(optimizer_state.PARAM_LAYOUT_KEY)
-        try:  # before anything is loaded: a state that does not fit leaves the engine as it was
-            optimizer_state.check(self.optimizer, saved)
-        except optimizer_state.OptimizerStateError as err:
-            raise EngineError(
-                f"the checkpoint's optimizer state ({optimizer_state.PARAM_STATE_KEY}): {err}; resume with the "
-                "model the checkpoint was saved with"
-            ) from None
-        self.optimizer.load_state_dict(state["optimizer"])
-        optimizer_state.separate_steps(self.optimizer)  # torch Adam's shared "step" after megatron's load
-        if "scheduler" in state:  # the schedule goes on where it stopped (an older checkpoint: from step 0)
-            self.scheduler.load_state_dict(dict(state["scheduler"]))
-        if state["model"] is not None:
-            load_mcore_state(self.model, dict(state["model"]))
-            reload = getattr(self.optimizer, "reload_model_params", None)
-            if reload is not None:  # the optimizer's fp32 main copies from the loaded weights, as Megatron-LM
-                reload()
-        if entry is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
-            optimizer_state.scatter(self.optimizer, param_state)
-        else:  # none here (an older checkpoint; at TP > 1 load_tp_param_state follows): 0, not torch.empty's bytes
-            optimizer_state.zero_moments(self.optimizer)
-        self.steps = int(state.get("steps", 0))
 
     def save_pretrained(self, directory: str | Path) -> None:
         """config.json + model.safetensors (HF names), gathered over the TP group, written by global rank 0."""

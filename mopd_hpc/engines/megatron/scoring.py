@@ -1,8 +1,8 @@
 """A teacher's forward-only engine on megatron-core (DESIGN.md §5): `MegatronScoringEngine`. GPU only.
 
-The shared pieces (`initialize_parallel`, `build_from_hf`, `read_hf_checkpoint`, the labels-path forward
-`MegatronForward`) live in `engine.py`. They are reached through that module
-(`core.<name>`) at call time, so a test's stand-in for `engine._tp_info` applies here too.
+The shared pieces live in `parallel.py` (`initialize_parallel`, `tp_info`), `build.py` (`build_from_hf`,
+`read_hf_checkpoint`) and `engine.py` (the labels-path forward `MegatronForward`). `tp_info` is reached
+through its module (`parallel.tp_info()`) at call time, so a test's stand-in for it applies here too.
 
 Log-probs: GPTModel's labels path (vocab-parallel cross entropy, any tensor_parallel; `engine.py`).
 
@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from mopd_hpc.engines.batch import TokenBatch
-from mopd_hpc.engines.megatron import engine as core
+from mopd_hpc.engines.megatron import build, parallel
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore, shard_tp
+from mopd_hpc.engines.megatron.engine import MegatronForward
 from mopd_hpc.engines.megatron.model import DTYPES, load_mcore_state
 from mopd_hpc.engines.megatron.residency import scoring_residency
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
@@ -69,7 +70,7 @@ class MegatronScoringEngine:
         self.hf_config = dict(hf_config)
         self.shape = Qwen3Shape.from_hf_config(self.hf_config)
         self.path = None if path is None else str(path)
-        self.forward = core.MegatronForward(model, device)
+        self.forward = MegatronForward(model, device)
         self.residency = scoring_residency(model, device)
 
     @classmethod
@@ -98,7 +99,7 @@ class MegatronScoringEngine:
             dev = torch.device("cuda", torch.cuda.current_device())
         config = json.loads((Path(path) / "config.json").read_text())
         with torch.cuda.device(dev):
-            model, _ = core.build_from_hf(path, config, dtype, dev)
+            model, _ = build.build_from_hf(path, config, dtype, dev)
         return cls(model, dev, config, path=path, max_batch_rows=max_batch_rows)
 
     @property
@@ -153,7 +154,7 @@ class MegatronScoringEngine:
             raise EngineError(f"k={k}: expected >= 1 (or None for no top-k)")
         if k is None:
             return self.logprobs(batch, host=host), None
-        tp, rank, group = core._tp_info()
+        tp, rank, group = parallel.tp_info()
         gather = None if tp == 1 else process_group_all_gather(group)
         reduce = None if tp == 1 else process_group_all_reduce(group)
         lps, ids, vals = [], [], []
@@ -188,13 +189,13 @@ class MegatronScoringEngine:
         Raises:
             EngineError: the checkpoint's shape differs from the loaded model's, or it holds no safetensors.
         """
-        config, hf = core.read_hf_checkpoint(path)
+        config, hf = build.read_hf_checkpoint(path)
         shape = Qwen3Shape.from_hf_config(config)
         if shape != self.shape:
             raise EngineError(
                 f"checkpoint {path} has shape {shape}; expected the loaded model's {self.shape}"
             )
-        tp, rank, _ = core._tp_info()
+        tp, rank, _ = parallel.tp_info()
         with self._device_scope(), torch.no_grad():
             try:
                 load_mcore_state(self.model, shard_tp(hf_to_mcore(hf, shape), shape, tp, rank))

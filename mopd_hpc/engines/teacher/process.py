@@ -122,7 +122,7 @@ def build_engine(args: TeacherArgs) -> Any:
         raise EngineError(f"{args.field('engine')}={args.engine!r}: expected one of {', '.join(ENGINES)}")
     device = megatron_device(args)
     try:
-        from mopd_hpc.engines.megatron.engine import initialize_parallel
+        from mopd_hpc.engines.megatron.parallel import initialize_parallel
         from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
     except ImportError as err:
         raise EngineError(

@@ -55,10 +55,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -79,9 +77,9 @@ from mopd_hpc.engines.micro_batch import (
 from mopd_hpc.engines.moe_routing import RouterHooks, load_balancing_loss, z_loss
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.span_clock import SpanClock
+from mopd_hpc.engines.torch.checkpoint_state import TorchCheckpointState
 from mopd_hpc.engines.torch.ddp import distributed_module
 from mopd_hpc.engines.torch.hf_model import (
-    TOKENIZER_FILES,
     CausalLMForward,
     enable_activation_checkpointing,
     load_causal_lm,
@@ -97,9 +95,10 @@ from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OP
 log = logging.getLogger(__name__)
 
 
-class TorchTrainEngine:
+class TorchTrainEngine(TorchCheckpointState):
     """The actor's engine: transformers model + AdamW (+ its lr schedule over `total_steps`) + the bound
-    loss section, on one rank of `data_parallel` (module docstring). Build with `from_pretrained`."""
+    loss section, on one rank of `data_parallel` (module docstring). Build with `from_pretrained`; its
+    checkpoint methods: `checkpoint_state.TorchCheckpointState`."""
 
     def __init__(
         self,
@@ -213,10 +212,6 @@ class TorchTrainEngine:
         """The model greedy evaluation generates with: the actor's own transformers model (no copy; the
         caller restores nothing, `greedy_complete` puts back its train/eval mode)."""
         return self.model
-
-    def _require_resident(self, what: str) -> None:
-        if not self.residency.on_device:
-            raise EngineError(f"{what}: the actor is offloaded; onload() first")
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[B, T] float32 log π_θ(y_t) (no gradient), on the engine's device."""
@@ -379,39 +374,10 @@ class TorchTrainEngine:
             self._last_budget = budget
         return budget
 
-    def state_dict(self) -> dict[str, Any]:
-        """{"model": model state_dict, "optimizer": AdamW state_dict, "scheduler": its lr schedule's state,
-        "steps": int}."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "steps": self.steps,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._require_resident("load_state_dict")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = int(state.get("steps", 0))
-        if "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
-
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, detached tensor) of every weight; tied weights appear under each of their names."""
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write the student as an HF checkpoint (config.json, safetensors) plus the source's tokenizer
-        files, so the directory can be served and scored as is."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(str(out))
-        for name in TOKENIZER_FILES:
-            src = Path(self.path) / name
-            if src.is_file() and not (out / name).exists():
-                shutil.copyfile(src, out / name)
 
     def offload(self) -> ResidencyReport:
         return self.residency.offload()
