@@ -60,6 +60,7 @@ from mopd_hpc.engines.data_parallel import DataParallel
 from mopd_hpc.engines.lr_schedule import megatron_scheduler_args
 from mopd_hpc.engines.megatron import optimizer_state
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, hf_to_mcore, mcore_to_hf, shard_tp
+from mopd_hpc.engines.megatron.hf_model import hf_model_from_weights
 from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full_recompute, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.megatron.rope import megatron_rope_scaling
@@ -629,7 +630,8 @@ class MegatronTrainEngine:
     def evaluation_model(self) -> torch.nn.Module:
         """A transformers causal LM with the actor's current weights, on the actor's device, in eval mode:
         built from `hf_config` and `named_weights()` on each call (the caller drops it after use; nothing
-        here keeps a reference). Tied embeddings: lm_head shares embed_tokens, as the HF config says.
+        here keeps a reference; per-expert names fill transformers' fused experts: `hf_model.py`). Tied
+        embeddings: lm_head shares embed_tokens, as the HF config says.
 
         Raises:
             EngineError: the actor is offloaded, or the weights do not fit the config's model.
@@ -641,32 +643,3 @@ class MegatronTrainEngine:
 
     def onload(self) -> ResidencyReport:
         return self.residency.onload()
-
-
-def hf_model_from_weights(
-    hf_config: Mapping[str, Any],
-    weights: Iterator[tuple[str, torch.Tensor]],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_config` of an HF config.json dict, on `device` in `dtype`, loaded with
-    `weights` (HF names); eval mode, no gradients. A tied lm_head (`tie_word_embeddings`) may be absent.
-
-    Raises:
-        EngineError: a weight the model lacks, or a model weight missing from `weights`.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(hf_config)
-    config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
-    with torch.device(device):  # built in `dtype` (float32 buffers such as RoPE's inv_freq stay float32)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {name: tensor.detach() for name, tensor in weights}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise EngineError(
-            f"the actor's weights do not fit {type(model).__name__}: missing {sorted(set(missing) - tied)}, "
-            f"unexpected {sorted(unexpected)}; expected the HF names of the config's architecture"
-        )
-    return model.eval().requires_grad_(False)
