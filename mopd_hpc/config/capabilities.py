@@ -138,6 +138,7 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         expert_parallel=1,
         expert_parallel_untested="tests/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs)",
         router_losses=True,  # megatron-core's own, set on its config (engines/megatron/router_losses.py)
+        routing_replay=True,  # megatron-core's RouterReplay (engines/megatron/routing_replay.py)
         unverified=("tensor_parallel", "data_parallel_gpu"),  # pipeline_parallel > 1: no code
     ),
 }

@@ -130,3 +130,18 @@ def z_loss(logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     weight = mask.reshape(-1).to(torch.float32)
     total = sum((torch.logsumexp(layer.float(), dim=-1) ** 2 * weight).sum() for layer in logits)
     return total / (weight.sum() * len(logits)).clamp(min=1.0)
+
+
+def replay_ids(
+    recorded: torch.Tensor, logit_positions: torch.Tensor, response_mask: torch.Tensor, length: int
+) -> torch.Tensor:
+    """[B, L, M, k] int64 expert ids to replay at every one of the L = `length` positions of a batch's rows
+    (−1: the router's own choice), from the rollout's `recorded` [B, T, M, k] ids at the positions predicting
+    each response token (`logit_positions` [B, T] int64, where `response_mask` [B, T] bool is set)."""
+    mask = response_mask
+    replay = torch.full(
+        (mask.shape[0], length, *recorded.shape[2:]), -1, dtype=torch.int64, device=mask.device
+    )
+    rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+    replay[rows[mask], logit_positions[mask]] = recorded.to(mask.device)[mask].long()
+    return replay

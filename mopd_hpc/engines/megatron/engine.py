@@ -65,6 +65,7 @@ from mopd_hpc.engines.megatron.model import DTYPES, build_gpt_model, enable_full
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.megatron.rope import megatron_rope_scaling
 from mopd_hpc.engines.megatron.router_losses import MegatronRouterLosses, padding_kwargs
+from mopd_hpc.engines.megatron.routing_replay import MegatronRoutingReplay
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.megatron.tp_gather import gathered_hf_weights
 from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, train_state
@@ -237,6 +238,7 @@ class MegatronTrainEngine:
     """The actor on megatron-core: DDP (distributed optimizer) + Megatron Adam, the MOPD loss bound once."""
 
     router_losses = MegatronRouterLosses.INERT  # set in __init__ (megatron-core's own router losses)
+    routing_replay = MegatronRoutingReplay.NONE  # set in __init__ (megatron-core's RouterReplay)
 
     def __init__(
         self, model: torch.nn.Module, shape: Qwen3Shape, hf_config: Mapping[str, Any], loss: LossConfig,
@@ -254,6 +256,7 @@ class MegatronTrainEngine:
         if micro_batching.activation_checkpointing:
             enable_full_recompute(model)
         self.router_losses = MegatronRouterLosses(model, hf_config, loss)  # megatron-core's own
+        self.routing_replay = MegatronRoutingReplay(model)  # replays batch.routed_experts (compute_loss)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         self.ddp = DistributedDataParallel(model.config, ddp_cfg, model)
         schedule = megatron_scheduler_args(optimizer, total_steps)  # engines/lr_schedule.py
@@ -326,9 +329,11 @@ class MegatronTrainEngine:
         per-shard logsumexp all-reduced over the TP group, no vocabulary gather).
 
         Raises:
-            EngineError: the batch lacks what a positive coefficient's term reads.
+            EngineError: the batch lacks what a positive coefficient's term reads, or its routed experts do
+                not fit the model.
         """
         tokens = batch.tokens
+        self.routing_replay.start_batch(batch)  # the rollout's routed experts, if recorded, until end()
         mask = tokens.response_mask
         student = None
         if self.objective.uses_topk:
@@ -396,6 +401,7 @@ class MegatronTrainEngine:
                 self.router_losses.scale(float(rows.tokens.response_mask.sum()) / max(tokens, 1.0), dp.size)
                 (loss * dp.size if dp.distributed else loss).backward()
             stats |= self.router_losses.collect(self.device)  # after the backward: recompute computes them
+            self.routing_replay.end()
             combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
             if part is not None:
                 full_logprobs[part.index, : logprobs.shape[1]] = logprobs.detach().float()
