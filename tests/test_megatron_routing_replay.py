@@ -30,7 +30,7 @@ from mopd_hpc.engines.megatron.convert_moe import split_fused_experts
 from mopd_hpc.engines.megatron.engine import MegatronForward
 from mopd_hpc.engines.megatron.model import build_gpt_model, load_mcore_state
 from mopd_hpc.engines.megatron.routing_replay import MegatronRoutingReplay
-from test_torch_engine_moe import OUTPUTS, PROMPTS, TOP_K, hand_moe_forward
+from test_torch_engine_moe import OUTPUTS, PROMPTS, TOP_K, hand_moe_forward, least_likely_routes
 
 # GPTModel's CUDA moves, pointed at the CPU: the router's gating weight and RoPE's inv_freq
 router.TopKRouter.gating = lambda self, x: torch.nn.functional.linear(x, self.weight)
@@ -54,17 +54,9 @@ forward = MegatronForward(model, torch.device("cpu"))
 tokens = TokenBatch.from_samples(PROMPTS, OUTPUTS, pad_id=0)
 mask = tokens.response_mask
 b, n = tokens.input_ids.shape
-with torch.no_grad():
-    own = ref(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_router_logits=True)
-least = torch.stack([r.topk(TOP_K, dim=-1, largest=False).indices for r in own.router_logits], dim=1)
-least = least.reshape(b, n, 2, TOP_K)  # [B, L, M, k]
-routed = torch.full((b, tokens.response_width, 2, TOP_K), -1, dtype=torch.int16)
+routed, forced = least_likely_routes(ref, tokens)  # each response position's k least likely experts
 at = torch.arange(b)[:, None].expand_as(mask)
-routed[mask] = least[at[mask], tokens.logit_positions[mask]].to(torch.int16)
 batch = TrainBatch.create(tokens, torch.zeros(mask.shape), routed_experts=routed)
-
-forced = torch.full((b, n, 2, TOP_K), -1, dtype=torch.int64)
-forced[at[mask], tokens.logit_positions[mask]] = routed[mask].long()
 with torch.no_grad():
     plain_ref = ref(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).logits
 for index, layer in enumerate(ref.model.layers):
