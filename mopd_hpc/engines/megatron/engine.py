@@ -398,9 +398,11 @@ class MegatronTrainEngine:
                 loss, logprobs, stats = self.compute_loss(rows, denominator)
                 # megatron's DDP averages the DP ranks' gradients (gradient_scaling_factor 1/DP): backward on
                 # DP·L_r makes the reduced gradient ∇L of the whole step, the DP = 1 update
-                self.router_losses.scale(float(rows.tokens.response_mask.sum()) / max(tokens, 1.0), dp.size)
+                share = float(rows.tokens.response_mask.sum()) / max(tokens, 1.0)  # of the router losses
+                self.router_losses.scale(share, dp.size)
                 (loss * dp.size if dp.distributed else loss).backward()
             stats |= self.router_losses.collect(self.device)  # after the backward: recompute computes them
+            loss = loss.detach() + self.router_losses.weighted(stats, share)  # the loss as the torch engine's
             self.routing_replay.end()
             combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
             if part is not None:

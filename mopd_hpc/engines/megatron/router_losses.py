@@ -22,6 +22,7 @@ response tokens are weighted by s (× DP size, as the main loss's backward, whic
 Statistics (`router/load_balancing_loss` = mean_l k·LB_l, `router/z_loss` = mean_l Z_l, before their
 coefficients) are read from megatron's aux-loss tracker after the backward (with activation recompute the
 losses are computed in the backward's recompute) and taken out of the tracker.
+The step's `loss` metric includes share·(c_lb·L_lb + c_z·L_z), as the torch engine's (`weighted`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ class MegatronRouterLosses:
             total = values.sum().float().to(device) if values is not None else torch.zeros((), device=device)
             out[key] = total * factor / self.layers
         return out
+
+    def weighted(self, stats: dict[str, torch.Tensor], share: float) -> torch.Tensor | float:
+        """share·(c_lb·L_lb + c_z·L_z) of `collect`'s statistics: what the router terms add to the micro-batch's
+        loss (the torch engine's `loss` metric includes them); 0 when inactive."""
+        if not self.active:
+            return 0.0
+        return share * (self.aux * stats["router/load_balancing_loss"] + self.z * stats["router/z_loss"])
 
 
 MegatronRouterLosses.INERT = MegatronRouterLosses(torch.nn.Module(), {}, LossConfig())
