@@ -20,7 +20,7 @@ softmax over the E logits at the k selected experts, renormalized to sum 1 when 
 Router losses over the captured logits, positions masked by `mask` [B, L] (1 = a real token):
 
 - load balancing (Switch Transformer, Fedus et al. 2021, eqs. 4-6; transformers' `load_balancing_loss_func`):
-  per layer f_i = share of the N·k (position, slot) selections routed to expert i (the router's own top k),
+  per layer f_i = the selections routed to expert i per position (the router's own top k; Σ_i f_i = k),
   P_i = mean router probability of expert i; loss = E · Σ_i f_i·P_i averaged over the M layers' positions
   (as transformers, counts and probabilities are summed over the layers before the product);
 - z-loss (ST-MoE, Zoph et al. 2022, eq. 5): mean over the layers' positions of logsumexp(router logits)².
