@@ -91,7 +91,7 @@ MODEL_FAMILIES: dict[str, ModelFamilySpec] = {
         "LlamaForCausalLM",
         "llama",
         moe=False,
-        untested=(("megatron", "tests/test_megatron_llama_gpu.py (megatron Llama logits = HF's, 1 GPU)"),),
+        untested=(("megatron", "tests/engines/test_megatron_llama_gpu.py (megatron Llama logits = HF's, 1 GPU)"),),
     ),
 }
 
@@ -139,6 +139,8 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         # megatron-core's MoELayer shards experts over an expert-parallel group; EP 1 holds them all
         expert_parallel=1,
         expert_parallel_untested="tests/engines/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs)",
+        router_losses=True,  # megatron-core's own, set on its config (engines/megatron/router_losses.py)
+        routing_replay=True,  # megatron-core's RouterReplay (engines/megatron/routing_replay.py)
         unverified=("tensor_parallel", "data_parallel_gpu"),  # pipeline_parallel > 1: no code
     ),
 }

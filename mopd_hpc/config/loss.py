@@ -70,14 +70,14 @@ class LossConfig(Section):
         None,
         ge=0,
         description="Weight of the router's load-balancing loss (Switch Transformer eqs. 4-6) added to L for "
-        "a mixture-of-experts actor (engine torch); null = the actor's config.json `router_aux_loss_coef` "
-        "(Qwen3-MoE: 0.001). Set > 0 for a dense actor is refused at --check (no router).",
+        "a mixture-of-experts actor (engines torch and megatron); null = the actor's config.json "
+        "`router_aux_loss_coef` (Qwen3-MoE: 0.001). Set > 0 for a dense actor is refused at --check (no router).",
     )
     router_z_loss_coefficient: float = Field(
         0.0,
         ge=0,
         description="Weight of the router z-loss (ST-MoE eq. 5: mean logsumexp² of the router logits) added "
-        "to L for a mixture-of-experts actor (engine torch); 0 = off. > 0 for a dense actor is refused at "
+        "to L for a mixture-of-experts actor (engines torch and megatron); 0 = off. > 0 for a dense actor is refused at "
         "--check.",
     )
 

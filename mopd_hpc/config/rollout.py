@@ -72,7 +72,7 @@ class RolloutConfig(Section):
         "experts each response token was routed to in every MoE layer, and the actor's forward routes each "
         "token to them (the gate weights from its current router, differentiable), so that π_θ and μ use "
         "the same experts. hf backend (its loop decoder, eager: compile_decode false on a GPU rollout group) "
-        "and torch actor only; a dense actor is refused at --check.",
+        "and torch or megatron actor only; a dense actor is refused at --check.",
     )
     mem_fraction_static: float | None = Field(
         None,

@@ -20,7 +20,7 @@ softmax over the E logits at the k selected experts, renormalized to sum 1 when 
 Router losses over the captured logits, positions masked by `mask` [B, L] (1 = a real token):
 
 - load balancing (Switch Transformer, Fedus et al. 2021, eqs. 4-6; transformers' `load_balancing_loss_func`):
-  per layer f_i = share of the N·k (position, slot) selections routed to expert i (the router's own top k),
+  per layer f_i = the selections routed to expert i per position (the router's own top k; Σ_i f_i = k),
   P_i = mean router probability of expert i; loss = E · Σ_i f_i·P_i averaged over the M layers' positions
   (as transformers, counts and probabilities are summed over the layers before the product);
 - z-loss (ST-MoE, Zoph et al. 2022, eq. 5): mean over the layers' positions of logsumexp(router logits)².
@@ -130,3 +130,18 @@ def z_loss(logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     weight = mask.reshape(-1).to(torch.float32)
     total = sum((torch.logsumexp(layer.float(), dim=-1) ** 2 * weight).sum() for layer in logits)
     return total / (weight.sum() * len(logits)).clamp(min=1.0)
+
+
+def replay_ids(
+    recorded: torch.Tensor, logit_positions: torch.Tensor, response_mask: torch.Tensor, length: int
+) -> torch.Tensor:
+    """[B, L, M, k] int64 expert ids to replay at every one of the L = `length` positions of a batch's rows
+    (−1: the router's own choice), from the rollout's `recorded` [B, T, M, k] ids at the positions predicting
+    each response token (`logit_positions` [B, T] int64, where `response_mask` [B, T] bool is set)."""
+    mask = response_mask
+    replay = torch.full(
+        (mask.shape[0], length, *recorded.shape[2:]), -1, dtype=torch.int64, device=mask.device
+    )
+    rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+    replay[rows[mask], logit_positions[mask]] = recorded.to(mask.device)[mask].long()
+    return replay

@@ -286,12 +286,12 @@ def test_megatron_evaluation_model_is_built_from_the_hf_weights(megatron_engine,
             assert torch.equal(model(input_ids=ids).logits, want)
             assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
             assert all(not p.requires_grad for p in model.parameters())
+    from mopd_hpc.engines.megatron.hf_model import hf_model_from_weights
+
     missing = dict(weights)
     missing.pop("model.norm.weight")
     with pytest.raises(EngineError, match=r"missing \['model.norm.weight'\], unexpected \[\]"):
-        megatron_engine.hf_model_from_weights(
-            hf_config, iter(missing.items()), torch.device("cpu"), torch.float32
-        )
+        hf_model_from_weights(hf_config, iter(missing.items()), torch.device("cpu"), torch.float32)
 
 
 # --- MegatronTrainEngine.train_step(batch, observe) ---------------------------------------------------------

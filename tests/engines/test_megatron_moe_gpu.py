@@ -27,18 +27,11 @@ Skips without CUDA or without megatron-core. Runtime on an H100: ~30 s (two impo
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-
-REPO = Path(__file__).resolve().parents[2]
-TOL_FP32 = 2e-4  # tests/engines/test_megatron_convert.py::test_megatron_engines_on_gpu
-BF16_MEAN_FACTOR, BF16_MEAN_SLACK, BF16_MEDIAN = 2.0, 2e-3, 0.05
+from helpers_megatron_logits import run_and_check
 
 _SCRIPT = textwrap.dedent(
     """
@@ -47,12 +40,11 @@ _SCRIPT = textwrap.dedent(
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from mopd_hpc.engines.batch import TokenBatch
-    from mopd_hpc.engines.megatron.scoring import MegatronScoringEngine
     from mopd_hpc.engines.megatron.parallel import initialize_parallel
-    from mopd_hpc.engines.torch.scoring import TorchScoringEngine
 
     root = sys.argv[1]
     device = initialize_parallel(rank=0, world_size=1, tensor_parallel=1, device_index=0)
+    HF_CLASS = Qwen3MoeForCausalLM
     CASES = {
         "mixed": dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True),
         "all_moe": dict(num_hidden_layers=2, mlp_only_layers=[], norm_topk_prob=False),
@@ -62,9 +54,8 @@ _SCRIPT = textwrap.dedent(
     outputs = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (7, 4, 11, 9)]
     batch = TokenBatch.from_samples(prompts, outputs, pad_id=0)
     mask = batch.response_mask.cuda()
-    report = {}
-    for name, fields in CASES.items():
-        torch.manual_seed(0)
+
+    def make_model(fields):
         cfg = Qwen3MoeConfig(
             vocab_size=250, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -74,56 +65,11 @@ _SCRIPT = textwrap.dedent(
             for layer in model.model.layers:
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.weight.normal_(0.0, 1.0)
-        path = f"{root}/{name}"
-        model.save_pretrained(path)
-        lps, logits = {}, {}
-        for dtype in ("float32", "bfloat16"):
-            mc = MegatronScoringEngine.from_pretrained(path, dtype=dtype, device=device)
-            with torch.no_grad():
-                logits[("mc", dtype)] = mc.forward.response_logits(batch)[..., :250].float()
-            lps[("mc", dtype)] = mc.logprobs(batch).cuda()
-            del mc
-            hf = Qwen3MoeForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).cuda().eval()
-            with torch.no_grad():
-                out = hf(input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda()).logits
-            index = batch.logit_positions.cuda()[..., None].expand(-1, -1, out.shape[-1])
-            logits[("hf", dtype)] = out.gather(1, index).float()
-            del hf
-            lps[("hf", dtype)] = TorchScoringEngine.from_pretrained(path, dtype=dtype, device="cuda").logprobs(batch).cuda()
-            torch.cuda.empty_cache()
-        def err(a, b):
-            return (a - b).abs()[mask]
-        truth = lps[("hf", "float32")]
-        report[name] = {
-            "logits_err_fp32": err(logits[("mc", "float32")], logits[("hf", "float32")]).max().item(),
-            "logprob_err_fp32": err(lps[("mc", "float32")], truth).max().item(),
-            "mean_err_bf16_megatron": err(lps[("mc", "bfloat16")], truth).mean().item(),
-            "mean_err_bf16_hf": err(lps[("hf", "bfloat16")], truth).mean().item(),
-            "max_err_bf16_megatron": err(lps[("mc", "bfloat16")], truth).max().item(),
-            "median_bf16_megatron_vs_hf": err(lps[("mc", "bfloat16")], lps[("hf", "bfloat16")]).median().item(),
-            "logprob_mean": truth[mask].mean().item(),
-            "tokens": int(mask.sum()),
-        }
-    print(json.dumps(report))
+        return model
     """
 )
 
 
 @pytest.mark.gpu
 def test_megatron_moe_logits_equal_transformers(tmp_path: Path) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=400, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(json.dumps(report, indent=1))
-    for name, r in report.items():
-        assert r["tokens"] == 31 and r["logprob_mean"] < 0, (name, r)
-        assert r["logits_err_fp32"] < TOL_FP32, (name, r)
-        assert r["logprob_err_fp32"] < TOL_FP32, (name, r)
-        bound = BF16_MEAN_FACTOR * r["mean_err_bf16_hf"] + BF16_MEAN_SLACK
-        assert r["mean_err_bf16_megatron"] <= bound, (name, r)
-        assert r["median_bf16_megatron_vs_hf"] <= BF16_MEDIAN, (name, r)
+    run_and_check(_SCRIPT, tmp_path, tokens=31)

@@ -130,6 +130,25 @@ def hand_moe_forward(block: torch.nn.Module, forced: torch.Tensor):
     return forward
 
 
+def least_likely_routes(ref: torch.nn.Module, tokens: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts to force: each response position's k least likely ones per MoE layer of the transformers
+    model `ref` (never the router's own), as the rollout records them ([B, T, M, k] int16, −1 off the
+    responses) and at every position ([B, L, M, k] int64, −1: the router's own choice)."""
+    mask = tokens.response_mask
+    b, n = tokens.input_ids.shape
+    with torch.no_grad():
+        own = ref(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_router_logits=True)
+    layers = len(own.router_logits)
+    least = torch.stack([r.topk(TOP_K, dim=-1, largest=False).indices for r in own.router_logits], dim=1)
+    least = least.reshape(b, n, layers, TOP_K)  # [B, L, M, k]
+    routed = torch.full((b, tokens.response_width, layers, TOP_K), -1, dtype=torch.int16)
+    at = torch.arange(b)[:, None].expand_as(mask)
+    routed[mask] = least[at[mask], tokens.logit_positions[mask]].to(torch.int16)
+    forced = torch.full((b, n, layers, TOP_K), -1, dtype=torch.int64)
+    forced[at[mask], tokens.logit_positions[mask]] = routed[mask].long()
+    return routed, forced
+
+
 def test_replayed_experts_give_the_log_probs_of_a_forward_with_those_experts(moe: Path) -> None:
     engine = make_engine(moe, router_aux_loss_coefficient=0.0)
     batch = train_batch(engine)
@@ -137,22 +156,14 @@ def test_replayed_experts_give_the_log_probs_of_a_forward_with_those_experts(moe
     mask = tokens.response_mask
     b, n = tokens.input_ids.shape
 
-    # the experts to force: each response position's k least likely ones, per layer (never the router's own)
     ref = Qwen3MoeForCausalLM.from_pretrained(str(moe), dtype=torch.float32)
-    with torch.no_grad():
-        own = ref(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_router_logits=True)
-    least = torch.stack([r.topk(TOP_K, dim=-1, largest=False).indices for r in own.router_logits], dim=1)
-    least = least.reshape(b, n, 2, TOP_K)  # [B, L, M, k]
-    routed = torch.full((b, tokens.response_width, 2, TOP_K), -1, dtype=torch.int16)
+    routed, forced = least_likely_routes(ref, tokens)
     at = torch.arange(b)[:, None].expand_as(mask)
-    routed[mask] = least[at[mask], tokens.logit_positions[mask]].to(torch.int16)
     replayed = TrainBatch.create(
         tokens, batch.behavior_logprobs, targets=batch.targets, routed_experts=routed
     )
 
     # the reference: transformers' model with every MoE block's forward written out with the forced experts
-    forced = torch.full((b, n, 2, TOP_K), -1, dtype=torch.int64)
-    forced[at[mask], tokens.logit_positions[mask]] = routed[mask].long()
     for index, layer in enumerate(ref.model.layers):
         layer.mlp.forward = hand_moe_forward(layer.mlp, forced[:, :, index].reshape(-1, TOP_K))
     logits = ref(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).logits

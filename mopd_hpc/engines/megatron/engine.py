@@ -8,9 +8,6 @@ vocab-parallel cross entropy (fp32), so tensor parallelism needs no full-vocabul
 labels_p = input_ids_{p+1}, the log-prob of response token t of row b sits at position
 response_start[b] + t − 1 (`TokenBatch.logit_positions`). Rows are right-padded: causal attention alone is exact.
 
-The teacher's forward-only engine, `MegatronScoringEngine` (top-k at any tensor_parallel), lives in
-`scoring.py`, which imports this module (never the other way).
-
 The train step (the loss section bound at construction as `mopd.objective.Objective`: either estimator,
 GRPO at loss level c_rl, α·A_ORM at advantage level; `compute_loss`):
     zero DDP grad buffers → per micro-batch: loss → backward → finalize_model_grads → MegatronOptimizer.step()
@@ -25,19 +22,20 @@ DDP's `no_sync()` (the bucket groups' `is_last_microbatch` = False: no grad redu
 with `overlap_grad_reduce`), and `finalize_model_grads` reduces once. Statistics combine as sums and
 token-weighted means (`StepStats`); `micro_batch_tokens` null derives a budget from the free GPU memory
 (`micro_batch.step_budget`). `activation_checkpointing`: full recompute of each layer
-(`model.enable_full_recompute`).
-(`finalize_model_grads` = DDP's finish_grad_sync plus the tensor-parallel all-reduce of replicated
-weights whose gradients differ per TP rank: q/k layernorm, each rank seeing its own heads; with only
-finish_grad_sync, TP ranks drifted apart after one step — seen on 2 H200s, issue 8.)
-(clipping to optimizer.grad_clip and the norm are the optimizer's: `clip_grad`, returned grad_norm).
-The lr schedule (`models.actor.optimizer.schedule`, warm-up, min_lr_ratio over `total_steps`) is megatron-core's
-`OptimizerParamScheduler` (engines/lr_schedule.py `megatron_scheduler_args`), stepped after each successful
-update, its state in the checkpoint (`state_dict()["scheduler"]`).
+(`model.enable_full_recompute`). MoE router losses: megatron-core's own, weighted per micro-batch as the torch
+engine's (`router_losses.py`).
+(`finalize_model_grads` = DDP's finish_grad_sync plus the tensor-parallel all-reduce of replicated weights
+whose gradients differ per TP rank: q/k layernorm, each rank seeing its own heads; with only finish_grad_sync,
+TP ranks drifted apart after one step — seen on 2 H200s, issue 8.) (clipping to optimizer.grad_clip and the
+norm are the optimizer's: `clip_grad`, returned grad_norm).
+The lr schedule (`models.actor.optimizer.schedule`, warm-up, min_lr_ratio over `total_steps`) is
+megatron-core's `OptimizerParamScheduler` (engines/lr_schedule.py `megatron_scheduler_args`), stepped after
+each successful update, its state in the checkpoint (`state_dict()["scheduler"]`).
 Data parallel (megatron's DP group, `megatron_data_parallel`): the denominator and token count are summed over
 the DP ranks, each rank backpropagates DP·L_r (megatron's DDP averages over DP), statistics are reduced as the
 torch engine's (engines/data_parallel.py). Tensor parallel > 1: `named_weights` (weight sync, evaluation, the
-HF export) gathers one HF tensor at a time over the TP group (`shard_plan.py`, `tp_gather.py`),
-a collective the other ranks of that TP group join (`join_weight_gather`).
+HF export) gathers one HF tensor at a time over the TP group (`shard_plan.py`, `tp_gather.py`), a collective
+the other ranks of that TP group join (`join_weight_gather`).
 """
 
 from __future__ import annotations
@@ -58,8 +56,11 @@ from mopd_hpc.engines.lr_schedule import megatron_scheduler_args
 from mopd_hpc.engines.megatron import parallel
 from mopd_hpc.engines.megatron.checkpoint_state import MegatronCheckpointState
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, mcore_to_hf
+from mopd_hpc.engines.megatron.hf_model import hf_model_from_weights
 from mopd_hpc.engines.megatron.model import DTYPES, enable_full_recompute
 from mopd_hpc.engines.megatron.residency import DDPResidency
+from mopd_hpc.engines.megatron.router_losses import MegatronRouterLosses, padding_kwargs
+from mopd_hpc.engines.megatron.routing_replay import MegatronRoutingReplay
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
 from mopd_hpc.engines.megatron.tp_gather import gathered_hf_weights
 from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, train_state
@@ -70,7 +71,7 @@ from mopd_hpc.engines.micro_batch import (
     split_rows,
     step_budget,
 )
-from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
+from mopd_hpc.engines.protocol import ResidencyReport, refuse_loss
 from mopd_hpc.engines.span_clock import SpanClock
 from mopd_hpc.engines.train_objective import batch_objective, bind_objective
 from mopd_hpc.mopd.normalize import loss_denominator
@@ -89,15 +90,16 @@ from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OP
 class MegatronForward:
     """Response log-probs of a `TokenBatch` through a GPTModel (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(self, model: torch.nn.Module, device: torch.device, padding: bool = False) -> None:
+        self.model, self.device, self.padding = model, device, padding  # padding: GPTModel's padding_mask
 
     def token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[B, T] float32 log π(y_t); 0 at padded response positions. Carries the graph when grads are on."""
         ids = batch.input_ids.to(self.device)
         labels = torch.roll(ids, shifts=-1, dims=1)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        per_position = -self.model(ids, positions, None, labels=labels)  # [B, L] fp32
+        pad = padding_kwargs(batch, self.padding, self.device)
+        per_position = -self.model(ids, positions, None, labels=labels, **pad)  # [B, L] fp32
         mask = batch.response_mask.to(self.device)
         out = per_position.gather(1, batch.logit_positions.to(self.device))
         return torch.where(mask, out, torch.zeros_like(out))
@@ -108,7 +110,7 @@ class MegatronForward:
         GPTModel's forward without labels gives [B, L, V_r] (`parallel_output`: no vocabulary gather)."""
         ids = batch.input_ids.to(self.device)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        logits = self.model(ids, positions, None)
+        logits = self.model(ids, positions, None, **padding_kwargs(batch, self.padding, self.device))
         index = batch.logit_positions.to(self.device)[..., None].expand(-1, -1, logits.shape[-1])
         return logits.gather(1, index)
 
@@ -116,6 +118,9 @@ class MegatronForward:
 class MegatronTrainEngine(MegatronCheckpointState):
     """The actor on megatron-core: DDP (distributed optimizer) + Megatron Adam, the MOPD loss bound once (its
     checkpoint methods: `checkpoint_state.MegatronCheckpointState`)."""
+
+    router_losses = MegatronRouterLosses.INERT  # set in __init__ (megatron-core's own router losses)
+    routing_replay = MegatronRoutingReplay.NONE  # set in __init__ (megatron-core's RouterReplay)
 
     def __init__(
         self, model: torch.nn.Module, shape: Qwen3Shape, hf_config: Mapping[str, Any], loss: LossConfig,
@@ -132,6 +137,8 @@ class MegatronTrainEngine(MegatronCheckpointState):
         self.micro_batching = micro_batching
         if micro_batching.activation_checkpointing:
             enable_full_recompute(model)
+        self.router_losses = MegatronRouterLosses(model, hf_config, loss)  # megatron-core's own
+        self.routing_replay = MegatronRoutingReplay(model)  # replays batch.routed_experts (compute_loss)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         self.ddp = DistributedDataParallel(model.config, ddp_cfg, model)
         schedule = megatron_scheduler_args(optimizer, total_steps)  # engines/lr_schedule.py
@@ -145,7 +152,7 @@ class MegatronTrainEngine(MegatronCheckpointState):
         self.scheduler = OptimizerParamScheduler(self.optimizer, **schedule)
         self.model, self.shape, self.hf_config, self.device = model, shape, dict(hf_config), device
         self.loss_config, self.dtype = loss, dtype
-        self.forward = MegatronForward(self.ddp, device)
+        self.forward = MegatronForward(self.ddp, device, padding=self.router_losses.active)
         self.residency = DDPResidency(self.ddp, self.optimizer, device)
         self.steps = 0
         #: megatron's DP group: the step's token count and statistics are reduced over it (`train_step`).
@@ -200,9 +207,11 @@ class MegatronTrainEngine(MegatronCheckpointState):
         per-shard logsumexp all-reduced over the TP group, no vocabulary gather).
 
         Raises:
-            EngineError: the batch lacks what a positive coefficient's term reads.
+            EngineError: the batch lacks what a positive coefficient's term reads, or its routed experts do
+                not fit the model.
         """
         tokens = batch.tokens
+        self.routing_replay.start_batch(batch)  # the rollout's routed experts, if recorded, until end()
         mask = tokens.response_mask
         student = None
         if self.objective.uses_topk:
@@ -267,7 +276,12 @@ class MegatronTrainEngine(MegatronCheckpointState):
                 loss, logprobs, stats = self.compute_loss(rows, denominator)
                 # megatron's DDP averages the DP ranks' gradients (gradient_scaling_factor 1/DP): backward on
                 # DP·L_r makes the reduced gradient ∇L of the whole step, the DP = 1 update
+                share = float(rows.tokens.response_mask.sum()) / max(tokens, 1.0)  # of the router losses
+                self.router_losses.scale(share, dp.size)
                 (loss * dp.size if dp.distributed else loss).backward()
+            stats |= self.router_losses.collect(self.device)  # after the backward: recompute computes them
+            loss = loss.detach() + self.router_losses.weighted(stats, share)  # the loss as the torch engine's
+            self.routing_replay.end()
             combined.add(stats | {"loss": loss.detach()}, rows.tokens.response_mask.sum())
             if part is not None:
                 full_logprobs[part.index, : logprobs.shape[1]] = logprobs.detach().float()
@@ -352,7 +366,8 @@ class MegatronTrainEngine(MegatronCheckpointState):
     def evaluation_model(self) -> torch.nn.Module:
         """A transformers causal LM with the actor's current weights, on the actor's device, in eval mode:
         built from `hf_config` and `named_weights()` on each call (the caller drops it after use; nothing
-        here keeps a reference). Tied embeddings: lm_head shares embed_tokens, as the HF config says.
+        here keeps a reference; per-expert names fill transformers' fused experts: `hf_model.py`). Tied
+        embeddings: lm_head shares embed_tokens, as the HF config says.
 
         Raises:
             EngineError: the actor is offloaded, or the weights do not fit the config's model.
@@ -364,32 +379,3 @@ class MegatronTrainEngine(MegatronCheckpointState):
 
     def onload(self) -> ResidencyReport:
         return self.residency.onload()
-
-
-def hf_model_from_weights(
-    hf_config: Mapping[str, Any],
-    weights: Iterator[tuple[str, torch.Tensor]],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_config` of an HF config.json dict, on `device` in `dtype`, loaded with
-    `weights` (HF names); eval mode, no gradients. A tied lm_head (`tie_word_embeddings`) may be absent.
-
-    Raises:
-        EngineError: a weight the model lacks, or a model weight missing from `weights`.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(hf_config)
-    config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
-    with torch.device(device):  # built in `dtype` (float32 buffers such as RoPE's inv_freq stay float32)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {name: tensor.detach() for name, tensor in weights}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise EngineError(
-            f"the actor's weights do not fit {type(model).__name__}: missing {sorted(set(missing) - tied)}, "
-            f"unexpected {sorted(unexpected)}; expected the HF names of the config's architecture"
-        )
-    return model.eval().requires_grad_(False)

@@ -74,7 +74,7 @@ from mopd_hpc.engines.micro_batch import (
     split_rows,
     step_budget,
 )
-from mopd_hpc.engines.moe_routing import RouterHooks, load_balancing_loss, z_loss
+from mopd_hpc.engines.moe_routing import RouterHooks, load_balancing_loss, replay_ids, z_loss
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
 from mopd_hpc.engines.span_clock import SpanClock
 from mopd_hpc.engines.torch.checkpoint_state import TorchCheckpointState
@@ -273,11 +273,7 @@ class TorchTrainEngine(TorchCheckpointState):
                 f"the actor {self.path} has {layers} MoE layers routing to {k} experts"
             )
         tokens = batch.tokens
-        mask = tokens.response_mask
-        replay = torch.full((*tokens.input_ids.shape, layers, k), -1, dtype=torch.int64, device=mask.device)
-        rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
-        replay[rows[mask], tokens.logit_positions[mask]] = recorded.to(mask.device)[mask].long()
-        return replay
+        return replay_ids(recorded, tokens.logit_positions, tokens.response_mask, tokens.input_ids.shape[1])
 
     def train_step(
         self,
