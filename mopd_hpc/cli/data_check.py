@@ -10,7 +10,7 @@ import sys
 from typing import TextIO
 
 from mopd_hpc.data.convert import convert_rows, rows_note
-from mopd_hpc.data.errors import DataSourceError
+from mopd_hpc.data.errors import DataSourceError, JsonlFormatError
 from mopd_hpc.data.sources import JsonlSource
 from mopd_hpc.runtime.signals import EXIT_USAGE
 
@@ -25,15 +25,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def convert_hint(path: str, fields: tuple[str, ...]) -> str:
+    """The way out for a raw dataset's row (no `prompt`/`answer` field; `fields`: the ones it has): convert it
+    first, as the README's GSM8K recipe does."""
+    have = ", ".join(map(repr, fields)) or "none"
+    return (
+        f"  its fields are {have}: a raw dataset is made a project jsonl with "
+        f"`mopd-data convert {path} OUT.jsonl --source NAME` (--prompt-key/--answer-key name its fields when "
+        "they are not found; --final-answer keeps what follows GSM8K's '####'), then `mopd-data check OUT.jsonl`"
+    )
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     try:
         source = JsonlSource.from_path(args.source, args.file)
     except DataSourceError as exc:
         print(f"mopd-data check: {exc}", file=err)
+        if isinstance(exc, JsonlFormatError) and exc.fields is not None:
+            print(convert_hint(args.file, exc.fields), file=err)
         return EXIT_USAGE
     _, report = convert_rows([p.entry for p in source], args.source, prompt_key="prompt", answer_key="answer")
-    for line in report.lines():
+    for line in report.lines(wrote=False):
         print(line, file=out)
     if args.reward == "math":
         from mopd_hpc.data.verifiers import parses_as_math

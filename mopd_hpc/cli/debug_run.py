@@ -65,11 +65,28 @@ def write_job_state(run_dir: Path, alloc: Allocation, spec: JobSpec) -> None:
     )
 
 
+def config_salloc_hint(args: argparse.Namespace) -> str:
+    """`; for this config: `salloc -N1 -c2 : -N2 -c1 mopd-debug run CONFIG`` from the config's het groups alone
+    (loaded and validated, its models not resolved, nothing placed: quick); "" when the config does not load
+    (its errors come when it is run inside an allocation)."""
+    from mopd_hpc.config import ConfigError, load_run_config
+    from mopd_hpc.launch.debug_session import salloc_for
+
+    try:
+        groups = list(load_run_config(args.config, args.overrides).cluster.groups().values())
+    except (ConfigError, OSError, ValueError):
+        return ""
+    salloc = salloc_for([g.nodes for g in groups], [g.cpus_per_task for g in groups])
+    return f"; for this config: `{salloc} mopd-debug run {args.config}`"
+
+
 def execute(
     args: argparse.Namespace, *, out: TextIO, err: TextIO, environ: Mapping[str, str], python: str
 ) -> int:
-    """Everything after argument parsing; collaborators passed in. The job is prepared and its run dir
-    written as `mopd-submit` does (launch/prepare.py, launch/rundir.py), then started in this allocation."""
+    """Everything after argument parsing; collaborators passed in. Outside an allocation (no SLURM_JOB_ID) it
+    refuses at once, before the job is prepared, with the `salloc` command that fits the config. Else the job
+    is prepared and its run dir written as `mopd-submit` does (launch/prepare.py, launch/rundir.py), then
+    started in this allocation."""
     from mopd_hpc.config import ConfigError
     from mopd_hpc.config.parallel import ParallelError
     from mopd_hpc.launch.debug_session import (
@@ -78,7 +95,6 @@ def execute(
         OutsideAllocationError,
         check_fit,
         run_steps,
-        salloc_hint,
         step_argvs,
     )
     from mopd_hpc.launch.jobspec import JobSpecError
@@ -88,15 +104,17 @@ def execute(
     from mopd_hpc.runtime.plan import PlanError
 
     try:
+        alloc = Allocation.from_env(environ)  # first: outside salloc, refuse before the job is prepared
+    except OutsideAllocationError as exc:
+        print(f"mopd-debug run: {exc}{config_salloc_hint(args)}", file=err)
+        return EXIT_USAGE
+    except DebugSessionError as exc:
+        print(f"mopd-debug run: {exc}", file=err)
+        return EXIT_USAGE
+    try:
         job = prepare_job(args.config, args.overrides, python=python, run_dir=args.run_dir, probe=args.probe)
         plan, spec = job.plan, job.spec
         cpus = [g.cpus_per_task for g in job.cfg.cluster.groups().values()]
-        try:
-            alloc = Allocation.from_env(environ)
-        except OutsideAllocationError as exc:
-            raise OutsideAllocationError(
-                f"{exc}; for this config: `{salloc_hint(plan, cpus)} mopd-debug run {args.config}`"
-            ) from None
         check_fit(alloc, plan, cpus)
         run_dir = prepare_run_dir(job.path)
     except (

@@ -57,11 +57,12 @@ class ConvertReport:
     prompt_key: str
     answer_key: str
 
-    def lines(self) -> list[str]:
-        """The report in words, one fact a line."""
+    def lines(self, wrote: bool = True) -> list[str]:
+        """The report in words, one fact a line; `wrote=False` (`mopd-data check`, which writes nothing) says
+        `rows checked: N` (every row read) where a conversion says `rows written: N`."""
         return [
             f"rows read: {self.rows} (prompt from {self.prompt_key!r}, answer from {self.answer_key!r})",
-            f"rows written: {self.written}",
+            f"rows written: {self.written}" if wrote else f"rows checked: {self.rows}",
             f"duplicate prompts: {len(self.duplicates)}{rows_note(self.duplicates)}",
             f"empty answers: {len(self.empty_answers)}{rows_note(self.empty_answers)}",
         ]

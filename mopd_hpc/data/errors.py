@@ -13,11 +13,14 @@ class JsonlFormatError(DataSourceError):
     Attributes:
         path: the file.
         line_no: 1-based line number of the bad line.
+        fields: the line's field names when it is a JSON object without the schema's fields (a raw dataset's
+            row, e.g. GSM8K's question/answer); None otherwise.
     """
 
-    def __init__(self, path: str, line_no: int, problem: str) -> None:
+    def __init__(self, path: str, line_no: int, problem: str, fields: tuple[str, ...] | None = None) -> None:
         self.path = path
         self.line_no = line_no
+        self.fields = fields
         super().__init__(
             f"{path}:{line_no}: {problem} "
             '(expected one JSON object per line: {"prompt": "<text>", "answer": "<text>"})'

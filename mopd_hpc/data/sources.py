@@ -314,8 +314,9 @@ def _parse_line(path: str, line_no: int, line: str) -> dict[str, Any]:
             path, line_no, f"expected a JSON object (got {type(obj).__name__}: {line.strip()[:80]!r})"
         )
     prompt, answer = obj.get("prompt"), obj.get("answer")
+    raw = tuple(obj) if not {"prompt", "answer"} <= obj.keys() else None  # a field is missing: a raw row?
     if not isinstance(prompt, str) or not prompt:
-        raise JsonlFormatError(path, line_no, f"'prompt' must be a non-empty string (got {prompt!r})")
+        raise JsonlFormatError(path, line_no, f"'prompt' must be a non-empty string (got {prompt!r})", raw)
     if not isinstance(answer, str):
-        raise JsonlFormatError(path, line_no, f"'answer' must be a string (got {answer!r})")
+        raise JsonlFormatError(path, line_no, f"'answer' must be a string (got {answer!r})", raw)
     return obj

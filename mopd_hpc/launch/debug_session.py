@@ -132,9 +132,14 @@ def salloc_hint(plan: JobPlan, cpus_per_task: Sequence[int] = ()) -> str:
     whose groups ask for 2 and 1 CPUs per task (`cpus_per_task`, one per group in plan order; without it
     the -c options are left out). The job's steps run one task per node with --cpus-per-task, so an
     allocation without those CPUs fails at `srun` ("More processors requested than permitted")."""
-    cpus = list(cpus_per_task) or [None] * len(plan.groups)
+    return salloc_for([g.nodes for g in plan.groups], cpus_per_task)
+
+
+def salloc_for(nodes: Sequence[int], cpus_per_task: Sequence[int] = ()) -> str:
+    """`salloc_hint` from the node counts of the het groups (and their CPUs per task), in plan order."""
+    cpus = list(cpus_per_task) or [None] * len(nodes)
     return "salloc " + " : ".join(
-        f"-N{g.nodes}" + (f" -c{c}" if c else "") for g, c in zip(plan.groups, cpus, strict=True)
+        f"-N{n}" + (f" -c{c}" if c else "") for n, c in zip(nodes, cpus, strict=True)
     )
 
 

@@ -9,7 +9,7 @@ after `mopd-submit` wrote `run_dir/config.yaml` and before the guard starts:
    name is one that `tools/build_tiny_models.py` builds (teacher_chain_sum, teacher_leg_counting, student), the
    builder runs once into that directory's parent
    (`python tools/build_tiny_models.py --out DIR --threads N`; seeded, cached by fingerprint), its output
-   streamed to `out`. A missing model the builder does not make is left for the actor's clear error.
+   streamed to `out`; the build dies with `mopd-submit` (SIGTERM, Ctrl-C or SIGKILL: `build_tiny_models`). A missing model the builder does not make is left for the actor's clear error.
 
 While the guard runs, `LocalProgress.poll()` (returned by `prepare_local_run`) follows run_dir/metrics.jsonl
 and shows the training progress in the submitting terminal (a rich bar on a TTY, a line every ~1 % otherwise;
@@ -20,12 +20,15 @@ look after a failure).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TextIO
 
 from mopd_hpc.atomic import atomic_write_text
@@ -34,6 +37,8 @@ from mopd_hpc.records.job_end import read_job_end
 from mopd_hpc.records.run_dir import CONFIG_FILE, METRICS_FILE
 from mopd_hpc.roles.env import with_absolute_paths
 from mopd_hpc.runtime import child_env
+from mopd_hpc.runtime.guard.children import PDEATH_EXEC
+from mopd_hpc.runtime.signals import PARENT_DEATH_SIGNAL, killpg_quiet
 from mopd_hpc.trainer.evaluate import print_eval_table
 from mopd_hpc.trainer.progress import Progress
 
@@ -79,24 +84,74 @@ def missing_builder_models(cfg: RunConfig) -> dict[Path, list[str]]:
 
 
 def build_tiny_models(
-    out_dir: Path, python: str, out: TextIO, threads: int = 2, names: Sequence[str] = ()
+    out_dir: Path,
+    python: str,
+    out: TextIO,
+    threads: int = 2,
+    names: Sequence[str] = (),
+    *,
+    builder: Path = BUILDER,
 ) -> None:
-    """Run the builder into `out_dir` (`names`: only these models; none: the default three). Raises
-    LocalSetupError when it fails."""
-    argv = [python, str(BUILDER), "--out", str(out_dir), "--threads", str(threads)]
+    """Run the builder (`builder`, default `BUILDER`) into `out_dir` (`names`: only these models; none: the
+    default three), its output streamed to `out`.
+
+    The builder dies with this process: it runs in its own process group behind the parent-death wrapper
+    (`runtime/guard/pdeath_exec.py`, SIGKILL when this process dies, even of SIGKILL); a SIGTERM to this process
+    during the build (installed from the main thread only) or a Ctrl-C (KeyboardInterrupt) kills that group
+    before the interruption goes on (SIGTERM: `SystemExit(128 + SIGTERM)`). An interrupted build leaves its
+    directories without config.json, so the next run builds them again (`awaits_build`).
+
+    Raises:
+        LocalSetupError: the builder failed (its exit code and command are named).
+        SystemExit: 143, on SIGTERM during the build.
+    """
+    argv = [python, str(builder), "--out", str(out_dir), "--threads", str(threads)]
     argv += [arg for name in names for arg in ("--only", name)]
     print(
         f"[local] building the tiny models into {out_dir} (first use; cached afterwards)",
         file=out,
         flush=True,
     )
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        print(f"[build] {line.rstrip()}", file=out, flush=True)
-    rc = proc.wait()
+    wrapper = [python, "-S", str(PDEATH_EXEC), str(os.getpid()), str(int(PARENT_DEATH_SIGNAL))]
+    with _sigterm_exits():
+        proc = subprocess.Popen(
+            [*wrapper, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(f"[build] {line.rstrip()}", file=out, flush=True)
+            rc = proc.wait()
+        except BaseException:  # SIGTERM (SystemExit), Ctrl-C: the build goes with us
+            killpg_quiet(proc.pid, signal.SIGKILL)  # not yet reaped: its pid is still its group's id
+            proc.wait()
+            print(f"[local] stopped: the tiny-model build into {out_dir} was killed", file=out, flush=True)
+            raise
     if rc != 0:
         raise LocalSetupError(f"the tiny-model builder failed with exit code {rc}: {' '.join(argv)}")
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit(128 + SIGTERM) (so cleanup runs) instead of ending the process
+    at once; the previous handler is restored after. Off the main thread (where no handler can be set) a
+    no-op: the parent-death signal is the builder's net there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class LocalProgress:

@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mopd_hpc.config import RunConfig, load_run_config
+from mopd_hpc.config.capabilities import OPT_IN_FIELD, OPT_IN_FLAG
 from mopd_hpc.config.inert_fields import inert_warnings
 from mopd_hpc.config.job_gaps import job_gaps
 from mopd_hpc.config.parallel import ActorParallel, ParallelError
+from mopd_hpc.config.problems import Problem
 from mopd_hpc.config.rules import NOTHING_LET_THROUGH
 from mopd_hpc.launch.from_config import jobspec_from_config
 from mopd_hpc.launch.jobspec import JobSpec
@@ -159,12 +160,24 @@ def memory_refusal(refusals: Sequence[str]) -> str:
     )
 
 
-def gaps_refusal(gaps: Sequence[Any], head: str = "this config is valid but asks") -> str:
-    """The refusal of what the job's roles do not run (`job_gaps`), one line per gap, with the way out."""
+def gaps_refusal(gaps: Sequence[Problem], head: str = "this config is valid but asks") -> str:
+    """The refusal of what the job's roles do not run (`job_gaps`), one line per gap, with the way out: when
+    any gap is unverified (`Problem.unverified`: written, not yet run on GPUs), the opt-in first
+    (`--allow-unverified`, `allow_unverified: true`; config/capabilities.py), saying whether it lets all of
+    them through."""
+    unverified = sum(bool(gap.unverified) for gap in gaps)
+    ways = "--dry-run/--render to review it, or --probe to run the control plane of this shape"
+    if unverified:
+        opt_in = f"{OPT_IN_FLAG} ({OPT_IN_FIELD}: true)"
+        if unverified == len(gaps):
+            ways = f"{opt_in} to run it with these {unverified} setting(s) unverified, {ways}"
+        else:
+            rest = len(gaps) - unverified
+            ways = f"{opt_in} to let the {unverified} unverified one(s) through (the other {rest} still refuse), {ways}"
     return bulleted(
         f"{head} for what the job's roles do not run yet ({len(gaps)}):",
         [gap.render() for gap in gaps],
-        "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
+        f"use {ways}",
     )
 
 

@@ -213,9 +213,10 @@ def test_refusal_of_job_gaps_lists_one_problem_a_line(tmp_path: Path) -> None:
         "  - models.teachers[0].tensor_parallel",
         "  - weight_sync.backend",  # AWEX from 8 trainer ranks: not run on GPUs
     ]
-    assert (
-        lines[4] == "use --dry-run/--render to review it, or --probe to run the control plane of this shape"
-    )
+    assert lines[4] == (
+        "use --allow-unverified (allow_unverified: true) to run it with these 3 setting(s) unverified, "
+        "--dry-run/--render to review it, or --probe to run the control plane of this shape"
+    )  # all three have run on CPU, not on GPUs: the opt-in is the way out named first
     assert not (tmp_path / "run").exists()
 
 

@@ -178,6 +178,34 @@ def test_an_existing_output_needs_force_and_check_names_a_bad_line(tmp_path: Pat
     assert checked.returncode == 2 and f"{out}:2: 'prompt' must be a non-empty string" in checked.stderr
 
 
+def test_check_of_a_raw_file_names_the_convert_way_out_and_check_says_rows_checked(tmp_path: Path) -> None:
+    raw = mopd_data("check", "tests/data/gsm8k/sample.jsonl")  # GSM8K's own rows: question/answer
+    assert raw.returncode == 2 and raw.stdout == ""
+    assert raw.stderr.splitlines() == [
+        "mopd-data check: tests/data/gsm8k/sample.jsonl:1: 'prompt' must be a non-empty string (got None) "
+        '(expected one JSON object per line: {"prompt": "<text>", "answer": "<text>"})',
+        "  its fields are 'question', 'answer': a raw dataset is made a project jsonl with "
+        "`mopd-data convert tests/data/gsm8k/sample.jsonl OUT.jsonl --source NAME` (--prompt-key/--answer-key "
+        "name its fields when they are not found; --final-answer keeps what follows GSM8K's '####'), then "
+        "`mopd-data check OUT.jsonl`",
+    ]
+    out = tmp_path / "train.jsonl"
+    assert mopd_data("convert", SAMPLE, out, "--source", "gsm8k", "--final-answer").returncode == 0
+    checked = mopd_data("check", out)  # the way out works; check writes nothing and says so
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.splitlines() == [
+        "rows read: 6 (prompt from 'prompt', answer from 'answer')",
+        "rows checked: 6",
+        "duplicate prompts: 0",
+        "empty answers: 0",
+    ]
+    empty = tmp_path / "empty_prompt.jsonl"  # a project row with a bad value is no raw row: no convert hint
+    empty.write_text('{"prompt": "", "answer": "a"}\n')
+    bad = mopd_data("check", empty)
+    assert bad.returncode == 2 and "'prompt' must be a non-empty string (got '')" in bad.stderr
+    assert "mopd-data convert" not in bad.stderr
+
+
 def test_mopd_data_is_a_console_script() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["mopd-data"] == "mopd_hpc.cli.data:main"

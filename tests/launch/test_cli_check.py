@@ -110,13 +110,34 @@ def test_check_refuses_a_hub_id_this_host_has_not_downloaded(tmp_path: Path) -> 
         f"mopd-submit: its fields are valid, and it also asks for what the job's roles do not run yet "
         f"({len(gaps)}):",
         *(f"  - {g.render()}" for g in gaps),
-        "use --dry-run/--render to review it, or --probe to run the control plane of this shape",
+        "use --allow-unverified (allow_unverified: true) to run it with these 3 setting(s) unverified, "
+        "--dry-run/--render to review it, or --probe to run the control plane of this shape",
     ]
+    assert all(g.unverified for g in gaps)  # every one is let through by the opt-in the last line names
     assert [g.path for g in gaps] == [
         "models.actor.tensor_parallel",
         "models.teachers[0].tensor_parallel",
         "weight_sync.backend",  # awex from 8 trainer ranks has not run on GPUs
     ]
+
+
+def test_the_way_out_of_gaps_names_the_opt_in_when_any_is_unverified() -> None:
+    """The last line of the refusal of `job_gaps`: the opt-in first when it lets all the gaps through, with how
+    many it leaves when it lets only some through, not named when none is unverified."""
+    from mopd_hpc.config.problems import Problem
+    from mopd_hpc.launch.prepare import gaps_refusal
+
+    untested = Problem("models.actor.tensor_parallel", "has not run", 8, "≤ 1", unverified="tests/x_gpu.py")
+    unsupported = Problem("rollout.backend", "is not run by the rollout role", "vllm", "sglang")
+    review = "--dry-run/--render to review it, or --probe to run the control plane of this shape"
+    assert gaps_refusal([untested]).splitlines()[-1] == (
+        f"use --allow-unverified (allow_unverified: true) to run it with these 1 setting(s) unverified, {review}"
+    )
+    assert gaps_refusal([untested, unsupported, unsupported]).splitlines()[-1] == (
+        "use --allow-unverified (allow_unverified: true) to let the 1 unverified one(s) through (the other 2 "
+        f"still refuse), {review}"
+    )
+    assert gaps_refusal([unsupported]).splitlines()[-1] == f"use {review}"
 
 
 def test_bad_config_exits_2_with_every_problem_on_stderr(tmp_path: Path) -> None:

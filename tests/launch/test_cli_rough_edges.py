@@ -242,6 +242,36 @@ def test_debug_run_refuses_too_few_cpus_before_writing_anything(tmp_path: Path) 
     assert not (tmp_path / "run").exists() and out.getvalue() == ""
 
 
+def test_debug_run_outside_salloc_refuses_before_the_job_is_prepared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No SLURM_JOB_ID: the refusal comes first (preparing resolves the models: tens of seconds for a hub
+    config), with the salloc command that fits the config read from its het groups alone."""
+    from mopd_hpc.launch import prepare
+
+    def not_called(*_a: object, **_k: object) -> None:
+        raise AssertionError("prepare_job ran before the allocation was checked")
+
+    monkeypatch.setattr(prepare, "prepare_job", not_called)
+    parser = argparse.ArgumentParser()
+    debug_run.add_arguments(parser)
+    out, err = io.StringIO(), io.StringIO()
+    args = parser.parse_args([str(HET), "--run-dir", str(tmp_path / "run")])
+    assert debug_run.execute(args, out=out, err=err, environ={"PATH": "/bin"}, python=sys.executable) == 2
+    assert err.getvalue() == (
+        "mopd-debug run: mopd-debug run starts the job's steps inside an allocation, but SLURM_JOB_ID is unset: "
+        "run it under salloc, e.g. `salloc -N1 : -N2 mopd-debug run run.yaml` for a 2-group het job; for this "
+        f"config: `salloc -N1 -c2 : -N2 -c1 mopd-debug run {HET}`\n"
+    )
+    assert not (tmp_path / "run").exists() and out.getvalue() == ""
+    bad = tmp_path / "bad.yaml"  # a config that does not load: the plain refusal, still before any preparing
+    bad.write_text("cluster: [\n")
+    err = io.StringIO()
+    args = parser.parse_args([str(bad)])
+    assert debug_run.execute(args, out=out, err=err, environ={"PATH": "/bin"}, python=sys.executable) == 2
+    assert err.getvalue().endswith("for a 2-group het job\n")
+
+
 # ---- 4. mopd-logs summarize into a closed pipe -------------------------------------------------------
 def test_summarize_into_a_closed_pipe_exits_141_quietly(tmp_path: Path) -> None:
     """`mopd-logs summarize RUN | head -3`: the reader is gone before the summary is written; exit 141 (128 +
