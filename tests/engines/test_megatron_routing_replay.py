@@ -17,7 +17,7 @@ from test_megatron_convert_moe import _megatron_report
 _SCRIPT = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/engines"]
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 from megatron.core import parallel_state as ps
