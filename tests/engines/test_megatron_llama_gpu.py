@@ -4,7 +4,7 @@
 Two micro Llama checkpoints written by transformers (the megatron engine reads them through the HF ⇄ megatron
 converter, `engines/megatron/convert.py`; no q/k norms): `llama31` (Llama 3.1's RoPE frequency scaling,
 `rope_type: llama3` factor 8, untied embeddings, 3 layers) and `llama32_tied` (factor 32, tied embeddings as
-Llama 3.2 1B/3B, 2 layers); `rope_theta` 500000 and `original_max_position_embeddings` 64 so that the scaling
+Llama 3.2 1B/3B, 2 layers); `rope_theta` 500000 and `original_max_position_embeddings` 8192 (the only value megatron-core's llama3 scaling takes) so that the scaling
 bends frequencies the 48-token rows reach (engines/megatron/rope.py). One subprocess (megatron's parallel state
 is per process): `MegatronScoringEngine.from_pretrained` (TP 1) against `LlamaForCausalLM` /
 `TorchScoringEngine` on the same checkpoint, both on cuda:0.
@@ -40,7 +40,7 @@ _SCRIPT = textwrap.dedent(
 
     def scaling(factor):
         return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
+                "original_max_position_embeddings": 8192}
 
     CASES = {
         "llama31": dict(num_hidden_layers=3, tie_word_embeddings=False, rope_scaling=scaling(8.0)),
