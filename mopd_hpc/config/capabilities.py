@@ -83,7 +83,11 @@ MODEL_FAMILIES: dict[str, ModelFamilySpec] = {
         "qwen3_moe",
         moe=True,
         untested=(
-            ("megatron", "tests/engines/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU)"),
+            (
+                "megatron",
+                "benchmarks/moe_step.py (a megatron MoE actor's train steps, 1 GPU; its logits equal HF's on an "
+                "H200: tests/engines/test_megatron_moe_gpu.py)",
+            ),
         ),
     ),
     # Llama 3.x (3.1/3.2/3.3: the llama3 RoPE scaling of its config.json)
@@ -91,7 +95,13 @@ MODEL_FAMILIES: dict[str, ModelFamilySpec] = {
         "LlamaForCausalLM",
         "llama",
         moe=False,
-        untested=(("megatron", "tests/engines/test_megatron_llama_gpu.py (megatron Llama logits = HF's, 1 GPU)"),),
+        untested=(
+            (
+                "megatron",
+                "a megatron Llama actor's train step on a GPU (its logits equal HF's on an H200: "
+                "tests/engines/test_megatron_llama_gpu.py)",
+            ),
+        ),
     ),
 }
 

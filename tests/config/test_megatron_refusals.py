@@ -91,8 +91,8 @@ def test_an_moe_checkpoint_is_refused_for_megatron_until_its_gpu_test_has_run(mo
     assert "models.actor.path" in text and "models.teachers[0].path" in text
     assert (
         "the megatron engine maps Qwen3MoeForCausalLM checkpoints (engines/megatron/convert.py) but has not run "
-        "one on GPUs: tests/engines/test_megatron_moe_gpu.py (megatron MoE logits = HF's, 1 GPU) has not run"
-        in text
+        "one on GPUs: benchmarks/moe_step.py (a megatron MoE actor's train steps, 1 GPU; its logits equal HF's on "
+        "an H200: tests/engines/test_megatron_moe_gpu.py) has not run" in text
     )
     assert "models.actor.engine: torch" in text and "models.teachers[0].engine: torch" in text
     assert "or allow_unverified: true (--allow-unverified) to run it unverified" in text
