@@ -31,7 +31,7 @@ def wait_idle(cluster) -> None:
         out = cluster.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout
         return all(line.split()[1] == "idle" for line in out.splitlines() if line.strip())
 
-    wait_for(idle, 60, "idle nodes")
+    wait_for(idle, 180, "idle nodes")
 
 
 def submit(cluster, run_dir: Path, *, prefix: tuple[str, ...] = (), **knobs: str) -> str:
