@@ -36,7 +36,7 @@ def test_qwen3_coder_4node_passes_check_with_the_opt_in_and_fits_an_h200(tmp_pat
     for field in ("models.actor.path", "models.teachers[0].path"):
         assert (
             f"  - {field}: the megatron engine maps Qwen3MoeForCausalLM checkpoints (engines/megatron/convert.py) "
-            "but has not run one on GPUs: tests/engines/test_megatron_moe_gpu.py" in refused.stderr
+            "but has not run one on GPUs: benchmarks/moe_step.py" in refused.stderr
         ), refused.stderr
     assert "or allow_unverified: true (--allow-unverified) to run it unverified" in refused.stderr
 
