@@ -13,6 +13,8 @@ PROMPTSxSAMPLESxNEW_TOKENS shape) and:
   opens no CUDA context: the children's memory is what is measured);
 - `allow_unverified=true`: megatron has not run a Qwen3-MoE in the job before this benchmark (the refusal it
   lifts names tests/engines/test_megatron_moe_gpu.py; `mopd-submit` prints it as a warning);
+- `rollout.backend=hf`: the shipped config's SGLang rollout has not served a Qwen3-MoE here (the HF engine's
+  routing is the one `moe_mismatch.py` measured);
 - `weight_sync.backend=ipc`: the megatron actor sends each expert under its checkpoint name and the HF
   rollout engine loads it into transformers' fused experts (`engines/expert_names.py`); AWEX's plan
   matches the two sides' parameter names one to one, which the fused layout breaks;
@@ -57,8 +59,9 @@ from results_file import commit_of, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: What the MoE actor changes in the shipped config (module docstring).
-MOE_SETS = ("allow_unverified=true", "weight_sync.backend=ipc", "weight_sync.awex_mode=null",
-            "rollout.compile_decode=false", "loss.router_aux_loss_coefficient=0")  # fmt: skip
+MOE_SETS = ("allow_unverified=true", "rollout.backend=hf", "weight_sync.backend=ipc",
+            "weight_sync.awex_mode=null", "rollout.compile_decode=false",
+            "loss.router_aux_loss_coefficient=0")  # fmt: skip
 PER_STEP = ("mopd/logprob_mismatch", "mopd/ratio_capped_frac", "loss/total", "mopd/reverse_kl")
 
 
