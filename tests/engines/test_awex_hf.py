@@ -17,12 +17,17 @@ import torch
 pytest.importorskip("awex", reason="awex is not installed")
 pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
 
-from helpers_models import save_micro_qwen3  # noqa: E402
+from helpers_models import save_micro_moe, save_micro_qwen3  # noqa: E402
 
 from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine  # noqa: E402
 from mopd_hpc.engines.weight_sync.awex import AwexConfigError  # noqa: E402
 from mopd_hpc.engines.weight_sync.awex_actor import local_spec_name  # noqa: E402
-from mopd_hpc.engines.weight_sync.awex_hf import ENGINE_NAME, hf_awex_engine, register_hf_engine  # noqa: E402
+from mopd_hpc.engines.weight_sync.awex_hf import (  # noqa: E402
+    ENGINE_NAME,
+    HFToHFWeightConverter,
+    hf_awex_engine,
+    register_hf_engine,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {"tp_size": 1, "pp_size": 1, "dp_size": 1, "nnodes": 1, "node_rank": 0, "num_engines": 1,
@@ -99,7 +104,8 @@ _PLAN_SCRIPT = textwrap.dedent(
     from mopd_hpc.engines.megatron.model import build_gpt_model, load_mcore_state
     from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine
     from mopd_hpc.engines.weight_sync.awex_actor import pretrained_config, register_local_spec_names
-    from mopd_hpc.engines.weight_sync.awex_hf import hf_awex_engine
+    from mopd_hpc.engines.weight_sync.awex_hf import HFToHFWeightConverter, hf_awex_engine
+    from mopd_hpc.engines.megatron.convert_moe import split_fused_experts
     register_local_spec_names()
     import awex.models.registry as registry
     from awex.meta.infer_meta_resolver import InferParamMetaResolver
@@ -120,18 +126,20 @@ _PLAN_SCRIPT = textwrap.dedent(
     infer = InferParamMetaResolver(awex_engine, convert_params=True).get_parameters_meta()
     infer_conf = {"engine_name": "hf", "infer_atten_tp_size": 1, "infer_engine_config": awex_engine.config,
                   "hf_config": simple_hf_config(awex_engine.hf_config), "infer_world_size": 1,
-                  "expected_pp_ranks": [0], "device_backend": "cpu"}
+                  "expected_pp_ranks": [0], "device_backend": "cpu",
+                  "router_dtype": getattr(awex_engine.hf_config, "router_dtype", "bf16")}  # as awex's reader
     hf_cfg = pretrained_config(config)
     trainer = SimpleNamespace(model=[model], engine_name="mcore", enable_debug_mode=False)
     resolver = McoreParamMetaResolver(trainer, hf_cfg, infer_conf)
     train = resolver.get_parameters_meta()
     check_train_infer_params_meta(train, infer, raise_exception=True)
-    conv = registry.get_train_weights_converter("mcore", "Qwen3ForCausalLM", hf_cfg, resolver._rank_info,
+    conv = registry.get_train_weights_converter("mcore", config["architectures"][0], hf_cfg, resolver._rank_info,
                                                 infer_conf, tf_config=model.config)
     sent = {hn: hp for n, p in model.named_parameters() for hn, hp in conv.convert_param(n, p.detach())}
     sent.setdefault("lm_head.weight", sent["model.embed_tokens.weight"])
-    params = dict(engine.model.named_parameters())
-    params["lm_head.weight"] = params["model.embed_tokens.weight"]
+    to_hf = HFToHFWeightConverter(None, None, None)  # the reader's receive targets (expert views)
+    params = {hn: hp for n, p in engine.model.named_parameters() for hn, hp in to_hf.convert_param(n, p)}
+    params.setdefault("lm_head.weight", params["model.embed_tokens.weight"])
     ops = TransferPlanBuilder(1, 1, 1).build_weights_mapping_operations(infer, train)
     with torch.no_grad():
         for op in ops:  # replay what the NCCL reader does: recv into the HF parameter slices
@@ -139,27 +147,73 @@ _PLAN_SCRIPT = textwrap.dedent(
             params[name][op.inf_slices].copy_(sent[name][op.train_slices])
     from mopd_hpc.engines.megatron.convert import mcore_to_hf
     want = mcore_to_hf({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, shape)
-    got = engine.model.state_dict()
+    got = split_fused_experts(engine.model.state_dict())
     print(json.dumps({"ops": len(ops), "names": len(train), "train_dtypes": sorted({str(m.dtype) for m in train}),
-                      "equal": all(torch.equal(got[k], want[k]) for k in want), "keys": sorted(want)}))
+                      "equal": all(torch.equal(got[k], want[k]) for k in want), "keys": sorted(want),
+                      "extra_keys": sorted(set(got) - set(want)), "missing_keys": sorted(set(want) - set(got)),
+                      "router_dtype": getattr(awex_engine.hf_config, "router_dtype", None)}))
     """
 )
 
 
-def test_trainer_and_hf_metadata_match_and_the_plan_replays_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_trainer_and_hf_metadata_match_and_the_plan_replays_exactly(tmp_path: Path, family: str) -> None:
     """A real (CPU) megatron GPTModel's AWEX metadata matches the HF engine's; awex's plan, replayed on
-    CPU, makes every HF parameter equal the actor's (converted to HF names) bitwise."""
-    ckpt = save_micro_qwen3(tmp_path / "ckpt", seed=1)
+    CPU, makes every HF parameter equal the actor's (converted to HF names) bitwise. qwen3_moe: a Qwen3-MoE
+    (2 layers of 4 experts, untied, float32): awex's mcore converter sends each expert under its checkpoint name
+    and the HF engine's converter receives them into the fused experts' rows (issue 33); the router arrives in
+    float32 (the engine's router_dtype), not rounded to awex's default bf16."""
+    if family == "qwen3":
+        ckpt = save_micro_qwen3(tmp_path / "ckpt", seed=1)
+    else:
+        ckpt = save_micro_moe(tmp_path / "ckpt", seed=1)
     proc = subprocess.run(
         [sys.executable, "-c", _PLAN_SCRIPT, str(ckpt), str(tmp_path / "pg"), json.dumps(CONFIG)],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["names"] == 14 and report["ops"] == 14  # 13 weights + the tied lm_head alias
     assert report["train_dtypes"] == ["torch.float32"]
     assert "model.layers.0.input_layernorm.weight" in report["keys"]
-    assert report["equal"] is True
+    assert report["equal"] is True and report["missing_keys"] == []
+    if family == "qwen3":
+        assert report["names"] == 14 and report["ops"] == 14  # 13 weights + the tied lm_head alias
+        assert report["router_dtype"] is None and report["extra_keys"] == ["lm_head.weight"]  # tied
+        return
+    # 3 (embeddings, final norm, lm_head) + 2 layers × (8 attention/norm tensors + router + 4 experts × 3)
+    assert report["names"] == 45 and report["ops"] == 45
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in report["keys"]
+    assert report["router_dtype"] == "fp32" and report["extra_keys"] == []
+
+
+def test_expert_receive_targets_follow_the_parameters_storage(tmp_path: Path) -> None:
+    """The HF engine's converter gives each fused expert tensor as per-expert views; after the parameters get
+    new storage (offload/onload: module.to()), the next task in the model worker rebuilds awex's worker reader's
+    targets, so a receive writes the served model's current fused rows."""
+    from awex.reader.weights_reader import WorkerWeightsReader
+
+    engine = HFRolloutEngine.load(str(save_micro_moe(tmp_path / "moe", seed=2)), "cpu", "float32")
+    awex_engine = hf_awex_engine(CONFIG, engine)
+    assert awex_engine.fused_experts and engine.model.config.router_dtype == "fp32"
+    reader = object.__new__(WorkerWeightsReader)  # what initialize() reads of awex's worker reader
+    reader.model, reader.hf_config, reader.rank_info = engine.model, engine.model.config, None
+    reader.weight_converter = HFToHFWeightConverter(None, None, None)
+    WorkerWeightsReader.initialize(reader)
+    awex_engine.model_context["scheduler"].awes_weights_reader = reader
+    experts = engine.model.model.layers[1].mlp.experts
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert reader.parameters[name].shape == (16, 32)  # f_e × h
+    with torch.no_grad():
+        for p in engine.model.parameters():  # what module.to() does to each parameter
+            p.data = p.data.clone()
+    stale = reader.parameters[name]
+    assert stale.untyped_storage().data_ptr() != experts.gate_up_proj.untyped_storage().data_ptr()
+    awex_engine.execute_task_in_model_worker(lambda model, model_context: None)
+    with torch.no_grad():
+        reader.parameters[name].copy_(torch.full((16, 32), 7.0))  # what the NCCL receive does
+    assert torch.equal(experts.gate_up_proj[2, 16:], torch.full((16, 32), 7.0))
+    assert not torch.equal(experts.gate_up_proj[2, :16], torch.full((16, 32), 7.0))  # the gate rows stay
+    assert reader.parameters["model.layers.1.mlp.gate.weight"] is engine.model.model.layers[1].mlp.gate.weight
 
 
 class _Reader:

@@ -8,7 +8,9 @@ Two processes (writer, reader) meet at the MetaServer the actor's rank 0 starts 
 dir). The actor is converted from one HF micro Qwen3 (bf16), perturbed by noise before each of two
 updates; after each update every HF parameter must equal the actor's (gathered to HF names) bitwise
 (bf16 on both sides: no dtype conversion), and greedy generation must equal a reference HF engine loaded
-with the actor's weights, and differ from generation before the update.
+with the actor's weights, and differ from generation before the update. qwen3_moe: the same with a micro
+Qwen3-MoE (issue 33): the writer sends each expert under its checkpoint name, the reader receives it into
+transformers' fused experts (`awex_hf.HFToHFWeightConverter`); compared per expert (`split_fused_experts`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from mopd_hpc.engines.weight_sync.awex import AwexJobConfig, read_meta_server_ad
 run_dir, port = sys.argv[1], int(sys.argv[2])
 ckpt = os.path.join(run_dir, "ckpt")
 cfg = AwexJobConfig(mode=sys.argv[3], comm_backend="nccl", ipc_backend="cuda", meta_server_addr="", num_engines=1,
-                    engine_tp=1, engine_pp=1, infer_world=1, train_world=1, model_arch="Qwen3ForCausalLM")
+                    engine_tp=1, engine_pp=1, infer_world=1, train_world=1, model_arch=sys.argv[4])
+compile_decode = None if sys.argv[4] == "Qwen3ForCausalLM" else False  # MoE: the eager static decoder
 os.environ.update(cfg.trainer_env(0, "127.0.0.1", 0))  # AWEX_MASTER_ADDR (both sides), DEVICE (writer)
 """
 
@@ -88,12 +91,12 @@ _READER = textwrap.dedent(
         r = engine.generate(rows, Go())[0]
         return {"ids": r.output_ids, "lps": r.output_logprobs}
 
-    engine = HFRolloutEngine.load(ckpt, "cuda:0", "bfloat16")
+    engine = HFRolloutEngine.load(ckpt, "cuda:0", "bfloat16", compile_decode=compile_decode)
     report = {"before": gen(engine), "steps": []}
     addr = read_meta_server_address(run_dir, timeout_s=300)
     awex_engine = hf_awex_engine(cfg.with_meta_server(addr).inference_config(engine_rank=0), engine)
     awex_engine.initialize()
-    ref = HFRolloutEngine.load(ckpt, "cuda:0", "bfloat16")
+    ref = HFRolloutEngine.load(ckpt, "cuda:0", "bfloat16", compile_decode=compile_decode)
     for step in range(1, STEPS_VALUE + 1):
         awex_engine.set_global_step(step)
         t0 = time.perf_counter()
@@ -114,21 +117,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _checkpoint(path: Path, family: str) -> str:
+    """A bf16 micro checkpoint of `family` at `path` (tied embeddings); returns its architecture."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        cfg = Qwen3MoeConfig(**common, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+        model = Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():  # transformers starts the routers at 0: routing that depends on the token
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.to(torch.bfloat16).save_pretrained(str(path))
+    return type(model).__name__
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("mode", ["colocate", "separate"])
-def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path, mode: str) -> None:
+def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path, mode: str, family: str) -> None:
     gpus = 1 if mode == "colocate" else 2
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA device(s)")
     pytest.importorskip("awex", reason="awex is not installed")
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from mopd_hpc.engines.megatron.convert_moe import split_fused_experts
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                      tie_word_embeddings=True)  # fmt: skip
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp_path / "ckpt"))
+    arch = _checkpoint(tmp_path / "ckpt", family)
     procs = {}
     for role, body, gpu in (
         ("writer", _WRITER, "0"),
@@ -140,7 +159,7 @@ def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path, mode: str) -> None:
         log = open(tmp_path / f"{role}.log", "w")  # noqa: SIM115 - closed with the process below
         # as the guard does: each child sees only its GPU (separate: writer GPU 0, reader GPU 1; colocate: both 0)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-        procs[role] = (subprocess.Popen([sys.executable, str(script), str(tmp_path), str(_free_port()), mode],
+        procs[role] = (subprocess.Popen([sys.executable, str(script), str(tmp_path), str(_free_port()), mode, arch],
                                         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env), log)  # fmt: skip
     try:
         for role, (proc, _) in procs.items():
@@ -156,7 +175,7 @@ def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path, mode: str) -> None:
     assert len(json.loads((tmp_path / "writer.json").read_text())["seconds"]) == STEPS
     for step in range(1, STEPS + 1):
         actor = torch.load(tmp_path / f"actor_{step}.pt")
-        reader = torch.load(tmp_path / f"reader_{step}.pt")
+        reader = split_fused_experts(torch.load(tmp_path / f"reader_{step}.pt"))  # experts by checkpoint name
         assert set(actor) <= set(reader) and len(actor) == len(reader) - 1  # + the tied lm_head
         for name, tensor in actor.items():
             assert reader[name].dtype == tensor.dtype == torch.bfloat16

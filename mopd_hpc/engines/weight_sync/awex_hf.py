@@ -15,6 +15,16 @@ equivalent here (the smallest set the reader touches):
 - parameter metadata: the served model's `named_parameters()` are already HF names, so the infer-side
   converter is the identity (no fused qkv/gate_up as in SGLang); the tied `lm_head.weight` alias is added
   by awex itself; sharding: TP 1, every tensor whole (awex's generic `ShardingStrategy`);
+- mixture-of-experts models (issue 33): transformers 5 holds a layer's experts fused (`mlp.experts.gate_up_proj`
+  [E, 2·f_e, h], `mlp.experts.down_proj` [E, h, f_e]) while awex's mcore converter sends each expert under its
+  checkpoint name (`mlp.experts.e.{gate,up,down}_proj.weight`, SGLang's loader names); the converter gives each
+  fused tensor as those per-expert names, views of it (`engines/expert_names.checkpoint_named`: contiguous row
+  blocks), so the plan pairs them one to one and the reader receives straight into the fused rows. The
+  router (`mlp.gate.weight`) is sent in awex's `router_dtype` (infer_conf, read from the HF config, default
+  bf16): the engine sets `router_dtype` on the served config to the router's own dtype, else an fp32 model's
+  router would arrive rounded to bf16 (and awex's metadata check refuse the dtype). Views do not follow
+  `module.to()` (the offload between phases gives the parameters new storage), so before each task in the
+  model worker the reader's receive targets are rebuilt from the current parameters (`refresh_receive_targets`);
 - update in place: the reader receives (NCCL recv) straight into the `nn.Parameter` objects it got from
   the converter; they stay valid across `offload_weights`/`onload_weights` (module.to() swaps `.data`);
 - a default torch.distributed group: SGLang's scheduler has one (its TP world) and awex's
@@ -51,6 +61,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mopd_hpc.engines.expert_names import FUSED_NAME, checkpoint_named
 from mopd_hpc.engines.weight_sync.awex import (
     AwexConfigError,
     require_awex,
@@ -94,7 +105,44 @@ class HFToHFWeightConverter:
         )
 
     def convert_param(self, name: str, parameter: Any) -> list[tuple[str, Any]]:
-        return [(name, parameter)]
+        """[(name, parameter)], or for a fused expert tensor its experts under their checkpoint names (views
+        of `parameter.detach()`: the reader writes the fused rows; module docstring)."""
+        if FUSED_NAME.match(name) is None:
+            return [(name, parameter)]
+        return list(checkpoint_named([(name, parameter.detach())]))
+
+
+#: awex's `router_dtype` spelling (infer_conf, read from the HF config) of a router's torch dtype.
+_ROUTER_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def fused_experts(model: Any) -> bool:
+    """Whether `model` holds any layer's experts fused (`expert_names.FUSED_NAME`)."""
+    return any(FUSED_NAME.match(name) for name, _ in model.named_parameters())
+
+
+def set_router_dtype(model: Any) -> str | None:
+    """Set `model.config.router_dtype` (awex's spelling) to the dtype of its routers (`…mlp.gate.weight`), so
+    awex's writer sends them unconverted; returns it, or None (no router: the config is left as it is)."""
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.gate.weight") and str(param.dtype) in _ROUTER_DTYPES:
+            model.config.router_dtype = _ROUTER_DTYPES[str(param.dtype)]
+            return model.config.router_dtype
+    return None
+
+
+def refresh_receive_targets(model_context: Mapping[str, Any]) -> bool:
+    """Rebuild the receive targets (name → tensor) of the worker reader awex keeps on the scheduler from the
+    model's current parameters (awex's own `WorkerWeightsReader.initialize`: the converter, the tied lm_head
+    alias); False when no reader is built yet. Needed for the expert views, which a `module.to()` leaves on the
+    old storage (module docstring)."""
+    reader = getattr(model_context["scheduler"], "awes_weights_reader", None)
+    if reader is None:
+        return False
+    from awex.reader.weights_reader import WorkerWeightsReader
+
+    WorkerWeightsReader.initialize(reader)
+    return True
 
 
 def hf_rank_info(model_context: Mapping[str, Any], engine_rank: int) -> Any:
@@ -261,6 +309,9 @@ def _engine_class() -> type:
             hf_config = engine.model.config
             if not getattr(hf_config, "architectures", None):
                 hf_config.architectures = [type(engine.model).__name__]
+            set_router_dtype(engine.model)
+            #: The model holds fused experts: the reader's receive targets are views, rebuilt before each task.
+            self.fused_experts = fused_experts(engine.model)
             super().__init__(hf_config)
             self._config, self.engine = cfg, engine
             gpu = engine.device.index if engine.device.type == "cuda" else 0
@@ -300,6 +351,8 @@ def _engine_class() -> type:
         def execute_task_in_model_worker(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
             """Run an awex task in the (in-process) model worker; results in worker order (one)."""
             with self.engine.lock:
+                if self.fused_experts:
+                    refresh_receive_targets(self.model_context)
                 return [fn(model=self.engine.model, model_context=self.model_context, **kwargs)]
 
         def update_weights(self, **kwargs: Any) -> None:
