@@ -16,8 +16,8 @@ PROMPTSxSAMPLESxNEW_TOKENS shape) and:
 - `rollout.backend=hf`: the shipped config's SGLang rollout has not served a Qwen3-MoE here (the HF engine's
   routing is the one `moe_mismatch.py` measured);
 - `weight_sync.backend=ipc`: the megatron actor sends each expert under its checkpoint name and the HF
-  rollout engine loads it into transformers' fused experts (`engines/expert_names.py`); AWEX's plan
-  matches the two sides' parameter names one to one, which the fused layout breaks;
+  rollout engine loads it into transformers' fused experts (`engines/expert_names.py`); AWEX into the fused
+  experts (`engines/weight_sync/awex_hf.py`) has its own GPU test, tests/engines/test_awex_hf_gpu.py[qwen3_moe];
 - `rollout.compile_decode=false`: the HF MoE block picks its experts with data-dependent indexing, which CUDA
   graphs cannot capture (the eager static decoder runs);
 - `loss.router_aux_loss_coefficient=0`: the megatron actor adds no router loss (config/capabilities.py).

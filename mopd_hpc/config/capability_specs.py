@@ -120,6 +120,9 @@ class WeightSyncSpec:
     #: It moves a mixture-of-experts actor's experts (each under its checkpoint name, or transformers' fused
     #: tensors) into the rollout's (engines/expert_names.py); launch/moe_check.py refuses the others.
     experts: bool = True
+    #: The GPU test that has not moved a mixture-of-experts actor's experts with it ('' when one has): the
+    #: refusal of launch/moe_check.py is then unverified (written and tested on CPU; allow_unverified lets it through).
+    experts_untested: str = ""
 
 
 @dataclass(frozen=True, slots=True)

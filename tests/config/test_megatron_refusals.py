@@ -96,19 +96,30 @@ def test_an_moe_checkpoint_is_refused_for_megatron_until_its_gpu_test_has_run(mo
     )
     assert "models.actor.engine: torch" in text and "models.teachers[0].engine: torch" in text
     assert "or allow_unverified: true (--allow-unverified) to run it unverified" in text
-    # the opt-in lets the megatron MoE checkpoint through (not AWEX, which does not move experts; the
-    # checkpoint's load-balancing coefficient megatron adds: engines/megatron/router_losses.py), and --check
-    # warns for both fields
-    opt_in = [*overrides, "allow_unverified=true", "weight_sync.backend=awex"]
+    # AWEX moves a MoE's experts into the hf engine (engines/weight_sync/awex_hf.py) but has not on GPUs:
+    # refused naming that test and the opt-in (the torch broadcast the shipped config uses has moved them)
+    assert "awex" not in text
     with pytest.raises(ConfigError) as err:
-        prepare_models(load_run_config(CODER, opt_in), str(CODER))
+        prepare_models(load_run_config(CODER, [*overrides, "weight_sync.backend=awex"]), str(CODER))
     text = str(err.value)
-    assert "1 problem" in text and "awex does not move its experts" in text
-    assert "(got 'awex'; weight_sync.backend: torch)" in text  # the broadcast the shipped config uses
-    assert "loss.router_aux_loss_coefficient" not in text
-    opt_in += ["weight_sync.backend=torch"]
+    assert (
+        f"weight_sync.backend: the actor ({path}) is a mixture-of-experts Qwen3MoeForCausalLM: awex has not moved "
+        "experts on GPUs (tests/engines/test_awex_hf_gpu.py[qwen3_moe] (1 GPU colocate, 2 separate) has not run)"
+        in text
+    )
+    assert "(got 'awex'; weight_sync.backend: torch, or allow_unverified: true (--allow-unverified)" in text
+    # the opt-in lets the megatron MoE checkpoint and AWEX's experts through (the checkpoint's load-balancing
+    # coefficient megatron adds: engines/megatron/router_losses.py), and --check warns for each field
+    opt_in = [*overrides, "allow_unverified=true", "weight_sync.backend=awex"]
     opted = prepare_models(load_run_config(CODER, opt_in), str(CODER))
     warnings = unverified_model_warnings(opted)
+    assert [w.split(" = ")[0] for w in warnings] == [
+        "models.actor.path", "weight_sync.backend", "models.teachers[0].path"
+    ]  # fmt: skip
+    assert all("let through by allow_unverified" in w for w in warnings)
+    assert "test_megatron_moe_gpu.py" in warnings[0] and "test_awex_hf_gpu.py[qwen3_moe]" in warnings[1]
+    opt_in += ["weight_sync.backend=torch"]
+    warnings = unverified_model_warnings(prepare_models(load_run_config(CODER, opt_in), str(CODER)))
     assert [w.split(" = ")[0] for w in warnings] == ["models.actor.path", "models.teachers[0].path"]
     assert all("let through by allow_unverified" in w and "test_megatron_moe_gpu.py" in w for w in warnings)
     assert unverified_model_warnings(cfg) == []
