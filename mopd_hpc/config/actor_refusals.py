@@ -187,8 +187,9 @@ def moe_refusals(
     engine: str, rollout_backend: str, loss: Any, routing_replay: bool, expert_parallel: int
 ) -> list[Problem]:
     """The mixture-of-experts settings the actor engine `engine` and the rollout `rollout_backend` do not run:
-    the router losses, rollout routing replay, an expert-parallel size above the declared one (naming the GPU
-    test that has not run). Whether the actor has routers at all is the model check's (launch/model_check.py)."""
+    the router losses, rollout routing replay, an expert-parallel size above the declared one (unsupported: no
+    engine builds an expert-parallel group, so `allow_unverified` does not lift it). Whether the actor has
+    routers at all is the model check's (launch/model_check.py)."""
     spec, out = ACTOR_ENGINES[engine], []
     aux = loss.router_aux_loss_coefficient
     if not spec.router_losses and ((aux or 0.0) > 0 or loss.router_z_loss_coefficient > 0):
@@ -225,9 +226,7 @@ def moe_refusals(
         )
     if expert_parallel > spec.expert_parallel:
         why = (
-            f"expert_parallel {expert_parallel} has not run on GPUs: {spec.expert_parallel_untested} has not run"
-            if spec.expert_parallel_untested
-            else f"the {engine} engine holds every expert on each rank"
+            "it builds no expert-parallel group (every rank holds every expert; a larger size is not written)"
         )
         out.append(
             Problem(

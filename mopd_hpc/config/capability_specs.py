@@ -29,8 +29,8 @@ class ActorEngineSpec:
             limit is the engine's own).
         router_losses: it adds a mixture-of-experts actor's router losses (`loss.router_*`).
         routing_replay: its forward replays the rollout's routed experts (`rollout.routing_replay`).
-        expert_parallel: the largest expert-parallel size it runs; expert_parallel_untested: the GPU test
-            that has not run beyond it ("" when the limit is the engine's own).
+        expert_parallel: the largest expert-parallel size it runs (no engine builds an expert-parallel group
+            yet: beyond 1 is unsupported, refused whatever `allow_unverified` says).
         unverified: the limits (`"tensor_parallel"`, `"data_parallel_gpu"`) whose code goes beyond them,
             not yet run on GPUs: `allow_unverified` lets a config past them (module docstring); the others
             are unsupported.
@@ -52,7 +52,6 @@ class ActorEngineSpec:
     router_losses: bool = False
     routing_replay: bool = False
     expert_parallel: int = 1
-    expert_parallel_untested: str = ""
     unverified: tuple[str, ...] = ()
 
     def data_parallel(self, device: str) -> int | None:

@@ -65,7 +65,8 @@ class ActorConfig(Section):
         1,
         ge=1,
         description="Expert-parallel size of a mixture-of-experts actor, in GPUs (the experts sharded over "
-        "them); 1 = every expert on each rank. > 1 has not run and is refused.",
+        "them); 1 = every expert on each rank. > 1 is not written (no engine builds an expert-parallel group) and "
+        "is refused, allow_unverified or not.",
     )
     collective_timeout_s: float = Field(
         600.0,

@@ -220,8 +220,8 @@ def test_router_losses_are_refused_for_a_dense_actor(moe_checkpoint: Path, micro
 
 
 def test_moe_settings_the_engines_do_not_run_are_refused_naming_the_field() -> None:
-    """rollout.routing_replay (sglang rollout) and expert_parallel > 1 (naming the GPU test that has not
-    run) through job_gaps: config/capabilities.py moe_refusals."""
+    """rollout.routing_replay (sglang rollout) and expert_parallel > 1 (unsupported: no engine builds an
+    expert-parallel group, so the opt-in does not lift it) through job_gaps: config/capabilities.py moe_refusals."""
     cfg = load_run_config(
         CODER,
         [
@@ -237,10 +237,13 @@ def test_moe_settings_the_engines_do_not_run_are_refused_naming_the_field() -> N
     assert "the megatron actor engine does not replay" not in text  # it does (routing_replay.py)
     assert "rollout.routing_replay: the sglang rollout backend does not answer the routed experts" in text
     assert (
-        "models.actor.expert_parallel: the actor role runs the megatron engine at expert_parallel ≤ 1: "
-        "expert_parallel 2 has not run on GPUs: tests/engines/test_megatron_moe_gpu.py at expert_parallel 2 (2 GPUs) "
-        "has not run" in text
+        "models.actor.expert_parallel: the actor role runs the megatron engine at expert_parallel ≤ 1: it builds "
+        "no expert-parallel group (every rank holds every expert; a larger size is not written) (expected ≤ 1)"
+        in text
     )
+    opted = load_run_config(CODER, ["models.actor.expert_parallel=2", "allow_unverified=true"])
+    (ep,) = [p for p in job_gaps(opted) if p.path == "models.actor.expert_parallel"]
+    assert ep.got == 2 and not ep.unverified and "allow_unverified" not in ep.expected
     assert "loss.router_z_loss_coefficient" not in text  # megatron adds the router losses
     with pytest.raises(
         ConfigError, match="rollout.compile_decode: rollout.routing_replay records the routed"
