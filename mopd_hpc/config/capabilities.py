@@ -222,6 +222,9 @@ WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
         # fused experts (engines/weight_sync/awex_hf.py): awex's plan replayed bitwise on CPU
         # (tests/engines/test_awex_hf.py), the NCCL / CUDA IPC transfer of a MoE has not run
         experts_untested="tests/engines/test_awex_hf_gpu.py[qwen3_moe] (1 GPU colocate, 2 separate)",
+        # awex 0.9.0 registers converters by architecture (engines/weight_sync/awex.py REGISTERED_ARCHITECTURES;
+        # tests/config/test_megatron_refusals.py checks these are among them): no Llama
+        architectures=("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     ),
 }
 

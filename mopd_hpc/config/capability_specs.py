@@ -122,6 +122,9 @@ class WeightSyncSpec:
     #: The GPU test that has not moved a mixture-of-experts actor's experts with it ('' when one has): the
     #: refusal of launch/moe_check.py is then unverified (written and tested on CPU; allow_unverified lets it through).
     experts_untested: str = ""
+    #: The actor checkpoint families (config.json `architectures[0]`) it converts; None: every declared family.
+    #: launch/moe_check.py refuses the others.
+    architectures: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

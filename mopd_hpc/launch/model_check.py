@@ -45,7 +45,7 @@ from mopd_hpc.launch.hub_cache import (
     is_local_directory,
 )
 from mopd_hpc.launch.model_files import directory_problems
-from mopd_hpc.launch.moe_check import moe_actor_problems
+from mopd_hpc.launch.moe_check import moe_actor_problems, sync_family_problems
 from mopd_hpc.launch.rope_check import rope_problems
 
 
@@ -215,6 +215,8 @@ def architecture_problems(cfg: RunConfig, here: dict[str, Path]) -> list[Problem
         if arch is not None:
             out += model_family_refusals(field, _engine(cfg, field), arch, str(directory))
             out += rope_problems(field, _engine(cfg, field), directory)
+        if arch in MODEL_FAMILIES and field == "models.actor.path":
+            out += sync_family_problems(cfg, arch, directory)
         if arch in MODEL_FAMILIES and field == "models.actor.path" and not MODEL_FAMILIES[arch].moe:
             out += dense_actor_problems(cfg, arch)
         elif arch in MODEL_FAMILIES and field == "models.actor.path":

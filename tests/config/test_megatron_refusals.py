@@ -306,3 +306,33 @@ def test_a_rope_scaling_megatron_does_not_compute_is_refused_at_check(
             in text
         )
         assert "models.teachers[0].path" in text
+
+
+def test_awex_refuses_an_actor_family_it_has_no_converter_for(moe_checkpoint: Path, tmp_path: Path) -> None:
+    """launch/moe_check.py sync_family_problems: AWEX converts the families awex 0.9.0 registers converters for
+    (`WEIGHT_SYNCS["awex"].architectures`, among engines/weight_sync/awex.py REGISTERED_ARCHITECTURES): a Llama
+    actor with weight_sync.backend awex is refused at --check (the job would stop at the actor's start),
+    naming the field, the value and the way out; the torch broadcast passes."""
+    import json
+
+    from mopd_hpc.config.capabilities import MODEL_FAMILIES, WEIGHT_SYNCS
+    from mopd_hpc.engines.weight_sync.awex import REGISTERED_ARCHITECTURES
+
+    assert set(WEIGHT_SYNCS["awex"].architectures) == REGISTERED_ARCHITECTURES & set(MODEL_FAMILIES)
+    ckpt = tmp_path / "llama"
+    shutil.copytree(moe_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(
+        json.dumps(config | {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    overrides = [f"models.actor.path={ckpt}", f"models.tokenizer.path={ckpt}",
+                 f"models.teachers.0.path={moe_checkpoint}", "allow_unverified=true"]  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, [*overrides, "weight_sync.backend=awex"]), str(CODER))
+    text = str(err.value)
+    assert "1 problem" in text
+    assert (
+        f"weight_sync.backend: the actor ({ckpt}) is a LlamaForCausalLM: awex converts Qwen3ForCausalLM / "
+        "Qwen3MoeForCausalLM checkpoints only (got 'awex'; weight_sync.backend: torch)" in text
+    )
+    prepare_models(load_run_config(CODER, [*overrides, "weight_sync.backend=torch"]), str(CODER))
