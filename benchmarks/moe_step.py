@@ -20,7 +20,8 @@ PROMPTSxSAMPLESxNEW_TOKENS shape) and:
   experts (`engines/weight_sync/awex_hf.py`) has its own GPU test, tests/engines/test_awex_hf_gpu.py[qwen3_moe];
 - `rollout.compile_decode=false`: the HF MoE block picks its experts with data-dependent indexing, which CUDA
   graphs cannot capture (the eager static decoder runs);
-- `loss.router_aux_loss_coefficient=0`: the megatron actor adds no router loss (config/capabilities.py).
+- `loss.router_aux_loss_coefficient=0`: no router loss in these steps (the megatron actor adds megatron-core's
+  own, `engines/megatron/router_losses.py`, tested on CPU only; drop this override to time it too).
 
 From the run's metrics.jsonl: seconds per phase per step (`time/<phase>_s`) and their medians over steps 2..
 (step 1 is the warm-up), the mismatch `mopd/logprob_mismatch` and `mopd/ratio_capped_frac` per step (megatron
