@@ -37,6 +37,7 @@ from mopd_hpc.engines.weight_sync.requests import (
     InitGroupRequest,
 )
 from mopd_hpc.runtime.http_auth import auth_headers
+from mopd_hpc.runtime.http_deadline import within_deadline
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +126,13 @@ class RolloutClient:
                 the message names the server (`name`) and its URL.
         """
         timeout = self.timeout if timeout is None else timeout
-        total = timeout.total  # None: unbounded (a caller's own ClientTimeout without a total)
-        try:
-            async with asyncio.timeout(total):
-                return await self._attempts(method, path, body, retry_503, timeout, accept_frame)
-        except TimeoutError as exc:  # the bound above, or aiohttp's own total (its ServerTimeoutError too)
-            raise RolloutUnavailableError(
-                f"{self.name} at {self.base_url}: {method} {path}: no answer within {total:g} s (its request "
-                "timeout, rollout.request_timeout_s): the server is stopped, hung or overloaded"
-            ) from exc
+        return await within_deadline(  # total None: unbounded (a caller's own ClientTimeout without a total)
+            self._attempts(method, path, body, retry_503, timeout, accept_frame),
+            timeout.total,
+            where=f"{self.name} at {self.base_url}: {method} {path}",
+            field="rollout.request_timeout_s",
+            unavailable=RolloutUnavailableError,
+        )
 
     async def _attempts(
         self,
