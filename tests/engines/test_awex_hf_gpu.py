@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -108,12 +108,6 @@ _READER = textwrap.dedent(
 ).replace("STEPS_VALUE", str(STEPS))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["colocate", "separate"])
 def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path, mode: str) -> None:
@@ -140,7 +134,7 @@ def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path, mode: str) -> None:
         log = open(tmp_path / f"{role}.log", "w")  # noqa: SIM115 - closed with the process below
         # as the guard does: each child sees only its GPU (separate: writer GPU 0, reader GPU 1; colocate: both 0)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-        procs[role] = (subprocess.Popen([sys.executable, str(script), str(tmp_path), str(_free_port()), mode],
+        procs[role] = (subprocess.Popen([sys.executable, str(script), str(tmp_path), str(free_port()), mode],
                                         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env), log)  # fmt: skip
     try:
         for role, (proc, _) in procs.items():

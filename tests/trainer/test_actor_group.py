@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,12 @@ from pathlib import Path
 
 import actor_group_prog as prog
 import pytest
+from helpers_ports import free_port
 
 from mopd_hpc.trainer.rendezvous import RendezvousFile
 from mopd_hpc.trainer.shards import shard_rows
 
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(
