@@ -1,4 +1,5 @@
-"""One bound on a whole HTTP call for the job's clients (the teacher client, the rollout client).
+"""What the job's HTTP clients (the teacher client, the rollout client) share: one bound on a whole call, and
+the close of their session.
 
 aiohttp's own total timeout stops at the answer's headers and body as aiohttp reads them; a frame read straight
 from the socket (`engines/frames/over_http.read_frame`), a client's retries and their backoff lie outside it.
@@ -6,6 +7,8 @@ from the socket (`engines/frames/over_http.read_frame`), a client's retries and 
 own "unavailable" error, in one wording:
 
     <where>: no answer within <total_s> s (its request timeout, <field>): the server is stopped, hung or overloaded
+
+`SessionClient` closes the client's `aiohttp.ClientSession` at the end of `async with`, or at `close()`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+import aiohttp
 
 T = TypeVar("T")
 
@@ -46,3 +51,19 @@ async def within_deadline(
             f"{where}: no answer{within} (its request timeout, {field}): the server is stopped, hung or "
             "overloaded"
         ) from exc
+
+
+class SessionClient:
+    """Mixin of a client that holds one `aiohttp.ClientSession` in `_session` (None while none is open):
+    `async with` ends with `close()`, which closes the session (idempotent; a later call opens a new one where
+    the client opens it lazily)."""
+
+    _session: aiohttp.ClientSession | None = None
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -37,7 +37,7 @@ from mopd_hpc.engines.weight_sync.requests import (
     InitGroupRequest,
 )
 from mopd_hpc.runtime.http_auth import auth_headers
-from mopd_hpc.runtime.http_deadline import within_deadline
+from mopd_hpc.runtime.http_client import SessionClient, within_deadline
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class RolloutUnavailableError(RuntimeError):
     within the call's total timeout (stopped, hung, overloaded); the message names the server and its URL."""
 
 
-class RolloutClient:
+class RolloutClient(SessionClient):
     """Async client of one rollout server. Use as `async with`, or call `close()` when done.
 
     `binary`: ask /generate for a frame (module docstring); `max_body_bytes`: the largest frame accepted,
@@ -97,14 +97,6 @@ class RolloutClient:
 
     async def __aenter__(self) -> RolloutClient:
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def request(
         self,

@@ -20,7 +20,7 @@ from mopd_hpc.engines.frames.over_http import FRAME_HEADERS, READ_BUFSIZE, is_fr
 from mopd_hpc.engines.teacher.greedy_generate import greedy_body
 from mopd_hpc.engines.teacher.score_frames import ScoreTensors, encode_score_request
 from mopd_hpc.runtime.http_auth import auth_headers
-from mopd_hpc.runtime.http_deadline import within_deadline
+from mopd_hpc.runtime.http_client import SessionClient, within_deadline
 
 #: Default client timeout of one request, in seconds (scoring a large batch on CPU can take a while).
 DEFAULT_TIMEOUT_S = 600.0
@@ -66,7 +66,7 @@ class ScoreResponse:
         return cls(lists, ids, vals, answer.weight_version, answer.fingerprint)
 
 
-class TeacherClient:
+class TeacherClient(SessionClient):
     """asyncio client of one teacher server. Use as `async with TeacherClient(url) as client: ...`.
 
     Args:
@@ -116,14 +116,6 @@ class TeacherClient:
     async def __aenter__(self) -> TeacherClient:
         self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers)
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def _reaching(self, path: str, call: Awaitable[T]) -> T:
         """`call` (a request to `path`) within `timeout_s`, the answer's direct socket read included (aiohttp's
