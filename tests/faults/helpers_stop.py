@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 import yaml
 from helpers_ports import free_port
+from helpers_wait import until
 from test_controller import micro_config
 from test_fault_kill_resume import child_pid
-from test_local_backend import env_for, processes_of, wait_for
+from test_local_backend import env_for, processes_of
 
 from mopd_hpc.engines.frames.codec import CONTENT_TYPE
 from mopd_hpc.records.metrics import read_metrics
@@ -73,7 +74,7 @@ def stop_mid_run(
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     pid = None
     try:
-        assert wait_for(
+        assert until(
             lambda: len(read_metrics(run_dir / "metrics.jsonl")) >= 3 or proc.poll() is not None, 240
         )
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -112,7 +113,7 @@ def assert_failed_within_timeout(run: StoppedRun, timeout_s: float, step_s: floa
 
 def assert_job_ended_failed(run_dir: Path) -> None:
     """No process of the job is left (within 15 s), and the summary says FAILED, without a traceback."""
-    assert wait_for(lambda: processes_of(run_dir) == [], 15), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 15), processes_of(run_dir)
     summary = subprocess.run([sys.executable, "-m", "mopd_hpc.cli.logs", "summarize", str(run_dir)],
                              env=env_for(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert summary.returncode == 1 and "state FAILED" in summary.stdout, summary.stdout + summary.stderr
