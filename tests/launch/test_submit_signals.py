@@ -34,6 +34,12 @@ def submit_argv(run_dir: Path) -> list[str]:
     return [*argv, "--run-dir", str(run_dir)]
 
 
+def start_submit(run_dir: Path) -> subprocess.Popen[str]:
+    """`mopd-submit --local --probe` of the local CPU config, its probes holding (`HOLD`), stdout and stderr piped."""
+    return subprocess.Popen(submit_argv(run_dir), cwd=REPO, env=env_for(**HOLD), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
 def guard_events(run_dir: Path) -> list[dict]:
     (path,) = (run_dir / "events").glob("*.guard.jsonl")
     return read_events(path)
@@ -47,14 +53,7 @@ def assert_clean_end(run_dir: Path, job_id: str, stderr: str) -> None:
 
 def test_a_reader_that_closes_early_stops_the_job_quietly(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        submit_argv(run_dir),
-        cwd=REPO,
-        env=env_for(**HOLD),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_submit(run_dir)
     try:
         assert proc.stdout is not None
         seen = []
@@ -79,14 +78,7 @@ def test_a_reader_that_closes_early_stops_the_job_quietly(tmp_path: Path) -> Non
 
 def test_mopd_submit_piped_into_head_1(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    submit = subprocess.Popen(
-        submit_argv(run_dir),
-        cwd=REPO,
-        env=env_for(**HOLD),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    submit = start_submit(run_dir)
     head = subprocess.Popen(["head", "-1"], stdin=submit.stdout, stdout=subprocess.PIPE, text=True)
     assert submit.stdout is not None
     submit.stdout.close()  # head holds the only read end, as in a shell pipeline
