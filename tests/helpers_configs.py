@@ -1,7 +1,10 @@
-"""Config documents for tests: dotted-key edits of a YAML mapping."""
+"""Config documents for tests: dotted-key edits of a YAML mapping, and `mopd-submit` run in this process on one."""
 
 from __future__ import annotations
 
+import argparse
+import io
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,3 +18,15 @@ def set_dotted(doc: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any
             node = node[part]
         node[last] = value
     return doc
+
+
+def submit_here(*argv: str) -> tuple[int, str, str]:
+    """`mopd-submit ARGV` in this process (`cli/submit.execute`, an empty environment): (exit code, its
+    stdout, its stderr)."""
+    from mopd_hpc.cli import submit
+
+    parser = argparse.ArgumentParser()
+    submit.add_arguments(parser)
+    out, err = io.StringIO(), io.StringIO()
+    rc = submit.execute(parser.parse_args(list(argv)), out=out, err=err, environ={}, python=sys.executable)
+    return rc, out.getvalue(), err.getvalue()

@@ -162,6 +162,10 @@ def unforked_rollout(rollout: RolloutConfig) -> list[Problem]:
     return [Problem("forked", why, rollout.forked, "set rollout.forked: true (or leave it out: the default)")]
 
 
+#: rollout.mode → the AWEX transfer mode it implies (weight_sync.awex_mode null follows it).
+AWEX_MODES = {"colocated": "colocate", "separated": "separate"}
+
+
 class WeightSyncConfig(Section):
     """Weight sync actor → rollout after each train step."""
 

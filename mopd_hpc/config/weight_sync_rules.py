@@ -14,6 +14,7 @@ from typing import Any
 
 from mopd_hpc.config.parallel import actor_world
 from mopd_hpc.config.problems import Problem
+from mopd_hpc.config.rollout import AWEX_MODES
 
 
 def awex_backend(c: Any) -> Iterator[Problem]:
@@ -33,7 +34,7 @@ def awex_backend(c: Any) -> Iterator[Problem]:
             "awex",
             "models.actor.engine: megatron, or weight_sync.backend: torch",
         )
-    expected = {"colocated": "colocate", "separated": "separate"}[c.rollout.mode]
+    expected = AWEX_MODES[c.rollout.mode]
     if c.weight_sync.awex_mode not in (None, expected):
         yield Problem(
             "weight_sync.awex_mode",

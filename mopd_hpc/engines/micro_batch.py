@@ -28,6 +28,7 @@ import torch
 
 from mopd_hpc.engines.batch import TrainBatch
 from mopd_hpc.engines.memory.estimates import ModelShape, default_micro_batch_tokens
+from mopd_hpc.mopd.normalize import loss_denominator
 
 if TYPE_CHECKING:
     from mopd_hpc.config.models import ActorConfig
@@ -103,6 +104,19 @@ def release_activations(device: torch.device) -> None:
     step allocates them again. No-op off CUDA."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def step_tokens(
+    mask: torch.Tensor, normalizer: str, dp: DataParallel
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A train step's counts, once before its micro-batches (module docstring, Exactness), from this rank's
+    response mask [B, T]: (local_tokens, 0-d int64: this rank's loss tokens; denominator, 0-d: the step's
+    loss denominator, `loss_denominator(mask, normalizer)` summed over the data-parallel ranks, given to every
+    micro-batch's loss; tokens, float: the step's loss tokens summed over the ranks). One all-reduce."""
+    local_tokens = mask.sum(dtype=torch.int64)
+    counts = torch.stack([loss_denominator(mask, normalizer), local_tokens])
+    dp.all_reduce_sum(counts)
+    return local_tokens, counts[0], float(counts[1])
 
 
 def plan_rows(lengths: Sequence[int], budget: int | None) -> list[list[int]]:
@@ -223,3 +237,31 @@ class StepStats:
         sums = {k: v for k, v in out.items() if is_additive(k) and k not in observed}
         means = {k: v for k, v in out.items() if k not in sums}
         return dp.all_reduce_stats(means, sums, float(local_tokens), device)
+
+    def finish(
+        self,
+        observed: Mapping[str, float],
+        dp: DataParallel,
+        local_tokens: float,
+        device: torch.device,
+        *,
+        grad_norm: float,
+        skipped: bool,
+        lr: float,
+        tokens: float,
+        micro_batches: int,
+        spans: Mapping[str, float],
+        grad_clip_coef: float | None = None,
+    ) -> dict[str, float]:
+        """What both train engines' `train_step` returns: `step_result`, then this rank's optimizer step
+        (grad_norm, grad_clip_coef where the engine clips itself, step_skipped 1.0/0.0, its lr, the step's
+        loss `tokens`, `micro_batches`) and the step's `time/train/*` seconds (`spans`). The step's
+        activations then go back to the device (`release_activations`)."""
+        out = self.step_result(observed, dp, local_tokens, device)
+        out["grad_norm"] = grad_norm
+        if grad_clip_coef is not None:
+            out["grad_clip_coef"] = grad_clip_coef
+        out |= {"step_skipped": 1.0 if skipped else 0.0, "lr": lr, "tokens": tokens}
+        out["micro_batches"] = float(micro_batches)
+        release_activations(device)
+        return out | dict(spans)

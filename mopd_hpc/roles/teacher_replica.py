@@ -54,6 +54,7 @@ from mopd_hpc.roles.endpoints import endpoint_timeout_s
 from mopd_hpc.roles.env import RoleEnv, RoleEnvError, master_address
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.netif import bind_gloo_to, local_address_towards
+from mopd_hpc.trainer.group import group_settings_problem
 from mopd_hpc.trainer.rendezvous import RendezvousFile, connect_store, publish_store
 
 log = logging.getLogger("mopd_hpc.teacher")
@@ -106,13 +107,9 @@ class ReplicaSpec:
                 f"rank={self.rank}, world_size={self.world_size}: expected a TP group of 2 or more ranks and "
                 "0 <= rank < world_size"
             )
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend={self.backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
-        if self.collective_timeout_s <= 0 or self.rendezvous_timeout_s <= 0:
-            raise ValueError(
-                f"collective_timeout_s={self.collective_timeout_s}, rendezvous_timeout_s="
-                f"{self.rendezvous_timeout_s}: expected > 0"
-            )
+        problem = group_settings_problem(self.backend, self.collective_timeout_s, self.rendezvous_timeout_s)
+        if problem is not None:
+            raise ValueError(problem)
         if self.rank == 0 and (self.master_host is None or self.master_port is None):
             raise ValueError("the leader (rank 0) needs its advertised host and its `master` port")
 

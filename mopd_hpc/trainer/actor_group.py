@@ -53,7 +53,7 @@ import torch.distributed as dist
 from mopd_hpc.engines.daemon_thread import in_daemon_thread
 from mopd_hpc.engines.tcp_store import tcp_store
 from mopd_hpc.runtime.netif import bind_gloo_to, local_address_towards
-from mopd_hpc.trainer.group import ActorGroupError, PeerLostError, Receipts
+from mopd_hpc.trainer.group import ActorGroupError, PeerLostError, Receipts, group_settings_problem
 from mopd_hpc.trainer.rendezvous import Rendezvous, RendezvousFile, connect_store, publish_store
 from mopd_hpc.trainer.step_record import ControlRecord
 
@@ -110,13 +110,9 @@ class GroupSpec:
                 f"dp_rank={self.dp_rank}, dp_size={self.dp_size} in a world of {self.world_size}: expected "
                 "0 <= dp_rank < dp_size and dp_size dividing the world"
             )
-        if self.backend not in ("gloo", "nccl"):
-            raise ActorGroupError(f"backend={self.backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
-        if self.collective_timeout_s <= 0 or self.rendezvous_timeout_s <= 0:
-            raise ActorGroupError(
-                f"collective_timeout_s={self.collective_timeout_s}, rendezvous_timeout_s="
-                f"{self.rendezvous_timeout_s}: expected > 0"
-            )
+        problem = group_settings_problem(self.backend, self.collective_timeout_s, self.rendezvous_timeout_s)
+        if problem is not None:
+            raise ActorGroupError(problem)
 
 
 def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:

@@ -9,13 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mopd_hpc.config.parallel import ActorParallel
+from mopd_hpc.config.rollout import AWEX_MODES
 from mopd_hpc.engines.weight_sync.awex import REGISTERED_ARCHITECTURES, AwexConfigError, AwexJobConfig
 
 if TYPE_CHECKING:
     from mopd_hpc.config import RunConfig
-
-#: rollout.mode → AWEX mode, when weight_sync.awex_mode is null.
-AWEX_MODES = {"colocated": "colocate", "separated": "separate"}
 
 
 def actor_architecture(actor_path: str | Path) -> str:

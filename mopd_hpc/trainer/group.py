@@ -22,6 +22,21 @@ class PeerLostError(ActorGroupError):
     is unreachable. A consequence of another rank's failure, as a rule (module docstring)."""
 
 
+def group_settings_problem(
+    backend: str, collective_timeout_s: float, rendezvous_timeout_s: float
+) -> str | None:
+    """What is wrong with the settings of a torch.distributed group of the job (the actor group, a teacher's TP
+    group), or None: the backend is 'gloo' (CPU) or 'nccl' (GPU), and both timeouts (seconds) are > 0."""
+    if backend not in ("gloo", "nccl"):
+        return f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)"
+    if collective_timeout_s <= 0 or rendezvous_timeout_s <= 0:
+        return (
+            f"collective_timeout_s={collective_timeout_s}, rendezvous_timeout_s={rendezvous_timeout_s}: "
+            "expected > 0"
+        )
+    return None
+
+
 #: (rank, step, rows scored) of each rank, at rank 0.
 Receipts = list[tuple[int, int, int]]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_config_refusals import execute
+from helpers_configs import submit_here
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.config.capabilities import OPT_IN_WAY
@@ -77,7 +77,7 @@ def refused_lines(err: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", list(UNVERIFIED))
 def test_without_the_flag_each_unverified_refusal_comes_and_names_it(name: str) -> None:
     overrides, fields = UNVERIFIED[name]
-    rc, out, err = execute(str(LOCAL), "--check", *sets(overrides))
+    rc, out, err = submit_here(str(LOCAL), "--check", *sets(overrides))
     assert rc == 2 and out == ""
     lines = refused_lines(err)
     assert list(lines) == fields, err
@@ -89,7 +89,7 @@ def test_without_the_flag_each_unverified_refusal_comes_and_names_it(name: str) 
 @pytest.mark.parametrize("name", list(UNVERIFIED))
 def test_with_the_flag_check_passes_and_prints_each_as_a_warning(name: str) -> None:
     overrides, fields = UNVERIFIED[name]
-    rc, out, err = execute(str(LOCAL), "--check", "--allow-unverified", *sets(overrides))
+    rc, out, err = submit_here(str(LOCAL), "--check", "--allow-unverified", *sets(overrides))
     assert rc == 0, err
     warned = [line for line in out.splitlines() if line.startswith("# warning: unverified: ")]
     assert [w.removeprefix("# warning: unverified: ").split(" = ")[0] for w in warned] == fields
@@ -104,7 +104,7 @@ def test_with_the_flag_check_passes_and_prints_each_as_a_warning(name: str) -> N
 @pytest.mark.parametrize("name", list(UNSUPPORTED))
 def test_a_known_broken_combination_is_still_refused_with_the_flag(name: str) -> None:
     overrides, field = UNSUPPORTED[name]
-    rc, out, err = execute(str(LOCAL), "--check", "--allow-unverified", *sets(overrides))
+    rc, out, err = submit_here(str(LOCAL), "--check", "--allow-unverified", *sets(overrides))
     assert rc == 2 and out == "", out
     lines = refused_lines(err)
     assert field in lines, err
@@ -115,7 +115,7 @@ def test_the_run_dir_and_the_summary_show_what_ran_unverified(tmp_path: Path) ->
     overrides, fields = UNVERIFIED["awex_2_ranks"]
     run_dir = tmp_path / "run"
     script = tmp_path / "job.sbatch"
-    rc, out, err = execute(
+    rc, out, err = submit_here(
         str(LOCAL), "--render", str(script), "--run-dir", str(run_dir), "--allow-unverified", *sets(overrides)
     )
     assert rc == 0, err
@@ -138,7 +138,7 @@ def test_the_run_dir_and_the_summary_show_what_ran_unverified(tmp_path: Path) ->
     shown = [line for line in screen.stdout.splitlines() if "ran unverified (allow_unverified)" in line]
     assert len(shown) == len(fields), screen.stdout + screen.stderr
     # a later submission that lets nothing through leaves no stale record
-    rc, _, err = execute(str(LOCAL), "--render", str(script), "--resume", str(run_dir))
+    rc, _, err = submit_here(str(LOCAL), "--render", str(script), "--resume", str(run_dir))
     assert rc == 0, err
     assert not (run_dir / UNVERIFIED_FILE).exists() and read_unverified(run_dir) == ()
 

@@ -4,25 +4,13 @@ now refused by --check) and a megatron trainer group with more GPUs than the act
 
 from __future__ import annotations
 
-import argparse
-import io
-import sys
 from pathlib import Path
 
 import pytest
-
-from mopd_hpc.cli import submit
+from helpers_configs import submit_here
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
-
-
-def execute(*argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser()
-    submit.add_arguments(parser)
-    out, err = io.StringIO(), io.StringIO()
-    rc = submit.execute(parser.parse_args(list(argv)), out=out, err=err, environ={}, python=sys.executable)
-    return rc, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize(
@@ -30,7 +18,7 @@ def execute(*argv: str) -> tuple[int, str, str]:
     [("slurm_het_cpu.yaml", "separated"), ("local_cpu.yaml", "colocated")],
 )
 def test_unforked_rollout_is_refused_by_check(config: str, mode: str) -> None:
-    rc, out, err = execute(str(CONFIGS / config), "--check", "--set", "rollout.forked=false")
+    rc, out, err = submit_here(str(CONFIGS / config), "--check", "--set", "rollout.forked=false")
     assert rc == 2 and out == ""
     (line,) = [line for line in err.splitlines() if "rollout.forked" in line]
     why = (
@@ -42,7 +30,7 @@ def test_unforked_rollout_is_refused_by_check(config: str, mode: str) -> None:
     assert line == (
         f"  - rollout.forked: {why} (got false; set rollout.forked: true (or leave it out: the default))"
     )
-    rc, _, _ = execute(str(CONFIGS / config), "--check", "--set", "rollout.forked=true")
+    rc, _, _ = submit_here(str(CONFIGS / config), "--check", "--set", "rollout.forked=true")
     assert rc == 0
 
 
@@ -63,17 +51,17 @@ NAMED = (
 
 def test_megatron_trainer_group_wider_than_the_actor_role_is_named_and_refused(tmp_path: Path) -> None:
     config = str(CONFIGS / "slurm_het_cpu.yaml")
-    rc, out, err = execute(config, "--check", *MEGATRON_2GPU)
+    rc, out, err = submit_here(config, "--check", *MEGATRON_2GPU)
     # --check names it (a job gap: today a warning; `mopd-submit` refuses it below)
     assert (rc == 0 and f"# warning: not run by the job's roles yet: {NAMED}" in out) or (
         rc == 2 and NAMED in err
     )
     run_dir = tmp_path / "run"
-    rc, out, err = execute(config, "--run-dir", str(run_dir), *MEGATRON_2GPU)
+    rc, out, err = submit_here(config, "--run-dir", str(run_dir), *MEGATRON_2GPU)
     assert rc == 2 and NAMED in err and "asks for what the job's roles do not run yet" in err
     assert not run_dir.exists()  # nothing prepared, nothing submitted
     # the same group at tensor_parallel 2: the megatron actor role starts one process, named as well
-    rc, out, err = execute(
+    rc, out, err = submit_here(
         config, "--run-dir", str(run_dir), *MEGATRON_2GPU, "--set", "models.actor.tensor_parallel=2"
     )
     assert (
@@ -82,7 +70,7 @@ def test_megatron_trainer_group_wider_than_the_actor_role_is_named_and_refused(t
         in err
     )
     # one trainer GPU is what the role starts: no gap
-    rc, out, err = execute(config, "--check", *MEGATRON_2GPU, "--set", "cluster.trainer.gpus_per_node=1")
+    rc, out, err = submit_here(config, "--check", *MEGATRON_2GPU, "--set", "cluster.trainer.gpus_per_node=1")
     assert rc == 0 and "not run by the job's roles yet" not in out
 
 
@@ -90,7 +78,7 @@ def test_compile_decode_false_with_sglang_is_refused_naming_the_field() -> None:
     """`rollout.compile_decode` is the hf engine's switch: false with backend sglang would be ignored, so
     --check refuses it; with hf it passes (eager decoding)."""
     config = str(CONFIGS / "qwen3_8gpu_colocated.yaml")
-    rc, out, err = execute(
+    rc, out, err = submit_here(
         config, "--check", "--set", "rollout.backend=sglang", "--set", "rollout.compile_decode=false"
     )
     assert rc == 2 and out == ""
@@ -99,5 +87,7 @@ def test_compile_decode_false_with_sglang_is_refused_naming_the_field() -> None:
         "  - rollout.compile_decode: it switches the hf engine's compiled decode step; sglang captures CUDA "
         "graphs of its own (got false; leave rollout.compile_decode out (true) with backend sglang)"
     )
-    rc, _, err = execute(str(CONFIGS / "local_cpu.yaml"), "--check", "--set", "rollout.compile_decode=false")
+    rc, _, err = submit_here(
+        str(CONFIGS / "local_cpu.yaml"), "--check", "--set", "rollout.compile_decode=false"
+    )
     assert rc == 0, err

@@ -6,16 +6,14 @@ rank map before the script and a refusal lists one problem a line; tp 16 on 8 GP
 
 from __future__ import annotations
 
-import argparse
-import io
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers_configs import submit_here
 
-from mopd_hpc.cli import submit
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.data import unevaluated_sources
 from mopd_hpc.config.job_gaps import job_gaps
@@ -35,20 +33,12 @@ def problems(config: Path, *overrides: str) -> dict[str, str]:
     return {p.path: p.render() for p in info.value.problems}
 
 
-def execute(*argv: str, cwd: Path | None = None) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser()
-    submit.add_arguments(parser)
-    out, err = io.StringIO(), io.StringIO()
-    rc = submit.execute(parser.parse_args(list(argv)), out=out, err=err, environ={}, python=sys.executable)
-    return rc, out.getvalue(), err.getvalue()
-
-
 # ---- 1. a torch actor on several trainer ranks: data parallelism on CPU (issue 16), a job gap on GPUs --------
 def test_torch_actor_on_several_cpu_ranks_is_data_parallel() -> None:
     cfg = load_run_config(LOCAL, ["cluster.group.nodes=2"])
     assert ActorParallel.from_config(cfg) == ActorParallel(world=2, dp=2, tp=1, pp=1)
     assert job_gaps(cfg) == []
-    rc, out, err = execute(str(LOCAL), "--check", "--set", "cluster.group.nodes=2")
+    rc, out, err = submit_here(str(LOCAL), "--check", "--set", "cluster.group.nodes=2")
     assert (rc, err) == (0, "")
     assert "# actor: world 2 = dp 2 × tp 1 × pp 1 (cluster.group.nodes × actor_ranks_per_node = 2 × 1)" in out
 
@@ -64,7 +54,7 @@ def test_torch_actor_on_several_gpus_is_a_job_gap() -> None:
         "(--allow-unverified) to run it unverified)"
     ]
     # --check refuses it (if --check passes, the job's roles can run it), naming the field
-    rc, out, err = execute(str(LOCAL), "--check", "--set", "cluster.group.gpus_per_node=2")
+    rc, out, err = submit_here(str(LOCAL), "--check", "--set", "cluster.group.gpus_per_node=2")
     assert (rc, out) == (2, "")
     assert err.splitlines()[1].startswith("  - models.actor.engine: the actor role runs the torch engine at ")
 
@@ -113,7 +103,7 @@ def test_missing_paths_records(tmp_path: Path) -> None:
 
 
 def test_check_warns_about_a_missing_jsonl_file() -> None:
-    rc, out, _ = execute(str(LOCAL), "--check", "--set", JSONL, "--set", "data.eval.size=0")
+    rc, out, _ = submit_here(str(LOCAL), "--check", "--set", JSONL, "--set", "data.eval.size=0")
     assert rc == 0
     warnings = [line for line in out.splitlines() if line.startswith("# warning: ")]
     # the tiny models' "not built yet" warnings depend on whether this checkout built them already
@@ -125,7 +115,7 @@ def test_check_warns_about_a_missing_jsonl_file() -> None:
 
 def test_local_run_refuses_a_missing_model_directory_before_anything_starts(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    rc, out, err = execute(
+    rc, out, err = submit_here(
         str(LOCAL), "--local", "--run-dir", str(run), "--set", "models.teachers[1].path=./nope/teacher"
     )
     assert (rc, out) == (2, "")
@@ -186,7 +176,7 @@ def test_jsonl_source_left_out_of_the_evaluation_warns() -> None:
 
 # ---- 5. --dry-run order, and a refusal one problem a line ----------------------------------------------
 def test_dry_run_prints_warnings_and_rank_map_before_the_script() -> None:
-    rc, out, _ = execute(str(LOCAL), "--dry-run", "--set", JSONL)
+    rc, out, _ = submit_here(str(LOCAL), "--dry-run", "--set", JSONL)
     assert rc == 0
     lines = out.splitlines()
     n = next(i for i, line in enumerate(lines) if not line.startswith("# warning: "))
@@ -202,7 +192,7 @@ def test_dry_run_prints_warnings_and_rank_map_before_the_script() -> None:
 
 
 def test_refusal_of_job_gaps_lists_one_problem_a_line(tmp_path: Path) -> None:
-    rc, out, err = execute(str(CONFIGS / "qwen3_8gpu_colocated.yaml"), "--run-dir", str(tmp_path / "run"))
+    rc, out, err = submit_here(str(CONFIGS / "qwen3_8gpu_colocated.yaml"), "--run-dir", str(tmp_path / "run"))
     assert (rc, out) == (2, "")
     lines = err.splitlines()
     assert (

@@ -27,8 +27,9 @@ import torch
 import yaml
 from helpers_configs import set_dotted
 from helpers_jobs import submit_local
+from helpers_wait import until
 from safetensors.torch import load_file
-from test_local_backend import processes_of, wait_for
+from test_local_backend import processes_of
 
 from mopd_hpc.logs.summary import no_sacct, summarize_run
 
@@ -137,7 +138,7 @@ def test_sigkill_of_rank1_ends_the_job_and_the_dp2_checkpoint_resumes(
     )
     try:
         metrics = run_dir / "metrics.jsonl"
-        assert wait_for(lambda: metrics.exists() and len(metric_lines(metrics.parent)) >= 3, 300)
+        assert until(lambda: metrics.exists() and len(metric_lines(metrics.parent)) >= 3, 300)
         pid = child_pid(run_dir, "actor", 1)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -149,7 +150,7 @@ def test_sigkill_of_rank1_ends_the_job_and_the_dp2_checkpoint_resumes(
     assert time.monotonic() - killed < END_AFTER_KILL_S, out[-2000:]
     assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
     job_id = re.search(r"\[local\] job (local-\d+)", out)[1]
-    assert wait_for(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
     assert job_leases(job_id) == []
     first = summarize_run(run_dir, sacct_runner=no_sacct).first_failure
     assert (first.role, first.index, first.cause.key) == ("actor", 1, "killed_by_signal")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -111,12 +111,6 @@ _READER = textwrap.dedent(
 ).replace("STEPS_VALUE", str(STEPS))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _checkpoint(path: Path, family: str) -> str:
     """A bf16 micro checkpoint of `family` at `path` (tied embeddings); returns its architecture."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -159,7 +153,7 @@ def test_awex_updates_the_hf_engine_bitwise(tmp_path: Path, mode: str, family: s
         log = open(tmp_path / f"{role}.log", "w")  # noqa: SIM115 - closed with the process below
         # as the guard does: each child sees only its GPU (separate: writer GPU 0, reader GPU 1; colocate: both 0)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-        procs[role] = (subprocess.Popen([sys.executable, str(script), str(tmp_path), str(_free_port()), mode, arch],
+        procs[role] = (subprocess.Popen([sys.executable, str(script), str(tmp_path), str(free_port()), mode, arch],
                                         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env), log)  # fmt: skip
     try:
         for role, (proc, _) in procs.items():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -104,12 +104,6 @@ json.dump(report, open(os.path.join(run_dir, f"reader{rank}.json"), "w"))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _script(path: Path, body: str) -> Path:
     """The MetaServer's spawn re-imports the script: its body runs under a main guard."""
     main = "def main():\n" + textwrap.indent(textwrap.dedent(body), "    ")
@@ -136,7 +130,7 @@ def test_every_tp_rank_writes_and_the_hf_engines_match_bitwise(tmp_path: Path, m
                       tie_word_embeddings=True)  # fmt: skip
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp_path / "ckpt"))
     writer, reader = _script(tmp_path / "writer.py", _WRITER), _script(tmp_path / "reader.py", _READER)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))}  # all, as colocated
     procs = {}
     for name, script, rank in [("writer0", writer, 0), ("writer1", writer, 1)] + [

@@ -34,7 +34,6 @@ converted with `mcore_to_hf` bitwise (the per-tensor gather of weight sync is th
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LR = 1e-3
@@ -146,12 +146,6 @@ _LAUNCH = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _python(script: Path, *args: str) -> None:
     proc = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, timeout=480, cwd=REPO
@@ -163,7 +157,7 @@ def _layout(root: Path, world: int, tp: int, resume: bool) -> list[dict]:
     script = root / "launch.py"
     script.write_text(_RANK + _LAUNCH)
     out = root / f"w{world}_tp{tp}"
-    _python(script, str(root), str(_free_port()), str(out), str(world), str(tp), "1" if resume else "0")
+    _python(script, str(root), str(free_port()), str(out), str(world), str(tp), "1" if resume else "0")
     suffix = "_resumed" if resume else ""
     return [torch.load(out / f"rank{r}{suffix}.pt", weights_only=False) for r in range(world)]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_models import save_micro_qwen3
+from helpers_ports import free_port
 from helpers_ranks import run_ranks
-from test_megatron_shard_plan import _free_port
 
 _RANK = textwrap.dedent(
     """
@@ -87,7 +87,7 @@ _RANK = textwrap.dedent(
 
 
 def _ranks(world: int, student: Path, out: Path) -> None:
-    port = _free_port()
+    port = free_port()
     run_ranks(_RANK, lambda r: (str(r), str(world), str(port), str(student), str(out)), world)
 
 

@@ -11,13 +11,13 @@ the log-probs equal those of an identical actor that stayed resident, bitwise.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,12 +93,6 @@ json.dump(report, open(os.path.join(root, "report.json"), "w"))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.gpu
 def test_parts_move_separately_and_training_continues_bitwise(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
@@ -106,7 +100,7 @@ def test_parts_move_separately_and_training_continues_bitwise(tmp_path: Path) ->
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
     script = tmp_path / "residency.py"
     script.write_text(_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(_free_port())], capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(free_port())], capture_output=True,
                           text=True, timeout=240, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())

@@ -19,13 +19,13 @@ and teacher targets fixed per step):
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,12 +142,6 @@ json.dump(r, open(os.path.join(root, "report.json"), "w"))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.gpu
 def test_megatron_resume_equals_the_straight_run_bitwise(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
@@ -155,7 +149,7 @@ def test_megatron_resume_equals_the_straight_run_bitwise(tmp_path: Path) -> None
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
     script = tmp_path / "resume.py"
     script.write_text(_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(_free_port())], capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(free_port())], capture_output=True,
                           text=True, timeout=240, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads((tmp_path / "report.json").read_text())

@@ -9,12 +9,12 @@ pieces read back from its state dict gather to the HF tensors bitwise.
 from __future__ import annotations
 
 import json
-import socket
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 from helpers_ranks import run_ranks
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -148,12 +148,6 @@ _GPT_TP_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("tie", [False, True])
 def test_a_real_megatron_gpt_model_at_tp2_holds_the_planned_shards(tie: bool, tmp_path: Path) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
@@ -165,7 +159,7 @@ def test_a_real_megatron_gpt_model_at_tp2_holds_the_planned_shards(tie: bool, tm
     save_file({k: v.contiguous() for k, v in hf.items()}, tmp_path / "hf.safetensors")
     fields = {f: getattr(shape, f) for f in shape.__slots__}
     args = json.dumps({"shape": fields, "hf": str(tmp_path / "hf.safetensors"), "out": str(tmp_path)})
-    port = _free_port()
+    port = free_port()
     outs = run_ranks(_GPT_TP_SCRIPT, lambda r: (str(r), str(port), args))
     plan = ShardPlan.create(shape, 2)
     for r, out in enumerate(outs):

@@ -12,7 +12,6 @@ same numbers bit for bit; no id ≥ 250.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 from test_megatron_teacher_gpu import ROWS, STARTS, TIE_GAP, TOL, TOP_K, VOCAB, save_checkpoint
 
 from mopd_hpc.engines.batch import TokenBatch
@@ -58,18 +58,12 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(root: Path, world: int) -> None:
     script = root / "score_tp.py"
     text = _SCRIPT.replace("ROWS_VALUE", repr(ROWS)).replace("STARTS_VALUE", repr(STARTS))
     script.write_text(text.replace("K_VALUE", repr(TOP_K)))
     proc = subprocess.run(
-        [sys.executable, str(script), str(root), str(_free_port()), str(world)],
+        [sys.executable, str(script), str(root), str(free_port()), str(world)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

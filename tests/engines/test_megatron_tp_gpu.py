@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LR = 1e-3
@@ -102,17 +102,11 @@ _TP2 = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(script: str, root: Path) -> None:
     path = root / f"script_{abs(hash(script))}.py"
     path.write_text(_COMMON + script)
     proc = subprocess.run(
-        [sys.executable, str(path), str(root), str(_free_port())],
+        [sys.executable, str(path), str(root), str(free_port())],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -231,10 +231,10 @@ def test_train_step_gives_its_activations_back_once(recorded, monkeypatch):
     """The engine's step ends with `release_activations` of its device, once (on CUDA it empties the caching
     allocator so that the children sharing the GPU have the activations' memory in the other phases; the
     memory plan counts it in `train` only), after every micro-batch: a split step releases once too."""
-    import mopd_hpc.engines.torch.engine as torch_engine
+    import mopd_hpc.engines.micro_batch as micro_batch  # `StepStats.finish`, which both engines' steps end with
 
     calls: list[torch.device] = []
-    monkeypatch.setattr(torch_engine, "release_activations", calls.append)
+    monkeypatch.setattr(micro_batch, "release_activations", calls.append)
     loss = loss_section("sampled", "token-mean", False)
     for budget, count in [(None, 1), *BUDGETS.items()]:
         calls.clear()

@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 2e-4
@@ -111,12 +111,6 @@ json.dump(report, open(os.path.join(root, "report.json"), "w"))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     if not torch.cuda.is_available():
@@ -125,7 +119,7 @@ def report(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ref_megatron")
     script = root / "reference.py"
     script.write_text(_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(root), str(_free_port())], capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(root), str(free_port())], capture_output=True,
                           text=True, timeout=300, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((root / "report.json").read_text())

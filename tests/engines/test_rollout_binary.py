@@ -12,7 +12,8 @@ import torch
 from aiohttp import web
 from helpers_auth import AUTH, TOKEN
 from helpers_models import save_micro_qwen3
-from test_rollout_server import PROMPTS, free_port, start_server, stop_server
+from helpers_ports import free_port
+from test_rollout_server import PROMPTS, start_server, stop_server
 
 from mopd_hpc.engines.frames.codec import CONTENT_TYPE, WireError, decode
 from mopd_hpc.engines.frames.over_http import ACCEPT_HEADERS, read_frame

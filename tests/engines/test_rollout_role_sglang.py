@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 import torch
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
+from helpers_ports import free_ports
 from test_sglang_backend import sglang_item
 
 from mopd_hpc.config import RunConfig
@@ -36,16 +36,6 @@ from mopd_hpc.trainer.weight_sync import SyncSettings, TorchSync
 
 REPO = Path(__file__).resolve().parents[2]
 TP = 2
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class TPStandIn:

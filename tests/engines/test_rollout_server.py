@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import torch
 from helpers_auth import AUTH, TOKEN, write_token_file
 from helpers_models import save_micro_qwen3
+from helpers_ports import free_port
 
 from mopd_hpc.engines.request_fields import RolloutRequestError
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError, RolloutUnavailableError
@@ -37,12 +37,6 @@ TOL = 1e-5
 # |logit| <= 4.3, ulp 2**-5 = 0.031): the bound is 3 ulps of the largest logit, 0.1 nats, as there.
 CUDA_BF16_TOL = 0.1
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: Path, tmp: Path, *extra: str) -> tuple[subprocess.Popen, str, Path]:

@@ -34,6 +34,7 @@ import pytest
 from aiohttp import test_utils, web
 from helpers_auth import AUTH, TOKEN, write_run_dir_token
 from helpers_models import save_micro_qwen3
+from helpers_ports import free_port
 from helpers_wait import wait_for
 from test_sglang_backend import PORTS, FakeSGLangEngine
 
@@ -195,12 +196,6 @@ def refused(host: str, port: int) -> bool:
         except ConnectionRefusedError:
             return True
     return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_rendezvous_store_listens_on_its_host_only() -> None:

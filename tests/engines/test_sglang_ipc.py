@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 import torch
 from helpers_auth import TOKEN, write_run_dir_token
-from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, sglang_config, start_role
+from helpers_ports import free_ports
+from test_rollout_role_sglang import TP, TPStandIn, role_env, sglang_config, start_role
 
 from mopd_hpc.config.rollout import SamplingConfig, WeightSyncConfig
 from mopd_hpc.config.serving_refusals import weight_sync_refusals

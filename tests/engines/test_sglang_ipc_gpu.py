@@ -21,7 +21,7 @@ import pytest
 import torch
 from aiohttp import test_utils
 from helpers_auth import TOKEN
-from test_rollout_role_sglang import free_ports
+from helpers_ports import free_ports
 from test_rollout_server import CUDA_BF16_TOL, oracle_logprobs
 
 from mopd_hpc.config.rollout import SamplingConfig

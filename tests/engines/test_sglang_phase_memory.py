@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import io
 import json
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +28,8 @@ import torch
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
-from test_rollout_role_sglang import TP, TPStandIn, free_ports, role_env, start_role
+from helpers_ports import free_port, free_ports
+from test_rollout_role_sglang import TP, TPStandIn, role_env, start_role
 from test_sglang_ipc import IpcStandIn
 
 from mopd_hpc.config import RunConfig
@@ -87,12 +87,6 @@ class StrictIpcStandIn(StrictStandIn, IpcStandIn):
         if "weights" in self.released:
             raise RuntimeError("update_weights_from_tensor into released weights")
         return super().update_weights_from_tensor(*args, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sglang_run_config(models: Path, run_dir: Path, **changes: Any) -> RunConfig:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from helpers_auth import write_run_dir_token
-from test_rollout_role_sglang import free_ports, role_env, sglang_config
+from helpers_ports import free_ports
+from test_rollout_role_sglang import role_env, sglang_config
 
 from mopd_hpc.config.capabilities import ROLLOUT_BACKENDS
 from mopd_hpc.config.job_gaps import job_gaps

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_ports import free_port
 from helpers_ranks import run_ranks
-from test_megatron_shard_plan import _free_port, assert_bitwise, hf_state, micro_qwen3
+from test_megatron_shard_plan import assert_bitwise, hf_state, micro_qwen3
 
 from mopd_hpc.engines.megatron.convert import ConversionError, Qwen3Shape
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
@@ -45,7 +46,7 @@ _RANK = textwrap.dedent(
 
 
 def _ranks(world: int, args: dict) -> None:
-    args = dict(args, port=_free_port())
+    args = dict(args, port=free_port())
     run_ranks(_RANK, lambda r: (str(r), str(world), json.dumps(args)), world)
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import pytest
 import torch
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
+from helpers_ports import free_port
 from teacher_replica_prog import STAND_IN
 from teacher_tp_prog import VOCAB
 
@@ -63,12 +63,6 @@ def replica_config(model: Path, tensor_parallel: int) -> RunConfig:
     doc["cluster"]["group"]["gpus_per_node"] = 2
     doc["weight_sync"] = {"backend": "torch"}
     return RunConfig.from_dict(doc)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def teacher_envs(cfg: RunConfig, run_dir: Path) -> list[dict[str, str]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_auth import TOKEN
+from helpers_ports import free_port
 from teacher_tp_prog import VOCAB, FakeTPEngine
 
 from mopd_hpc.engines.batch import TokenBatch
@@ -27,12 +27,6 @@ from mopd_hpc.engines.teacher.client import TeacherClient
 
 PROG = Path(__file__).with_name("teacher_tp_prog.py")
 WORLD = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def batches() -> list[tuple[list[list[int]], list[int], int | None]]:

@@ -5,10 +5,10 @@ where the engine's log-probs are −inf or NaN (both become LOGPROB_FLOOR)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 import torch
+from helpers_ports import free_port
 
 from mopd_hpc.engines.batch import TokenBatch
 from mopd_hpc.engines.frames.codec import WireError, decode
@@ -72,9 +72,7 @@ def test_both_encodings_agree_bitwise_with_nonfinite_values(tmp_path):
 
         runner = web.AppRunner(server.app(), access_log=None)
         await runner.setup()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         url = f"http://127.0.0.1:{port}"
         try:

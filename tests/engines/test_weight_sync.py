@@ -7,12 +7,12 @@ decode and log-probs; the server's outputs before the sync differ from them, aft
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 import torch
 from helpers_auth import TOKEN
 from helpers_models import save_micro_moe, save_micro_qwen3
+from helpers_ports import free_port
 from test_rollout_server import TOL, start_server, stop_server
 
 from mopd_hpc.engines.rollout.client import RolloutClient, RolloutServerError
@@ -21,12 +21,6 @@ from mopd_hpc.engines.weight_sync.torch import TorchBroadcastSender, WeightSyncC
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def own_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:

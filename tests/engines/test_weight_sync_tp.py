@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_auth import TOKEN
+from helpers_ports import free_port
 from helpers_ranks import run_ranks
-from test_rollout_server import free_port, start_server, stop_server
+from test_rollout_server import start_server, stop_server
 
 from mopd_hpc.engines.megatron.convert import ConversionError, Qwen3Shape
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from helpers_ports import free_port
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -219,12 +219,6 @@ def test_max_bytes_and_tensor_checks():
         frame.tensor("y", (torch.int64,), 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _echo_server(max_bytes: int) -> tuple[web.AppRunner, str]:
     """A real aiohttp server whose /echo reads a frame (bounded) and answers it back doubled."""
 
@@ -242,7 +236,7 @@ async def _echo_server(max_bytes: int) -> tuple[web.AppRunner, str]:
     app.router.add_post("/echo", echo)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}/echo"
 
@@ -338,7 +332,7 @@ def test_large_answers_go_socket_to_buffer_and_equal_one_encoded_buffer(monkeypa
         app.router.add_get("/a", answer)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         url, pool = f"http://127.0.0.1:{port}/a", BufferPool(keep=1)
         try:

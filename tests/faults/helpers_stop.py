@@ -3,24 +3,29 @@ with a short request timeout, the child stopped after the third metrics line, th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+from helpers_ports import free_port
+from helpers_wait import until
 from test_controller import micro_config
 from test_fault_kill_resume import child_pid
-from test_local_backend import env_for, processes_of, wait_for
+from test_local_backend import env_for, processes_of
 
 from mopd_hpc.engines.frames.codec import CONTENT_TYPE
 from mopd_hpc.records.metrics import read_metrics
@@ -69,7 +74,7 @@ def stop_mid_run(
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     pid = None
     try:
-        assert wait_for(
+        assert until(
             lambda: len(read_metrics(run_dir / "metrics.jsonl")) >= 3 or proc.poll() is not None, 240
         )
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -94,9 +99,21 @@ def stop_mid_run(
     return StoppedRun(run_dir, proc.returncode, out, url, failed, ended)
 
 
+def assert_failed_within_timeout(run: StoppedRun, timeout_s: float, step_s: float, want: str) -> None:
+    """mopd-submit failed (exit 1); the step failed `timeout_s` ± `step_s` after the stop (± for the request in
+    flight at the stop) and the job ended within `timeout_s + MARGIN_S`; the actor's error matches the regex
+    `want`; the job ended FAILED (`assert_job_ended_failed`)."""
+    assert run.returncode == 1, run.out[-3000:]
+    print(f"the step failed {run.failed_s:.1f} s and the job ended {run.ended_s:.1f} s after the SIGSTOP")
+    assert timeout_s - step_s <= run.failed_s <= timeout_s + step_s  # the request in flight at the stop
+    assert run.ended_s <= timeout_s + MARGIN_S
+    assert re.search(want, run.actor_err), run.actor_err[-3000:]
+    assert_job_ended_failed(run.run_dir)
+
+
 def assert_job_ended_failed(run_dir: Path) -> None:
     """No process of the job is left (within 15 s), and the summary says FAILED, without a traceback."""
-    assert wait_for(lambda: processes_of(run_dir) == [], 15), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 15), processes_of(run_dir)
     summary = subprocess.run([sys.executable, "-m", "mopd_hpc.cli.logs", "summarize", str(run_dir)],
                              env=env_for(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert summary.returncode == 1 and "state FAILED" in summary.stdout, summary.stdout + summary.stderr
@@ -132,7 +149,20 @@ def hung_server(sends: bytes) -> Iterator[str]:
                 conn.close()
 
 
+def hung_call_error(
+    sends: bytes, call: Callable[[str], Coroutine[Any, Any, None]], error: type[Exception]
+) -> tuple[str, str]:
+    """Run `call(url)` (a client of timeout 1 s) against `hung_server(sends)`: it raises `error` 1 to 3 s after
+    it starts. Returns (url, the error's message)."""
+    with hung_server(sends) as url:
+        start = time.monotonic()
+        with pytest.raises(error) as info:
+            asyncio.run(call(url))
+        took = time.monotonic() - start
+    assert 1.0 <= took < 3.0, took
+    return url, str(info.value)
+
+
 def closed_url() -> str:
-    """The URL of a port nothing listens on any more."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        return f"http://127.0.0.1:{server.getsockname()[1]}"
+    """The URL of a port nothing listens on (leased, `helpers_ports.free_port`)."""
+    return f"http://127.0.0.1:{free_port()}"

@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_local_backend import REPO, env_for, processes_of, reports, wait_for
+from helpers_wait import until
+from test_local_backend import REPO, env_for, processes_of, reports
 
 
 def test_ctrl_c_through_tee_is_a_clean_exit_without_orphans(tmp_path: Path) -> None:
@@ -28,7 +29,7 @@ def test_ctrl_c_through_tee_is_a_clean_exit_without_orphans(tmp_path: Path) -> N
         ["bash", "-c", pipeline], cwd=REPO, env=env_for(MOPD_PROBE_HOLD_S="120"), start_new_session=True
     )
     try:
-        assert wait_for(lambda: len(reports(run_dir)) == 4, 120), err.read_text()
+        assert until(lambda: len(reports(run_dir)) == 4, 120), err.read_text()
         os.killpg(shell.pid, signal.SIGINT)  # Ctrl-C: the foreground group, submit and tee alike
         shell.wait(timeout=60)
     finally:
@@ -37,6 +38,6 @@ def test_ctrl_c_through_tee_is_a_clean_exit_without_orphans(tmp_path: Path) -> N
     assert rc_file.read_text().strip() == str(128 + signal.SIGINT)
     text = err.read_text()
     assert "Traceback" not in text and "BrokenPipe" not in text, text
-    assert wait_for(lambda: processes_of(run_dir) == [], 15), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 15), processes_of(run_dir)
     events = (run_dir / "events").glob("*.guard.jsonl")
     assert any('"guard_stop"' in p.read_text() for p in events)

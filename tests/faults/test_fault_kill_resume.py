@@ -23,8 +23,9 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from helpers_wait import until
 from test_controller import micro_config
-from test_local_backend import env_for, processes_of, wait_for
+from test_local_backend import env_for, processes_of
 
 from mopd_hpc.records.metrics import read_metrics
 
@@ -87,7 +88,7 @@ def test_sigkill_of_actor_teacher_rollout_then_resume_equals_an_uninterrupted_ru
     for after, (role, index) in ((1, ("actor", 0)), (3, ("teacher", 0)), (5, ("rollout", 0))):
         proc = submit(run_config, tmp_path)
         try:
-            assert wait_for(partial(lines_or_end, run_dir, after, proc), 240, 0.02)
+            assert until(partial(lines_or_end, run_dir, after, proc), 240, 0.02)
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             os.kill(child_pid(run_dir, role, index), signal.SIGKILL)  # the fault
             out, _ = proc.communicate(timeout=120)
@@ -95,7 +96,7 @@ def test_sigkill_of_actor_teacher_rollout_then_resume_equals_an_uninterrupted_ru
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode != 0, f"{role}: {out[-3000:]}"  # the guard ended the job
-        assert wait_for(lambda: processes_of(run_dir) == [], 15), (role, processes_of(run_dir))
+        assert until(lambda: processes_of(run_dir) == [], 15), (role, processes_of(run_dir))
         done = kept(run_dir)
         assert all(done[s] == reference[s] for s in done), (role, done, reference)
     last = submit(run_config, tmp_path)

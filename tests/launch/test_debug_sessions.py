@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_ports import free_port
 from helpers_wait import wait_for
 
 from mopd_hpc.launch.debug_session import (
@@ -72,9 +73,7 @@ def test_guard_status_table_json_and_a_dead_guard(tmp_path: Path) -> None:
             lambda: client.status(role="probe", index=1)["children"][0]["state"] == "exited", 30, "probe 1"
         )
         # a guard whose node died: its record stays, nothing answers on its port
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            dead_port = sock.getsockname()[1]
+        dead_port = free_port()
         (rd.root / "guards" / "zz-dead.json").write_text(json.dumps({"url": f"http://127.0.0.1:{dead_port}"}))
 
         proc = subprocess.run(

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers_wait import until
+
 from mopd_hpc.runtime.ports_registry import list_node_leases
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,15 +40,6 @@ def reports(run_dir: Path) -> list[dict]:
     for path in sorted((run_dir / "probe").glob("*.json")):
         out.append(json.loads(path.read_text()))
     return sorted(out, key=lambda r: r["index"])
-
-
-def wait_for(pred, timeout_s: float = DEADLINE_S, step_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step_s)
-    return True
 
 
 def processes_of(run_dir: Path) -> list[int]:
@@ -105,7 +98,7 @@ def test_ctrl_c_leaves_no_orphan_and_no_lease(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = start("local_cpu.yaml", run_dir, MOPD_PROBE_HOLD_S="300")
     try:
-        assert wait_for(lambda: len(list((run_dir / "probe").glob("*.json"))) == 4), proc.stderr
+        assert until(lambda: len(list((run_dir / "probe").glob("*.json"))) == 4, DEADLINE_S), proc.stderr
         job_id = f"local-{proc.pid}"
         assert (
             len(leases_of(job_id)) == 1 + 2 + 2 + 3
@@ -118,7 +111,7 @@ def test_ctrl_c_leaves_no_orphan_and_no_lease(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGINT, err + out
     assert "guard got SIGINT: stopping" in out
-    assert wait_for(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
     assert leases_of(job_id) == []
 
 

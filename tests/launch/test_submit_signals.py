@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_local_backend import CONFIGS, REPO, env_for, leases_of, processes_of, wait_for
+from helpers_wait import until
+from test_local_backend import CONFIGS, REPO, env_for, leases_of, processes_of
 
 from mopd_hpc.logs.summary import no_sacct, summarize_run
 from mopd_hpc.runtime.guard.events import read_events
@@ -33,6 +34,12 @@ def submit_argv(run_dir: Path) -> list[str]:
     return [*argv, "--run-dir", str(run_dir)]
 
 
+def start_submit(run_dir: Path) -> subprocess.Popen[str]:
+    """`mopd-submit --local --probe` of the local CPU config, its probes holding (`HOLD`), stdout and stderr piped."""
+    return subprocess.Popen(submit_argv(run_dir), cwd=REPO, env=env_for(**HOLD), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
 def guard_events(run_dir: Path) -> list[dict]:
     (path,) = (run_dir / "events").glob("*.guard.jsonl")
     return read_events(path)
@@ -40,20 +47,13 @@ def guard_events(run_dir: Path) -> list[dict]:
 
 def assert_clean_end(run_dir: Path, job_id: str, stderr: str) -> None:
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
-    assert wait_for(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
     assert leases_of(job_id) == []
 
 
 def test_a_reader_that_closes_early_stops_the_job_quietly(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        submit_argv(run_dir),
-        cwd=REPO,
-        env=env_for(**HOLD),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_submit(run_dir)
     try:
         assert proc.stdout is not None
         seen = []
@@ -78,14 +78,7 @@ def test_a_reader_that_closes_early_stops_the_job_quietly(tmp_path: Path) -> Non
 
 def test_mopd_submit_piped_into_head_1(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    submit = subprocess.Popen(
-        submit_argv(run_dir),
-        cwd=REPO,
-        env=env_for(**HOLD),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    submit = start_submit(run_dir)
     head = subprocess.Popen(["head", "-1"], stdin=submit.stdout, stdout=subprocess.PIPE, text=True)
     assert submit.stdout is not None
     submit.stdout.close()  # head holds the only read end, as in a shell pipeline
@@ -114,12 +107,12 @@ def test_ctrl_c_through_tee_ends_with_130_and_a_full_teardown(tmp_path: Path) ->
     )
     shell = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env_for(**HOLD), start_new_session=True)
     try:
-        assert wait_for(lambda: log.exists() and "started probe[3]" in log.read_text(), 120), (
+        assert until(lambda: log.exists() and "started probe[3]" in log.read_text(), 120), (
             err_file.read_text()
         )
         job_id = read_holder(run_dir)["job_id"]
         os.killpg(shell.pid, signal.SIGINT)  # Ctrl-C: tee dies, mopd-submit gets it and a closed pipe
-        assert wait_for(rc_file.exists, 120), err_file.read_text()
+        assert until(rc_file.exists, 120), err_file.read_text()
     finally:
         if shell.poll() is None:
             with contextlib.suppress(ProcessLookupError):

@@ -22,8 +22,9 @@ import socket
 import time
 from pathlib import Path
 
+from helpers_wait import until
 from rich.console import Console
-from test_local_backend import processes_of, reports, start, wait_for
+from test_local_backend import processes_of, reports, start
 from test_logs_summary import RunBuilder
 
 from mopd_hpc.cli import logs_summarize
@@ -68,7 +69,7 @@ def test_guard_sigkill_mid_run_is_a_failed_job_naming_the_guards_death(tmp_path:
     run_dir = tmp_path / "run"
     proc = start("local_cpu.yaml", run_dir, **HOLD)
     try:
-        assert wait_for(lambda: _started(run_dir), 120), proc.stderr
+        assert until(lambda: _started(run_dir), 120), proc.stderr
         guard_pid = json.loads(guard_record_file(run_dir, HOST).read_text())["pid"]
         assert (
             guard_pid != proc.pid
@@ -81,7 +82,7 @@ def test_guard_sigkill_mid_run_is_a_failed_job_naming_the_guards_death(tmp_path:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGKILL, err + out  # the keeper ended as the guard did
     assert "the guard was killed by SIGKILL" in out
-    assert wait_for(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)  # children died with it
+    assert until(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)  # children died with it
     events = read_events(events_path(run_dir, HOST))
     assert not [e for e in events if e["event"] == "guard_stop"]  # the guard wrote no end of its own
     (exit_event,) = [e for e in events if e["event"] == "guard_exit"]  # its keeper did
@@ -114,7 +115,7 @@ def test_guard_and_keeper_sigkilled_together_is_failed_not_running(tmp_path: Pat
     run_dir = tmp_path / "run"
     proc = start("local_cpu.yaml", run_dir, **HOLD)
     try:
-        assert wait_for(lambda: _started(run_dir), 120), proc.stderr
+        assert until(lambda: _started(run_dir), 120), proc.stderr
         guard_pid = json.loads(guard_record_file(run_dir, HOST).read_text())["pid"]
         os.killpg(os.getpgid(guard_pid), signal.SIGKILL)  # the fault: guard and keeper at once, no event
         out, err = proc.communicate(timeout=60)
@@ -122,7 +123,7 @@ def test_guard_and_keeper_sigkilled_together_is_failed_not_running(tmp_path: Pat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGKILL, err + out
-    assert wait_for(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
     kinds = {e["event"] for e in read_events(events_path(run_dir, HOST))}
     assert not kinds & {"guard_stop", "guard_exit"}
     assert holder_of(run_dir) is None  # mopd-submit released the lock when the guard was gone
@@ -140,7 +141,7 @@ def test_sigterm_of_a_local_run_is_cancelled_naming_the_signal(tmp_path: Path) -
     run_dir = tmp_path / "run"
     proc = start("local_cpu.yaml", run_dir, **HOLD)
     try:
-        assert wait_for(lambda: _started(run_dir), 120), proc.stderr
+        assert until(lambda: _started(run_dir), 120), proc.stderr
         proc.send_signal(signal.SIGTERM)  # the fault: `kill <pid of mopd-submit --local>`
         out, err = proc.communicate(timeout=60)
     finally:
@@ -148,7 +149,7 @@ def test_sigterm_of_a_local_run_is_cancelled_naming_the_signal(tmp_path: Path) -
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err + out
     assert "Traceback" not in err + out
-    assert wait_for(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
     s = summarize_run(run_dir, sacct_runner=no_sacct)
     assert (s.job.job_id, s.job.state, s.job.state_source) == (f"local-{proc.pid}", "CANCELLED", "run_dir")
     f = s.first_failure
@@ -167,7 +168,7 @@ def test_a_second_job_is_refused_and_the_summary_is_the_first_jobs_true_outcome(
     run_dir = tmp_path / "run"
     first = start("local_cpu.yaml", run_dir, **HOLD)
     try:
-        assert wait_for(lambda: _started(run_dir), 120), first.stderr
+        assert until(lambda: _started(run_dir), 120), first.stderr
         second = start("local_cpu.yaml", run_dir)  # the fault: a second job on the same run dir
         out2, err2 = second.communicate(timeout=120)
         assert second.returncode == 2 and out2 == "", err2
@@ -181,7 +182,7 @@ def test_a_second_job_is_refused_and_the_summary_is_the_first_jobs_true_outcome(
         if first.poll() is None:
             first.kill()
     assert first.returncode != 0, err + out
-    assert wait_for(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
+    assert until(lambda: processes_of(run_dir) == [], 10), processes_of(run_dir)
     s = summarize_run(run_dir, sacct_runner=no_sacct)
     assert (s.job.job_id, s.job.state) == (f"local-{first.pid}", "FAILED")  # the first job, not the refused
     f = s.first_failure

@@ -5,7 +5,6 @@ rank is named first even when its guard, on another node with a slower clock, st
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import traceback
@@ -13,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from helpers_ports import free_port
 from test_logs_summary import RunBuilder
 
 from mopd_hpc.logs.causes import classify_text
@@ -36,9 +36,7 @@ def peer_lost_traceback() -> str:
 
     from mopd_hpc.trainer.group import PeerLostError
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
     rank1 = subprocess.Popen([sys.executable, "-c", RANK1, str(port)])
     pg = dist.ProcessGroupGloo(dist.PrefixStore("t", store), 0, 2, timedelta(seconds=30))

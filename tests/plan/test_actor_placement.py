@@ -5,15 +5,13 @@ per teacher on a CPU trainer group; the rank map's DP/TP columns and shape line;
 
 from __future__ import annotations
 
-import argparse
-import io
 import re
 import sys
 from pathlib import Path
 
+from helpers_configs import submit_here
 from rich.console import Console
 
-from mopd_hpc.cli import submit
 from mopd_hpc.config import load_run_config
 from mopd_hpc.config.parallel import ActorParallel
 from mopd_hpc.launch.from_config import jobspec_from_config
@@ -28,14 +26,6 @@ RANK_KEYS = ("MOPD_RANK", "MOPD_WORLD_SIZE", "MOPD_LOCAL_RANK", "MOPD_LOCAL_WORL
 
 def ranks(child) -> tuple[str, ...]:
     return tuple(child.env_dict[k] for k in RANK_KEYS)
-
-
-def execute(*argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser()
-    submit.add_arguments(parser)
-    out, err = io.StringIO(), io.StringIO()
-    rc = submit.execute(parser.parse_args(list(argv)), out=out, err=err, environ={}, python=sys.executable)
-    return rc, out.getvalue(), err.getvalue()
 
 
 def test_two_actor_ranks_on_one_cpu_node() -> None:
@@ -159,11 +149,11 @@ def test_check_and_dry_run_of_the_dp2_configs() -> None:
         (DP2, "cluster.group.nodes × actor_ranks_per_node = 1 × 2"),
         (HET_DP2, "cluster.trainer.nodes × actor_ranks_per_node = 2 × 1"),
     ]:
-        rc, out, err = execute(str(config), "--check")
+        rc, out, err = submit_here(str(config), "--check")
         assert (rc, err) == (0, ""), err
         assert out.splitlines()[1] == f"# actor: world 2 = dp 2 × tp 1 × pp 1 ({how})"
         assert not any("not run by the job's roles yet" in line for line in out.splitlines())
-        rc, out, err = execute(str(config), "--dry-run")
+        rc, out, err = submit_here(str(config), "--dry-run")
         assert (rc, err) == (0, ""), err
         assert f"actor: world 2 = dp 2 × tp 1 × pp 1 ({how})" in out.splitlines()
         assert out.index("rank map of") < out.index("actor: world 2") < out.index("sbatch --parsable")

@@ -11,15 +11,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers_wait import until
 
 from mopd_hpc.records.job_token import create_token_file, read_token_file
 from mopd_hpc.runtime.guard.client import (
@@ -61,9 +61,7 @@ class RunningGuard:
 
     def ready(self, child: dict[str, Any]) -> dict[str, Any]:
         path = self.work / f"{child['role']}-{child['index']}.g{child['generation']}.ready"
-        assert wait_until(path.exists, 20), (
-            f"child never got ready; stderr: {Path(child['stderr']).read_text()}"
-        )
+        assert until(path.exists, 20), f"child never got ready; stderr: {Path(child['stderr']).read_text()}"
         return json.loads(path.read_text())
 
 
@@ -96,7 +94,7 @@ def start_guard(
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen(argv, env=env, stdout=o, stderr=e, stdin=subprocess.DEVNULL)
     guard_file = run_dir / "guards" / f"{HOST}.json"
-    if not wait_until(lambda: guard_file.exists() or proc.poll() is not None, 30) or proc.poll() is not None:
+    if not until(lambda: guard_file.exists() or proc.poll() is not None, 30) or proc.poll() is not None:
         proc.kill()
         pytest.fail(f"guard did not start: {err.read_text()}")
     client = GuardClient.from_run_dir(run_dir, HOST, run_dir / "guard.token", timeout_s=30, retries=2)
@@ -111,15 +109,6 @@ def stop_guard(g: RunningGuard) -> None:
         except Exception:
             g.proc.kill()
             g.proc.wait()
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step_s)
-    return True
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -258,7 +247,7 @@ def test_env_values_arrive_intact(guard: RunningGuard) -> None:
     gpus = ["GPU-0a1b2c3d", "MIG-GPU-0a1b2c3d/1/0", "3"]
     child = guard.spawn_test(3, "envdump", env=tricky, gpus=gpus, ports=["http"])
     path = guard.work / "env-testchild-3.g1.json"
-    assert wait_until(path.exists, 20), Path(child["stderr"]).read_text()
+    assert until(path.exists, 20), Path(child["stderr"]).read_text()
     got = json.loads(path.read_text())
     assert {k: got[k] for k in tricky} == tricky
     assert got["CUDA_VISIBLE_DEVICES"] == "GPU-0a1b2c3d,MIG-GPU-0a1b2c3d/1/0,3"
@@ -315,7 +304,7 @@ def test_generations_status_logs_and_conflict(guard: RunningGuard) -> None:
     guard.client.kill("testchild", 6)
     second = guard.spawn_test(6, "envdump")
     assert (first["generation"], second["generation"]) == (1, 2)
-    assert wait_until(lambda: guard.client.status("testchild", 6, 2)["children"][0]["state"] == "exited", 20)
+    assert until(lambda: guard.client.status("testchild", 6, 2)["children"][0]["state"] == "exited", 20)
     gen2 = guard.client.status("testchild", 6, 2)["children"]
     assert [(c["generation"], c["exit_code"], c["signal"]) for c in gen2] == [(2, 0, None)]
     both = guard.client.status("testchild", 6)["children"]
@@ -352,7 +341,7 @@ def test_probe_writes_topology_and_named_ports(guard: RunningGuard) -> None:
         "probe", 0, env={"MOPD_PROBE_ENV_KEYS": "MOPD_ODD", "MOPD_ODD": "a,b"}, ports=["http"]
     )
     path = guard.run_dir / "probe" / f"{HOST}-probe-0.json"
-    assert wait_until(path.exists, 30), Path(child["stderr"]).read_text()
+    assert until(path.exists, 30), Path(child["stderr"]).read_text()
     report = json.loads(path.read_text())
     assert (report["role"], report["index"], report["generation"], report["pid"]) == (
         "probe",
@@ -363,12 +352,12 @@ def test_probe_writes_topology_and_named_ports(guard: RunningGuard) -> None:
     assert report["ports"] == child["ports"] and report["env"]["MOPD_ODD"] == "a,b"
     assert report["topology"]["role"] == "probe" and report["topology"]["job_id"] == JOB
     done = guard.client.status("probe", 0)["children"]
-    assert wait_until(lambda: guard.client.status("probe", 0)["children"][0]["exit_code"] == 0, 20), done
+    assert until(lambda: guard.client.status("probe", 0)["children"][0]["exit_code"] == 0, 20), done
 
 
 def test_token_never_appears_in_logs_argv_or_environ(guard: RunningGuard) -> None:
     guard.spawn_test(8, "envdump", env={"MOPD_SOME": "value"})
-    assert wait_until((guard.work / "env-testchild-8.g1.json").exists, 20)
+    assert until((guard.work / "env-testchild-8.g1.json").exists, 20)
     raw(guard.client.url, "POST", "/spawn", b"{broken", guard.token)
     token = guard.token.encode()
     token_file = (guard.run_dir / "guard.token").resolve()

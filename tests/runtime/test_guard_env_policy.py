@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_guard import RunningGuard, raw, start_guard, stop_guard, wait_until
+from helpers_wait import until
+from test_guard import RunningGuard, raw, start_guard, stop_guard
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.plan.placement import place_children
@@ -102,7 +103,7 @@ def test_accepted_overrides_are_recorded_with_secrets_redacted(guard: RunningGua
         "TMPDIR": "/tmp",
     }
     child = guard.spawn_test(22, "envdump", env=env)
-    assert wait_until((guard.work / "env-testchild-22.g1.json").exists, 20), Path(child["stderr"]).read_text()
+    assert until((guard.work / "env-testchild-22.g1.json").exists, 20), Path(child["stderr"]).read_text()
     (spawn,) = [e for e in guard.events if e["event"] == "spawn" and e["index"] == 22]
     assert spawn["env"] == {
         "GUARD_TEST_DIR": str(guard.work),

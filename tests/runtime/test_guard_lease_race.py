@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_guard import JOB, RunningGuard, start_guard, stop_guard, wait_until
+from helpers_wait import until
+from test_guard import JOB, RunningGuard, start_guard, stop_guard
 
 from mopd_hpc.runtime.ports import LeasePolicy, PortLeaser, PortOwner, read_ephemeral_range
 from mopd_hpc.runtime.ports_registry import read_owner_record
@@ -47,7 +48,7 @@ def test_a_kill_racing_a_spawn_of_the_same_slot_releases_only_its_generation(gua
         (child,) = guard.client.status(role="testchild", index=30, generation=1)["children"]
         return child["state"] == "exited"
 
-    assert wait_until(first_exited, 10)
+    assert until(first_exited, 10)
     second = guard.spawn_test(30, "sleep", ports=["http"])  # while the kill of generation 1 still runs
     assert second["generation"] == 2
     guard.ready(second)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from test_guard import RunningGuard, alive, port_free_of_lease, start_guard, stop_guard, wait_until
+from helpers_wait import until
+from test_guard import RunningGuard, alive, port_free_of_lease, start_guard, stop_guard
 
 from mopd_hpc.launch.local import kill_leftovers
 
@@ -45,7 +46,7 @@ def test_a_kill_of_the_child_kills_its_detached_grandchild_and_daemon(tmp_path: 
         assert psutil.Process(pids[2]).ppid() == guard_pid(g)  # the orphaned daemon: adopted (subreaper)
         answer = g.client.kill("testchild", 0)
         assert answer["state"] == "exited"
-        assert wait_until(lambda: not any(alive(p) for p in pids), DEADLINE_S), [p for p in pids if alive(p)]
+        assert until(lambda: not any(alive(p) for p in pids), DEADLINE_S), [p for p in pids if alive(p)]
         assert port_free_of_lease(child["ports"]["http"])
         signals = [e["signal"] for e in g.events if e.get("index") == 0 and e["event"] == "kill"]
         assert signals == ["SIGTERM"]  # all three ended on the SIGTERM: none needed the SIGKILL
@@ -59,7 +60,7 @@ def test_teardown_kills_every_tree(tmp_path: Path) -> None:
         trees = [detached(g, i)[1] for i in range(2)]
         g.client.shutdown()
         assert g.proc.wait(timeout=30) == 0
-        assert wait_until(lambda: not any(alive(p) for t in trees for p in t), DEADLINE_S)
+        assert until(lambda: not any(alive(p) for t in trees for p in t), DEADLINE_S)
     finally:
         stop_guard(g)
 
@@ -71,7 +72,7 @@ def test_sigkill_of_the_guard_the_keeper_kills_the_detached_processes(tmp_path: 
         assert guard != keeper and psutil.Process(guard).ppid() == keeper
         child, pids = detached(g, 0)
         os.kill(guard, signal.SIGKILL)
-        assert wait_until(lambda: not any(alive(p) for p in pids), KEEPER_DEADLINE_S), [
+        assert until(lambda: not any(alive(p) for p in pids), KEEPER_DEADLINE_S), [
             p for p in pids if alive(p)
         ]
         assert g.proc.wait(timeout=KEEPER_DEADLINE_S) == -signal.SIGKILL  # the keeper ends as the guard did
@@ -87,9 +88,9 @@ def test_sigkill_of_the_keeper_the_guard_kills_every_tree_at_once(tmp_path: Path
         child, pids = detached(g, 0)
         g.proc.send_signal(signal.SIGKILL)
         g.proc.wait()
-        assert wait_until(lambda: not any(alive(p) for p in pids), DEADLINE_S), [p for p in pids if alive(p)]
+        assert until(lambda: not any(alive(p) for p in pids), DEADLINE_S), [p for p in pids if alive(p)]
         assert port_free_of_lease(child["ports"]["http"])
-        assert wait_until(lambda: not alive(guard), 10)  # then the guard stops
+        assert until(lambda: not alive(guard), 10)  # then the guard stops
         assert any(e["event"] == "guard_signal" and e["signal"] == "SIGHUP" for e in g.events)
     finally:
         stop_guard(g)

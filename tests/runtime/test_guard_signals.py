@@ -10,15 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_guard import (
-    HOST,
-    alive,
-    group_members,
-    port_free_of_lease,
-    start_guard,
-    stop_guard,
-    wait_until,
-)
+from helpers_wait import until
+from test_guard import HOST, alive, group_members, port_free_of_lease, start_guard, stop_guard
 
 from mopd_hpc.runtime.guard.client import GuardConflictError
 from mopd_hpc.runtime.signals import EXIT_GUARD_START_FAILED
@@ -35,7 +28,7 @@ def test_guard_sigkill_leaves_no_orphan_and_no_held_port(tmp_path: Path) -> None
         ports = [c["ports"]["http"] for c in children] + [g.client.url.rsplit(":", 1)[1]]
         g.proc.send_signal(signal.SIGKILL)
         g.proc.wait()
-        assert wait_until(lambda: not any(alive(p) for p in pids), ORPHAN_DEADLINE_S)
+        assert until(lambda: not any(alive(p) for p in pids), ORPHAN_DEADLINE_S)
         assert all(port_free_of_lease(int(p)) for p in ports)
     finally:
         stop_guard(g)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -291,3 +292,23 @@ def test_tcp_bind_check_matches_a_real_listener() -> None:
         port = s.getsockname()[1]
         assert not tcp_port_free(port) and not tcp_port_free(port, "127.0.0.1")
     assert tcp_port_free(port)
+
+
+def test_the_tests_free_ports_are_leased_outside_the_ephemeral_range_and_bindable() -> None:
+    """tests/helpers_ports.py: distinct ports, none ephemeral, each leased node-wide by this process (another
+    process, as another pytest-xdist worker, cannot lease it; its owner record names the test) and free to
+    bind on TCP."""
+    from helpers_ports import free_port, free_ports
+
+    ports = [*free_ports(3), free_port()]
+    assert len(set(ports)) == 4
+    assert not any(EPHEMERAL[0] <= p <= EPHEMERAL[1] for p in ports)
+    taken = subprocess.run(
+        [sys.executable, "-c", "import sys; from mopd_hpc.runtime.ports_registry import bind_lease_socket; "
+         "print([bind_lease_socket(int(p)) is None for p in sys.argv[1:]])", *map(str, ports)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert taken.stdout.split() == ["[True,", "True,", "True,", "True]"]
+    record = read_owner_record(ports[0])
+    assert record is not None and (record.job_id, record.role, record.pid) == ("pytest", "test", os.getpid())
+    assert all(tcp_port_free(p, "127.0.0.1") for p in ports)

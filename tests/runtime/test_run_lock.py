@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_guard import HOST, JOB, start_guard, stop_guard, wait_until
+from helpers_wait import until
+from test_guard import HOST, JOB, start_guard, stop_guard
 from test_local_backend import REPO, reports, start
 
 from mopd_hpc.runtime.run_lock import LOCK_FILE_NAME, RunDirLockedError, acquire, holder_of
@@ -25,7 +26,7 @@ def test_a_second_local_run_on_the_same_run_dir_exits_2_naming_the_first(tmp_pat
     # the first job holds long enough for the second to start on a loaded machine (parallel test workers)
     first = start("local_cpu.yaml", run_dir, MOPD_PROBE_HOLD_S="45")
     try:
-        assert wait_until(lambda: len(list((run_dir / "probe").glob("*.json"))) == 4, 120), first.stderr
+        assert until(lambda: len(list((run_dir / "probe").glob("*.json"))) == 4, 120), first.stderr
         plan_before = (run_dir / "plan.json").read_text()
         config_before = (run_dir / "config.yaml").read_text()
         second = start("local_cpu.yaml", run_dir, MOPD_PROBE_HOLD_S="6")
@@ -73,7 +74,7 @@ def test_a_guard_of_another_job_is_refused_at_start_one_of_the_same_job_joins(tm
         assert not (g.run_dir / "guards" / "otherhost.json").exists()
         joined = other_guard(JOB)  # another node's guard of the same job
         try:
-            assert wait_until((g.run_dir / "guards" / "otherhost.json").exists, 30), joined.stderr
+            assert until((g.run_dir / "guards" / "otherhost.json").exists, 30), joined.stderr
         finally:
             joined.send_signal(signal.SIGINT)
             joined.communicate(timeout=30)

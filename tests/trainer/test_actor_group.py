@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,12 @@ from pathlib import Path
 
 import actor_group_prog as prog
 import pytest
+from helpers_ports import free_port
 
 from mopd_hpc.trainer.rendezvous import RendezvousFile
 from mopd_hpc.trainer.shards import shard_rows
 
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(
@@ -234,3 +228,26 @@ def test_followers_join_a_collective_state_dict_at_a_checkpoint(tmp_path):
     assert [s[0] for s in shards] == [1.0, 2.0]  # one shard from each rank
     assert shards[0][1:] == shards[1][1:]  # the replicas' parameters after step 2 agree
     assert r0["w"] == pytest.approx(prog.reference()["w"], rel=1e-12, abs=1e-14) and r1["w"] == r0["w"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "collective_s", "rendezvous_s", "message"),
+    [
+        ("mpi", 5.0, 5.0, "backend='mpi': expected 'gloo' (CPU) or 'nccl' (GPU)"),
+        ("gloo", 0.0, 5.0, "collective_timeout_s=0.0, rendezvous_timeout_s=5.0: expected > 0"),
+        ("nccl", 5.0, -1.0, "collective_timeout_s=5.0, rendezvous_timeout_s=-1.0: expected > 0"),
+    ],
+)
+def test_the_actor_group_and_a_teacher_tp_group_refuse_the_same_settings(
+    backend: str, collective_s: float, rendezvous_s: float, message: str
+) -> None:
+    """`group.group_settings_problem`, as both groups' specs raise it (each with its own error type)."""
+    from mopd_hpc.roles.teacher_replica import ReplicaSpec
+    from mopd_hpc.trainer.actor_group import GroupSpec
+    from mopd_hpc.trainer.group import ActorGroupError
+
+    with pytest.raises(ActorGroupError) as actor:
+        GroupSpec(0, 2, 0, 2, backend, "cpu", collective_s, rendezvous_s)
+    with pytest.raises(ValueError) as teacher:
+        ReplicaSpec("t", 0, 1, 2, backend, "cpu", collective_s, rendezvous_s)
+    assert str(actor.value) == str(teacher.value) == message

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
 from helpers_configs import set_dotted
+from helpers_ports import free_port
 
 from mopd_hpc.mopd.phases import Phase
 from mopd_hpc.records.metrics import MetricsWriter, read_metrics, rollback_metrics
@@ -56,12 +56,6 @@ CONTRACT_KEYS = (
     "time/train/forward_backward_s",
     "time/train/optimizer_s",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def micro_config(

@@ -5,11 +5,11 @@ timeout that names why, and a client that reaches the store only through its own
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import pytest
+from helpers_ports import free_port
 
 from mopd_hpc.trainer.rendezvous import (
     Rendezvous,
@@ -55,9 +55,7 @@ def test_only_a_record_of_this_job_and_world_counts(tmp_path, file, world):
 
 
 def test_a_client_reaches_the_published_store_through_its_nonce(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     file = RendezvousFile.teacher(tmp_path, "t", 0)
     write_rendezvous(file, Rendezvous.create("7", "127.0.0.1", port, 2))  # a stale record: no store behind it
     stale = json.loads(file.path.read_text())["nonce"]

@@ -19,12 +19,13 @@ from mopd_hpc.engines.megatron import optimizer_state, parallel
 from mopd_hpc.engines.megatron.model import DTYPES, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
+from mopd_hpc.engines.memory.residency import RequiresResident
 from mopd_hpc.engines.own_file import OwnFile, OwnFileError
 from mopd_hpc.engines.own_file import resolve as resolve_own_file
 from mopd_hpc.engines.protocol import EngineError
 
 
-class MegatronCheckpointState:
+class MegatronCheckpointState(RequiresResident):
     """Save and load of the megatron actor's state (module docstring); `MegatronTrainEngine` is its subclass."""
 
     model: torch.nn.Module
@@ -37,10 +38,6 @@ class MegatronCheckpointState:
     dtype: str
     tp_rank: int
     steps: int
-
-    def _require_resident(self, what: str) -> None:
-        if not self.residency.on_device:
-            raise EngineError(f"{what}: the actor is offloaded; onload() first")
 
     @property
     def sharded_checkpoint(self) -> bool:

@@ -67,14 +67,13 @@ from mopd_hpc.engines.memory.estimates import MemoryModelError, ModelShape, trai
 from mopd_hpc.engines.micro_batch import (
     MicroBatching,
     StepStats,
-    release_activations,
     split_rows,
     step_budget,
+    step_tokens,
 )
 from mopd_hpc.engines.protocol import ResidencyReport, refuse_loss
 from mopd_hpc.engines.span_clock import SpanClock
 from mopd_hpc.engines.train_objective import batch_objective, bind_objective
-from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.objective import Objective
 from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.mopd.vocab_parallel import (
@@ -259,11 +258,7 @@ class MegatronTrainEngine(MegatronCheckpointState):
         batch = batch.to(self.device)
         mask = batch.tokens.response_mask
         dp = self.data_parallel
-        local_tokens = mask.sum(dtype=torch.int64)
-        # the whole step's denominator (over the DP ranks' shards), once, given to every micro-batch's loss
-        counts = torch.stack([loss_denominator(mask, self.loss_config.normalizer), local_tokens])
-        dp.all_reduce_sum(counts)
-        denominator, tokens = counts[0], float(counts[1])
+        local_tokens, denominator, tokens = step_tokens(mask, self.loss_config.normalizer, dp)
         parts = [None] if batch.batch_size == 0 else split_rows(batch, self._budget())
         full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         combined = StepStats()
@@ -295,16 +290,9 @@ class MegatronTrainEngine(MegatronCheckpointState):
             self.scheduler.step(1)
         clock.lap(TRAIN_OPTIMIZER_KEY)
         self.steps += 1
-        out = combined.step_result(observed, dp, float(local_tokens), self.device)
-        out |= {
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "step_skipped": 0.0 if ok else 1.0,
-            "lr": lr,
-            "tokens": tokens,
-            "micro_batches": float(len(parts)),
-        }
-        release_activations(self.device)
-        return out | clock.spans
+        norm = float(grad_norm) if grad_norm is not None else float("nan")
+        return combined.finish(observed, dp, float(local_tokens), self.device, grad_norm=norm, skipped=not ok,
+                               lr=lr, tokens=tokens, micro_batches=len(parts), spans=clock.spans)  # fmt: skip
 
     def _budget(self) -> int | None:
         """This step's micro-batch budget (`micro_batch.step_budget`; the grad buffers exist already, Adam's

@@ -34,6 +34,7 @@ from mopd_hpc.engines.megatron.convert import Qwen3Shape, hf_to_mcore, shard_tp
 from mopd_hpc.engines.megatron.engine import MegatronForward
 from mopd_hpc.engines.megatron.model import DTYPES, load_mcore_state
 from mopd_hpc.engines.megatron.residency import scoring_residency
+from mopd_hpc.engines.memory.residency import RequiresResident
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.mopd.vocab_parallel import (
@@ -43,7 +44,7 @@ from mopd_hpc.mopd.vocab_parallel import (
 )
 
 
-class MegatronScoringEngine:
+class MegatronScoringEngine(RequiresResident):
     """A teacher's forward-only engine on megatron-core: no optimizer state, no DDP wrapper; residency is
     parameters only. The teacher server's surface, as `TorchScoringEngine`: `score`, `vocab_size`,
     `load_weights`, `offload`/`onload`, `residency`, `path`, `pad_token_id`, `device`. Build with
@@ -53,6 +54,8 @@ class MegatronScoringEngine:
     threads, whose current CUDA device is not the one `initialize_parallel` set (megatron allocates on the
     current device).
     """
+
+    OFFLOADED = "the teacher's weights are offloaded"
 
     def __init__(
         self,
@@ -112,10 +115,6 @@ class MegatronScoringEngine:
         """The checkpoint config's `pad_token_id` (None when it names none)."""
         pad = self.hf_config.get("pad_token_id")
         return None if pad is None else int(pad)
-
-    def _require_resident(self, what: str) -> None:
-        if not self.residency.on_device:
-            raise EngineError(f"{what}: the teacher's weights are offloaded; onload() first")
 
     def _device_scope(self) -> contextlib.AbstractContextManager[Any]:
         """`torch.cuda.device(self.device)` (the calling thread's current device), or nothing off CUDA."""

@@ -10,10 +10,11 @@ themselves.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
-from mopd_hpc.engines.protocol import ResidencyReport
+from mopd_hpc.engines.protocol import EngineError, ResidencyReport
 
 log = logging.getLogger("mopd_hpc.engines.memory.residency")
 
@@ -95,3 +96,16 @@ class Residency:
     def _report(self, action: str, moved: int, message: str) -> ResidencyReport:
         log.info("%s: %s", action, message)
         return ResidencyReport(action, moved > 0, moved, str(self.device), message)
+
+
+class RequiresResident:
+    """Mixin of an engine whose calls need its weights on the device: `_require_resident(what)` raises
+    EngineError("<what>: <OFFLOADED>; onload() first") while `self.residency` (a `Residency`, or megatron's
+    `DDPResidency`: anything with `on_device`) is offloaded. `OFFLOADED` names what is offloaded."""
+
+    residency: Any
+    OFFLOADED = "the actor is offloaded"
+
+    def _require_resident(self, what: str) -> None:
+        if not self.residency.on_device:
+            raise EngineError(f"{what}: {self.OFFLOADED}; onload() first")

@@ -37,6 +37,7 @@ from mopd_hpc.engines.weight_sync.requests import (
     InitGroupRequest,
 )
 from mopd_hpc.runtime.http_auth import auth_headers
+from mopd_hpc.runtime.http_client import SessionClient, within_deadline
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class RolloutUnavailableError(RuntimeError):
     within the call's total timeout (stopped, hung, overloaded); the message names the server and its URL."""
 
 
-class RolloutClient:
+class RolloutClient(SessionClient):
     """Async client of one rollout server. Use as `async with`, or call `close()` when done.
 
     `binary`: ask /generate for a frame (module docstring); `max_body_bytes`: the largest frame accepted,
@@ -97,14 +98,6 @@ class RolloutClient:
     async def __aenter__(self) -> RolloutClient:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
     async def request(
         self,
         method: str,
@@ -125,15 +118,13 @@ class RolloutClient:
                 the message names the server (`name`) and its URL.
         """
         timeout = self.timeout if timeout is None else timeout
-        total = timeout.total  # None: unbounded (a caller's own ClientTimeout without a total)
-        try:
-            async with asyncio.timeout(total):
-                return await self._attempts(method, path, body, retry_503, timeout, accept_frame)
-        except TimeoutError as exc:  # the bound above, or aiohttp's own total (its ServerTimeoutError too)
-            raise RolloutUnavailableError(
-                f"{self.name} at {self.base_url}: {method} {path}: no answer within {total:g} s (its request "
-                "timeout, rollout.request_timeout_s): the server is stopped, hung or overloaded"
-            ) from exc
+        return await within_deadline(  # total None: unbounded (a caller's own ClientTimeout without a total)
+            self._attempts(method, path, body, retry_503, timeout, accept_frame),
+            timeout.total,
+            where=f"{self.name} at {self.base_url}: {method} {path}",
+            field="rollout.request_timeout_s",
+            unavailable=RolloutUnavailableError,
+        )
 
     async def _attempts(
         self,

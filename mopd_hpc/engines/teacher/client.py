@@ -7,12 +7,10 @@ JSON and binary); `score_tensors` returns the packed tensors of a binary answer 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -22,9 +20,12 @@ from mopd_hpc.engines.frames.over_http import FRAME_HEADERS, READ_BUFSIZE, is_fr
 from mopd_hpc.engines.teacher.greedy_generate import greedy_body
 from mopd_hpc.engines.teacher.score_frames import ScoreTensors, encode_score_request
 from mopd_hpc.runtime.http_auth import auth_headers
+from mopd_hpc.runtime.http_client import SessionClient, within_deadline
 
 #: Default client timeout of one request, in seconds (scoring a large batch on CPU can take a while).
 DEFAULT_TIMEOUT_S = 600.0
+
+T = TypeVar("T")
 
 
 class TeacherClientError(RuntimeError):
@@ -65,7 +66,7 @@ class ScoreResponse:
         return cls(lists, ids, vals, answer.weight_version, answer.fingerprint)
 
 
-class TeacherClient:
+class TeacherClient(SessionClient):
     """asyncio client of one teacher server. Use as `async with TeacherClient(url) as client: ...`.
 
     Args:
@@ -116,35 +117,25 @@ class TeacherClient:
         self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    @contextlib.contextmanager
-    def _reaching(self, path: str) -> Iterator[None]:
-        """Raise a timeout or a failed connection during a request to `path` as TeacherUnavailableError."""
+    async def _reaching(self, path: str, call: Awaitable[T]) -> T:
+        """`call` (a request to `path`) within `timeout_s`, the answer's direct socket read included (aiohttp's
+        own total does not cover it); no answer in time or a failed connection raise TeacherUnavailableError."""
+        where = f"{self.name} at {self.url}: {path}"
         try:
-            yield
-        except TimeoutError as exc:  # aiohttp's total timeout (and its ServerTimeoutError subclasses)
-            raise TeacherUnavailableError(
-                f"{self.name} at {self.url}: {path}: no answer within {self.timeout_s:g} s (its request "
-                "timeout, models.teachers[].request_timeout_s): the server is stopped, hung or overloaded"
-            ) from exc
+            return await within_deadline(
+                call,
+                self.timeout_s,
+                where=where,
+                field="models.teachers[].request_timeout_s",
+                unavailable=TeacherUnavailableError,
+            )
         except aiohttp.ClientConnectionError as exc:
-            raise TeacherUnavailableError(
-                f"{self.name} at {self.url}: {path}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise TeacherUnavailableError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         if self._session is None:
             raise RuntimeError("TeacherClient used outside `async with` (no session)")
-        with self._reaching(path):
-            async with asyncio.timeout(self.timeout_s):
-                return await self._request(method, path, body)
+        return await self._reaching(path, self._request(method, path, body))
 
     async def _request(self, method: str, path: str, body: Any) -> dict[str, Any]:
         assert self._session is not None
@@ -200,10 +191,7 @@ class TeacherClient:
         if self._session is None:
             raise RuntimeError("TeacherClient used outside `async with` (no session)")
         body = encode_score_request(input_ids, response_start, top_k)
-        with self._reaching("/score"):
-            # the whole request, the answer's direct socket read too (aiohttp's own total does not cover it)
-            async with asyncio.timeout(self.timeout_s):
-                return await self._score_frame(body)
+        return await self._reaching("/score", self._score_frame(body))
 
     async def _score_frame(self, body: memoryview) -> ScoreTensors:
         assert self._session is not None

@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
-from mopd_hpc.engines.memory.residency import Residency
-from mopd_hpc.engines.protocol import EngineError
+from mopd_hpc.engines.memory.residency import RequiresResident, Residency
 from mopd_hpc.engines.torch.hf_model import TOKENIZER_FILES
 
 
-class TorchCheckpointState:
+class TorchCheckpointState(RequiresResident):
     """Save and load of the torch actor's state (module docstring); `TorchTrainEngine` is its subclass."""
 
     model: torch.nn.Module
@@ -27,10 +26,6 @@ class TorchCheckpointState:
     residency: Residency
     path: str
     steps: int
-
-    def _require_resident(self, what: str) -> None:
-        if not self.residency.on_device:
-            raise EngineError(f"{what}: the actor is offloaded; onload() first")
 
     def state_dict(self) -> dict[str, Any]:
         """{"model": model state_dict, "optimizer": AdamW state_dict, "scheduler": its lr schedule's state,

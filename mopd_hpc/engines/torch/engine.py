@@ -70,9 +70,9 @@ from mopd_hpc.engines.memory.residency import Residency
 from mopd_hpc.engines.micro_batch import (
     MicroBatching,
     StepStats,
-    release_activations,
     split_rows,
     step_budget,
+    step_tokens,
 )
 from mopd_hpc.engines.moe_routing import RouterHooks, load_balancing_loss, replay_ids, z_loss
 from mopd_hpc.engines.protocol import EngineError, ResidencyReport, refuse_loss
@@ -88,7 +88,6 @@ from mopd_hpc.engines.torch.hf_model import (
 )
 from mopd_hpc.engines.train_objective import batch_objective, bind_objective
 from mopd_hpc.mopd.logprobs import Backend, token_logprobs
-from mopd_hpc.mopd.normalize import loss_denominator
 from mopd_hpc.mopd.topk import TeacherTopK
 from mopd_hpc.records.metrics_schema import TRAIN_FORWARD_BACKWARD_KEY, TRAIN_OPTIMIZER_KEY
 
@@ -304,11 +303,7 @@ class TorchTrainEngine(TorchCheckpointState):
         self.train_module.train()
         batch = batch.to(self.device)
         mask = batch.tokens.response_mask
-        local_tokens = mask.sum(dtype=torch.int64)
-        # The whole step's denominator, computed once and given to every micro-batch's loss.
-        counts = torch.stack([loss_denominator(mask, self.loss_config.normalizer), local_tokens])
-        dp.all_reduce_sum(counts)
-        denominator, tokens = counts[0], float(counts[1])
+        local_tokens, denominator, tokens = step_tokens(mask, self.loss_config.normalizer, dp)
         empty = batch.batch_size == 0
         parts = [None] if empty else split_rows(batch, self._budget())
         full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
@@ -345,17 +340,10 @@ class TorchTrainEngine(TorchCheckpointState):
         self.scheduler.step()
         clock.lap(TRAIN_OPTIMIZER_KEY)
         self.steps += 1
-        out = combined.step_result(observed, dp, float(local_tokens), self.device)
-        out |= {
-            "grad_norm": grad_norm,
-            "grad_clip_coef": min(1.0, clip / (grad_norm + 1e-6)) if clip is not None and finite else 1.0,
-            "step_skipped": 0.0 if finite else 1.0,
-            "lr": lr,
-            "tokens": tokens,
-            "micro_batches": float(len(parts)),
-        }
-        release_activations(self.device)
-        return out | clock.spans
+        coef = min(1.0, clip / (grad_norm + 1e-6)) if clip is not None and finite else 1.0
+        return combined.finish(observed, dp, float(local_tokens), self.device, grad_norm=grad_norm,
+                               skipped=not finite, lr=lr, tokens=tokens, micro_batches=len(parts),
+                               spans=clock.spans, grad_clip_coef=coef)  # fmt: skip
 
     def _budget(self) -> int | None:
         """This step's micro-batch budget (`step_budget`): gradients are allocated anew each step, the AdamW

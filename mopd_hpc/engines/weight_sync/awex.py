@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd_hpc.atomic import atomic_write_json
+from mopd_hpc.config.rollout import AWEX_MODES
 from mopd_hpc.records.run_dir import AWEX_META_SERVER_FILE
 from mopd_hpc.runtime import child_env
 
@@ -59,7 +60,6 @@ REGISTERED_ARCHITECTURES = frozenset(
 )
 COMM_BACKENDS = ("nccl", "file")
 IPC_BACKENDS = ("cuda", "cpu")
-_MODES = {"colocated": "colocate", "separated": "separate"}
 
 
 class AwexConfigError(ValueError):
@@ -230,7 +230,7 @@ class AwexJobConfig:
                 raise AwexConfigError(
                     f"{child.label}: transfer_ranks={child.transfer_ranks}, AWEX expects {want}"
                 )
-        mode = _MODES[plan.mode]
+        mode = AWEX_MODES[plan.mode]
         if mode == "colocate" and len(actors) != infer_world:
             raise AwexConfigError(
                 f"AWEX colocate pairs each trainer rank with one rollout rank on the same GPU: train_world="
