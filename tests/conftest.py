@@ -47,6 +47,8 @@ CHEAP_MODULE_FIXTURES = frozenset({"one_torch_thread"})
 #: nodeid → seconds (setup + call + teardown) of the long tests in a profiled run; `python tools/test_durations.py
 #: LOG` writes it from a `--durations=0` report. Only the order it gives matters (``longest_first``).
 DURATIONS_FILE = Path(__file__).with_name("durations.json")
+#: OpenMP's (and torch's) per-process CPU thread count, set for the whole run (``pytest_configure``).
+OMP_THREADS = "OMP_NUM_THREADS"
 # A directory name with a space, a quote and a shell command: any unquoted use of the path breaks or runs `echo`.
 WEIRD_DIR_NAME = "we ird'; echo x"
 
@@ -245,8 +247,15 @@ def _module_fixture_names(item: pytest.Item) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under ``--dist loadgroup`` let xdist hand out the work in collection order (its default re-sorts the work
-    units by their number of tests): collection puts the longest first (``pytest_collection_modifyitems``)."""
+    """One CPU thread per process, and under ``--dist loadgroup`` the work in collection order.
+
+    ``OMP_NUM_THREADS`` (default 1; a value already set is kept) is set before anything imports torch, so this
+    process and every process a test starts (a job's children take it as their cap: ``roles/env.cpu_threads``)
+    compute on one thread: the tests run micro models beside other workers on 2 cores, where a second OpenMP
+    thread spin-waits (measured: a micro job's step 1.3 s at 2 threads, 0.07 s at 1; a 300-step SFT of the
+    micro student 18× the CPU). xdist's default re-sorts the work units by their number of tests; collection
+    puts the longest first instead (``pytest_collection_modifyitems``)."""
+    os.environ.setdefault(OMP_THREADS, "1")
     if getattr(config.option, "dist", "no") == "loadgroup":
         config.option.loadscopereorder = False
 
