@@ -52,8 +52,8 @@ from mopd_hpc.engines.rollout.hf_engine import HFRolloutEngine  # noqa: E402
 from mopd_hpc.engines.rollout.protocol import SamplingParams  # noqa: E402
 from mopd_hpc.engines.rollout.rows import RowRequest  # noqa: E402
 from mopd_hpc.engines.torch.engine import TorchTrainEngine  # noqa: E402
-from mopd_hpc.mopd import aggregate_teacher_targets  # noqa: E402
 from mopd_hpc.mopd.loss import importance_weights  # noqa: E402
+from mopd_hpc.mopd.targets import aggregate_teacher_targets  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The Qwen3-MoE shape (transformers Qwen3MoeConfig fields): ~40M parameters, 16 experts, 4 routed per token.

@@ -20,6 +20,7 @@ under the run's shared temp root with a file lock, so parallel workers build the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,6 +44,11 @@ OUTPUT_TAIL_CHARS = 4000
 SLURM_GROUP = "slurm"
 #: Module-scoped fixtures of this file that are cheap to repeat: they do not keep a module on one worker.
 CHEAP_MODULE_FIXTURES = frozenset({"one_torch_thread"})
+#: nodeid → seconds (setup + call + teardown) of the long tests in a profiled run; `python tools/test_durations.py
+#: LOG` writes it from a `--durations=0` report. Only the order it gives matters (``longest_first``).
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+#: OpenMP's (and torch's) per-process CPU thread count, set for the whole run (``pytest_configure``).
+OMP_THREADS = "OMP_NUM_THREADS"
 # A directory name with a space, a quote and a shell command: any unquoted use of the path breaks or runs `echo`.
 WEIRD_DIR_NAME = "we ird'; echo x"
 
@@ -240,20 +246,64 @@ def _module_fixture_names(item: pytest.Item) -> list[str]:
     ]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One CPU thread per process, and under ``--dist loadgroup`` the work in collection order.
+
+    ``OMP_NUM_THREADS`` (default 1; a value already set is kept) is set before anything imports torch, so this
+    process and every process a test starts (a job's children take it as their cap: ``roles/env.cpu_threads``)
+    compute on one thread: the tests run micro models beside other workers on 2 cores, where a second OpenMP
+    thread spin-waits (measured: a micro job's step 1.3 s at 2 threads, 0.07 s at 1; a 300-step SFT of the
+    micro student 18× the CPU). xdist's default re-sorts the work units by their number of tests; collection
+    puts the longest first instead (``pytest_collection_modifyitems``)."""
+    os.environ.setdefault(OMP_THREADS, "1")
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False
+
+
+def _work_unit(item: pytest.Item) -> str:
+    """What xdist hands to one worker at once: the item's xdist group (named as xdist's worker names it: its
+    groups sorted and joined by ``_``), else the item alone."""
+    names = {
+        str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+        for mark in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names)) if names else item.nodeid
+
+
+def longest_first(items: Sequence[pytest.Item], seconds: Mapping[str, float]) -> list[pytest.Item]:
+    """`items` with their work units (see `_work_unit`) longest first by the summed `seconds` of their tests (a
+    test without an entry counts 0 s), ties in collection order; a unit's own tests keep their order.
+
+    Longest-processing-time-first: a long test collected late would otherwise start last and run on one worker
+    while the others idle. ``seconds`` is tests/durations.json (nodeid → setup + call + teardown seconds)."""
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        units.setdefault(_work_unit(item), []).append(item)
+    cost = {unit: sum(seconds.get(item.nodeid, 0.0) for item in members) for unit, members in units.items()}
+    order = sorted(units, key=lambda unit: -cost[unit])  # stable: ties keep collection order
+    return [item for unit in order for item in units[unit]]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group tests for ``--dist loadgroup`` (runs before xdist reads the groups; without xdist the marks are inert).
+    """Group tests for ``--dist loadgroup`` (runs before xdist reads the groups; without xdist the marks are inert),
+    and on an xdist worker order them longest first.
 
     Slurm tests (marker ``slurm`` or the ``slurm_cluster`` fixture) share one group: one worker starts the
     cluster once and runs them in order (they wait for an idle cluster, take its 4 nodes, and count its jobs).
     The tests of a module with a module-scoped fixture share a group named after the module, so the fixture
     (a job run once and asserted on by several tests, a served model) runs on one worker, once.
+    On a worker (every worker collects, in the same order, and the scheduler hands out work in that order) the
+    work units go longest first by tests/durations.json (``longest_first``); a run without xdist keeps the
+    collection order.
     """
     for item in items:
         if item.get_closest_marker("slurm") is not None or "slurm_cluster" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group(SLURM_GROUP))
         elif _module_fixture_names(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    if hasattr(config, "workerinput") and DURATIONS_FILE.is_file():
+        items[:] = longest_first(items, json.loads(DURATIONS_FILE.read_text()))
 
 
 def _shared_tmp_root(factory: pytest.TempPathFactory) -> Path:

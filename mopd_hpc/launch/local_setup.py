@@ -33,13 +33,13 @@ from typing import TextIO
 
 from mopd_hpc.atomic import atomic_write_text
 from mopd_hpc.config import RunConfig
+from mopd_hpc.records.eval_table import print_eval_table
 from mopd_hpc.records.job_end import read_job_end
 from mopd_hpc.records.run_dir import CONFIG_FILE, METRICS_FILE
 from mopd_hpc.roles.env import with_absolute_paths
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.guard.children import PDEATH_EXEC
 from mopd_hpc.runtime.signals import PARENT_DEATH_SIGNAL, killpg_quiet
-from mopd_hpc.trainer.evaluate import print_eval_table
 from mopd_hpc.trainer.progress import Progress
 
 #: The tiny-model builder of this repository (tools/ is not a package).

@@ -217,22 +217,34 @@ def cpu_threads(environ: Mapping[str, str], share: int = 1) -> int:
     The budget is the CPUs this process may run on (its affinity mask), capped by `SLURM_CPUS_PER_TASK`
     when srun set it (a task's --cpus-per-task; Slurm confines a task to them only under task/affinity or
     cgroup CPU constraints, so the cap also holds where it does not). More threads than cores costs far more
-    than it gains: OpenMP threads spin-wait for each other (measured here: 10x slower steps).
+    than it gains: OpenMP threads spin-wait for each other (measured here: 10x slower steps). `OMP_NUM_THREADS`,
+    when set, caps the result (OpenMP's own per-process thread count, which torch.set_num_threads would
+    otherwise override): jobs that share cores with others (the test suite's parallel workers) set it to 1.
 
     Raises:
-        RoleEnvError: SLURM_CPUS_PER_TASK is set but not a positive integer.
+        RoleEnvError: SLURM_CPUS_PER_TASK or OMP_NUM_THREADS is set but not a positive integer.
     """
     budget = len(os.sched_getaffinity(0))
-    raw = environ.get("SLURM_CPUS_PER_TASK")
-    if raw:
-        try:
-            per_task = int(raw)
-        except ValueError:
-            per_task = 0
-        if per_task < 1:
-            raise RoleEnvError(f"SLURM_CPUS_PER_TASK={raw!r}: expected a positive integer")
+    per_task = _positive(environ, "SLURM_CPUS_PER_TASK")
+    if per_task is not None:
         budget = min(budget, per_task)
-    return max(1, budget // max(1, share))
+    threads = max(1, budget // max(1, share))
+    omp = _positive(environ, "OMP_NUM_THREADS")
+    return threads if omp is None else min(threads, omp)
+
+
+def _positive(environ: Mapping[str, str], name: str) -> int | None:
+    """environ[name] as a positive integer; None when unset or empty. Raises RoleEnvError on another value."""
+    raw = environ.get(name)
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise RoleEnvError(f"{name}={raw!r}: expected a positive integer")
+    return value
 
 
 def port_env_name(name: str) -> str:

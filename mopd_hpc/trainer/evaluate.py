@@ -21,7 +21,8 @@ its own.
   generates on its own server, once, at the start (its accuracy does not change during the run; it is kept
   in eval.json, so a resumed run does not ask again).
 
-`run_dir/eval.json` (written atomically; `trainer/evaluator.py` adds `points` and `k`):
+`run_dir/eval.json` (written atomically; `trainer/evaluator.py` adds `points` and `k`; read and printed by
+`records/eval_table.py`):
 
     {"routes": {ROUTE: {"teacher": acc, "student_start": acc, "student_end": acc | null, "n": prompts}},
      "teachers": {ROUTE: {TEACHER_ID: acc}},
@@ -37,11 +38,10 @@ step; several versions joined by "," if the engines disagreed, which the control
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from mopd_hpc.atomic import atomic_write_json
 from mopd_hpc.config.rollout import SamplingConfig
@@ -226,14 +226,6 @@ async def teacher_accuracy(
     return out
 
 
-def read_eval(run_dir: Path) -> dict[str, Any] | None:
-    """run_dir/eval.json, or None when absent or unreadable."""
-    try:
-        return json.loads((run_dir / EVAL_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def eval_record(
     teachers: Mapping[str, Mapping[str, float]],
     student_start: Mapping[str, float],
@@ -263,31 +255,3 @@ def write_eval(run_dir: Path, record: Mapping[str, Any]) -> Path:
     path = run_dir / EVAL_FILE
     atomic_write_json(path, dict(record))
     return path
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def format_eval_table(record: Mapping[str, Any]) -> str:
-    """A plain-text table: route, n, teacher, student start, student end, end as % of teacher."""
-    head = f"{'route':<14} {'n':>5} {'teacher':>8} {'start':>8} {'end':>8} {'end/teacher':>12}"
-    lines = [head, "-" * len(head)]
-    for route, r in record.get("routes", {}).items():
-        teacher, end = r.get("teacher"), r.get("student_end")
-        ratio = "-" if not teacher or end is None else f"{100 * end / teacher:.1f}%"
-        lines.append(
-            f"{route:<14} {r.get('n', 0):>5} {_pct(teacher):>8} {_pct(r.get('student_start')):>8} "
-            f"{_pct(end):>8} {ratio:>12}"
-        )
-    return "\n".join(lines)
-
-
-def print_eval_table(run_dir: Path, out: TextIO) -> bool:
-    """Print the run's evaluation table (when eval.json exists); returns whether it printed."""
-    record = read_eval(run_dir)
-    if record is None:
-        return False
-    print(f"evaluation ({run_dir / EVAL_FILE}):", file=out)
-    print(format_eval_table(record), file=out, flush=True)
-    return True

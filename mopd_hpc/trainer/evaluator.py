@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from mopd_hpc.config import RunConfig
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.teacher.replica_pool import TeacherPool
+from mopd_hpc.records.eval_table import format_eval_table, read_eval
 from mopd_hpc.records.metrics_schema import eval_key
 from mopd_hpc.trainer import evaluate
 from mopd_hpc.trainer.data_setup import RunData
@@ -83,7 +84,7 @@ class RunEvaluator:
             teachers, point["pass@1"], None, self.counts, {"start": point["weight_version"]}
         )
         self._write(record | {K_KEY: self.cfg.data.eval.samples, POINTS_KEY: [point]})
-        print("evaluation at the start:\n" + evaluate.format_eval_table(record), file=self.out, flush=True)
+        print("evaluation at the start:\n" + format_eval_table(record), file=self.out, flush=True)
 
     def resume(self, step: int) -> bool:
         """A resumed run at `step`: drop eval.json's points after it. Returns whether eval.json exists (False:
@@ -95,7 +96,7 @@ class RunEvaluator:
         if not self.active:
             return {}
         point = await self._student_point(step)
-        record = evaluate.read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
+        record = read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
         points = [p for p in record.get(POINTS_KEY, []) if p.get("step") != step]
         self._write(record | {K_KEY: self.cfg.data.eval.samples, POINTS_KEY: [*points, point]})
         return point_metrics(point)
@@ -105,17 +106,17 @@ class RunEvaluator:
         end table."""
         if not self.active:
             return
-        record = evaluate.read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
+        record = read_eval(self.run_dir) or {"routes": {}, "teachers": {}}
         last = (record.get(POINTS_KEY) or [{}])[-1]
         if last.get("step") != step:
             await self.point(step)
-            record = evaluate.read_eval(self.run_dir) or record
+            record = read_eval(self.run_dir) or record
             last = record[POINTS_KEY][-1]
         start = {r: v.get("student_start") for r, v in record["routes"].items()}
         weights = {"start": (record.get("student_weights") or {}).get("start"), "end": last["weight_version"]}
         table = evaluate.eval_record(record.get("teachers", {}), start, last["pass@1"], self.counts, weights)
         self._write(record | table)
-        print("evaluation at the end:\n" + evaluate.format_eval_table(table), file=self.out, flush=True)
+        print("evaluation at the end:\n" + format_eval_table(table), file=self.out, flush=True)
 
     async def _student_point(self, step: int) -> dict[str, Any]:
         """{"step", "weight_version", "pass@1", "mean@k"} of the weights the engines hold (those of `step`); a
@@ -155,7 +156,7 @@ class RunEvaluator:
 def keep_points_upto(run_dir: Path, step: int) -> bool:
     """Drop eval.json's points after `step` (rewritten atomically, only when some are dropped); returns whether
     eval.json exists."""
-    record = evaluate.read_eval(run_dir)
+    record = read_eval(run_dir)
     if record is None:
         return False
     points = [p for p in record.get(POINTS_KEY, []) if p.get("step", 0) <= step]

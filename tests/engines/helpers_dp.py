@@ -220,7 +220,8 @@ def record_step(root: Path) -> dict[str, Path]:
     from helpers_models import save_micro_qwen3
 
     from mopd_hpc.engines.torch.scoring import TorchScoringEngine
-    from mopd_hpc.mopd import aggregate_teacher_targets, grpo_advantages
+    from mopd_hpc.mopd.grpo import grpo_advantages
+    from mopd_hpc.mopd.targets import aggregate_teacher_targets
 
     student = save_micro_qwen3(root / "student", 0, vocab_size=VOCAB, initializer_range=0.2)
     teachers = {

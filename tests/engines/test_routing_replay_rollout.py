@@ -21,7 +21,7 @@ from transformers import Qwen3MoeForCausalLM
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.rollout.client import RolloutClient
 from mopd_hpc.engines.rollout.protocol import SamplingParams
-from mopd_hpc.mopd import aggregate_teacher_targets
+from mopd_hpc.mopd.targets import aggregate_teacher_targets
 from mopd_hpc.trainer.rollout_phase import padded_routes
 from mopd_hpc.trainer.step_record import ControlRecord
 

@@ -19,7 +19,7 @@ from mopd_hpc.engines.batch import BatchError, TokenBatch, TrainBatch
 from mopd_hpc.engines.protocol import EngineError, ScoringEngine, TrainEngine
 from mopd_hpc.engines.torch.engine import TorchTrainEngine
 from mopd_hpc.engines.torch.scoring import TorchScoringEngine
-from mopd_hpc.mopd import aggregate_teacher_targets
+from mopd_hpc.mopd.targets import aggregate_teacher_targets
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]

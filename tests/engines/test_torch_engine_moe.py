@@ -23,7 +23,7 @@ from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.protocol import EngineError
 from mopd_hpc.engines.torch.engine import TorchTrainEngine
-from mopd_hpc.mopd import aggregate_teacher_targets
+from mopd_hpc.mopd.targets import aggregate_teacher_targets
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]

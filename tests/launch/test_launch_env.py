@@ -285,3 +285,9 @@ def test_cpu_threads_budget_is_affinity_capped_by_slurm_cpus_per_task() -> None:
     assert cpu_threads({"SLURM_CPUS_PER_TASK": str(cores + 8)}) == cores  # never above the affinity
     with pytest.raises(RoleEnvError, match="SLURM_CPUS_PER_TASK='two': expected a positive integer"):
         cpu_threads({"SLURM_CPUS_PER_TASK": "two"})
+    # OMP_NUM_THREADS caps it (the test suite's parallel workers set 1), never raises it
+    assert cpu_threads({"OMP_NUM_THREADS": "1"}) == 1
+    assert cpu_threads({"OMP_NUM_THREADS": str(cores + 8)}) == cores
+    assert cpu_threads({"OMP_NUM_THREADS": "1", "SLURM_CPUS_PER_TASK": str(cores)}, share=1) == 1
+    with pytest.raises(RoleEnvError, match="OMP_NUM_THREADS='0': expected a positive integer"):
+        cpu_threads({"OMP_NUM_THREADS": "0"})

@@ -8,15 +8,10 @@ import pytest
 import torch
 
 from mopd_hpc.config.loss import LossConfig
-from mopd_hpc.mopd import (
-    LossInputError,
-    TeacherTopK,
-    grpo_policy_loss,
-    loss_denominator,
-    mopd_loss,
-    normalize,
-    topk_reverse_kl_loss,
-)
+from mopd_hpc.mopd.grpo import grpo_policy_loss
+from mopd_hpc.mopd.loss import mopd_loss
+from mopd_hpc.mopd.normalize import LossInputError, loss_denominator, normalize
+from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl_loss
 
 F64 = torch.float64
 NORMALIZERS = ("token-mean", "seq-mean-token-mean")

@@ -11,20 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mopd_hpc.config.loss import LossConfig
-from mopd_hpc.mopd import (
-    CompositionError,
-    LossInputError,
-    TargetError,
-    TeacherTopK,
-    aggregate_teacher_targets,
-    compose_advantages,
-    compose_loss,
-    grpo_advantages,
-    grpo_policy_loss,
-    mopd_loss,
-    topk_reverse_kl_loss,
-)
-from mopd_hpc.mopd.loss import importance_weights
+from mopd_hpc.mopd.compose import CompositionError, compose_advantages, compose_loss
+from mopd_hpc.mopd.grpo import grpo_advantages, grpo_policy_loss
+from mopd_hpc.mopd.loss import importance_weights, mopd_loss
+from mopd_hpc.mopd.normalize import LossInputError
+from mopd_hpc.mopd.targets import TargetError, aggregate_teacher_targets
+from mopd_hpc.mopd.topk import TeacherTopK, topk_reverse_kl_loss
 
 F64 = torch.float64
 LN = math.log

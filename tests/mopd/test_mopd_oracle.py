@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from mopd_hpc.config.loss import LossConfig
-from mopd_hpc.mopd import aggregate_teacher_targets, mopd_loss
+from mopd_hpc.mopd.loss import mopd_loss
+from mopd_hpc.mopd.targets import aggregate_teacher_targets
 
 F64 = torch.float64
 TOL = 1e-10

@@ -9,8 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mopd_hpc.config.loss import LossConfig
-from mopd_hpc.mopd import DrainReceipt, ExecutionPlan, Phase, PhaseMachine, PlanError
-from mopd_hpc.mopd.phases import DrainIncompleteError, PhaseError, PhaseTransitionError, Transition
+from mopd_hpc.mopd.phases import (
+    DrainIncompleteError,
+    DrainReceipt,
+    Phase,
+    PhaseError,
+    PhaseMachine,
+    PhaseTransitionError,
+    Transition,
+)
+from mopd_hpc.mopd.plan import ExecutionPlan, PlanError
 
 
 def test_pure_distillation_plan() -> None:

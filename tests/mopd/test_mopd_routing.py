@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mopd_hpc.mopd import RoutedDataset, RoutedSample, RoutedSource, RoutingError
+from mopd_hpc.mopd.routing import RoutedDataset, RoutedSample, RoutedSource, RoutingError
 
 
 class Numbers:

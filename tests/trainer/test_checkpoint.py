@@ -13,7 +13,7 @@ from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import OptimizerConfig
 from mopd_hpc.engines.batch import TokenBatch, TrainBatch
 from mopd_hpc.engines.torch.engine import TorchTrainEngine
-from mopd_hpc.mopd import aggregate_teacher_targets
+from mopd_hpc.mopd.targets import aggregate_teacher_targets
 from mopd_hpc.trainer import checkpoint as ckpt
 from mopd_hpc.trainer.checkpoint import (
     CheckpointError,
