@@ -14,9 +14,10 @@ TORCH_SPEC ?= torch==2.13.0
 DEBIAN_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server iproute2 procps tmux
 RUN_CONFIG ?= configs/local_cpu.yaml
 PYTEST_ARGS ?=
-# Parallel test workers (pytest-xdist). Most tests wait on subprocesses, sockets and Slurm rather than compute,
-# so more workers than cores pays; the Slurm tests run on one worker, in order (tests/conftest.py groups them).
-# PYTEST_WORKERS=0 runs the suite in one process.
+# Parallel test workers (pytest-xdist). The pass is CPU-bound on 2 cores (mostly the imports of the job children:
+# every process runs torch on one thread, tests/conftest.py), so workers beyond the cores only overlap the tests'
+# waits on subprocesses and sockets; the longest work goes first (tests/durations.json, tools/test_durations.py).
+# The Slurm-marked tests run after, in one process. PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 4
 
 .PHONY: run test lint setup debian clean-venv
