@@ -35,7 +35,7 @@ ROUTES = ("chain", "legs")
 CHILDREN = {("actor", 0), ("teacher", 0), ("teacher", 1), ("rollout", 0), ("rollout", 1)}
 # A het job sits PENDING 5-10 s, the children import torch and load models (~15 s on 2 shared cores).
 JOB_S = 150
-# A requeued job is held for the credential lifetime (10 s) before it is scheduled again: ~15-35 s here.
+# A requeued job is held for the credential lifetime + 1 s (6 s) and starts at the next node ping (<= 5 s later).
 REQUEUE_JOB_S = 240
 
 
