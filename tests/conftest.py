@@ -5,7 +5,8 @@ mode: every node has its own hostname and address) and yields a :class:`SlurmClu
 ``@pytest.mark.slurm`` gets it automatically: the autouse fixture ``_slurm_for_marked_tests`` requests it, so a
 marked test needs no argument unless it wants the object. Without root the marked tests skip, saying why; when
 ``setup.sh`` fails the test fails with the script's output. The fixture tears the cluster down at the end of the
-session only when it started it: a cluster that was already running is left running.
+session only when it started it: a cluster that was already running is left running, with the knobs that started
+it, but takes this checkout's configs (``setup.sh`` restarts its Slurm daemons when they differ).
 
 ``micro_models`` (session scope) is the directory of the three micro tiny models (``tools/build_tiny_models.py
 --micro``), built once per run and shared read-only by every test that trains, serves or scores them.
@@ -175,6 +176,24 @@ def _slurm_local(
     )
 
 
+def _recorded_knobs() -> dict[str, str]:
+    """The ``SLURM_LOCAL_*`` knobs the running cluster was set up with (``/run/slurm-local/knobs``, written by
+    setup.sh); empty when setup.sh recorded none (a cluster started before it did)."""
+    path = SLURM_LOCAL_RUN_DIR / "knobs"
+    if not path.exists():
+        return {}
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {key: value for key, value in pairs if key.startswith(SLURM_LOCAL_KNOB_PREFIX)}
+
+
+def _fail_setup(proc: subprocess.CompletedProcess[str]) -> None:
+    pytest.fail(
+        f"tools/slurm_local/setup.sh exited {proc.returncode}\n--- stdout ---\n{_tail(proc.stdout)}"
+        f"\n--- stderr ---\n{_tail(proc.stderr)}",
+        pytrace=False,
+    )
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """Start (or reuse) the local 4-node Slurm cluster; stop it at session end only if started here."""
@@ -184,20 +203,22 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             f"network namespaces); running as uid {os.geteuid()}. Run the tests as root (CI does)."
         )
     environ = clean_slurm_env(os.environ)
-    # A cluster that is already up is used as it is (whatever knobs started it), and left running.
     started_here = False
     if _slurm_local("status.sh", environ, 30).returncode != 0:
         proc = _slurm_local("setup.sh", environ, SETUP_TIMEOUT_S)
         if proc.returncode != 0:
             # setup.sh may have started part of the cluster: stop what it recorded before failing.
             _slurm_local("teardown.sh", environ, TEARDOWN_TIMEOUT_S)
-            pytest.fail(
-                f"tools/slurm_local/setup.sh exited {proc.returncode}\n--- stdout ---\n{_tail(proc.stdout)}"
-                f"\n--- stderr ---\n{_tail(proc.stderr)}",
-                pytrace=False,
-            )
+            _fail_setup(proc)
         # Another session may have started it meanwhile (setup.sh holds a lock): then it is not ours to stop.
         started_here = "SLURM_LOCAL_RESULT=started" in proc.stdout.splitlines()
+    else:
+        # A cluster that is already up keeps the knobs that started it, and is left running; setup.sh with those
+        # knobs does nothing unless this checkout renders other configs from them (render_conf.sh changed):
+        # then it restarts the Slurm daemons on them.
+        proc = _slurm_local("setup.sh", {**environ, **_recorded_knobs()}, SETUP_TIMEOUT_S)
+        if proc.returncode != 0:
+            _fail_setup(proc)
     try:
         yield SlurmCluster.from_running(os.environ, started_here=started_here)
     finally:

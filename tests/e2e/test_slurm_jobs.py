@@ -154,7 +154,7 @@ def test_requeue_resumes_from_the_checkpoint(slurm_cluster, tmp_path: Path) -> N
         (run_dir / "checkpoints").mkdir()
         (run_dir / "checkpoints" / "latest").write_text("step_000050\n")
         slurm_cluster.run(["scontrol", "requeue", job_id])
-        # rerun delay = cred_expire (10 s) + scheduling: ~15-35 s here
+        # rerun delay = the batch shell's end + cred_expire (5 s) + 1 s + the next node ping (<= 5 s)
         got = wait_for(
             lambda: (r := reports(run_dir)) and len(r) == PROBES and all(x["restart_count"] == 1 for x in r) and r,
             120, "the requeued job's probes",

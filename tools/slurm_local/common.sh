@@ -16,7 +16,8 @@
 #   SLURM_LOCAL_INSTALL=1          0: never run apt-get (fail if packages are missing)
 #
 # Files: /etc/slurm/{slurm,gres,cgroup,slurmdbd}.conf (generated; a hand-written original is kept as
-# *.orig.<time>), /run/slurm-local/{pids,mode,fingerprint,fakegpu/}, state /var/spool/slurm{ctld,d/nX},
+# *.orig.<time>), /run/slurm-local/{pids,mode,fingerprint,knobs,fakegpu/} (knobs: the values of the knobs that
+# shape the configs, as setup.sh last used them, one KEY=VALUE a line), state /var/spool/slurm{ctld,d/nX},
 # logs /var/log/slurm/, /etc/hosts lines ending in "# slurm-local". Ports: slurmctld 6817, slurmdbd 6819,
 # slurmd 6818 (netns) or 17001+ (loopback), MariaDB 3306 on 127.0.0.1.
 

@@ -18,8 +18,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# Short credential lifetime: a requeued job reruns after ~10 s instead of ~120 s.
-AuthInfo=cred_expire=10
+# Short credential lifetime: a requeued job may rerun cred_expire + 1 s after its requeue (6 s here, 121 s by
+# default); 5 is the least Slurm takes (src/common/slurm_cred.c).
+AuthInfo=cred_expire=5
 MpiDefault=none
 ProctrackType=proctrack/cgroup
 TaskPlugin=$task_plugin
@@ -46,7 +47,10 @@ MailProg=/bin/true
 KillWait=5
 InactiveLimit=0
 MinJobAge=300
-SlurmdTimeout=60
+# slurmctld pings the nodes every SlurmdTimeout/3 s, and a ping's answer (the node's load) is what wakes the
+# backfill scheduler when nothing else changes: a requeued het job waited 20-40 s past its begin time at 60.
+# A node is marked DOWN after SlurmdTimeout s without an answer.
+SlurmdTimeout=15
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
 EOF

@@ -289,6 +289,17 @@ check_srun() {
   fi
 }
 
+# record_knobs: the knobs that shape the configs, as used now, for a later `setup.sh` that must keep them (the
+# pytest fixture passes them back, so that a running cluster takes a changed render_conf.sh with its own knobs).
+record_knobs() {
+  local tmp="$SL_RUN/knobs.tmp.$$"
+  mkdir -p "$SL_RUN"
+  printf '%s\n' "SLURM_LOCAL_NODES=$SL_NODES" "SLURM_LOCAL_NETNS=$SL_NETNS" "SLURM_LOCAL_SUBNET=$SL_SUBNET" \
+    "SLURM_LOCAL_CPUS_PER_NODE=$SL_CPUS" "SLURM_LOCAL_MEM_MB=$SL_MEM_MB" "SLURM_LOCAL_GPUS_PER_NODE=$SL_GPUS" \
+    "SLURM_LOCAL_ACCOUNTING=$SL_ACCOUNTING" "SLURM_LOCAL_MEMLIMIT=$SL_MEMLIMIT" >"$tmp"
+  mv -f "$tmp" "$SL_RUN/knobs"
+}
+
 main() {
   local fingerprint old_fingerprint
   install_packages
@@ -299,6 +310,7 @@ main() {
   old_fingerprint=$(cat "$SL_RUN/fingerprint" 2>/dev/null || true)
   if [ "$fingerprint" = "$old_fingerprint" ] && healthy; then
     log "already running ($(cat "$SL_RUN/mode") mode, $SL_NODES nodes, config $fingerprint): nothing to do ($(elapsed) s)"
+    [ -f "$SL_RUN/knobs" ] || record_knobs
     echo "SLURM_LOCAL_RESULT=already-running"
     return 0
   fi
@@ -328,6 +340,7 @@ main() {
   check_srun
   if [ "$SL_NETNS" = 1 ]; then echo netns >"$SL_RUN/mode"; else echo loopback >"$SL_RUN/mode"; fi
   echo "$fingerprint" >"$SL_RUN/fingerprint"
+  record_knobs
   echo "SLURM_LOCAL_RESULT=started"
   log "up in $(elapsed) s: $(cat "$SL_RUN/mode") mode, nodes $(node_names | paste -sd, -), partition $SL_PARTITION, accounting $([ "$SL_ACCOUNTING" = 1 ] && echo slurmdbd || echo none)"
 }

@@ -80,7 +80,7 @@ stop_leftovers
 stop_recorded mariadbd munged
 for ns in $(existing_netns); do ip netns delete "$ns" || log "could not delete netns $ns"; done
 if ip link show "$SL_BRIDGE" >/dev/null 2>&1; then ip link delete "$SL_BRIDGE" || log "could not delete $SL_BRIDGE"; fi
-rm -f "$SL_RUN/fingerprint" "$SL_RUN/mode"
+rm -f "$SL_RUN/fingerprint" "$SL_RUN/mode" "$SL_RUN/knobs"
 [ $PURGE -eq 1 ] && purge_files
 left=$(awk '{print $1}' "$SL_PIDS" 2>/dev/null | paste -sd' ' - || true)
 log "stopped in $(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}') s$([ $PURGE -eq 1 ] && echo ', purged')${left:+ (left running, adopted: $left)}"
