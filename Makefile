@@ -44,9 +44,9 @@ run: setup
 
 # Two passes: everything but the Slurm-marked end-to-end jobs on parallel workers, then those jobs alone, one after
 # another on the local cluster (on 2 loaded cores their sbatch/requeue waits time out beside the other workers).
-# Without PYTEST_ARGS the second pass collects only the test files that name the marker or the cluster fixture
-# (collecting the whole suite again took 15-45 s). A pass that selects no test (exit 5) is not a failure.
-SLURM_TEST_FILES = $(if $(PYTEST_ARGS),,$(shell grep -rlE --include='test_*.py' 'mark\.slurm|slurm_cluster' tests | sort))
+# The second pass collects only the test files that name the marker or the cluster fixture (collecting the whole
+# suite again took 15-45 s). A pass that selects no test (exit 5) is not a failure.
+SLURM_TEST_FILES = $(shell grep -rlE --include='test_*.py' 'mark\.slurm|slurm_cluster' tests | sort)
 test: setup debian
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slurm" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(PY) -m pytest -m slurm $(SLURM_TEST_FILES) $(PYTEST_ARGS) || [ $$? -eq 5 ]
