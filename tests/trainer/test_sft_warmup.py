@@ -190,11 +190,13 @@ def test_refused_warmups_name_the_field(changes, field):
         assert "loss.sft_warmup_steps" in str(err.value)  # both fields named
 
 
-@pytest.mark.parametrize("steps", [1, 3, 50])
-def test_a_short_run_of_the_default_config_is_accepted(steps):
-    """configs/local_cpu.yaml with `--set steps=N` (the tests', the README's smoke run): a warm-up ratio
-    scales with the run, so no warm-up outlives it."""
+@pytest.mark.parametrize(("steps", "want"), [(1, 0), (3, 2), (50, 25), (1500, 750)])
+def test_a_warmup_ratio_scales_with_a_shorter_run(steps, want):
+    """configs/local_cpu.yaml with a warm-up ratio 0.5 and `--set steps=N` (the tests', the README's smoke
+    run): accepted, the warm-up round(0.5·N) steps (round(0.5) = 0, round(1.5) = 2), never longer than the
+    run, where sft_warmup_steps 750 is refused at steps 3."""
     doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
-    set_dotted(doc, {"steps": steps})
+    doc["loss"].pop("sft_warmup_steps", None)
+    set_dotted(doc, {"steps": steps, "loss.sft_warmup_ratio": 0.5})
     cfg = RunConfig.from_dict(doc)
-    assert 0 <= cfg.loss.sft_steps(cfg.steps) <= steps
+    assert cfg.loss.sft_steps(cfg.steps) == want <= steps
