@@ -64,7 +64,17 @@ class LossConfig(Section):
         description="Steps 1..N of the run are SFT steps: the route teacher's greedy answer to each prompt "
         "(generated on its teacher server; the route's highest-weight teacher) trained with cross-entropy "
         "(`mopd/sft.py`, normalized as `normalizer`) in place of the rollout and the loss above; steps "
-        "N+1.. are the configured objective. 0 = off (every step on-policy). In steps, at most `steps`.",
+        "N+1.. are the configured objective. 0 = off (every step on-policy). In steps, at most `steps`. "
+        "Exclusive with sft_warmup_ratio.",
+    )
+    sft_warmup_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="The SFT warm-up as a fraction of the run's steps (as optimizer.warmup_ratio): steps "
+        "1..round(sft_warmup_ratio·steps) are SFT steps (see sft_warmup_steps), so the warm-up scales with "
+        "`steps`. null = off (sft_warmup_steps counts). Exclusive with sft_warmup_steps.",
     )
     router_aux_loss_coefficient: float | None = Field(
         None,
@@ -80,6 +90,21 @@ class LossConfig(Section):
         "to L for a mixture-of-experts actor (engines torch and megatron); 0 = off. > 0 for a dense actor is refused at "
         "--check.",
     )
+
+    def sft_steps(self, steps: int | None) -> int:
+        """The SFT warm-up's length in steps: round(sft_warmup_ratio · steps) (Python's round, as
+        optimizer.warmup_ratio's in engines/lr_schedule.py) when the ratio is set, else sft_warmup_steps.
+
+        steps: the run's `steps`; None only where the ratio is unset.
+
+        Raises:
+            ValueError: the ratio is set and `steps` is None.
+        """
+        if self.sft_warmup_ratio is None:
+            return self.sft_warmup_steps
+        if steps is None:
+            raise ValueError("loss.sft_warmup_ratio is set: the warm-up's length needs the run's steps")
+        return round(self.sft_warmup_ratio * steps)
 
     @model_validator(mode="before")
     @classmethod
@@ -123,15 +148,30 @@ class LossConfig(Section):
                     "set one of them > 0",
                 )
             )
-        if self.sft_warmup_steps > 0 and self.distillation_coefficient == 0:
+        if self.sft_warmup_ratio is not None and self.sft_warmup_steps > 0:
             problems.append(
                 Problem(
-                    "sft_warmup_steps",
-                    f"loss.sft_warmup_steps {self.sft_warmup_steps} with distillation_coefficient 0: the "
+                    "sft_warmup_ratio",
+                    f"loss.sft_warmup_ratio {self.sft_warmup_ratio} and loss.sft_warmup_steps "
+                    f"{self.sft_warmup_steps} are both set: each gives the SFT warm-up's length",
+                    self.sft_warmup_ratio,
+                    "one of them: sft_warmup_ratio: null, or drop sft_warmup_steps",
+                )
+            )
+        warmup, field = (
+            (self.sft_warmup_ratio, "sft_warmup_ratio")
+            if self.sft_warmup_ratio is not None
+            else (self.sft_warmup_steps, "sft_warmup_steps")
+        )
+        if warmup > 0 and self.distillation_coefficient == 0:
+            problems.append(
+                Problem(
+                    field,
+                    f"loss.{field} {warmup} with distillation_coefficient 0: the "
                     "warm-up trains on the teachers' greedy answers, and a run without distillation starts "
                     "no teacher",
-                    self.sft_warmup_steps,
-                    "sft_warmup_steps: 0, or distillation_coefficient > 0",
+                    warmup,
+                    f"{field}: 0, or distillation_coefficient > 0",
                 )
             )
         if self.correction == "mask" and self.mask_low >= self.mask_high:

@@ -305,7 +305,8 @@ def _engine_schedule(c: Any) -> Iterator[Problem]:
 
 @rule("loss", "steps")
 def _sft_warmup(c: Any) -> Iterator[Problem]:
-    """SFT warm-up steps are steps of the run: more than `steps` would never end the warm-up."""
+    """SFT warm-up steps are steps of the run: more than `steps` would never end the warm-up (a
+    `loss.sft_warmup_ratio` ≤ 1 gives at most `steps`)."""
     if c.loss.sft_warmup_steps > c.steps:
         yield Problem(
             "loss.sft_warmup_steps",

@@ -8,7 +8,7 @@ readers that do not know them):
 | `step` (int, >= 0) | the training step this line reports (lines come in step order; a resumed run may repeat steps: the last line of a step wins) |
 | `ts` | Unix time in seconds when the step ended |
 | `loss/total`, `loss/mopd`, `loss/rl` | the loss terms L = c_rl·L_RL + c_d·L_MOPD (DESIGN.md §3) |
-| `loss/sft` (optional) | an SFT warm-up step's cross-entropy on the teachers' greedy answers (`loss.sft_warmup_steps`; then equal to `loss/total`; `loss/mopd` is 0 and the `mopd/*` values are null: no student sample, no μ) |
+| `loss/sft` (optional) | an SFT warm-up step's cross-entropy on the teachers' greedy answers (`loss.sft_warmup_steps` / `sft_warmup_ratio`; then equal to `loss/total`; `loss/mopd` is 0 and the `mopd/*` values are null: no student sample, no μ) |
 | `mopd/reverse_kl` | per-token reverse KL(π_θ ‖ Σ_j w_j π_j), averaged over response tokens (nats) |
 | `mopd/rho_mean` | mean importance ratio ρ_t after truncation/masking |
 | `mopd/ratio_capped_frac`, `mopd/ratio_masked_frac` | fraction of tokens whose ratio was capped / masked, in [0, 1] |

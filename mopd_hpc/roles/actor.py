@@ -254,7 +254,14 @@ async def run_actor(role: RoleEnv, cfg: RunConfig, environ: Mapping[str, str], o
             else:
                 signal.signal(CHECKPOINT_SIGNAL, signal.SIG_IGN)  # rank 0 decides when to checkpoint
                 shard_step = ShardStep(
-                    engine, teachers, plan, cfg.loss, cfg.used_route_weights(), group, reference
+                    engine,
+                    teachers,
+                    plan,
+                    cfg.loss,
+                    cfg.used_route_weights(),
+                    group,
+                    reference,
+                    steps=cfg.steps,
                 )
                 writer = build_rank_writer(cfg, engine, role.run_dir)  # AWEX: its own shards at each sync
                 outcome = await Follower(engine, shard_step, group, role.run_dir, writer).run()

@@ -167,7 +167,7 @@ class Controller:
         #: The rollout engines' memory at the phase boundaries (active: colocated sglang).
         self.rollout_memory = RolloutMemory.from_config(cfg)
         self.shard_step = ShardStep(
-            engine, self.teachers, plan, cfg.loss, self.route_weights, self.group, reference
+            engine, self.teachers, plan, cfg.loss, self.route_weights, self.group, reference, steps=cfg.steps
         )
         #: Every phase change of the run, in order (for the event log and tests).
         self.transitions: list[Transition] = []
@@ -315,7 +315,7 @@ class Controller:
     async def _rollouts(self, step: int) -> Rollouts:
         """The step's rows: student samples on the rollout engines, or in an SFT warm-up step
         (`loss.sft_warmup_steps`) the route teachers' greedy answers on their servers (onloaded first)."""
-        if not is_sft_step(step, self.cfg.loss):
+        if not is_sft_step(step, self.cfg.loss, self.cfg.steps):
             return await step_rollouts(self.cfg, self.data, self.rollout, self.tokenizer, step, self.pad_id)
         for client in self.moving.values():
             await client.onload()

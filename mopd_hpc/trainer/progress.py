@@ -16,16 +16,24 @@ LINES_PER_RUN = 100
 
 
 def summary_line(step: int, total: int, values: Mapping[str, Any], step_s: float) -> str:
-    """`step 12/200  loss 0.512  kl 1.203  acc chain 41% legs 55%  0.41 s/step`."""
+    """`step 12/200  loss 0.512  kl 1.203  acc chain 41% legs 55%  0.41 s/step`; an SFT warm-up step
+    (`loss/sft` in its line, its `mopd/*` values null) shows `sft` in place of the reverse KL."""
     acc = "  ".join(
         f"{k.removeprefix('accuracy/')} {100 * v:.0f}%"
         for k, v in values.items()
         if k.startswith("accuracy/") and isinstance(v, float) and v == v
     )
+    kl = values.get("mopd/reverse_kl")
+    kl_text = "sft" if "loss/sft" in values else f"kl {_number(kl):.4f}"
     return (
-        f"step {step}/{total}  loss {values.get('loss/total', float('nan')):.4f}  "
-        f"kl {values.get('mopd/reverse_kl', float('nan')):.4f}  acc {acc}  {step_s:.2f} s/step"
+        f"step {step}/{total}  loss {_number(values.get('loss/total')):.4f}  "
+        f"{kl_text}  acc {acc}  {step_s:.2f} s/step"
     )
+
+
+def _number(value: Any) -> float:
+    """A metrics value as a float: NaN for a missing or null one."""
+    return float("nan") if value is None else float(value)
 
 
 class Progress:

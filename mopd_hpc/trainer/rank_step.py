@@ -79,9 +79,11 @@ class ShardStep:
         plan: the run's ExecutionPlan. loss: the loss section (its top-k and correction).
         route_weights: route → {teacher id: w_j}. group: the actor group.
         reference: this rank's reference model, exactly when the plan needs one (`requires_reference`).
+        steps: the run's `steps` (the length of a `loss.sft_warmup_ratio` warm-up); None only without one.
 
     Raises:
-        ValueError: a reference given to a plan without a KL penalty, or none to a plan with one.
+        ValueError: a reference given to a plan without a KL penalty, or none to a plan with one; a
+            `loss.sft_warmup_ratio` without `steps`.
     """
 
     def __init__(
@@ -93,6 +95,8 @@ class ShardStep:
         route_weights: Mapping[str, Mapping[str, float]],
         group: Group,
         reference: ReferenceModel | None = None,
+        *,
+        steps: int | None = None,
     ) -> None:
         if plan.requires_reference != (reference is not None):
             raise ValueError(
@@ -102,6 +106,8 @@ class ShardStep:
             )
         self.engine, self.teachers, self.plan, self.loss = engine, teachers, plan, loss
         self.route_weights, self.group, self.reference = route_weights, group, reference
+        loss.sft_steps(steps)  # ValueError now, not at step 1: a warm-up ratio needs the run's steps
+        self.steps = steps
 
     def shard_of(self, record: ControlRecord) -> Shard:
         """This rank's rows of the step (`shard_rows`, the same on every rank)."""
@@ -187,7 +193,9 @@ class ShardStep:
         """TRAIN: one `train_step` on the shard (`ref_logprobs`: the reference's [b, T] log-probs of its rows);
         the ratio statistics of the topk estimator summed over the data-parallel ranks (every rank takes part
         in that all-reduce)."""
-        batch = shard_batch(record, shard, scores, ref_logprobs, is_sft_step(record.step, self.loss))
+        batch = shard_batch(
+            record, shard, scores, ref_logprobs, is_sft_step(record.step, self.loss, self.steps)
+        )
         seen: dict[str, Any] = {}
         topk = self.plan.estimator == "topk" and self.plan.requires_teacher_scoring
 

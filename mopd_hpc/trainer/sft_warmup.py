@@ -1,6 +1,6 @@
 """The ROLLOUT of an SFT warm-up step (`loss.sft_warmup_steps`): the route teachers' greedy answers.
 
-For steps 1..N of a run with `loss.sft_warmup_steps: N` the controller takes the step's prompts from the same
+For steps 1..N of a run with `loss.sft_warmup_steps: N` (or `loss.sft_warmup_ratio: r`, N = round(r·steps)) the controller takes the step's prompts from the same
 routed stream as any step, but the responses are the route teacher's greedy answers, generated on the
 teacher's server (`TeacherPool.generate_greedy`, the evaluation's route: engines/teacher/greedy_generate.py)
 instead of student samples on the rollout engines; the train step then applies the SFT cross-entropy
@@ -25,9 +25,10 @@ from mopd_hpc.trainer.evaluate import GreedyFn
 from mopd_hpc.trainer.rollout_phase import RolloutPhaseError, Rollouts, encode_prompts
 
 
-def is_sft_step(step: int, loss: LossConfig) -> bool:
-    """Whether step `step` (1-based) is an SFT warm-up step: step ≤ loss.sft_warmup_steps."""
-    return step <= loss.sft_warmup_steps
+def is_sft_step(step: int, loss: LossConfig, steps: int | None) -> bool:
+    """Whether step `step` (1-based) is an SFT warm-up step: step ≤ `loss.sft_steps(steps)` (sft_warmup_steps,
+    or round(sft_warmup_ratio · steps)); `steps` is the run's, None only where the ratio is unset."""
+    return step <= loss.sft_steps(steps)
 
 
 def route_teacher(weights: Mapping[str, float]) -> str:

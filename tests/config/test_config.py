@@ -232,8 +232,8 @@ def test_override_errors_name_the_path_and_known_keys() -> None:
     assert [p.render() for p in info.value.problems] == [
         "--set loss.corection: unknown key (got 'corection'; known: estimator, topk, correction, ratio_cap, "
         "mask_low, mask_high, advantage_clip, normalizer, distillation_coefficient, rl_coefficient, orm_alpha, "
-        "ppo_clip, kl_coefficient, sft_warmup_steps, router_aux_loss_coefficient, router_z_loss_coefficient; did you mean "
-        "'correction'?)",
+        "ppo_clip, kl_coefficient, sft_warmup_steps, sft_warmup_ratio, router_aux_loss_coefficient, "
+        "router_z_loss_coefficient; did you mean 'correction'?)",
         "--set data.sources[5]: index out of range (got 5; the list has 2 items)",
         "--set novalue: expected KEY=VALUE (e.g. loss.correction=mask)",
         "--set a..b: malformed key 'a..b' at character 3 (a dotted path such as data.sources[0].route)",

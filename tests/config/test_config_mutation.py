@@ -255,7 +255,7 @@ def _rollout(cfg: RunConfig) -> str:
     clients = [_Client(f"engine{c.index}", bodies) for c in engines]
     greedy = {t: _greedy(t, bodies) for t in cfg.models.teacher_ids}
     try:
-        if is_sft_step(1, cfg.loss):
+        if is_sft_step(1, cfg.loss, cfg.steps):
             asyncio.run(teacher_rollouts(cfg, build_run_data(cfg), greedy, _Tokenizer(), 0))
         else:
             asyncio.run(step_rollouts(cfg, build_run_data(cfg), clients, _Tokenizer(), 1, 0))
@@ -593,6 +593,7 @@ MUTATIONS: dict[str, M] = {
     "models.actor.expert_parallel": ("cpu", {}, {"models.actor.expert_parallel": 2}, "warnings"),
     "loss.orm_alpha": ("loss", {}, {"loss.orm_alpha": 0.5}, "loss"),
     "loss.sft_warmup_steps": ("cpu", {}, {"loss.sft_warmup_steps": 1}, "rollout"),
+    "loss.sft_warmup_ratio": ("cpu", {}, {"loss.sft_warmup_ratio": 1.0}, "rollout"),
     "loss.ppo_clip": ("loss", {"loss.rl_coefficient": 1.0}, {"loss.ppo_clip": 0.01}, "loss"),
     "loss.kl_coefficient": ("loss", {"loss.rl_coefficient": 1.0}, {"loss.kl_coefficient": 0.5}, "loss"),
     "rollout.backend": ("gpu", {}, {"rollout.backend": "sglang"}, "dry_run"),

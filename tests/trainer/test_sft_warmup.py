@@ -1,8 +1,9 @@
-"""`loss.sft_warmup_steps`: the SFT-then-MOPD recipe (trainer/sft_warmup.py, mopd/sft.py).
+"""`loss.sft_warmup_steps` / `loss.sft_warmup_ratio`: the SFT-then-MOPD recipe (trainer/sft_warmup.py, mopd/sft.py).
 
 Checks, on micro models with the real servers (the controller in-process, as tests/trainer/test_controller.py):
-- warm-up 0 is today's run: the same three steps' losses, bitwise, as a config without the field, and the
-  same final weights;
+- warm-up 0 (steps 0, or ratio 0) is today's run: the same three steps' losses, bitwise, as a config without
+  the field, and the same final weights;
+- a warm-up ratio r is the run of sft_warmup_steps = round(r·steps): the same losses, bitwise;
 - the warm-up steps are SFT steps: step 1's loss equals the cross-entropy of the start student on the route
   teachers' greedy answers to step 1's prompts (recomputed here: the teachers generating in this process,
   the student's HF forward), the steps after the warm-up are MOPD steps;
@@ -35,7 +36,12 @@ def _final_weights(run_dir):
 
 def test_zero_warmup_is_todays_run(micro_models, tmp_path):  # noqa: F811
     runs = {}
-    for name, changes in (("today", {}), ("zero", {"loss.sft_warmup_steps": 0})):
+    cases = (
+        ("today", {}),
+        ("zero", {"loss.sft_warmup_steps": 0}),
+        ("ratio0", {"loss.sft_warmup_ratio": 0.0}),
+    )
+    for name, changes in cases:
         run_dir = tmp_path / name
         config = micro_config(
             micro_models, run_dir, tmp_path / f"{name}.yaml", **{"loss.estimator": "topk", **changes}
@@ -43,10 +49,41 @@ def test_zero_warmup_is_todays_run(micro_models, tmp_path):  # noqa: F811
         _, outcome, codes, out = run_controller(config, run_dir, f"job-{name}")
         assert (outcome.reason, outcome.step) == ("finished", 3) and codes == [0, 0, 0], out
         runs[name] = run_dir
-    assert _losses(runs["zero"]) == _losses(runs["today"])  # bitwise: float equality of every step
-    assert all("loss/sft" not in line for line in read_metrics(runs["zero"] / "metrics.jsonl"))
-    today, zero = _final_weights(runs["today"]), _final_weights(runs["zero"])
-    assert today.keys() == zero.keys() and all(torch.equal(today[k], zero[k]) for k in today)
+    today = _final_weights(runs["today"])
+    for name in ("zero", "ratio0"):
+        assert _losses(runs[name]) == _losses(runs["today"])  # bitwise: float equality of every step
+        assert all("loss/sft" not in line for line in read_metrics(runs[name] / "metrics.jsonl"))
+        weights = _final_weights(runs[name])
+        assert today.keys() == weights.keys() and all(torch.equal(today[k], weights[k]) for k in today)
+
+
+def test_warmup_ratio_is_its_steps(micro_models, tmp_path):  # noqa: F811
+    """Ratio 0.6 of 3 steps is round(1.8) = 2 SFT steps: the run of sft_warmup_steps 2, loss for loss."""
+    runs = {}
+    for name, changes in (("steps", {"loss.sft_warmup_steps": 2}), ("ratio", {"loss.sft_warmup_ratio": 0.6})):
+        run_dir = tmp_path / name
+        config = micro_config(
+            micro_models, run_dir, tmp_path / f"{name}.yaml", **{"loss.estimator": "topk", **changes}
+        )
+        assert RunConfig.from_yaml(config).steps == 3
+        _, outcome, codes, out = run_controller(config, run_dir, f"job-{name}")
+        assert (outcome.reason, outcome.step) == ("finished", 3) and codes == [0, 0, 0], out
+        runs[name] = read_metrics(run_dir / "metrics.jsonl")
+    assert [("loss/sft" in line) for line in runs["ratio"]] == [True, True, False]
+    assert [(x["step"], x["loss/total"]) for x in runs["ratio"]] == [
+        (x["step"], x["loss/total"]) for x in runs["steps"]
+    ]  # bitwise
+
+
+@pytest.mark.parametrize(("ratio", "steps", "want"), [(0.0, 2500, 0), (0.04, 2500, 100), (0.6, 3, 2), (0.5, 3, 2),
+                                                      (0.1, 3, 0), (1.0, 7, 7)])  # fmt: skip
+def test_warmup_ratio_steps_are_rounded(ratio, steps, want):
+    """round(ratio·steps), Python's round (as optimizer.warmup_ratio): 1.5 → 2, 0.3 → 0."""
+    loss = LossConfig(estimator="topk", sft_warmup_ratio=ratio)
+    assert loss.sft_steps(steps) == want == round(ratio * steps)
+    assert LossConfig(estimator="topk", sft_warmup_steps=want).sft_steps(None) == want
+    with pytest.raises(ValueError, match="needs the run's steps"):
+        loss.sft_steps(None)
 
 
 def _reference_sft_loss(cfg: RunConfig) -> float:
@@ -136,11 +173,30 @@ def test_sft_objective_is_the_token_mean_cross_entropy():
         ({"steps": 3, "loss.sft_warmup_steps": 4}, "loss.sft_warmup_steps"),
         ({"loss.sft_warmup_steps": 1, "loss.distillation_coefficient": 0.0, "loss.rl_coefficient": 1.0},
          "loss.sft_warmup_steps"),
+        ({"loss.sft_warmup_ratio": 0.2, "loss.distillation_coefficient": 0.0, "loss.rl_coefficient": 1.0},
+         "loss.sft_warmup_ratio"),
+        ({"loss.sft_warmup_ratio": 0.2, "loss.sft_warmup_steps": 5}, "loss.sft_warmup_ratio"),
+        ({"loss.sft_warmup_ratio": 1.5}, "loss.sft_warmup_ratio"),
     ],
 )  # fmt: skip
 def test_refused_warmups_name_the_field(changes, field):
     doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
+    doc["loss"].pop("sft_warmup_ratio", None)
     set_dotted(doc, changes)
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(doc)
     assert field in str(err.value)
+    if "loss.sft_warmup_steps" in changes and "loss.sft_warmup_ratio" in changes:
+        assert "loss.sft_warmup_steps" in str(err.value)  # both fields named
+
+
+@pytest.mark.parametrize(("steps", "want"), [(1, 0), (3, 2), (50, 25), (1500, 750)])
+def test_a_warmup_ratio_scales_with_a_shorter_run(steps, want):
+    """configs/local_cpu.yaml with a warm-up ratio 0.5 and `--set steps=N` (the tests', the README's smoke
+    run): accepted, the warm-up round(0.5·N) steps (round(0.5) = 0, round(1.5) = 2), never longer than the
+    run, where sft_warmup_steps 750 is refused at steps 3."""
+    doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
+    doc["loss"].pop("sft_warmup_steps", None)
+    set_dotted(doc, {"steps": steps, "loss.sft_warmup_ratio": 0.5})
+    cfg = RunConfig.from_dict(doc)
+    assert cfg.loss.sft_steps(cfg.steps) == want <= steps
