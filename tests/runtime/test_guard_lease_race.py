@@ -70,7 +70,9 @@ def test_a_kill_racing_a_spawn_of_the_same_slot_releases_only_its_generation(gua
     assert listed["answered"] and (listed["role"], listed["index"], listed["child_pid"]) == (
         "testchild", 30, second["pid"],
     )  # fmt: skip
-    assert all(read_owner_record(p) is None for p in first["ports"].values() if p != port)
+    # generation 1's other ports carry no record of it (another process of the node may have leased one since)
+    others = [read_owner_record(p) for p in first["ports"].values() if p != port]
+    assert all(r is None or r.child_pid != first["pid"] for r in others), others
 
 
 def test_leaser_generations_adopt_reservations_and_release_only_up_to_their_own() -> None:
