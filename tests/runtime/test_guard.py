@@ -137,11 +137,15 @@ def group_members(pgid: int) -> list[int]:
 
 
 def port_free_of_lease(port: int) -> bool:
+    """Whether no lease of this module's guard jobs (`JOB`) holds `port`: its lease socket binds, or the process
+    holding it now is another job's (a free_port lease of another pytest-xdist worker may land on a port a guard
+    released; tests/helpers_ports.py)."""
     sock = bind_lease_socket(port)
-    if sock is None:
-        return False
-    sock.close()
-    return True
+    if sock is not None:
+        sock.close()
+        return True
+    record = read_owner_record(port)
+    return record is not None and record.job_id != JOB
 
 
 def raw(
