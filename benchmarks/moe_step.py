@@ -1,6 +1,8 @@
-"""A megatron Qwen3-MoE actor (expert_parallel 1) in the colocated job on one GPU: seconds per phase (issue 33).
+"""A megatron Qwen3-MoE (expert_parallel 1) or Llama actor in the colocated job on one GPU: seconds per phase (issue 33).
 
     python benchmarks/moe_step.py                      # GPU: 3 steps, writes benchmarks/results/moe_step.json
+    python benchmarks/moe_step.py --router-loss        # megatron-core's load-balancing loss on: moe_step_router_loss.json
+    python benchmarks/moe_step.py --student llama      # a Llama 3.x student (dense): llama_step.json
     python benchmarks/moe_step.py --steps 5 --shape 32x4x128
 
 Runs `mopd-submit configs/local_gpu_colocated.yaml --local` (megatron actor and teacher, the HF rollout
@@ -20,8 +22,12 @@ PROMPTSxSAMPLESxNEW_TOKENS shape) and:
   experts (`engines/weight_sync/awex_hf.py`) has its own GPU test, tests/engines/test_awex_hf_gpu.py[qwen3_moe];
 - `rollout.compile_decode=false`: the HF MoE block picks its experts with data-dependent indexing, which CUDA
   graphs cannot capture (the eager static decoder runs);
-- `loss.router_aux_loss_coefficient=0`: no router loss in these steps (the megatron actor adds megatron-core's
-  own, `engines/megatron/router_losses.py`, tested on CPU only; drop this override to time it too).
+- `loss.router_aux_loss_coefficient=0`: no router loss in these steps; `--router-loss` leaves the config's
+  (null: the checkpoint's `router_aux_loss_coef`, 0.001) so that megatron-core adds its load-balancing loss
+  (`engines/megatron/router_losses.py`), recorded per step as `router/load_balancing_loss`.
+
+`--student llama`: the student a random Llama 3.x instead (`LLAMA`: 4 layers, the llama3 RoPE scaling ×8,
+untied embeddings, the same vocabulary and tokenizer), the rest as above (no router loss: a dense model).
 
 From the run's metrics.jsonl: seconds per phase per step (`time/<phase>_s`) and their medians over steps 2..
 (step 1 is the warm-up), the mismatch `mopd/logprob_mismatch` and `mopd/ratio_capped_frac` per step (megatron
@@ -63,29 +69,57 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MOE_SETS = ("allow_unverified=true", "rollout.backend=hf", "weight_sync.backend=ipc",
             "weight_sync.awex_mode=null", "rollout.compile_decode=false",
             "loss.router_aux_loss_coefficient=0")  # fmt: skip
-PER_STEP = ("mopd/logprob_mismatch", "mopd/ratio_capped_frac", "loss/total", "mopd/reverse_kl")
+PER_STEP = ("mopd/logprob_mismatch", "mopd/ratio_capped_frac", "loss/total", "mopd/reverse_kl",
+            "router/load_balancing_loss")  # fmt: skip
+#: The Llama student of `--student llama` (transformers LlamaConfig fields): Llama 3.1's RoPE scaling.
+LLAMA = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+             rms_norm_eps=1e-5, tie_word_embeddings=False,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192})  # fmt: skip
+STUDENTS = ("qwen3_moe", "llama")
 
 
-def make_models(directory: Path) -> Path:
-    """`directory`/student (the Qwen3-MoE) and /teacher (the dense tiny Qwen3), bf16, char tokenizer each."""
+def make_models(directory: Path, student: str = "qwen3_moe") -> Path:
+    """`directory`/student (the Qwen3-MoE, or the Llama of LLAMA) and /teacher (the dense tiny Qwen3), bf16,
+    char tokenizer each."""
     import torch
     from gpu_models import SHAPES, make_checkpoint
     from moe_mismatch import make_moe
 
     from mopd_hpc.data.tokenizer import build_char_tokenizer
 
-    make_moe(directory / "student", router_std=0.05, dtype=torch.bfloat16)
+    if student == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**LLAMA)).to(torch.bfloat16).save_pretrained(str(directory / "student"))
+    else:
+        make_moe(directory / "student", router_std=0.05, dtype=torch.bfloat16)
     build_char_tokenizer().save_pretrained(str(directory / "student"))
     make_checkpoint(SHAPES["tiny"], directory / "teacher", seed=1, tokenizer=True)
     return directory
 
 
-def ensure_models(directory: Path) -> Path:
+def ensure_models(directory: Path, student: str = "qwen3_moe") -> Path:
     """`make_models` in a child process unless `directory`/student/config.json exists."""
     if not (directory / "student" / "config.json").exists():
-        argv = [sys.executable, str(Path(__file__).resolve()), "--make-models", str(directory)]
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--make-models",
+            str(directory),
+            "--student",
+            student,
+        ]
         subprocess.run(argv, check=True, timeout=300, cwd=REPO)
     return directory
+
+
+def job_overrides(student: str, router_loss: bool) -> tuple[str, ...]:
+    """MOE_SETS for `student`, without the router-loss override when `router_loss` (or for a dense Llama)."""
+    keep_loss = router_loss or student == "llama"
+    return tuple(x for x in MOE_SETS if not (keep_loss and x.startswith("loss.router_aux_loss_coefficient")))
 
 
 def summarize(lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -117,28 +151,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models-root", type=Path, default=REPO / ".cache" / "models" / "moe_step")
     p.add_argument("--deadline-s", type=float, default=200.0, help="stop the job after this many seconds")
     p.add_argument("--make-models", type=Path, default=None, help="write the models to this folder and exit")
-    p.add_argument("--out", type=Path, default=RESULTS / "moe_step.json")
+    p.add_argument("--student", choices=STUDENTS, default="qwen3_moe")
+    p.add_argument("--router-loss", action="store_true", help="keep the config's router load-balancing loss")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: results/{moe_step,moe_step_router_loss,llama_step}.json",
+    )
     p.add_argument("--commit", default=None)
     args = p.parse_args(argv)
     if args.make_models is not None:
-        make_models(args.make_models)
+        make_models(args.make_models, args.student)
         return 0
+    if args.out is None:
+        name = (
+            "llama_step"
+            if args.student == "llama"
+            else "moe_step_router_loss"
+            if args.router_loss
+            else "moe_step"
+        )
+        args.out = RESULTS / f"{name}.json"
+    if args.models_root == p.get_default("models_root") and args.student != "qwen3_moe":
+        args.models_root = args.models_root.with_name(f"moe_step_{args.student}")
     prompts, samples, new = (int(x) for x in args.shape.split("x"))
-    models = ensure_models(args.models_root)
-    sets = [*job_sets(models, args.steps, prompts, samples, new), *MOE_SETS]
+    models = ensure_models(args.models_root, args.student)
+    overrides = job_overrides(args.student, args.router_loss)
+    sets = [*job_sets(models, args.steps, prompts, samples, new), *overrides]
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     work = Path(tempfile.mkdtemp(prefix="moe_step_"))
-    run_dir, log = work / "run", (out_dir or work) / "moe_step_submit.log"
+    run_dir, log = work / "run", (out_dir or work) / f"{args.out.stem}_submit.log"
     code, seconds = run_job(sets, run_dir, args.deadline_s, log)
     metrics = run_dir / "metrics.jsonl"
     lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     if out_dir is not None and (run_dir / "logs").is_dir():
-        shutil.copytree(run_dir / "logs", out_dir / "moe_step_logs", dirs_exist_ok=True)
+        shutil.copytree(run_dir / "logs", out_dir / f"{args.out.stem}_logs", dirs_exist_ok=True)
     figures = summarize(lines)
     result = {
         "commit": commit_of(args.commit),
         "shape": {"prompts": prompts, "samples_per_prompt": samples, "max_new_tokens": new},
-        "sets": sets[len(sets) - len(MOE_SETS) :],
+        "student": args.student,
+        "sets": sets[len(sets) - len(overrides) :],
         "exit_code": code,
         "stopped_at_deadline": code is None,
         "wall_s": round(seconds, 1),
@@ -153,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exit {code}, {len(lines)} steps, {seconds:.1f} s")
     for i in range(len(lines)):
         cells = " | ".join(f"{ph} {figures['seconds_per_phase'][ph][i]:.3f}" for ph in STEP_PHASES)
-        print(f"step {i + 1}: {cells} | mismatch {figures['per_step']['mopd/logprob_mismatch'][i]}")
+        router = figures["per_step"]["router/load_balancing_loss"][i]
+        print(
+            f"step {i + 1}: {cells} | mismatch {figures['per_step']['mopd/logprob_mismatch'][i]} | lb {router}"
+        )
     if out_dir is not None:
         write_results(out_dir / args.out.name, result)
     write_results(args.out, result)
