@@ -86,7 +86,12 @@ for layers in (1, 2):
         for e in range(8):
             down = hf.model.layers[n].mlp.experts.down_proj.grad[e]
             err = max(err, (mine.experts.local_experts[e].linear_fc2.weight.grad - down).abs().max().item())
+    for n in range(layers):  # the same input again: the next step's statistics, not the sum of both steps
+        out = model.decoder.layers[n].mlp(xs[n], padding_mask=~mask.bool())
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+    again = {k: v.item() for k, v in losses.collect(torch.device("cpu")).items()}
     report[str(layers)] = {
+        "again": again,
         "err": err, "scale": scale, "stats": stats, "terms": max(t.abs().max().item() for t in terms),
         "lb_torch_pooled": load_balancing_loss(logits, 2, mask).item(), "lb_torch_mean": lb.item(),
         "z_torch": lz.item(),
@@ -98,7 +103,8 @@ print(json.dumps(report))
 
 def test_megatron_router_losses_equal_a_hand_written_reference(tmp_path: Path) -> None:
     """Gradients within 1e-6 (float32) of the reference, load-balancing and z-loss included; the recorded
-    statistics equal the torch engine's functions within 1e-6 relative; per-layer coefficients c_lb·k/M and c_z/M."""
+    statistics equal the torch engine's functions within 1e-6 relative, and a second step of the same input
+    records the same (not their sum); per-layer coefficients c_lb·k/M and c_z/M."""
     report = _megatron_report(_SCRIPT, tmp_path)
     for layers, r in report.items():
         m = int(layers)
@@ -106,6 +112,8 @@ def test_megatron_router_losses_equal_a_hand_written_reference(tmp_path: Path) -
         assert r["coeff"] == pytest.approx(0.3 * 2 / m) and r["z_coeff"] == pytest.approx(0.05 / m)
         assert r["stats"]["router/load_balancing_loss"] == pytest.approx(r["lb_torch_mean"], rel=1e-6)
         assert r["stats"]["router/z_loss"] == pytest.approx(r["z_torch"], rel=1e-6)
+        # the tracker is cleared after each collect (megatron-core's clear_aux_losses_tracker)
+        assert r["again"] == pytest.approx(r["stats"], rel=1e-6), report
     # one MoE layer: the torch engine's (pooled) load-balancing loss itself
     one = report["1"]
     assert one["stats"]["router/load_balancing_loss"] == pytest.approx(one["lb_torch_pooled"], rel=1e-6)

@@ -21,7 +21,10 @@ Micro-batch weighting as the torch engine's: the terms of a micro-batch carrying
 response tokens are weighted by s (× DP size, as the main loss's backward, which megatron's DDP averages).
 Statistics (`router/load_balancing_loss` = mean_l k·LB_l, `router/z_loss` = mean_l Z_l, before their
 coefficients) are read from megatron's aux-loss tracker after the backward (with activation recompute the
-losses are computed in the backward's recompute) and taken out of the tracker.
+losses are computed in the backward's recompute), then the tracker is cleared with megatron-core's own
+`clear_aux_losses_tracker` (megatron-core ≥ 0.17's `get_moe_layer_wise_logging_tracker` returns a copy, so
+taking an entry out of it cleared nothing: on an H100 with 0.19.2 the statistic summed over the steps,
+6.1 → 12.3 → 18.0).
 The step's `loss` metric includes share·(c_lb·L_lb + c_z·L_z), as the torch engine's (`weighted`).
 """
 
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
+    clear_aux_losses_tracker,
     get_moe_layer_wise_logging_tracker,
 )
 from megatron.core.transformer.moe.router import TopKRouter
@@ -98,9 +102,11 @@ class MegatronRouterLosses:
             ("load_balancing_loss", "router/load_balancing_loss", self.top_k),
             ("z_loss", "router/z_loss", 1),
         ):
-            values = tracker.pop(name, {}).get("values")  # a fresh entry at the next forward
+            values = tracker.get(name, {}).get("values")
             total = values.sum().float().to(device) if values is not None else torch.zeros((), device=device)
             out[key] = total * factor / self.layers
+        clear_aux_losses_tracker()  # megatron-core's own tracker (≥ 0.17: `tracker` is a copy of it)
+        tracker.clear()  # ≤ 0.16: `tracker` is the tracker itself; entries sized by the next model's layers
         return out
 
     def weighted(self, stats: dict[str, torch.Tensor], share: float) -> torch.Tensor | float:
