@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts, samples, new = (int(x) for x in args.shape.split("x"))
     models = ensure_models(args.models_root, args.student)
     overrides = job_overrides(args.student, args.router_loss)
+    keys = {x.split("=", 1)[0] for x in args.set}
+    overrides = (*(x for x in overrides if x.split("=", 1)[0] not in keys), *args.set)
     sets = [*job_sets(models, args.steps, prompts, samples, new), *overrides]
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     work = Path(tempfile.mkdtemp(prefix="moe_step_"))
