@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--student", choices=STUDENTS, default="qwen3_moe")
     p.add_argument("--router-loss", action="store_true", help="keep the config's router load-balancing loss")
     p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="one more override (replaces ours)"
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=None,
