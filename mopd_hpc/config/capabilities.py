@@ -72,37 +72,18 @@ def standing(problems: Iterable[Problem], allow_unverified: bool) -> list[Proble
 
 
 #: The model families the job's engines load, by config.json `architectures[0]` (issue 33). The torch
-#: engines and the hf rollout load each with transformers' class; the megatron engines through the HF ⇄
-#: megatron converter (engines/megatron/convert.py), which maps all three: Llama and the MoE experts and
-#: router have not run through megatron on GPUs yet (`untested`).
+#: engines and the hf rollout load each with transformers' class, SGLang with its own; the megatron engines
+#: through the HF ⇄ megatron converter (engines/megatron/convert.py), which maps all three. Each has run on
+#: an H100 as the megatron actor of the colocated job, 3 steps with the hf rollout (eager and compiled
+#: decode) and with SGLang (`benchmarks/moe_step.py`, `--student llama`; benchmarks/results/moe_step*.json,
+#: llama_step*.json), and its megatron logits equal transformers' (tests/engines/test_megatron_moe_gpu.py,
+#: test_megatron_llama_gpu.py): nothing `untested`.
 MODEL_FAMILIES: dict[str, ModelFamilySpec] = {
     "Qwen3ForCausalLM": ModelFamilySpec("Qwen3ForCausalLM", "qwen3", moe=False),
     # Qwen3-Coder-30B-A3B, Qwen3-30B-A3B, 235B-A22B: 128 experts, 8 routed per token
-    "Qwen3MoeForCausalLM": ModelFamilySpec(
-        "Qwen3MoeForCausalLM",
-        "qwen3_moe",
-        moe=True,
-        untested=(
-            (
-                "megatron",
-                "benchmarks/moe_step.py (a megatron MoE actor's train steps, 1 GPU; its logits equal HF's on an "
-                "H200: tests/engines/test_megatron_moe_gpu.py)",
-            ),
-        ),
-    ),
+    "Qwen3MoeForCausalLM": ModelFamilySpec("Qwen3MoeForCausalLM", "qwen3_moe", moe=True),
     # Llama 3.x (3.1/3.2/3.3: the llama3 RoPE scaling of its config.json)
-    "LlamaForCausalLM": ModelFamilySpec(
-        "LlamaForCausalLM",
-        "llama",
-        moe=False,
-        untested=(
-            (
-                "megatron",
-                "a megatron Llama actor's train step on a GPU (its logits equal HF's on an H200: "
-                "tests/engines/test_megatron_llama_gpu.py)",
-            ),
-        ),
-    ),
+    "LlamaForCausalLM": ModelFamilySpec("LlamaForCausalLM", "llama", moe=False),
 }
 
 
@@ -220,8 +201,9 @@ WEIGHT_SYNCS: dict[str, WeightSyncSpec] = {
         unverified=("trainer_ranks_gpu",),
         # megatron sends each expert under its checkpoint name; the hf engine's reader receives them into its
         # fused experts (engines/weight_sync/awex_hf.py): awex's plan replayed bitwise on CPU
-        # (tests/engines/test_awex_hf.py), the NCCL / CUDA IPC transfer of a MoE has not run
-        experts_untested="tests/engines/test_awex_hf_gpu.py[qwen3_moe] (1 GPU colocate, 2 separate)",
+        # (tests/engines/test_awex_hf.py); colocated, CUDA IPC, it ran bitwise on an H100
+        # (tests/engines/test_awex_hf_gpu.py[colocate-qwen3_moe]); separated (NCCL, 2 GPUs) it has not
+        experts_untested=(("separated", "tests/engines/test_awex_hf_gpu.py[separate-qwen3_moe] (2 GPUs)"),),
         # awex 0.9.0 registers converters by architecture (engines/weight_sync/awex.py REGISTERED_ARCHITECTURES;
         # tests/config/test_megatron_refusals.py checks these are among them): no Llama
         architectures=("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),

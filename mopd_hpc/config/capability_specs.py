@@ -119,12 +119,17 @@ class WeightSyncSpec:
     #: It moves a mixture-of-experts actor's experts (each under its checkpoint name, or transformers' fused
     #: tensors) into the rollout's (engines/expert_names.py); launch/moe_check.py refuses the others.
     experts: bool = True
-    #: The GPU test that has not moved a mixture-of-experts actor's experts with it ('' when one has): the
-    #: refusal of launch/moe_check.py is then unverified (written and tested on CPU; allow_unverified lets it through).
-    experts_untested: str = ""
+    #: (rollout.mode, the GPU test that has not moved a mixture-of-experts actor's experts with it in that
+    #: mode); a mode not named has run one. There the refusal of launch/moe_check.py is unverified (written
+    #: and tested on CPU; allow_unverified lets it through).
+    experts_untested: tuple[tuple[str, str], ...] = ()
     #: The actor checkpoint families (config.json `architectures[0]`) it converts; None: every declared family.
     #: launch/moe_check.py refuses the others.
     architectures: tuple[str, ...] | None = None
+
+    def experts_untested_in(self, mode: str) -> str:
+        """The GPU test that has not moved experts in rollout.mode `mode` ('' when one has)."""
+        return dict(self.experts_untested).get(mode, "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,8 @@ refusals, each naming its field and the way out.
   AWEX's converters are registered by architecture, Llama has none) (`sync_family_problems`);
 - for a mixture of experts (`moe_actor_problems`), `weight_sync.backend` must move experts
   (`config.capabilities.WEIGHT_SYNCS[...].experts`); one whose expert transfer has not run on GPUs
-  (`experts_untested`: AWEX into the hf engine's fused experts) is refused unverified, naming that test and the
-  opt-in.
+  in this rollout.mode (`experts_untested`: AWEX into the hf engine's fused experts, separated) is refused
+  unverified, naming that test and the opt-in.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from mopd_hpc.config.problems import Problem
 def moe_actor_problems(cfg: RunConfig, arch: str, directory: Path) -> list[Problem]:
     """The refusals of the module docstring for the MoE actor checkpoint `directory` (an `arch`)."""
     sync, spec = cfg.weight_sync.backend, WEIGHT_SYNCS[cfg.weight_sync.backend]
-    if spec.experts and not spec.experts_untested:
+    untested = spec.experts_untested_in(cfg.rollout.mode)
+    if spec.experts and not untested:
         return []
     why = (
-        f"has not moved experts on GPUs ({spec.experts_untested} has not run)"
+        f"has not moved experts on GPUs with rollout.mode {cfg.rollout.mode} ({untested} has not run)"
         if spec.experts
         else ("does not move its experts")
     )
@@ -34,7 +35,7 @@ def moe_actor_problems(cfg: RunConfig, arch: str, directory: Path) -> list[Probl
         sync,
         f"weight_sync.backend: {_movers(cfg, arch, moe=True)}",
     )
-    return [unverified(problem, spec.experts_untested) if spec.experts else problem]
+    return [unverified(problem, untested) if spec.experts else problem]
 
 
 def sync_family_problems(cfg: RunConfig, arch: str, directory: Path) -> list[Problem]:
@@ -58,7 +59,7 @@ def _movers(cfg: RunConfig, arch: str, moe: bool) -> str:
     names = [
         n
         for n, s in WEIGHT_SYNCS.items()
-        if (not moe or (s.experts and not s.experts_untested))
+        if (not moe or (s.experts and not s.experts_untested_in(cfg.rollout.mode)))
         and (s.architectures is None or arch in s.architectures)
         and cfg.models.actor.engine in s.actor_engines
         and cfg.rollout.backend in s.rollout_backends
