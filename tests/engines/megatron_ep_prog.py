@@ -78,7 +78,7 @@ engine = MegatronTrainEngine(
     shape,
     hf_config,
     loss,
-    OptimizerConfig(lr=1e-2, grad_clip=1.0),
+    OptimizerConfig(lr=1e-2, grad_clip=1.0, schedule="cosine"),
     torch.device("cpu"),
     "float32",
     total_steps=3,
