@@ -275,12 +275,12 @@ def expert_parallel_refusals(
             )
         )
     blockers = [
-        ("models.actor.tensor_parallel", tensor_parallel > 1, "every expert is gathered over the EP group at "
+        (f"models.actor.tensor_parallel {tensor_parallel}", tensor_parallel > 1, "every expert is gathered over the EP group at "
          "tensor_parallel 1 only", "tensor_parallel: 1, or expert_parallel: 1"),
-        ("loss.kl_coefficient", loss.kl_coefficient > 0, "the KL penalty's reference model scores each rank's "
+        (f"loss.kl_coefficient {loss.kl_coefficient}", loss.kl_coefficient > 0, "the KL penalty's reference model scores each rank's "
          "rows at its own pace, and an expert-parallel forward is a collective over the EP group",
          "kl_coefficient: 0, or expert_parallel: 1"),
-        ("weight_sync.backend", weight_sync == "awex", "AWEX's transfer plan has no expert shards (each rank "
+        ("weight_sync.backend awex", weight_sync == "awex", "AWEX's transfer plan has no expert shards (each rank "
          "would publish its own experts only)", "torch or ipc, or expert_parallel: 1"),
     ]  # fmt: skip
     for path, blocked, why, way in blockers:
