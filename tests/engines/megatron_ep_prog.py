@@ -11,11 +11,11 @@ tensor, reduce_scatter_tensor: gloo runs both), its DDP's dense and expert buffe
 over the expert-data-parallel group), its distributed optimizer (Adam, clipping over every rank's norm).
 
 The model is built with megatron's CPU initialization (no CUDA RNG tracker here), then loaded.
-argv: rank, world, expert_parallel, store file, HF checkpoint dir, out dir, mode ("step": 2 train steps, the
-stats and the synced weights after each; "resume": load out dir's checkpoint of step 1 (saved by a "step" run
-at another EP size, `--load`), then 1 step).
-Writes (rank 0): `{out}/ep{EP}_{mode}.pt`: {"stats": [per step], "weights": [HF weights after each step]};
-a "step" run also writes the checkpoint of step 1 (`{out}/ckpt_ep{EP}.pt`: the engine's state_dict).
+argv: rank, world, expert_parallel, store file, HF checkpoint dir, out dir[, a checkpoint of step 1 to resume].
+2 train steps (the stats and the synced weights before and after each), the checkpoint of step 1 written
+(`{out}/ckpt_ep{EP}.pt`: the engine's state_dict, by rank 0), then a fresh engine loads that checkpoint (or
+the one given: another EP size's) and takes step 2 again ("loaded", "resumed_stats", "resumed").
+Writes (rank 0): `{out}/ep{EP}.pt`.
 """
 
 import sys
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 warnings.filterwarnings("ignore")
-rank, world, ep, store, ckpt, out, mode = sys.argv[1:8]
+rank, world, ep, store, ckpt, out = sys.argv[1:7]
 rank, world, ep = int(rank), int(world), int(ep)
-load = sys.argv[8] if len(sys.argv) > 8 else None
+load = sys.argv[7] if len(sys.argv) > 7 else None
 
 
 class OnCpu(TorchFunctionMode):
@@ -71,18 +71,20 @@ torch.manual_seed(0)
 hf_config = json.loads((Path(ckpt) / "config.json").read_text())
 # megatron's CUDA RNG tracker does not exist here: its CPU initialization (the checkpoint's weights follow)
 build.build_gpt_model = functools.partial(megatron_model.build_gpt_model, cpu_init=True)
-model, shape = build.build_from_hf(ckpt, hf_config, "float32", torch.device("cpu"))
 loss = LossConfig(router_z_loss_coefficient=0.01)  # c_lb: the checkpoint's router_aux_loss_coef
-engine = MegatronTrainEngine(
-    model,
-    shape,
-    hf_config,
-    loss,
-    OptimizerConfig(lr=1e-2, grad_clip=1.0, schedule="cosine"),
-    torch.device("cpu"),
-    "float32",
-    total_steps=3,
-)
+
+
+def make_engine() -> MegatronTrainEngine:
+    """This rank's engine from the HF checkpoint (its EP rank's experts)."""
+    model, shape = build.build_from_hf(ckpt, hf_config, "float32", torch.device("cpu"))
+    return MegatronTrainEngine(
+        model, shape, hf_config, loss, OptimizerConfig(lr=1e-2, grad_clip=1.0, schedule="cosine"),
+        torch.device("cpu"), "float32", total_steps=3,
+    )  # fmt: skip
+
+
+engine = make_engine()
+model = engine.model
 
 # the allgather dispatcher gathers the same number of tokens from each EP rank: both shards are [2, 6] (their
 # response widths differ: 3 and 4); shard_rows splits these rows {0, 1}, {2, 3}
@@ -103,30 +105,36 @@ def batch(step: int) -> TrainBatch:
     return TrainBatch.create(tokens, behavior[lo:hi, :width].clone(), targets=targets)
 
 
-def weights() -> dict[str, torch.Tensor]:
+def weights(actor: MegatronTrainEngine) -> dict[str, torch.Tensor]:
     """What the weight sync sends (every rank joins the EP gather; rank 0 keeps it)."""
-    return {k: v.clone() for k, v in engine.named_weights()}
+    return {k: v.clone() for k, v in actor.named_weights()}
+
+
+def stats_of(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if not k.startswith("time/")}
 
 
 record: dict = {
     "stats": [],
     "weights": [],
     "local_experts": sum("local_experts" in k for k in model.state_dict()),
+    "rank_params": sum(p.numel() for p in model.parameters()),  # what the memory plan counts a rank
+    "initial": weights(engine),
 }
-record["initial"] = weights()
-steps = range(2)
-if mode == "resume":
-    engine.load_state_dict(torch.load(load, weights_only=False))
-    record["loaded"] = weights()
-    steps = range(1, 2)
-for step in steps:
-    stats = engine.train_step(batch(step))
-    record["stats"].append({k: v for k, v in stats.items() if not k.startswith("time/")})
-    record["weights"].append(weights())
-    if mode == "step" and step == 0:
+for step in range(2):
+    record["stats"].append(stats_of(engine.train_step(batch(step))))
+    record["weights"].append(weights(engine))
+    if step == 0:
         state = engine.state_dict()  # a collective over the DP (and EP) group
         if rank == 0:
             torch.save(state, f"{out}/ckpt_ep{ep}.pt")
+dist.barrier()
+# a fresh engine loads a checkpoint of step 1 (this run's, or `load`: another EP size's) and takes step 2
+fresh = make_engine()
+fresh.load_state_dict(torch.load(load or f"{out}/ckpt_ep{ep}.pt", weights_only=False))
+record["loaded"] = weights(fresh)
+record["resumed_stats"] = stats_of(fresh.train_step(batch(1)))
+record["resumed"] = weights(fresh)
 if rank == 0:
-    torch.save(record, f"{out}/ep{ep}_{mode}.pt")
+    torch.save(record, f"{out}/ep{ep}.pt")
 dist.barrier()

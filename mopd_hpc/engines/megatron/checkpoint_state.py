@@ -212,7 +212,10 @@ class MegatronCheckpointState(RequiresResident):
         if "scheduler" in state:  # the schedule goes on where it stopped (an older checkpoint: from step 0)
             self.scheduler.load_state_dict(dict(state["scheduler"]))
         if state["model"] is not None:  # every expert (EP 1, or gathered): this EP rank's
-            load_mcore_state(self.model, shard_experts(state["model"], self.shape.num_experts, ep, ep_rank))
+            model = dict(state["model"])
+            load_mcore_state(
+                self.model, shard_experts(model, self.shape.num_experts, ep, ep_rank) if ep > 1 else model
+            )
             reload = getattr(self.optimizer, "reload_model_params", None)
             if reload is not None:  # the optimizer's fp32 main copies from the loaded weights, as Megatron-LM
                 reload()

@@ -127,6 +127,7 @@ class MegatronTrainEngine(MegatronCheckpointState):
 
     router_losses = MegatronRouterLosses.INERT  # set in __init__ (megatron-core's own router losses)
     routing_replay = MegatronRoutingReplay.NONE  # set in __init__ (megatron-core's RouterReplay)
+    expert_parallel: tuple[int, int, Any] = (1, 0, None)  # set in __init__ (megatron's EP group)
 
     def __init__(
         self, model: torch.nn.Module, shape: Qwen3Shape, hf_config: Mapping[str, Any], loss: LossConfig,
@@ -167,8 +168,7 @@ class MegatronTrainEngine(MegatronCheckpointState):
         self.shard_plan = ShardPlan.create(shape, parallel.tp_info()[0])
         #: This rank's place in its TP group (names its file of the optimizer state at tensor_parallel > 1).
         self.tp_rank = parallel.tp_info()[1]
-        #: (size, rank, group) of megatron's expert-parallel group (expert_parallel.py; size 1: every expert).
-        self.expert_parallel: tuple[int, int, Any] = ep_info()
+        self.expert_parallel = ep_info()  # (size, rank, group): expert_parallel.py; size 1: every expert
         try:  # what the default micro-batch budget is estimated from (None: the whole batch in one)
             self.memory_shape: ModelShape | None = ModelShape.from_hf_config(hf_config)
         except MemoryModelError:
