@@ -60,12 +60,14 @@ from pathlib import Path  # noqa: E402
 
 from mopd_hpc.config.loss import LossConfig  # noqa: E402
 from mopd_hpc.config.models import OptimizerConfig  # noqa: E402
-from mopd_hpc.engines.batch import TokenBatch, TrainBatch  # noqa: E402
+from mopd_hpc.engines.batch import TrainBatch  # noqa: E402
 from mopd_hpc.engines.megatron import build  # noqa: E402
 from mopd_hpc.engines.megatron import model as megatron_model  # noqa: E402
 from mopd_hpc.engines.megatron.engine import MegatronTrainEngine  # noqa: E402
-from mopd_hpc.mopd.targets import TeacherTargets  # noqa: E402
 from mopd_hpc.trainer.shards import shard_rows  # noqa: E402
+
+sys.path.insert(0, "tests/engines")  # run from the repository (helpers_ranks.run_ranks)
+from helpers_ep import ep_batch  # noqa: E402
 
 torch.manual_seed(0)
 hf_config = json.loads((Path(ckpt) / "config.json").read_text())
@@ -94,15 +96,9 @@ STARTS = [3, 3, 2, 4]
 
 def batch(step: int) -> TrainBatch:
     """This rank's shard of step `step`'s rows (the same for every EP size)."""
-    rows = [[(t + 3 * step) % 30 + 1 for t in r] for r in ROWS]
-    shard = shard_rows([len(r) - s for r, s in zip(rows, STARTS, strict=True)], world)[rank]
-    lo, hi = shard.start, shard.stop
-    tokens = TokenBatch.from_rows(rows[lo:hi], STARTS[lo:hi], pad_id=0)
-    g = torch.Generator().manual_seed(step)
-    width = tokens.response_width
-    behavior, target = (-torch.rand(len(ROWS), 8, generator=g) * 3 for _ in range(2))
-    targets = TeacherTargets(target[lo:hi, :width].clone(), torch.ones(hi - lo, width))
-    return TrainBatch.create(tokens, behavior[lo:hi, :width].clone(), targets=targets)
+    lengths = [len(r) - s for r, s in zip(ROWS, STARTS, strict=True)]
+    shard = shard_rows(lengths, world)[rank]
+    return ep_batch(step, ROWS, STARTS, shard.start, shard.stop)
 
 
 def weights(actor: MegatronTrainEngine) -> dict[str, torch.Tensor]:

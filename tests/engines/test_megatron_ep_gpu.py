@@ -46,16 +46,9 @@ _SCRIPT = textwrap.dedent(
     STARTS = [3, 2, 2, 4]
 
     def batch(step, rank):
-        from mopd_hpc.engines.batch import TokenBatch, TrainBatch
-        from mopd_hpc.mopd.targets import TeacherTargets
-        rows = [[(t + 3 * step) % 30 + 1 for t in r] for r in ROWS]
-        lo, hi = (0, 2) if rank == 0 else (2, 4)
-        tokens = TokenBatch.from_rows(rows[lo:hi], STARTS[lo:hi], pad_id=0)
-        g = torch.Generator().manual_seed(step)
-        width = tokens.response_width
-        behavior, target = (-torch.rand(len(ROWS), 8, generator=g) * 3 for _ in range(2))
-        targets = TeacherTargets(target[lo:hi, :width].clone(), torch.ones(hi - lo, width))
-        return TrainBatch.create(tokens, behavior[lo:hi, :width].clone(), targets=targets)
+        sys.path.insert(0, "tests/engines")  # run from the repository
+        from helpers_ep import ep_batch
+        return ep_batch(step, ROWS, STARTS, *((0, 2) if rank == 0 else (2, 4)))
 
     def run(rank, ep, ckpt, port, out):
         from mopd_hpc.config.loss import LossConfig
