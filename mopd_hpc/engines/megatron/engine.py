@@ -328,7 +328,7 @@ class MegatronTrainEngine(MegatronCheckpointState):
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
         if tp == 1:
             ep, _, ep_group = self.expert_parallel
-            return gather_experts(local, self.shape.num_experts, ep, ep_group)
+            return local if ep == 1 else gather_experts(local, self.shape.num_experts, ep, ep_group)
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         for name, t in local.items():
             parts = [torch.empty_like(t) for _ in range(tp)]
