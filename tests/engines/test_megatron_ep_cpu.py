@@ -105,3 +105,21 @@ def test_checkpoint_of_step_1_resumes(runs: tuple[dict, dict, Path, Path]) -> No
     for name, w in two["weights"][1].items():
         assert torch.equal(two["resumed"][name], w), name
     assert any(not torch.equal(one["resumed"][k], w) for k, w in two["weights"][1].items())  # Adam anew
+
+
+def test_the_build_refuses_an_ep_that_does_not_divide_the_experts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The engine's own re-check (`build_from_hf`, before any model is built): EP 3 over 4 experts, and EP 2
+    for a dense model, name models.actor.expert_parallel."""
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    from mopd_hpc.engines.megatron import build, parallel
+    from mopd_hpc.engines.protocol import EngineError
+
+    config = json.loads((save_micro_moe(tmp_path / "moe") / "config.json").read_text())
+    dense = {k: v for k, v in config.items() if k not in ("num_experts", "num_local_experts")}
+    monkeypatch.setattr(parallel, "tp_info", lambda: (1, 0, None))
+    for ep, hf_config, experts in ((3, config, 4), (2, dense, 0)):
+        monkeypatch.setattr(build, "ep_info", lambda ep=ep: (ep, 0, None))
+        with pytest.raises(EngineError, match=f"expert_parallel={ep}: the model has {experts} experts a MoE"):
+            build.build_from_hf(None, hf_config, "float32", torch.device("cpu"))

@@ -40,12 +40,22 @@ def build_from_hf(
     path: str | Path | None, hf_config: Mapping[str, Any], dtype: str, device: torch.device
 ) -> tuple[torch.nn.Module, Qwen3Shape]:
     """This TP rank's GPTModel on `device`, with the checkpoint's weights (path None: random init); at
-    megatron expert-parallel size EP > 1 this EP rank's E/EP experts of each MoE layer (expert_parallel.py)."""
+    megatron expert-parallel size EP > 1 this EP rank's E/EP experts of each MoE layer (expert_parallel.py).
+
+    Raises:
+        EngineError: tensor_parallel does not divide the vocabulary, or EP > 1 does not divide the expert
+            count (a dense model included).
+    """
     tp, rank, _ = parallel.tp_info()
     ep, ep_rank, _ = ep_info()
     shape = Qwen3Shape.from_hf_config(hf_config)
     if shape.vocab_size % tp:
         raise EngineError(f"vocab_size={shape.vocab_size} is not divisible by tensor_parallel={tp}")
+    if ep > 1 and (not shape.moe_layers or shape.num_experts % ep):
+        raise EngineError(
+            f"models.actor.expert_parallel={ep}: the model has {shape.num_experts} experts a MoE layer; expected "
+            "a mixture of experts whose expert count it divides"
+        )
     eps = float(hf_config.get("rms_norm_eps", 1e-6))
     theta = rope_theta(hf_config)
     scaling = megatron_rope_scaling(hf_config)  # Llama 3.x (engines/megatron/rope.py)
