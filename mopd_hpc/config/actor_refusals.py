@@ -184,12 +184,13 @@ def actor_refusals(
 
 
 def moe_refusals(
-    engine: str, rollout_backend: str, loss: Any, routing_replay: bool, expert_parallel: int
+    engine: str, rollout_backend: str, loss: Any, routing_replay: bool, expert_parallel: int, **shape: Any
 ) -> list[Problem]:
     """The mixture-of-experts settings the actor engine `engine` and the rollout `rollout_backend` do not run:
-    the router losses, rollout routing replay, an expert-parallel size above the declared one (unsupported: no
-    engine builds an expert-parallel group, so `allow_unverified` does not lift it). Whether the actor has
-    routers at all is the model check's (launch/model_check.py)."""
+    the router losses, rollout routing replay, an expert-parallel size above the declared one
+    (`expert_parallel_refusals`, with `shape`: unverified where the engine's code goes beyond it, and refused
+    where it cannot run). Whether the actor has routers at all, and how many experts, is the model check's
+    (launch/model_check.py)."""
     spec, out = ACTOR_ENGINES[engine], []
     aux = loss.router_aux_loss_coefficient
     if not spec.router_losses and ((aux or 0.0) > 0 or loss.router_z_loss_coefficient > 0):
@@ -224,16 +225,76 @@ def moe_refusals(
                 ),
             )
         )
-    if expert_parallel > spec.expert_parallel:
+    return out + expert_parallel_refusals(engine, expert_parallel, loss, **shape)
+
+
+def expert_parallel_refusals(
+    engine: str,
+    expert_parallel: int,
+    loss: Any,
+    *,
+    world: int = 1,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    weight_sync: str = "torch",
+) -> list[Problem]:
+    """`models.actor.expert_parallel` = EP > 1 where the actor engine `engine` has not run it: unverified when
+    its code is written (`"expert_parallel"` in the engine's `unverified`: megatron's EP group,
+    engines/megatron/expert_parallel.py; the GPU test that has not run is `expert_parallel_untested`), and
+    refused where it cannot run: EP not dividing the data-parallel size world / (TP·PP) (megatron forms the EP
+    group within the DP ranks), tensor_parallel > 1 (the gathers of every expert are written for TP 1), the
+    KL penalty's reference model (a scoring engine per rank, whose forwards would be collectives over the EP
+    group at each rank's own pace) and the AWEX weight sync (its plan has no expert shards). Whether EP divides
+    the expert count needs the checkpoint's config.json: launch/model_check.py."""
+    spec = ACTOR_ENGINES[engine]
+    if expert_parallel <= spec.expert_parallel:
+        return []
+    field = "models.actor.expert_parallel"
+    if "expert_parallel" not in spec.unverified:
         why = (
             "it builds no expert-parallel group (every rank holds every expert; a larger size is not written)"
         )
+        way = f"expected ≤ {spec.expert_parallel}" + other_ways(
+            ACTOR_ENGINES, "models.actor.engine", lambda s: "expert_parallel" in s.unverified, but=engine
+        )
+        return [
+            Problem(field, f"the actor role runs the {engine} engine at expert_parallel ≤ {spec.expert_parallel}: "
+                    f"{why}", expert_parallel, way)
+        ]  # fmt: skip
+    out = []
+    dp = world // max(tensor_parallel * pipeline_parallel, 1)
+    if world > 0 and dp % expert_parallel:
         out.append(
             Problem(
-                "models.actor.expert_parallel",
-                f"the actor role runs the {engine} engine at expert_parallel ≤ {spec.expert_parallel}: {why}",
+                field,
+                f"the expert-parallel group is formed within the data-parallel ranks: {expert_parallel} does not "
+                f"divide the actor's data-parallel size {dp} (its {world} trainer ranks / (tensor_parallel "
+                f"{tensor_parallel} · pipeline_parallel {pipeline_parallel}))",
                 expert_parallel,
-                f"expected ≤ {spec.expert_parallel}",
+                f"a divisor of {dp}, or more trainer GPUs",
             )
         )
+    blockers = [
+        (f"models.actor.tensor_parallel {tensor_parallel}", tensor_parallel > 1, "every expert is gathered over the EP group at "
+         "tensor_parallel 1 only", "tensor_parallel: 1, or expert_parallel: 1"),
+        (f"loss.kl_coefficient {loss.kl_coefficient}", loss.kl_coefficient > 0, "the KL penalty's reference model scores each rank's "
+         "rows at its own pace, and an expert-parallel forward is a collective over the EP group",
+         "kl_coefficient: 0, or expert_parallel: 1"),
+        ("weight_sync.backend awex", weight_sync == "awex", "AWEX's transfer plan has no expert shards (each rank "
+         "would publish its own experts only)", "torch or ipc, or expert_parallel: 1"),
+    ]  # fmt: skip
+    for path, blocked, why, way in blockers:
+        if blocked:
+            out.append(
+                Problem(field, f"expert_parallel {expert_parallel} with {path}: {why}", expert_parallel, way)
+            )
+    if not out:
+        problem = Problem(
+            field,
+            f"the {engine} actor at expert_parallel > {spec.expert_parallel} has not run on GPUs "
+            f"({spec.expert_parallel_untested})",
+            expert_parallel,
+            f"expert_parallel: {spec.expert_parallel}",
+        )
+        out.append(unverified(problem, spec.expert_parallel_untested))
     return out

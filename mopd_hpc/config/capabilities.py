@@ -127,13 +127,18 @@ ACTOR_ENGINES: dict[str, ActorEngineSpec] = {
         data_parallel_cpu=None,
         data_parallel_gpu=1,
         untested="tests/engines/test_megatron_actor_group_gpu.py (2 GPUs)",
-        # megatron-core's MoELayer can shard experts over an expert-parallel group, but the engine builds none
-        # (parallel.py: expert_model_parallel_size 1; the DDP's expert buffers, checkpoints and weight sync
-        # gather over no EP group): EP 1 holds every expert, EP > 1 is not written
+        # megatron-core's EP group within the DP ranks (engines/megatron/expert_parallel.py: the DDP's expert
+        # buffers, every expert gathered for the weight sync and the checkpoint); it has run on CPU over gloo
+        # (tests/engines/test_megatron_ep_cpu.py), not on GPUs (NCCL, the alltoall dispatcher)
         expert_parallel=1,
+        expert_parallel_untested="tests/engines/test_megatron_ep_gpu.py (2 GPUs)",
         router_losses=True,  # megatron-core's own, set on its config (engines/megatron/router_losses.py)
         routing_replay=True,  # megatron-core's RouterReplay (engines/megatron/routing_replay.py)
-        unverified=("tensor_parallel", "data_parallel_gpu"),  # pipeline_parallel > 1: no code
+        unverified=(
+            "tensor_parallel",
+            "data_parallel_gpu",
+            "expert_parallel",
+        ),  # pipeline_parallel > 1: no code
     ),
 }
 

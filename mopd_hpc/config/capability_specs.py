@@ -29,9 +29,11 @@ class ActorEngineSpec:
             limit is the engine's own).
         router_losses: it adds a mixture-of-experts actor's router losses (`loss.router_*`).
         routing_replay: its forward replays the rollout's routed experts (`rollout.routing_replay`).
-        expert_parallel: the largest expert-parallel size it runs (no engine builds an expert-parallel group
-            yet: beyond 1 is unsupported, refused whatever `allow_unverified` says).
-        unverified: the limits (`"tensor_parallel"`, `"data_parallel_gpu"`) whose code goes beyond them,
+        expert_parallel: the largest expert-parallel size that has run (beyond it: unverified where
+            `"expert_parallel"` is in `unverified`, its GPU test `expert_parallel_untested`; else unsupported).
+        expert_parallel_untested: the GPU test of a larger expert-parallel size that has not run.
+        unverified: the limits (`"tensor_parallel"`, `"data_parallel_gpu"`, `"expert_parallel"`) whose code goes
+            beyond them,
             not yet run on GPUs: `allow_unverified` lets a config past them (module docstring); the others
             are unsupported.
     """
@@ -52,6 +54,7 @@ class ActorEngineSpec:
     router_losses: bool = False
     routing_replay: bool = False
     expert_parallel: int = 1
+    expert_parallel_untested: str = ""
     unverified: tuple[str, ...] = ()
 
     def data_parallel(self, device: str) -> int | None:

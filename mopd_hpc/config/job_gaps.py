@@ -77,8 +77,10 @@ def _all_gaps(cfg: Any) -> list[Problem]:
     )
     out += loss_refusals(actor.engine, cfg.loss)
     return out + moe_refusals(
-        actor.engine, cfg.rollout.backend, cfg.loss, cfg.rollout.routing_replay, actor.expert_parallel
-    )
+        actor.engine, cfg.rollout.backend, cfg.loss, cfg.rollout.routing_replay, actor.expert_parallel,
+        world=world.size, tensor_parallel=actor.tensor_parallel, pipeline_parallel=actor.pipeline_parallel,
+        weight_sync=cfg.weight_sync.backend,
+    )  # fmt: skip
 
 
 def installed_version(package: str) -> str | None:

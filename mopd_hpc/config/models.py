@@ -64,9 +64,13 @@ class ActorConfig(Section):
     expert_parallel: int = Field(
         1,
         ge=1,
-        description="Expert-parallel size of a mixture-of-experts actor, in GPUs (the experts sharded over "
-        "them); 1 = every expert on each rank. > 1 is not written (no engine builds an expert-parallel group) and "
-        "is refused, allow_unverified or not.",
+        description="Expert-parallel size of a mixture-of-experts actor, in GPUs: each MoE layer's experts split "
+        "over that many ranks of the data-parallel group (megatron-core's EP group; the dense parts stay data "
+        "parallel); 1 = every expert on each rank. > 1 (megatron engine): written, run on CPU only, so refused "
+        "as unverified (allow_unverified lets it through, with a warning) until "
+        "tests/engines/test_megatron_ep_gpu.py runs on 2 GPUs; refused where it cannot run: not dividing the "
+        "data-parallel size or the expert count, a dense actor, the torch engine, tensor_parallel > 1, "
+        "loss.kl_coefficient > 0, weight_sync.backend awex.",
     )
     collective_timeout_s: float = Field(
         600.0,

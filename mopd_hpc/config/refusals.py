@@ -160,6 +160,13 @@ def refusal_rows() -> list[Row]:
         rows.append(
             ("models.actor.expert_parallel", f"> {limit} with engine {_names(names)}", f"≤ {limit}{opt_in}")
         )
+    rows += [
+        ("models.actor.expert_parallel", "> 1 not dividing the actor's data-parallel size (trainer GPUs / "
+         "(tensor_parallel·pipeline_parallel)) or the checkpoint's expert count", "a divisor of both"),
+        ("models.actor.expert_parallel", "> 1 with tensor_parallel > 1, loss.kl_coefficient > 0 or "
+         "weight_sync.backend `awex`", "1, or tensor_parallel 1, kl_coefficient 0, weight_sync `torch`/`ipc`"),
+        ("models.actor.expert_parallel", "> 1 with a dense actor", "1"),
+    ]  # fmt: skip
     for name, spec in WEIGHT_SYNCS.items():
         for what, table, supported in (
             ("models.actor.engine", actor, spec.actor_engines),

@@ -69,8 +69,8 @@ class RunConfig(Section):
     allow_unverified: bool = Field(
         False,
         description="Run settings whose code is written but has not run on GPUs here (megatron at "
-        "tensor_parallel or data-parallel size > 1, a megatron teacher at tensor_parallel > 1, AWEX from several "
-        "trainer ranks, AWEX moving a Qwen3-MoE actor's experts to a separated rollout: "
+        "tensor_parallel, data-parallel or expert-parallel size > 1, a megatron teacher at tensor_parallel > 1, "
+        "AWEX from several trainer ranks, AWEX moving a Qwen3-MoE actor's experts to a separated rollout: "
         "config/capabilities.py `unverified`, `untested`, `experts_untested`): each becomes a warning (--check, the run dir's "
         "unverified.json, mopd-logs summarize) instead of a refusal; what is unsupported stays refused. "
         "`mopd-submit --allow-unverified` sets it.",

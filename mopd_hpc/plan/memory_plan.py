@@ -169,7 +169,7 @@ def _actor(
 ) -> tuple[Holding, ...]:
     """Actor `rank`'s holdings; `free`: bytes the train phase leaves free for activations (null budget only)."""
     actor = cfg.models.actor
-    state = train_state(shape, actor.dtype, actor.engine, parallel.tp, parallel.dp)
+    state = train_state(shape, actor.dtype, actor.engine, parallel.tp, parallel.dp, actor.expert_parallel)
     rows = -(-cfg.data.batch_size * cfg.data.samples_per_prompt // parallel.dp)
     length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     shard = rows * length

@@ -140,7 +140,7 @@ def build_train_engine(
     `device` (`RoleEnv.device`): `TorchTrainEngine` (on `device.torch_name`: cuda:<index>, or cpu;
     `data_parallel` its rank of the actor group, default one rank) or `MegatronTrainEngine` (after
     `initialize_parallel(rank=rank, world_size=world_size, tensor_parallel=models.actor.tensor_parallel,
-    device_index=device.index)`: at world size > 1 on the actor group's NCCL world, which `join_group` has
+    device_index=device.index, expert_parallel=models.actor.expert_parallel)`: at world size > 1 on the actor group's NCCL world, which `join_group` has
     initialized; megatron's TP and DP groups are derived from it, TP innermost as config/parallel.py orders
     the ranks). Which shapes run is `config/capabilities.py`'s (`check_actor_engine`), nothing here.
 
@@ -176,6 +176,7 @@ def build_train_engine(
         world_size=world_size,
         tensor_parallel=actor.tensor_parallel,
         device_index=device.index or 0,
+        expert_parallel=actor.expert_parallel,
     )
     hf_config = json.loads((Path(actor.path) / "config.json").read_text(encoding="utf-8"))
     model, shape = build_from_hf(actor.path, hf_config, actor.dtype, cuda)

@@ -9,7 +9,7 @@
                    asks), the drain gather, `train_step` (the gradient all-reduce)
     weights record reason "sync" with a writer (AWEX: trainer/rank_writer.py): this rank publishes its own
                    shards, as rank 0 does at the same time; otherwise a TP rank of data-parallel rank 0's
-                   TP group joins rank 0's gather of the HF weights (weight sync, evaluation, export:
+                   TP group (at expert_parallel > 1: a rank of rank 0's EP group) joins rank 0's gather of the HF weights (weight sync, evaluation, export:
                    `engine.join_weight_gather`), and other ranks ignore it
     checkpoint     a TP engine's rank writes its shards of the step (trainer/sharded_checkpoint.py); an engine
                    whose state_dict is a collective (`collective_state_dict`: megatron's distributed
@@ -90,7 +90,9 @@ class Follower:
             if record.kind == "weights":
                 if record.reason == "sync" and self.writer is not None:
                     self.writer.publish(record.step)  # its own shards, with rank 0's publish
-                elif getattr(self.engine, "gathers_over_tp", False) and self.group.dp_rank == 0:
+                elif (getattr(self.engine, "gathers_over_tp", False) and self.group.dp_rank == 0) or getattr(
+                    self.engine, "in_rank0_expert_group", False
+                ):  # rank 0's TP group, or its EP group (expert_parallel > 1)
                     make_resident(self.engine, f"weight gather ({record.reason})")
                     self.engine.join_weight_gather()
                 continue

@@ -33,7 +33,11 @@ def test_qwen3_coder_4node_passes_check_with_the_opt_in_and_fits_an_h200(tmp_pat
 
     refused = mopd_submit("--check", CONFIG, *args)
     assert refused.returncode == 2, refused.stderr
-    for field in ("models.actor.tensor_parallel", "models.actor.engine", "models.teachers[0].tensor_parallel"):
+    for field in (
+        "models.actor.tensor_parallel",
+        "models.actor.engine",
+        "models.teachers[0].tensor_parallel",
+    ):
         assert f"  - {field}: " in refused.stderr, refused.stderr
     assert "Qwen3MoeForCausalLM" not in refused.stderr  # the family has run on megatron (EP 1)
     assert "or allow_unverified: true (--allow-unverified) to run it unverified" in refused.stderr

@@ -13,7 +13,7 @@ import pytest
 
 from mopd_hpc.config import ConfigError, load_run_config
 from mopd_hpc.config.capabilities import ACTOR_ENGINES
-from mopd_hpc.config.job_gaps import job_gaps
+from mopd_hpc.config.job_gaps import job_gaps, unverified_gaps, unverified_warning
 from mopd_hpc.launch.model_check import prepare_models, unverified_model_warnings
 from mopd_hpc.launch.moe_check import moe_actor_problems
 
@@ -222,35 +222,73 @@ def test_router_losses_are_refused_for_a_dense_actor(moe_checkpoint: Path, micro
 
 
 def test_moe_settings_the_engines_do_not_run_are_refused_naming_the_field() -> None:
-    """rollout.routing_replay (sglang rollout) and expert_parallel > 1 (unsupported: no engine builds an
-    expert-parallel group, so the opt-in does not lift it) through job_gaps: config/capabilities.py moe_refusals."""
+    """rollout.routing_replay (sglang rollout) through job_gaps: config/capabilities.py moe_refusals; the
+    expert-parallel size: `test_expert_parallel_is_unverified_where_written_and_refused_where_it_cannot_run`."""
     cfg = load_run_config(
         CODER,
-        [
-            "rollout.routing_replay=true",
-            "models.actor.expert_parallel=2",
-            "loss.router_z_loss_coefficient=0.01",
-            "rollout.backend=sglang",
-        ],
+        ["rollout.routing_replay=true", "loss.router_z_loss_coefficient=0.01", "rollout.backend=sglang"],
     )
-    gaps = [p for p in job_gaps(cfg) if p.path in ("rollout.routing_replay", "models.actor.expert_parallel")]
+    gaps = [p for p in job_gaps(cfg) if p.path == "rollout.routing_replay"]
     gaps += [p for p in job_gaps(cfg) if p.path.startswith("loss.router")]
     text = "\n".join(f"{p.path}: {p.message} ({p.expected})" for p in gaps)
     assert "the megatron actor engine does not replay" not in text  # it does (routing_replay.py)
     assert "rollout.routing_replay: the sglang rollout backend does not answer the routed experts" in text
-    assert (
-        "models.actor.expert_parallel: the actor role runs the megatron engine at expert_parallel ≤ 1: it builds "
-        "no expert-parallel group (every rank holds every expert; a larger size is not written) (expected ≤ 1)"
-        in text
-    )
-    opted = load_run_config(CODER, ["models.actor.expert_parallel=2", "allow_unverified=true"])
-    (ep,) = [p for p in job_gaps(opted) if p.path == "models.actor.expert_parallel"]
-    assert ep.got == 2 and not ep.unverified and "allow_unverified" not in ep.expected
     assert "loss.router_z_loss_coefficient" not in text  # megatron adds the router losses
     with pytest.raises(
         ConfigError, match="rollout.compile_decode: rollout.routing_replay records the routed"
     ):
         load_run_config(CODER, ["rollout.routing_replay=true", "rollout.backend=hf"])
+
+
+def _ep_gaps(overrides: list[str]) -> tuple[list, list]:
+    """(refusals, refusals let through by the opt-in) of models.actor.expert_parallel for CODER + overrides."""
+    cfg = load_run_config(CODER, overrides)
+    pick = lambda ps: [p for p in ps if p.path == "models.actor.expert_parallel"]  # noqa: E731
+    return pick(job_gaps(cfg)), pick(unverified_gaps(cfg))
+
+
+def test_expert_parallel_is_unverified_where_written_and_refused_where_it_cannot_run() -> None:
+    """The megatron actor's EP > 1 (engines/megatron/expert_parallel.py, run on CPU only) is refused as
+    unverified, naming the 2-GPU test and the opt-in, and lets through with it (a warning); what cannot run is
+    refused with or without it, naming the field, the value and the way out: EP not dividing the DP size,
+    tensor_parallel > 1, the KL penalty, AWEX, the torch engine."""
+    tp1 = ["models.actor.tensor_parallel=1"]  # CODER: 32 trainer GPUs, TP 4; at TP 1 DP 32
+    (ep,), through = _ep_gaps([*tp1, "models.actor.expert_parallel=2"])
+    assert ep.got == 2 and ep.unverified == "tests/engines/test_megatron_ep_gpu.py (2 GPUs)" and not through
+    assert "has not run on GPUs (tests/engines/test_megatron_ep_gpu.py (2 GPUs))" in ep.message
+    assert (
+        ep.expected
+        == "expert_parallel: 1, or allow_unverified: true (--allow-unverified) to run it unverified"
+    )
+    refused, (warned,) = _ep_gaps([*tp1, "models.actor.expert_parallel=2", "allow_unverified=true"])
+    assert refused == [] and warned == ep
+    assert unverified_warning(warned).startswith("models.actor.expert_parallel = 2 (not run on GPUs here")
+    cases = {
+        "models.actor.expert_parallel=3": (
+            "3 does not divide the actor's data-parallel size 32 (its 32 trainer ranks / (tensor_parallel 1",
+            "a divisor of 32, or more trainer GPUs",
+        ),
+        "models.actor.tensor_parallel=4": (
+            "expert_parallel 2 with models.actor.tensor_parallel 4: every expert is gathered over the EP group "
+            "at tensor_parallel 1 only",
+            "tensor_parallel: 1, or expert_parallel: 1",
+        ),
+        "loss.kl_coefficient=0.1": ("expert_parallel 2 with loss.kl_coefficient 0.1", "kl_coefficient: 0"),
+        "weight_sync.backend=awex": ("expert_parallel 2 with weight_sync.backend awex", "torch or ipc"),
+        "models.actor.engine=torch": (
+            "the actor role runs the torch engine at expert_parallel ≤ 1",
+            "expected ≤ 1, or models.actor.engine: megatron",
+        ),
+    }
+    for override, (message, way) in cases.items():
+        extra = ["loss.rl_coefficient=1"] if override.startswith("loss.kl") else []
+        for opt_in in ([], ["allow_unverified=true"]):
+            base = [*tp1, "models.actor.expert_parallel=2", *extra, override, *opt_in]
+            refused, _ = _ep_gaps(base)
+            assert any(message in p.message and way in p.expected and not p.unverified for p in refused), (
+                override,
+                [(p.message, p.expected) for p in refused],
+            )
 
 
 def test_routing_replay_and_expert_parallel_are_refused_for_a_dense_actor(
@@ -338,3 +376,20 @@ def test_awex_refuses_an_actor_family_it_has_no_converter_for(moe_checkpoint: Pa
         "Qwen3MoeForCausalLM checkpoints only (got 'awex'; weight_sync.backend: torch)" in text
     )
     prepare_models(load_run_config(CODER, [*overrides, "weight_sync.backend=torch"]), str(CODER))
+
+
+def test_expert_parallel_not_dividing_the_checkpoints_experts_is_refused(moe_checkpoint: Path) -> None:
+    """launch/moe_check.py: the micro MoE has 2 experts a layer; EP 4 (it divides the DP size 32) cannot split
+    them, refused with the opt-in too; EP 2 passes that check (the opt-in lets the rest through)."""
+    path = str(moe_checkpoint)
+    overrides = [
+        f"models.actor.path={path}", f"models.tokenizer.path={path}", f"models.teachers.0.path={path}",
+        "models.actor.tensor_parallel=1", "allow_unverified=true",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        prepare_models(load_run_config(CODER, [*overrides, "models.actor.expert_parallel=4"]), str(CODER))
+    assert (
+        f"models.actor.expert_parallel: the actor ({path}) is a Qwen3MoeForCausalLM of 2 experts a layer: 4 ranks "
+        "cannot hold an equal share of them (got 4; a divisor of 2 (2, ...), or 1)" in str(err.value)
+    )
+    prepare_models(load_run_config(CODER, [*overrides, "models.actor.expert_parallel=2"]), str(CODER))

@@ -179,6 +179,20 @@ class FakeTPEngine(FakeEngine):
         return sum(1 for _ in self.named_weights())
 
 
+class FakeEPEngine(FakeTPEngine):
+    """FakeEngine as one rank of DP 2 at expert parallel 2: each rank trains its own rows (sums over the DP
+    group) and holds half of w as its "experts", gathered over gloo by `named_weights`; the follower is in rank
+    0's EP group (`in_rank0_expert_group`), as the megatron engine says (engines/megatron/engine.py)."""
+
+    gathers_over_tp = False
+    gathers_over_ep = True
+
+    def __init__(self, rank: int) -> None:
+        FakeEngine.__init__(self, distributed=True)
+        self.rank, self.joined = rank, 0
+        self.in_rank0_expert_group = rank != 0
+
+
 class FakeTPDPEngine(FakeEngine):
     """FakeEngine as one rank of TP 2 × DP 2 (world 4, rank = tp_rank + 2·dp_rank): its sums run over its
     data-parallel group (ranks {0, 2} or {1, 3}), whose ranks hold different rows; the TP ranks of a replica
@@ -243,6 +257,8 @@ class GatherWriter:
 async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 0.0) -> dict:
     if scenario == "tp2":
         engine = FakeTPEngine(rank)
+    elif scenario == "ep2":
+        engine = FakeEPEngine(rank)
     elif scenario == "dp_checkpoint":
         engine = FakeShardedStateEngine(rank)
     elif scenario in ("tp2dp2", "writers"):
@@ -273,7 +289,7 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
             await group.publish(record)
             outcome = await step.run(record, on_drained=drained)
             stats.append(dict(outcome.stats))
-            if scenario == "tp2":  # the controller's weight sync: announce, then gather
+            if scenario in ("tp2", "ep2"):  # the controller's weight sync: announce, then gather
                 await group.publish(ControlRecord.weights(s, "sync"))
                 out.setdefault("gathered", []).append(dict(engine.named_weights())["w"].tolist())
             if writer is not None:  # the controller's sync that every rank writes: announce, then publish
@@ -318,7 +334,7 @@ async def run_rank(scenario: str, rank: int, world: int, group, busy_s: float = 
             follower.run = run_with_the_sum
         outcome = await follower.run()
         out |= {"outcome": [outcome.reason, outcome.step], "steps": follower.steps}
-        if scenario in ("tp2", "dp_checkpoint"):
+        if scenario in ("tp2", "ep2", "dp_checkpoint"):
             out["joined"] = engine.joined
     if writer is not None:
         out["published"] = writer.published

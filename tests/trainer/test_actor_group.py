@@ -158,6 +158,17 @@ def test_a_tp_group_joins_rank0s_weight_gathers_and_counts_once(tmp_path):
     assert r0["dp_sum"] == r1["dp_sum"] == [1.0]
 
 
+def test_an_expert_parallel_follower_joins_rank0s_weight_gathers(tmp_path):
+    """DP 2 at expert parallel 2: each rank trains its own rows (the DP = 1 parameters on both), and after each
+    step rank 0's `weights` record makes the follower of its EP group (`in_rank0_expert_group`) join the
+    gather of every rank's experts, which gives the whole parameter."""
+    r0, r1 = run_world(tmp_path, "ep2")
+    assert "error" not in r0 and "error" not in r1, (r0, r1, (tmp_path / "rank0.log").read_text()[-3000:])
+    assert r1["outcome"] == ["finished", 3] and r1["steps"] == [1, 2, 3] and r1["joined"] == 3
+    assert r0["w"] == pytest.approx(prog.reference()["w"], rel=1e-12, abs=1e-14) and r1["w"] == r0["w"]
+    assert len(r0["gathered"]) == 3 and r0["gathered"][-1] == r0["w"]
+
+
 @pytest.mark.gpu
 def test_tp2_on_nccl_broadcasts_the_scores_through_the_gpus(tmp_path):
     """TP 2 × DP 1 on two GPUs (NCCL world and TP group; gloo control group): TP rank 0 alone asks the

@@ -13,9 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mopd_hpc.engines.data_parallel import DataParallel
-from mopd_hpc.engines.megatron import optimizer_state, parallel
+from mopd_hpc.engines.megatron import expert_checkpoint, optimizer_state, parallel
+from mopd_hpc.engines.megatron.expert_parallel import gather_experts, shard_experts
 from mopd_hpc.engines.megatron.model import DTYPES, load_mcore_state
 from mopd_hpc.engines.megatron.residency import DDPResidency
 from mopd_hpc.engines.megatron.shard_plan import ShardPlan
@@ -38,6 +40,8 @@ class MegatronCheckpointState(RequiresResident):
     dtype: str
     tp_rank: int
     steps: int
+    shape: Any  # convert.Qwen3Shape
+    expert_parallel: tuple[int, int, Any]  # (size, rank, group) of megatron's EP group
 
     @property
     def sharded_checkpoint(self) -> bool:
@@ -104,6 +108,17 @@ class MegatronCheckpointState(RequiresResident):
                 "tensor_parallel with the model the checkpoint was saved with"
             ) from None
 
+    def _scatter_expert_parallel(self, param_state: Any, saved_ep: int) -> None:
+        """`expert_checkpoint.scatter` over this EP group, its error as the engine's."""
+        ep, _, group = self.expert_parallel
+        try:
+            expert_checkpoint.scatter(self.optimizer, param_state, saved_ep, ep, group)
+        except optimizer_state.OptimizerStateError as err:
+            raise EngineError(
+                f"the checkpoint's optimizer state ({optimizer_state.PARAM_STATE_KEY}): {err}; resume with the "
+                "model and expert_parallel the checkpoint was saved with"
+            ) from None
+
     def join_state_dict(self) -> None:
         """A DP rank > 0's part in rank 0's `state_dict` (its optimizer shard); nothing to write."""
         if self.collective_state_dict:
@@ -117,16 +132,27 @@ class MegatronCheckpointState(RequiresResident):
         (`optimizer_state.PARAM_STATE_FILE`: the checkpoint writes it apart from model.pt, engines/own_file.py),
         and `optimizer_state.PARAM_LAYOUT_KEY`: its sizes (both None on DP ranks > 0 and at tensor_parallel
         > 1, where each TP rank's shard differs: `tp_param_state` gives it to the sharded checkpoint), the lr
-        scheduler's state (`scheduler`), steps."""
+        scheduler's state (`scheduler`), steps. At expert_parallel > 1 (a collective over the EP group too):
+        the model with every expert (global indices, `gather_experts`: loadable at any EP size) and the
+        parameter state per EP rank (`expert_checkpoint.gather`, its layout the saved EP size)."""
         self._require_resident("state_dict")
-        param_state = optimizer_state.gather(self.optimizer) if self.shard_plan.tp == 1 else None
+        ep, _, ep_group = self.expert_parallel
+        if ep > 1:  # every expert gathered over the EP group; the optimizers' states per EP rank
+            param_state: Any = expert_checkpoint.gather(self.optimizer, ep_group)
+            local = {k: v for k, v in self.model.state_dict().items() if not k.endswith("._extra_state")}
+            model = gather_experts(local, self.shape.num_experts, ep, ep_group)
+            param_layout: Any = expert_checkpoint.layout(ep)
+        else:
+            param_state = optimizer_state.gather(self.optimizer) if self.shard_plan.tp == 1 else None
+            model = None if self.sharded_checkpoint else self.model.state_dict()
+            param_layout = optimizer_state.layout(param_state)
         return {
-            "model": None if self.sharded_checkpoint else self.model.state_dict(),
+            "model": model,
             "optimizer": self.optimizer.state_dict(),
             optimizer_state.PARAM_STATE_KEY: (
                 None if param_state is None else OwnFile(optimizer_state.PARAM_STATE_FILE, param_state)
             ),
-            optimizer_state.PARAM_LAYOUT_KEY: optimizer_state.layout(param_state),
+            optimizer_state.PARAM_LAYOUT_KEY: param_layout,
             "scheduler": self.scheduler.state_dict(),
             "steps": self.steps,
         }
@@ -158,7 +184,12 @@ class MegatronCheckpointState(RequiresResident):
                 "tensor_parallel 1: load its shards with trainer/sharded_checkpoint.py, or resume at the saved TP"
             )
         entry = state.get(optimizer_state.PARAM_STATE_KEY)
-        read = entry is not None and optimizer_state.reads_saved_state(self.optimizer)
+        ep, ep_rank, ep_group = self.expert_parallel
+        saved_ep = expert_checkpoint.saved_expert_parallel(state.get(optimizer_state.PARAM_LAYOUT_KEY))
+        if ep > 1 or saved_ep > 1:  # expert_checkpoint.py: global rank 0 reads it
+            read = entry is not None and (not dist.is_initialized() or dist.get_rank() == 0)
+        else:
+            read = entry is not None and optimizer_state.reads_saved_state(self.optimizer)
         try:  # a FileRef: read (mmap) on DP rank 0 alone
             param_state = resolve_own_file(entry, read=read)
         except OwnFileError as err:
@@ -168,22 +199,29 @@ class MegatronCheckpointState(RequiresResident):
             ) from None
         saved = param_state if param_state is not None else state.get(optimizer_state.PARAM_LAYOUT_KEY)
         try:  # before anything is loaded: a state that does not fit leaves the engine as it was
-            optimizer_state.check(self.optimizer, saved)
+            if ep == saved_ep == 1:
+                optimizer_state.check(self.optimizer, saved)
         except optimizer_state.OptimizerStateError as err:
             raise EngineError(
                 f"the checkpoint's optimizer state ({optimizer_state.PARAM_STATE_KEY}): {err}; resume with the "
                 "model the checkpoint was saved with"
             ) from None
-        self.optimizer.load_state_dict(state["optimizer"])
-        optimizer_state.separate_steps(self.optimizer)  # torch Adam's shared "step" after megatron's load
+        if saved_ep == ep:  # at another EP size Adam starts again (expert_checkpoint.py): its own optimizers
+            self.optimizer.load_state_dict(state["optimizer"])
+            optimizer_state.separate_steps(self.optimizer)  # torch Adam's shared "step" after megatron's load
         if "scheduler" in state:  # the schedule goes on where it stopped (an older checkpoint: from step 0)
             self.scheduler.load_state_dict(dict(state["scheduler"]))
-        if state["model"] is not None:
-            load_mcore_state(self.model, dict(state["model"]))
+        if state["model"] is not None:  # every expert (EP 1, or gathered): this EP rank's
+            model = dict(state["model"])
+            load_mcore_state(
+                self.model, shard_experts(model, self.shape.num_experts, ep, ep_rank) if ep > 1 else model
+            )
             reload = getattr(self.optimizer, "reload_model_params", None)
             if reload is not None:  # the optimizer's fp32 main copies from the loaded weights, as Megatron-LM
                 reload()
-        if entry is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
+        if entry is not None and (ep > 1 or saved_ep > 1):  # per EP rank (expert_checkpoint.py)
+            self._scatter_expert_parallel(param_state, saved_ep)
+        elif entry is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
             optimizer_state.scatter(self.optimizer, param_state)
         else:  # none here (an older checkpoint; at TP > 1 load_tp_param_state follows): 0, not torch.empty's bytes
             optimizer_state.zero_moments(self.optimizer)

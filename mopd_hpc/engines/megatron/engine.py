@@ -36,6 +36,12 @@ the DP ranks, each rank backpropagates DP·L_r (megatron's DDP averages over DP)
 torch engine's (engines/data_parallel.py). Tensor parallel > 1: `named_weights` (weight sync, evaluation, the
 HF export) gathers one HF tensor at a time over the TP group (`shard_plan.py`, `tp_gather.py`), a collective
 the other ranks of that TP group join (`join_weight_gather`).
+Expert parallel > 1 (`expert_parallel.py`, tensor_parallel 1): each rank holds E/EP experts of each MoE layer,
+megatron's DDP reduces their gradients over the expert-data-parallel group; `named_weights` and the
+checkpoint's model all-gather every expert over the EP group (the other ranks of rank 0's EP group join
+rank 0's gathers: `in_rank0_expert_group`); every forward is a collective over the EP group (the token
+dispatch: alltoall on GPUs; allgather on CPU, which needs the same [B, L] on each EP rank), so the EP ranks of
+a step run as many micro-batches (`_expert_group_micro_batches`), and call `logprobs` / `topk` together.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from mopd_hpc.engines.lr_schedule import megatron_scheduler_args
 from mopd_hpc.engines.megatron import parallel
 from mopd_hpc.engines.megatron.checkpoint_state import MegatronCheckpointState
 from mopd_hpc.engines.megatron.convert import Qwen3Shape, gather_tp, mcore_to_hf
+from mopd_hpc.engines.megatron.expert_parallel import ep_info, gather_experts, group_max
 from mopd_hpc.engines.megatron.hf_model import hf_model_from_weights
 from mopd_hpc.engines.megatron.model import DTYPES, enable_full_recompute
 from mopd_hpc.engines.megatron.residency import DDPResidency
@@ -120,6 +127,7 @@ class MegatronTrainEngine(MegatronCheckpointState):
 
     router_losses = MegatronRouterLosses.INERT  # set in __init__ (megatron-core's own router losses)
     routing_replay = MegatronRoutingReplay.NONE  # set in __init__ (megatron-core's RouterReplay)
+    expert_parallel: tuple[int, int, Any] = (1, 0, None)  # set in __init__ (megatron's EP group)
 
     def __init__(
         self, model: torch.nn.Module, shape: Qwen3Shape, hf_config: Mapping[str, Any], loss: LossConfig,
@@ -160,6 +168,7 @@ class MegatronTrainEngine(MegatronCheckpointState):
         self.shard_plan = ShardPlan.create(shape, parallel.tp_info()[0])
         #: This rank's place in its TP group (names its file of the optimizer state at tensor_parallel > 1).
         self.tp_rank = parallel.tp_info()[1]
+        self.expert_parallel = ep_info()  # (size, rank, group): expert_parallel.py; size 1: every expert
         try:  # what the default micro-batch budget is estimated from (None: the whole batch in one)
             self.memory_shape: ModelShape | None = ModelShape.from_hf_config(hf_config)
         except MemoryModelError:
@@ -259,7 +268,8 @@ class MegatronTrainEngine(MegatronCheckpointState):
         mask = batch.tokens.response_mask
         dp = self.data_parallel
         local_tokens, denominator, tokens = step_tokens(mask, self.loss_config.normalizer, dp)
-        parts = [None] if batch.batch_size == 0 else split_rows(batch, self._budget())
+        parts: list[Any] = [None] if batch.batch_size == 0 else split_rows(batch, self._budget())
+        parts += [None] * (self._expert_group_micro_batches(len(parts)) - len(parts))  # stand-ins, EP > 1
         full_logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         combined = StepStats()
         clock = SpanClock(self.device)
@@ -294,6 +304,12 @@ class MegatronTrainEngine(MegatronCheckpointState):
         return combined.finish(observed, dp, float(local_tokens), self.device, grad_norm=norm, skipped=not ok,
                                lr=lr, tokens=tokens, micro_batches=len(parts), spans=clock.spans)  # fmt: skip
 
+    def _expert_group_micro_batches(self, count: int) -> int:
+        """The most micro-batches of a rank of this EP group (`count` at EP 1; module docstring): a rank with
+        fewer runs its batch's stand-ins (`TrainBatch.stand_in`: no loss token), counted in `micro_batches`."""
+        ep, _, group = self.expert_parallel
+        return count if ep == 1 else group_max(count, group, self.device)
+
     def _budget(self) -> int | None:
         """This step's micro-batch budget (`micro_batch.step_budget`; the grad buffers exist already, Adam's
         moments are allocated at the first step)."""
@@ -305,11 +321,14 @@ class MegatronTrainEngine(MegatronCheckpointState):
         )
 
     def full_mcore_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's megatron state dict (TP shards all-gathered over the TP group), on device."""
+        """The whole model's megatron state dict, on device: TP shards all-gathered over the TP group, or at
+        expert_parallel > 1 (tensor_parallel 1) every expert all-gathered over the EP group, named by its global
+        index (`expert_parallel.gather_experts`); a collective over that group."""
         tp, _, group = parallel.tp_info()
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
         if tp == 1:
-            return local
+            ep, _, ep_group = self.expert_parallel
+            return local if ep == 1 else gather_experts(local, self.shape.num_experts, ep, ep_group)
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         for name, t in local.items():
             parts = [torch.empty_like(t) for _ in range(tp)]
@@ -319,7 +338,8 @@ class MegatronTrainEngine(MegatronCheckpointState):
         return gather_tp(shards, self.shape)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) of every weight, for weight sync (a collective over the TP group)."""
+        """(HF name, tensor) of every weight, every expert included, for weight sync (a collective over the TP
+        group, or over the EP group at expert_parallel > 1)."""
         self._require_resident("named_weights")
         if self.shard_plan.tp == 1:
             yield from mcore_to_hf(self.full_mcore_state(), self.shape).items()
@@ -335,8 +355,19 @@ class MegatronTrainEngine(MegatronCheckpointState):
         of rank 0's TP group must join every gather rank 0 makes (`join_weight_gather`)."""
         return self.shard_plan.tp > 1
 
+    @property
+    def gathers_over_ep(self) -> bool:
+        """True when `named_weights` is a collective over the EP group (expert_parallel > 1)."""
+        return self.expert_parallel[0] > 1
+
+    @property
+    def in_rank0_expert_group(self) -> bool:
+        """True on a rank > 0 of global rank 0's EP group at expert_parallel > 1 (it joins rank 0's gathers)."""
+        ep, _, group = self.expert_parallel
+        return ep > 1 and dist.get_rank() != 0 and 0 in dist.get_process_group_ranks(group)
+
     def join_weight_gather(self) -> int:
-        """A TP rank > 0's part in a gather rank 0 makes (sync, evaluation, export): iterate `named_weights`
+        """A TP (or EP) rank > 0's part in a gather rank 0 makes (sync, evaluation, export): iterate `named_weights`
         and drop the tensors. Returns the number of HF tensors."""
         return sum(1 for _ in self.named_weights())
 

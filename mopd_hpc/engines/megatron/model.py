@@ -4,7 +4,8 @@ is fused.
 A Qwen3-MoE shape's MoE layers are megatron's `MoELayer` (`TopKRouter` over E experts, top k, softmax over
 the k selected logits when `norm_topk_prob` (= the k selected probabilities renormalized), else top k of the
 softmax over all E; `SequentialMLP` experts, one SwiGLU MLP of size f_e each; the allgather token dispatcher,
-which needs no CUDA stream at construction, at expert-parallel size 1). Grouped GEMM (`TEGroupedMLP`) needs
+which needs no CUDA stream at construction, at expert-parallel size 1; at EP > 1 on GPUs the alltoall one:
+engines/megatron/expert_parallel.py). Grouped GEMM (`TEGroupedMLP`) needs
 TransformerEngine, which is not installed: `moe_grouped_gemm` stays off. Llama has no q/k norms.
 
 The local spec (`get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")`, algo_awex.md §4.1)
@@ -118,10 +119,14 @@ def transformer_config(
     pipeline_parallel: int = 1,
     layernorm_epsilon: float = 1e-6,
     cpu_init: bool = False,
+    expert_parallel: int = 1,
+    token_dispatcher: str = "allgather",
 ) -> TransformerConfig:
     """The megatron `TransformerConfig` of a Qwen3 / Qwen3-MoE / Llama shape (SwiGLU, RMSNorm, no biases,
-    q/k norm but for Llama; MoE: E experts, top k, f_e, softmax after the top k when norm_topk_prob, the
-    load-balancing loss off (the job's engines add their own: `loss.router_aux_loss_coefficient`))."""
+    q/k norm but for Llama; MoE: E experts over `expert_parallel` ranks, top k, f_e, softmax after the top k
+    when norm_topk_prob, the load-balancing loss off (the job's engines add their own:
+    `loss.router_aux_loss_coefficient`), megatron's `token_dispatcher` ("allgather" / "alltoall":
+    expert_parallel.token_dispatcher))."""
     torch_dtype = DTYPES[dtype]
     moe = {}
     if shape.moe_layers:
@@ -131,7 +136,8 @@ def transformer_config(
             "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
             "moe_router_pre_softmax": not shape.norm_topk_prob,
             "moe_router_load_balancing_type": "none",
-            "moe_token_dispatcher_type": "allgather",
+            "moe_token_dispatcher_type": token_dispatcher,
+            "expert_model_parallel_size": expert_parallel,
             "moe_grouped_gemm": False,
         }
     return TransformerConfig(
@@ -170,14 +176,17 @@ def build_gpt_model(
     cpu_init: bool = False,
     layernorm_epsilon: float = 1e-6,
     rope_scaling_factor: float | None = None,
+    expert_parallel: int = 1,
+    token_dispatcher: str = "allgather",
 ) -> GPTModel:
     """A megatron-core GPTModel of a Qwen3 / Qwen3-MoE / Llama shape (this TP rank's shard); RoPE base
     `rope_theta`, Llama 3's frequency scaling by `rope_scaling_factor` (None: none; engines/megatron/rope.py).
     megatron's parallel_state must be initialized (`initialize_model_parallel`) with the same tensor_parallel
-    first."""
+    and `expert_parallel` (this EP rank's experts: E/EP of each MoE layer) first."""
     cfg = transformer_config(
-        shape, dtype, tensor_parallel, layernorm_epsilon=layernorm_epsilon, cpu_init=cpu_init
-    )
+        shape, dtype, tensor_parallel, layernorm_epsilon=layernorm_epsilon, cpu_init=cpu_init,
+        expert_parallel=expert_parallel, token_dispatcher=token_dispatcher,
+    )  # fmt: skip
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=block_spec(shape, fused_attention),

@@ -197,7 +197,19 @@ def scatter(optimizer: Any, states: list[Mapping[Any, Any]] | None) -> None:
     """
     check(optimizer, states)
     for i, opt in enumerate(distributed_optimizers(optimizer)):
-        if states is None and opt.data_parallel_group.rank() == 0:
-            raise OptimizerStateError("no saved parameter state to load on data-parallel rank 0")
-        with _without_extra_state(opt.optimizer.state):
-            opt.load_parameter_state_from_dp_zero(None if states is None else states[i])
+        load_dp_zero(opt, None if states is None else states[i])
+
+
+def load_dp_zero(opt: Any, state: Mapping[Any, Any] | None) -> None:
+    """One distributed optimizer's `load_parameter_state_from_dp_zero(state)` (a collective over its DP group;
+    its DP rank 0 passes the state, the others may pass None), torch Adam's extra entries hidden.
+
+    Raises:
+        OptimizerStateError: its DP rank 0 has no state.
+    """
+    if state is None and opt.data_parallel_group.rank() == 0:
+        raise OptimizerStateError("no saved parameter state to load on data-parallel rank 0")
+    # no_grad: with float32 parameters megatron's main params are views of the model's (a leaf that requires
+    # grad), which its in-place copy refuses outside no_grad
+    with _without_extra_state(opt.optimizer.state), torch.no_grad():
+        opt.load_parameter_state_from_dp_zero(state)

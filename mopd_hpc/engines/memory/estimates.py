@@ -10,6 +10,10 @@ Train state per actor rank (TP size t, DP size n; P parameters, `ModelShape.para
 - optimizer: torch AdamW 2·P·b/t (exp_avg, exp_avg_sq in the parameter dtype); megatron's distributed
   optimizer (4·[b < 4] + 8)·P/(t·n) (fp32 main parameters for a 16-bit model, Adam's two fp32 moments,
   sharded over DP).
+At expert-parallel size e (megatron, engines/megatron/expert_parallel.py) a rank holds E/e experts of each MoE
+layer: the weights and gradients count P_rank = P − P_experts·(1 − 1/e) (`ModelShape.expert_params`) in
+place of P; the optimizer state stays (4·[b < 4] + 8)·P/(t·n): the experts' is sharded over the
+expert-data-parallel group of n/e ranks, (P_experts/(t·e))/(n/e) = P_experts/(t·n).
 
 Activations kept for the backward, per position and decoder layer (no recompute), counted from what autograd
 saves in a transformers Qwen3 layer with fused (SDPA / flash) attention, whose [s, s] scores are never stored
@@ -144,6 +148,12 @@ class ModelShape:
         router whole); `params` for a dense shape."""
         return self._params(self.experts_per_token)
 
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' parameters (3·h·f_e each, E in each MoE layer; routers not counted): what
+        expert parallelism splits over its ranks."""
+        return self.moe_layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
     def _params(self, experts: int) -> int:
         h, d = self.hidden, self.head_dim
         attn = h * self.heads * d * 2 + h * self.kv_heads * d * 2 + 2 * d
@@ -220,9 +230,15 @@ class TrainState:
 
 
 def train_state(
-    shape: ModelShape, dtype: str, engine: str, tensor_parallel: int = 1, data_parallel: int = 1
+    shape: ModelShape,
+    dtype: str,
+    engine: str,
+    tensor_parallel: int = 1,
+    data_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> TrainState:
-    """Weights, gradients and optimizer state of one actor rank (module docstring).
+    """Weights, gradients and optimizer state of one actor rank (module docstring; `expert_parallel` e: the
+    rank's E/e experts a MoE layer, megatron only).
 
     Raises:
         MemoryModelError: an unknown dtype or engine.
@@ -232,7 +248,10 @@ def train_state(
         return TrainState(p * b, p * b, 2 * p * b)
     if engine == "megatron":
         main = 4 if b < 4 else 0
-        return TrainState(p * b, p * 4, (main + 8) * p // data_parallel)
+        held = (
+            shape.params - shape.expert_params + shape.expert_params // expert_parallel
+        ) // tensor_parallel
+        return TrainState(held * b, held * 4, (main + 8) * p // data_parallel)
     raise MemoryModelError(f"engine {engine!r}: expected 'torch' or 'megatron'")
 
 
