@@ -28,6 +28,7 @@ from helpers_jobs import PLAIN_STEPS, plain_config
 from helpers_wait import until
 from test_local_backend import env_for, processes_of
 
+from mopd_hpc.config import RunConfig
 from mopd_hpc.records.metrics import read_metrics
 
 STEPS = PLAIN_STEPS
@@ -80,6 +81,8 @@ def test_sigkill_of_actor_teacher_rollout_then_resume_equals_an_uninterrupted_ru
 
     run_dir = tmp_path / "interrupted"
     run_config = plain_config(micro_models, run_dir, tmp_path / "interrupted.yaml")
+    ours, theirs = RunConfig.from_yaml(run_config), RunConfig.from_yaml(ref_dir / "config.yaml")
+    assert ours.model_copy(update={"run_dir": theirs.run_dir}) == theirs  # the same run on another run dir
     for after, (role, index) in ((1, ("actor", 0)), (3, ("teacher", 0)), (5, ("rollout", 0))):
         proc = submit(run_config, tmp_path)
         try:
