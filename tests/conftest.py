@@ -10,6 +10,9 @@ it, but takes this checkout's configs (``setup.sh`` restarts its Slurm daemons w
 
 ``micro_models`` (session scope) is the directory of the three micro tiny models (``tools/build_tiny_models.py
 --micro``), built once per run and shared read-only by every test that trains, serves or scores them.
+``plain_run`` (session scope) is one uninterrupted local job on them (``helpers_jobs.plain_config``), run once
+per run the same way and compared with, or copied and resumed, by the tests that need such a run (a job costs
+~30 CPU-s, nearly all of it its children's imports).
 
 Parallel runs (``make test`` runs ``pytest -n N --dist loadgroup``, pytest-xdist): ``pytest_collection_modifyitems``
 puts every Slurm test on one worker, one after another (``xdist_group("slurm")``: one cluster, started once),
@@ -23,14 +26,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import pytest
 from filelock import FileLock
+
+if TYPE_CHECKING:
+    from helpers_jobs import PlainRun
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SLURM_LOCAL_DIR = REPO_ROOT / "tools" / "slurm_local"
@@ -346,3 +354,23 @@ def micro_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with FileLock(str(root / "micro_models.lock")):
         assert build_micro_models(out) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def plain_run(micro_models: Path, tmp_path_factory: pytest.TempPathFactory) -> PlainRun:
+    """One uninterrupted `mopd-submit CONFIG --local` of `helpers_jobs.plain_config`, run once for the test run:
+    the first worker that asks runs it under a file lock, the others wait and reuse it (a marker file holds its
+    output). Read-only: a test that resumes or damages it copies the directory first."""
+    from helpers_jobs import PlainRun, plain_config, submit_local
+
+    root = _shared_tmp_root(tmp_path_factory)
+    base = root / "plain_run"
+    done = base / "stdout.txt"
+    with FileLock(str(root / "plain_run.lock")):
+        if not done.is_file():
+            shutil.rmtree(base, ignore_errors=True)  # a failed attempt's leftovers
+            base.mkdir()
+            proc = submit_local(plain_config(micro_models, base / "run", base / "c.yaml"), cwd=base)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            done.write_text(proc.stdout)
+    return PlainRun(base / "run", done.read_text())

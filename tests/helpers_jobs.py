@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -33,4 +34,27 @@ def submit_local(
         text=True,
         timeout=timeout_s,
         check=False,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PlainRun:
+    """conftest's `plain_run`: its run directory (read-only) and the `mopd-submit` output of its one job."""
+
+    run_dir: Path
+    stdout: str
+
+
+#: The shared uninterrupted job (conftest's `plain_run`): its steps, a checkpoint every step, 1 eval prompt a
+#: route. A test that compares with it writes its own run's config with `plain_config`.
+PLAIN_STEPS = 6
+
+
+def plain_config(models: Path, run_dir: Path, path: Path, **changes: object) -> Path:
+    """The config of conftest's `plain_run` (configs/local_cpu.yaml on the micro models, `PLAIN_STEPS` steps,
+    a checkpoint every step, eval 1 prompt a route) for `run_dir`, with `changes` (dotted keys) on top."""
+    from test_controller import micro_config
+
+    return micro_config(
+        models, run_dir, path, steps=PLAIN_STEPS, checkpoint_interval=1, **{"data.eval.size": 1, **changes}
     )

@@ -1,7 +1,10 @@
 """The `data:` section: prompt sources (each with its route), the mixture policy, batch shape, eval split.
 
 reasoning-gym task names and `task_args` are checked against reasoning-gym's own registry and config
-classes when the config is built (an unknown task or argument is a config error, not a crash at step 0).
+classes when the config is built (an unknown task or argument is a config error, not a crash at step 0), unless
+the validation context says `TASK_CHECK: False` (`RunConfig.from_dict(..., check_tasks=False)`): a process that
+generates no data (a teacher or rollout server reading the config `mopd-submit` checked) then does not import
+reasoning-gym, which costs ≈ 1.3 CPU-s (it imports sympy and matplotlib).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import dataclasses
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
 from mopd_hpc.config.base import Section
 from mopd_hpc.config.problems import Problem, join_path, known, raise_if_any
@@ -23,6 +26,8 @@ RESERVED_TASK_ARGS = ("seed", "size")
 #: Default seed of the held-out split: far from training seeds, because reasoning-gym seeds item i
 #: with Random(seed + i) (see shared/reference/tiny_calibration.md, held-out set).
 DEFAULT_EVAL_SEED = 10_000_000
+#: Key of the pydantic validation context: False skips the reasoning-gym registry check (module docstring).
+TASK_CHECK = "check_reasoning_gym_tasks"
 
 
 def reasoning_gym_problems(task: str, task_args: dict[str, Any]) -> list[Problem]:
@@ -164,8 +169,9 @@ class ReasoningGymSource(_SourceBase):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> ReasoningGymSource:
-        raise_if_any(reasoning_gym_problems(self.task, self.task_args))
+    def _check(self, info: ValidationInfo) -> ReasoningGymSource:
+        if (info.context or {}).get(TASK_CHECK, True):
+            raise_if_any(reasoning_gym_problems(self.task, self.task_args))
         return self
 
 

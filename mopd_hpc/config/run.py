@@ -21,7 +21,7 @@ from mopd_hpc.config import rules
 from mopd_hpc.config.base import Section
 from mopd_hpc.config.cluster import ClusterConfig
 from mopd_hpc.config.convert import problems_from_validation_error
-from mopd_hpc.config.data import DataConfig
+from mopd_hpc.config.data import TASK_CHECK, DataConfig
 from mopd_hpc.config.export import ExportConfig
 from mopd_hpc.config.loss import LossConfig
 from mopd_hpc.config.models import ModelsConfig
@@ -99,8 +99,10 @@ class RunConfig(Section):
     # ----------------------------------------------------------------------------------- loading
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<dict>") -> RunConfig:
-        """Validate a plain mapping (as YAML loads it).
+    def from_dict(cls, data: Any, source: str = "<dict>", *, check_tasks: bool = True) -> RunConfig:
+        """Validate a plain mapping (as YAML loads it). `check_tasks` False: reasoning-gym task names and
+        `task_args` are not checked against reasoning-gym's registry (config/data.py: for a process that
+        generates no data, reading a config `mopd-submit` checked; it saves importing reasoning-gym).
 
         Raises:
             ConfigError: listing every problem found.
@@ -111,23 +113,25 @@ class RunConfig(Section):
                 [Problem("", "a run config is a mapping of sections", what, "models:, routes:, ...")], source
             )
         data = dict(data)
+        context = {TASK_CHECK: check_tasks}
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(data, context=context)
         except ValidationError as exc:
             problems = problems_from_validation_error(cls, data, exc)
             failed = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
             if failed:  # the cross-section rules did not run: run those whose sections are valid
-                problems.extend(rules.check(_valid_sections(cls, data, failed)))
+                problems.extend(rules.check(_valid_sections(cls, data, failed, context)))
             raise ConfigError(_dedupe(problems), source) from None
 
     @classmethod
-    def from_yaml_text(cls, text: str, source: str = "<string>") -> RunConfig:
-        """Parse and validate YAML text. Raises ConfigError (syntax errors and duplicate keys included)."""
+    def from_yaml_text(cls, text: str, source: str = "<string>", *, check_tasks: bool = True) -> RunConfig:
+        """Parse and validate YAML text (`check_tasks`: as `from_dict`). Raises ConfigError (syntax errors and
+        duplicate keys included)."""
         document, problems = load_yaml_text(text)
         if problems and document is None:
             raise ConfigError(problems, source)
         try:
-            cfg = cls.from_dict(document, source)
+            cfg = cls.from_dict(document, source, check_tasks=check_tasks)
         except ConfigError as exc:
             raise ConfigError([*problems, *exc.problems], source) from None
         if problems:
@@ -135,12 +139,13 @@ class RunConfig(Section):
         return cfg
 
     @classmethod
-    def from_yaml(cls, source: str | os.PathLike[str]) -> RunConfig:
+    def from_yaml(cls, source: str | os.PathLike[str], *, check_tasks: bool = True) -> RunConfig:
         """Read and validate a YAML file, or YAML text: a `str` with a newline in it is text, so that
-        `RunConfig.from_yaml(cfg.to_yaml()) == cfg`. Raises ConfigError (an unreadable file included)."""
+        `RunConfig.from_yaml(cfg.to_yaml()) == cfg` (`check_tasks`: as `from_dict`). Raises ConfigError (an
+        unreadable file included)."""
         if isinstance(source, str) and "\n" in source:
-            return cls.from_yaml_text(source)
-        return cls.from_yaml_text(read_config_text(source), source=str(source))
+            return cls.from_yaml_text(source, check_tasks=check_tasks)
+        return cls.from_yaml_text(read_config_text(source), source=str(source), check_tasks=check_tasks)
 
     def to_yaml(self) -> str:
         """The resolved config as YAML (every field, defaults included); from_yaml_text() gives it back."""
@@ -187,7 +192,9 @@ def read_config_text(path: str | os.PathLike[str]) -> str:
         ) from None
 
 
-def _valid_sections(cls: type[RunConfig], data: dict[str, Any], failed: set[str]) -> dict[str, Any]:
+def _valid_sections(
+    cls: type[RunConfig], data: dict[str, Any], failed: set[str], context: dict[str, Any]
+) -> dict[str, Any]:
     """Top-level values that validate on their own (for running cross-section rules on a broken config)."""
     values: dict[str, Any] = {}
     for name, field in cls.model_fields.items():
@@ -195,7 +202,9 @@ def _valid_sections(cls: type[RunConfig], data: dict[str, Any], failed: set[str]
             continue
         try:
             if name in data:
-                values[name] = TypeAdapter(Annotated[field.annotation, field]).validate_python(data[name])
+                values[name] = TypeAdapter(Annotated[field.annotation, field]).validate_python(
+                    data[name], context=context
+                )
             else:
                 values[name] = field.get_default(call_default_factory=True, validated_data=values)
         except (ValidationError, TypeError, ValueError):

@@ -266,9 +266,11 @@ def resolve_path(path: str, environ: Mapping[str, str], run_dir: Path | None = N
     return str((Path(bases[0]) if bases else Path.cwd()) / path)
 
 
-def with_absolute_paths(cfg: RunConfig, environ: Mapping[str, str], run_dir: Path | None = None) -> RunConfig:
+def with_absolute_paths(
+    cfg: RunConfig, environ: Mapping[str, str], run_dir: Path | None = None, *, check_tasks: bool = True
+) -> RunConfig:
     """`cfg` with every model and tokenizer path and jsonl source path (and held-out file) made absolute
-    (`resolve_path`)."""
+    (`resolve_path`); `check_tasks`: as `RunConfig.from_dict`."""
     data = cfg.model_dump(mode="json")
     models = data["models"]
     models["actor"]["path"] = resolve_path(models["actor"]["path"], environ, run_dir)
@@ -280,12 +282,14 @@ def with_absolute_paths(cfg: RunConfig, environ: Mapping[str, str], run_dir: Pat
             source["path"] = resolve_path(source["path"], environ, run_dir)
             if source.get("eval_path"):
                 source["eval_path"] = resolve_path(source["eval_path"], environ, run_dir)
-    return RunConfig.from_dict(data, source=str(run_dir or "<config>"))
+    return RunConfig.from_dict(data, source=str(run_dir or "<config>"), check_tasks=check_tasks)
 
 
 def start_server_role(environ: Mapping[str, str]) -> tuple[RoleEnv, RunConfig]:
     """The common start of a server child (teacher, rollout): logging to stderr, SIGUSR2 ignored (a server
     holds no training state to checkpoint; the actor does), then the role's environment and its run's config.
+    A server generates no data: its config's reasoning-gym tasks are not checked again (`mopd-submit` checked
+    them, the actor checks them again), so it does not import reasoning-gym (≈ 1.3 CPU-s a process).
 
     Raises:
         RoleEnvError: a missing or malformed MOPD_* variable; ConfigError: the run's config.yaml.
@@ -299,14 +303,15 @@ def start_server_role(environ: Mapping[str, str]) -> tuple[RoleEnv, RunConfig]:
     )
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     role = RoleEnv.from_env(environ)
-    return role, load_run(role.run_dir, environ)
+    return role, load_run(role.run_dir, environ, check_tasks=False)
 
 
-def load_run(run_dir: Path, environ: Mapping[str, str]) -> RunConfig:
-    """The run's resolved config (`run_dir/config.yaml`) with absolute paths.
+def load_run(run_dir: Path, environ: Mapping[str, str], *, check_tasks: bool = True) -> RunConfig:
+    """The run's resolved config (`run_dir/config.yaml`) with absolute paths; `check_tasks`: as
+    `RunConfig.from_dict`.
 
     Raises:
         ConfigError: the file is missing, unreadable or invalid (named).
     """
-    cfg = RunConfig.from_yaml(run_dir / CONFIG_FILE)
-    return with_absolute_paths(cfg, environ, run_dir)
+    cfg = RunConfig.from_yaml(run_dir / CONFIG_FILE, check_tasks=check_tasks)
+    return with_absolute_paths(cfg, environ, run_dir, check_tasks=check_tasks)

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from mopd_hpc.atomic import atomic_open
 from mopd_hpc.engines.megatron.convert import ConversionError
@@ -48,6 +47,15 @@ log = logging.getLogger("mopd_hpc.trainer")
 SHARDS_SUFFIX = ".shards"
 #: A TP rank's optimizer parameter state in the shards directory (`tp_param_state_file`).
 TP_PARAM_STATE = "optimizer_param_state.tp{rank}.pt"
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use: importing it costs ≈ 0.9 CPU-s in a process that
+    has not imported torch.distributed.tensor (through transformers), and the controller and every follower
+    import this module whether or not they ever write a sharded checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def shards_dir(step_dir: str | Path) -> Path:
@@ -90,12 +98,12 @@ def save_shards(
     group; the coordinator writes `.metadata` after every rank's file). Returns the directory."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(as_dtensors(plan, pieces, mesh), checkpoint_id=str(path), process_group=mesh.get_group())
+    _dcp().save(as_dtensors(plan, pieces, mesh), checkpoint_id=str(path), process_group=mesh.get_group())
     return path
 
 
 def _metadata(directory: str | Path) -> Any:
-    return dcp.FileSystemReader(str(directory)).read_metadata()
+    return _dcp().FileSystemReader(str(directory)).read_metadata()
 
 
 def saved_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
@@ -132,7 +140,7 @@ def load_shards(directory: str | Path, plan: ShardPlan, mesh: Any = None) -> dic
     dtypes = {n: entries[n].properties.dtype for n in plan.tensors}
     if plan.tp == 1:
         state = {n: torch.empty(s, dtype=dtypes[n]) for n, s in want.items()}
-        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+        _dcp().load(state, checkpoint_id=str(directory), no_dist=True)
         return {n: plan.split(n, t[: plan.tensors[n].hf_shape[0]], 0) for n, t in state.items()}
     if mesh is None:
         raise ConversionError(f"tensor_parallel={plan.tp}: load_shards needs the TP group's device mesh")
@@ -141,7 +149,7 @@ def load_shards(directory: str | Path, plan: ShardPlan, mesh: Any = None) -> dic
         n: torch.empty(plan.tensors[n].piece_shape, dtype=dtypes[n], device=device) for n in plan.tensors
     }
     state = as_dtensors(plan, empty, mesh)
-    dcp.load(state, checkpoint_id=str(directory), process_group=mesh.get_group())
+    _dcp().load(state, checkpoint_id=str(directory), process_group=mesh.get_group())
     return {n: t.to_local().clone() for n, t in state.items()}
 
 

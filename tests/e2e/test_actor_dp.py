@@ -1,9 +1,10 @@
 """The actor group at DP = 2 end to end on the local backend: `mopd-submit configs/local_cpu_dp2.yaml --local`
 (two actor children of one gloo world, one teacher child per teacher, one rollout engine) on micro models.
 
-- DP = 2 vs the same config at DP = 1 (actor_ranks_per_node 1), 3 steps, the same seed and global batch:
+- DP = 2 vs the same config at DP = 1 (actor_ranks_per_node 1), 6 steps, the same seed and global batch:
   every step's globally reduced loss within 1e-5 relative, and the final weights (student_final) with every
-  |Δw| ≤ 2·lr·steps and ≥ 99.9 % of the elements within 1e-6;
+  |Δw| ≤ 2·lr·steps and ≥ 99.9 % of the elements within 1e-6; the DP = 1 run is conftest's `plain_run`
+  (configs/local_cpu_dp2.yaml at one actor rank is configs/local_cpu.yaml but for its name: asserted);
 - SIGKILL of actor rank 1 mid-run: the job ends within 60 s, no process and no port lease of the job is left
   (`mopd-debug ports`), `mopd-logs summarize` names rank 1 first (rank 0's lost peer is its cascade); the
   DP = 2 checkpoint then resumes at DP = 2 with every step exactly once, and a copy of the run resumes at
@@ -26,7 +27,7 @@ import pytest
 import torch
 import yaml
 from helpers_configs import set_dotted
-from helpers_jobs import submit_local
+from helpers_jobs import PLAIN_STEPS, PlainRun, submit_local
 from helpers_wait import until
 from safetensors.torch import load_file
 from test_local_backend import processes_of
@@ -86,22 +87,25 @@ def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
     return worst
 
 
-def test_dp2_computes_the_dp1_update(micro_models: Path, tmp_path: Path) -> None:
-    runs = {}
-    for ranks in (1, 2):
-        run_dir = tmp_path / f"dp{ranks}"
-        proc = submit(dp_config(micro_models, run_dir, tmp_path / f"dp{ranks}.yaml", ranks))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert f"world {ranks} = dp {ranks} × tp 1 × pp 1" in proc.stdout
-        runs[ranks] = run_dir
+def test_dp2_computes_the_dp1_update(micro_models: Path, plain_run: PlainRun, tmp_path: Path) -> None:
+    runs = {1: plain_run.run_dir, 2: tmp_path / "dp2"}
+    changes = {"steps": PLAIN_STEPS, "checkpoint_interval": 1, "data.eval.size": 1}  # plain_run's
+    proc = submit(dp_config(micro_models, runs[2], tmp_path / "dp2.yaml", 2, **changes))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for ranks, out in ((1, plain_run.stdout), (2, proc.stdout)):
+        assert f"world {ranks} = dp {ranks} × tp 1 × pp 1" in out
+    resolved = {r: yaml.safe_load((runs[r] / "config.yaml").read_text()) for r in runs}
+    for doc in resolved.values():
+        del doc["name"], doc["run_dir"], doc["cluster"]["group"]["actor_ranks_per_node"]
+    assert resolved[1] == resolved[2]  # the same run but for the actor's ranks
     one, two = metric_lines(runs[1]), metric_lines(runs[2])
-    assert [x["step"] for x in one] == [x["step"] for x in two] == [1, 2, 3]
+    assert [x["step"] for x in one] == [x["step"] for x in two] == list(range(1, PLAIN_STEPS + 1))
     for a, b in zip(one, two, strict=True):
         assert b["loss/total"] == pytest.approx(a["loss/total"], rel=1e-5)
         assert b["train/response_tokens"] == a["train/response_tokens"]  # the same global batch
         assert b["mopd/rho_mean"] == pytest.approx(a["mopd/rho_mean"], rel=1e-5)
     lr = yaml.safe_load(DP2.read_text())["models"]["actor"]["optimizer"]["lr"]
-    assert_close_weights(weights(runs[1]), weights(runs[2]), 2 * lr * 3)
+    assert_close_weights(weights(runs[1]), weights(runs[2]), 2 * lr * PLAIN_STEPS)
     exits = [json.loads(x) for f in (runs[2] / "events").glob("*.jsonl") for x in f.read_text().splitlines()]
     exits = {(e["role"], e["index"]): e["exit_code"] for e in exits if e.get("event") == "exit"}
     assert exits == {

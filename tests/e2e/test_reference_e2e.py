@@ -6,6 +6,11 @@ What proves the reference is the STARTING actor after the resume: the k3 KL of t
 exactly 0 at step 1 (π_θ = π_ref, the same weights, the same forward) and > 0 at the first step after the
 resume; a reference loaded from the checkpoint would make that step's KL exactly 0 again. And the actor's log
 names models.actor.path as the reference's source in both runs.
+
+The stopped and resumed run is the DP = 1 run the DP = 2 run is compared with (configs/local_cpu_dp2.yaml at one
+actor rank is configs/local_cpu.yaml): the module fixture `kl_runs` runs three jobs, not four (a job costs ~30
+CPU-s, nearly all of it its children's imports); a resume computes the uninterrupted run bitwise
+(tests/faults/test_fault_kill_resume.py).
 """
 
 from __future__ import annotations
@@ -15,11 +20,11 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from test_actor_dp import dp_config
-from test_controller import micro_config
 from test_resume import actor_pid, latest_step, wait_for_lines
 
 from mopd_hpc.records.metrics import read_metrics
@@ -47,22 +52,37 @@ def actor_logs(run_dir: Path) -> str:
     return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*/actor-0.*")))
 
 
-def test_kl_run_stops_and_resumes_with_the_starting_weights_as_reference(micro_models, tmp_path):
-    run_dir = tmp_path / "run"
-    config = micro_config(
-        micro_models, run_dir, tmp_path / "c.yaml", steps=STEPS, checkpoint_interval=STEPS,
-        **{"data.samples_per_prompt": 2, "data.eval.size": 0},
-    )  # fmt: skip
+@dataclass(frozen=True)
+class KlRuns:
+    """The module's runs: `one` (DP = 1, stopped by SIGUSR2 after step `stopped`, then resumed), `two` (DP = 2)."""
+
+    one: Path
+    two: Path
+    stopped: int
+
+
+@pytest.fixture(scope="module")
+def kl_runs(micro_models: Path, tmp_path_factory: pytest.TempPathFactory) -> KlRuns:
+    tmp_path = tmp_path_factory.mktemp("kl")
+    changes = {"steps": STEPS, "checkpoint_interval": STEPS, "data.samples_per_prompt": 2}
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    config = dp_config(micro_models, one, tmp_path / "dp1.yaml", 1, **changes)
     first = subprocess.Popen(
         argv(config), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    wait_for_lines(run_dir, 2, first)
-    os.kill(actor_pid(run_dir), signal.SIGUSR2)  # checkpoint after this step, end cleanly
+    wait_for_lines(one, 2, first)
+    os.kill(actor_pid(one), signal.SIGUSR2)  # checkpoint after this step, end cleanly
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 0, out[-3000:]
-    stopped = latest_step(run_dir)
-    assert 2 <= stopped < STEPS
+    stopped = latest_step(one)
     run(config)
+    run(dp_config(micro_models, two, tmp_path / "dp2.yaml", 2, **changes))
+    return KlRuns(one, two, stopped)
+
+
+def test_kl_run_stops_and_resumes_with_the_starting_weights_as_reference(micro_models, kl_runs):
+    run_dir, stopped = kl_runs.one, kl_runs.stopped
+    assert 2 <= stopped < STEPS
     lines = read_metrics(run_dir / "metrics.jsonl")
     assert [x["step"] for x in lines] == list(range(1, STEPS + 1))
     kl = {x["step"]: x["ref/kl"] for x in lines}
@@ -79,17 +99,9 @@ def test_kl_run_stops_and_resumes_with_the_starting_weights_as_reference(micro_m
     assert json.loads((run_dir / "state" / "job_end.json").read_text())["reason"] == "finished"
 
 
-def test_dp2_kl_run_equals_dp1(micro_models, tmp_path):
-    lines = {}
-    for ranks in (1, 2):
-        run_dir = tmp_path / f"dp{ranks}"
-        config = dp_config(
-            micro_models, run_dir, tmp_path / f"dp{ranks}.yaml", ranks, **{"data.samples_per_prompt": 2}
-        )
-        run(config)
-        lines[ranks] = read_metrics(run_dir / "metrics.jsonl")
-    one, two = lines[1], lines[2]
-    assert [x["step"] for x in one] == [x["step"] for x in two] == [1, 2, 3]
+def test_dp2_kl_run_equals_dp1(kl_runs):
+    one, two = (read_metrics(run_dir / "metrics.jsonl") for run_dir in (kl_runs.one, kl_runs.two))
+    assert [x["step"] for x in one] == [x["step"] for x in two] == list(range(1, STEPS + 1))
     assert one[0]["ref/kl"] == two[0]["ref/kl"] == 0.0
     for a, b in zip(one, two, strict=True):
         assert b["loss/total"] == pytest.approx(a["loss/total"], rel=1e-5, abs=1e-7)

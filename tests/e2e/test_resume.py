@@ -2,6 +2,12 @@
 command is run again on the same run directory, and the metrics file proves no step was lost or repeated; the
 data stream continues where the checkpoint says. SIGUSR2 to the actor: checkpoint now, the job ends cleanly
 (exit 0, servers stopped), and a rerun finishes the remaining steps.
+
+Both tests assert on one run of three jobs (the module fixture `sequence`; a job costs ~30 CPU-s, nearly all of
+it its children's imports): job 1 gets SIGUSR2 after a few steps and ends cleanly with the signal's checkpoint;
+job 2 (the rerun) resumes from it and its actor is SIGKILLed a few steps later, with those steps to roll back;
+job 3 (the rerun again) resumes from the same checkpoint and finishes. No periodic checkpoint but the last
+step's: the signal's checkpoint is its own, and the kill rolls back to it.
 """
 
 from __future__ import annotations
@@ -12,18 +18,18 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from test_controller import assert_metrics, micro_config
 
 from mopd_hpc.records.metrics import read_metrics
 
-#: The SIGUSR2 test's run: the signal goes after 5 metrics lines and takes effect after the step in flight, so
-#: 20 steps leave it 15 to land in; the rerun trains the rest (80 steps spent 75 of them there: ~2 min of CPU).
-STEPS = 20
-#: The SIGKILL test's run: a checkpoint every `KILL_INTERVAL` steps, the actor killed after `KILL_AFTER` lines
-#: (one checkpoint behind it at least, lines past it to roll back).
-KILL_STEPS, KILL_INTERVAL, KILL_AFTER = 12, 4, 6
+#: The run's steps: SIGUSR2 goes after `SIGNAL_AFTER` metrics lines and takes effect after the step in flight
+#: (step k), the rerun's actor is SIGKILLed after `KILL_PAST` more lines (k + 2 < 20 leaves the signal 15 steps
+#: to land in), the last rerun trains the rest.
+STEPS, SIGNAL_AFTER, KILL_PAST = 20, 3, 2
 BATCH = 8
 
 
@@ -71,52 +77,89 @@ def finish_again(config: Path, cwd: Path, run_dir: Path, steps: int = STEPS) -> 
     return out
 
 
-def test_sigkill_mid_run_then_rerun_loses_and_repeats_no_step(micro_models, tmp_path):
-    run_dir = tmp_path / "run"
-    config = micro_config(
-        micro_models,
-        run_dir,
-        tmp_path / "c.yaml",
-        steps=KILL_STEPS,
-        checkpoint_interval=KILL_INTERVAL,
-        **{"data.eval.size": 4},
-    )
-    first = submit(config, tmp_path)
-    wait_for_lines(run_dir, KILL_AFTER, first)
-    os.kill(actor_pid(run_dir), signal.SIGKILL)
-    killed_at = time.time()
-    out, _ = first.communicate(timeout=120)
-    assert first.returncode == 128 + signal.SIGKILL, out[-2000:]  # the guard reports the killed actor
-    ckpt = latest_step(run_dir)
-    before = {line["step"]: line["ts"] for line in read_metrics(run_dir / "metrics.jsonl")}
-    assert KILL_INTERVAL <= ckpt <= max(before) < KILL_STEPS  # usually ckpt < max: lines to roll back
-    out = finish_again(config, tmp_path, run_dir, KILL_STEPS)
-    actor_out = next((run_dir / "logs").glob("*/actor-0.g1.out")).read_text()
-    assert f"resuming from {run_dir / 'checkpoints' / f'step_{ckpt:06d}'} (step {ckpt})" in actor_out
-    after = {line["step"]: line["ts"] for line in read_metrics(run_dir / "metrics.jsonl")}
-    assert all(after[s] == before[s] for s in range(1, ckpt + 1))  # kept as written before the kill
-    assert all(after[s] > killed_at for s in range(ckpt + 1, KILL_STEPS + 1))  # rolled back and rerun
-    assert "end/teacher" in out
+def actor_log(run_dir: Path) -> str:
+    """The actor's stdout over every job of the run (the guard appends each generation's output)."""
+    return next((run_dir / "logs").glob("*/actor-0.g1.out")).read_text()
 
 
-def test_sigusr2_checkpoints_and_ends_the_job_cleanly(micro_models, tmp_path):
+@dataclass(frozen=True)
+class Sequence:
+    """The module's run of three jobs on one run directory (the module docstring)."""
+
+    run_dir: Path
+    signalled: subprocess.CompletedProcess[str]  # job 1: SIGUSR2
+    signal_lines: list[dict]  # metrics after job 1
+    signal_end: dict  # state/job_end.json after job 1
+    signal_ckpt: int  # latest checkpoint after job 1
+    rerun_log: str  # the actor's output of job 2
+    killed: subprocess.CompletedProcess[str]  # job 2: its actor SIGKILLed
+    killed_at: float
+    kill_ckpt: int  # latest checkpoint after job 2
+    before: dict[int, float]  # step → metrics line timestamp after job 2
+    last_log: str  # the actor's output of job 3
+    last_out: str  # job 3's `mopd-submit` output
+
+
+@pytest.fixture(scope="module")
+def sequence(micro_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Sequence:
+    tmp_path = tmp_path_factory.mktemp("resume")
     run_dir = tmp_path / "run"
     config = micro_config(
-        micro_models,
-        run_dir,
-        tmp_path / "c.yaml",
-        steps=STEPS,
-        checkpoint_interval=STEPS,  # the one periodic checkpoint is the last step's: the signal's is its own
+        micro_models, run_dir, tmp_path / "c.yaml", steps=STEPS, checkpoint_interval=STEPS,
         **{"data.eval.size": 4},
-    )
+    )  # fmt: skip
     first = submit(config, tmp_path)
-    wait_for_lines(run_dir, 5, first)
+    wait_for_lines(run_dir, SIGNAL_AFTER, first)
     os.kill(actor_pid(run_dir), signal.SIGUSR2)
     out, _ = first.communicate(timeout=120)
-    assert first.returncode == 0, out[-3000:]
-    done = read_metrics(run_dir / "metrics.jsonl")
-    assert latest_step(run_dir) == done[-1]["step"] < STEPS  # checkpointed right after the last step
-    end = json.loads((run_dir / "state" / "job_end.json").read_text())
-    assert end["reason"] == "checkpoint_signal" and end["step"] == done[-1]["step"]
-    finish_again(config, tmp_path, run_dir)
+    signalled = subprocess.CompletedProcess(first.args, first.returncode, out, "")
+    signal_lines = read_metrics(run_dir / "metrics.jsonl")
+    signal_end = json.loads((run_dir / "state" / "job_end.json").read_text())
+    signal_ckpt = latest_step(run_dir)
+    assert first.returncode == 0 and signal_ckpt + KILL_PAST < STEPS, (signal_ckpt, out[-3000:])
+    log_before = len(actor_log(run_dir))
+
+    rerun = submit(config, tmp_path)
+    wait_for_lines(run_dir, signal_ckpt + KILL_PAST, rerun)
+    os.kill(actor_pid(run_dir), signal.SIGKILL)
+    killed_at = time.time()
+    out, _ = rerun.communicate(timeout=120)
+    killed = subprocess.CompletedProcess(rerun.args, rerun.returncode, out, "")
+    rerun_log = actor_log(run_dir)[log_before:]
+    kill_ckpt = latest_step(run_dir)
+    before = {line["step"]: line["ts"] for line in read_metrics(run_dir / "metrics.jsonl")}
+    log_before = len(actor_log(run_dir))
+
+    last_out = finish_again(config, tmp_path, run_dir)
+    return Sequence(
+        run_dir, signalled, signal_lines, signal_end, signal_ckpt, rerun_log, killed, killed_at, kill_ckpt,
+        before, actor_log(run_dir)[log_before:], last_out,
+    )  # fmt: skip
+
+
+def test_sigkill_mid_run_then_rerun_loses_and_repeats_no_step(sequence: Sequence) -> None:
+    run_dir, ckpt, before = sequence.run_dir, sequence.kill_ckpt, sequence.before
+    assert sequence.killed.returncode == 128 + signal.SIGKILL, sequence.killed.stdout[
+        -2000:
+    ]  # the killed actor
+    assert ckpt == sequence.signal_ckpt  # no checkpoint between the signal's and the kill
+    assert ckpt < max(before) < STEPS  # lines past the checkpoint to roll back
+    assert f"resuming from {run_dir / 'checkpoints' / f'step_{ckpt:06d}'} (step {ckpt})" in sequence.last_log
+    after = {line["step"]: line["ts"] for line in read_metrics(run_dir / "metrics.jsonl")}
+    assert sorted(after) == list(range(1, STEPS + 1))
+    assert all(after[s] == before[s] for s in range(1, ckpt + 1))  # kept as written before the kill
+    assert all(after[s] > sequence.killed_at for s in range(ckpt + 1, STEPS + 1))  # rolled back and rerun
+    assert "end/teacher" in sequence.last_out
+
+
+def test_sigusr2_checkpoints_and_ends_the_job_cleanly(sequence: Sequence) -> None:
+    run_dir, done = sequence.run_dir, sequence.signal_lines
+    assert sequence.signalled.returncode == 0, sequence.signalled.stdout[-3000:]
+    assert sequence.signal_ckpt == done[-1]["step"] < STEPS  # checkpointed right after the last step
+    assert (
+        sequence.signal_end["reason"] == "checkpoint_signal"
+        and sequence.signal_end["step"] == done[-1]["step"]
+    )
+    ckpt = sequence.signal_ckpt
+    assert f"resuming from {run_dir / 'checkpoints' / f'step_{ckpt:06d}'} (step {ckpt})" in sequence.rerun_log
     assert json.loads((run_dir / "state" / "job_end.json").read_text())["reason"] == "finished"

@@ -1,7 +1,9 @@
 """The embedded CPU config (configs/local_cpu.yaml: rollout.mode colocated) run by `mopd-submit --local` twice,
 once with the torch broadcast (gloo) and once with weight_sync.backend ipc (a /dev/shm buffer): both deliver
 the actor's float32 weights bitwise, so step 2's rollouts (sampled with the weights synced after step 1) and
-everything computed from them are the same. Oracle: the broadcast run's metrics lines, timings aside.
+everything computed from them are the same. Oracle: the broadcast run's metrics lines, timings aside; the
+broadcast run is conftest's `plain_run` (the default weight sync; run once for the test run, shared with the
+other tests that compare with such a run).
 """
 
 from __future__ import annotations
@@ -11,41 +13,28 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers_jobs import submit_local
+from helpers_jobs import PLAIN_STEPS, PlainRun, plain_config, submit_local
 
-REPO = Path(__file__).resolve().parents[2]
-LOCAL = REPO / "configs" / "local_cpu.yaml"
 #: Metrics that are not functions of the weights and data (wall time, memory).
 UNTIMED = ("time/", "perf/", "memory/")
 
 
-def run(models: Path, tmp: Path, backend: str) -> list[dict]:
-    doc = yaml.safe_load(LOCAL.read_text())
-    doc["run_dir"] = str(tmp / "run")
-    doc["models"]["actor"]["path"] = doc["models"]["tokenizer"]["path"] = str(models / "student")
-    for teacher, name in zip(
-        doc["models"]["teachers"], ("teacher_chain_sum", "teacher_leg_counting"), strict=True
-    ):
-        teacher["path"] = str(models / name)
-    doc.update(steps=2, checkpoint_interval=2)
-    doc["data"].update(batch_size=4)
-    doc["data"]["eval"]["size"] = 4
-    doc["weight_sync"] = {"backend": backend}
-    config = tmp / "c.yaml"
-    config.write_text(yaml.safe_dump(doc))
-    proc = submit_local(config, cwd=tmp, timeout_s=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+def metric_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_ipc_run_matches_the_broadcast_run(micro_models: Path, tmp_path: Path) -> None:
-    models = micro_models
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "ipc").mkdir()
-    broadcast = run(models, tmp_path / "torch", "torch")
-    shared = run(models, tmp_path / "ipc", "ipc")
-    assert [m["step"] for m in shared] == [1, 2]
+def test_ipc_run_matches_the_broadcast_run(micro_models: Path, plain_run: PlainRun, tmp_path: Path) -> None:
+    resolved = yaml.safe_load((plain_run.run_dir / "config.yaml").read_text())
+    assert resolved["weight_sync"]["backend"] == "torch"  # the shared run synced by broadcast
+    broadcast = metric_lines(plain_run.run_dir)
+    config = plain_config(
+        micro_models, tmp_path / "run", tmp_path / "c.yaml", **{"weight_sync.backend": "ipc"}
+    )
+    proc = submit_local(config, cwd=tmp_path, timeout_s=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shared = metric_lines(tmp_path / "run")
+    assert [m["step"] for m in shared] == list(range(1, PLAIN_STEPS + 1))
     assert {k for k in shared[1] if k.startswith("time/sync/")} == {
         f"time/sync/{s}_s" for s in ("export", "fill", "post", "copy")
     }

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_jobs import submit_local
-from test_controller import assert_metrics, micro_config
+from helpers_jobs import PLAIN_STEPS, PlainRun, plain_config, submit_local
+from test_controller import assert_metrics
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.resume import ResumeError, check_resume, resume_choice
+from mopd_hpc.records.metrics import read_metrics
 from mopd_hpc.trainer.checkpoint import CheckpointError, load_latest, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,22 +142,29 @@ def test_a_checkpoint_without_a_manifest_is_accepted_with_a_warning(
     assert loaded.step == 20 and "fails its CRC-32" in loaded.skipped[0]
 
 
-def test_a_local_run_resumes_past_a_truncated_newest_checkpoint(micro_models: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    config = micro_config(micro_models, run_dir, tmp_path / "c.yaml", steps=6, checkpoint_interval=3)
-    first = submit_local(config, cwd=tmp_path)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000006\n"
-    truncate(run_dir / "checkpoints" / "step_000006" / "model.pt")
+def test_a_local_run_resumes_past_a_truncated_newest_checkpoint(
+    micro_models: Path, plain_run: PlainRun, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"  # a copy of the shared finished run (a checkpoint every step), damaged here
+    shutil.copytree(plain_run.run_dir, run_dir, symlinks=True)
+    config = plain_config(micro_models, run_dir, tmp_path / "c.yaml")
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{PLAIN_STEPS:06d}\n"
+    truncate(run_dir / "checkpoints" / f"step_{PLAIN_STEPS:06d}" / "model.pt")
     again = submit_local(config, cwd=tmp_path)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    bad = run_dir / "checkpoints" / "step_000006" / "model.pt"
+    bad = run_dir / "checkpoints" / f"step_{PLAIN_STEPS:06d}" / "model.pt"
+    good = PLAIN_STEPS - 1
     assert f"# warning: checkpoint skipped: {bad}: " in again.stdout
-    assert f"resuming the run in {run_dir} from checkpoints/step_000003" in again.stdout
-    actor_out = next((run_dir / "logs").glob("*/actor-0.g1.out")).read_text()  # the second job's
+    assert f"resuming the run in {run_dir} from checkpoints/step_{good:06d}" in again.stdout
+    actor_out = next((run_dir / "logs").glob("*/actor-0.g1.out")).read_text()  # both jobs' (appended)
     assert f"checkpoint skipped: {bad}: " in actor_out
-    assert f"resuming from {run_dir / 'checkpoints' / 'step_000003'} (step 3)" in actor_out
-    assert_metrics(run_dir, 6)  # steps 4..6 rerun: one line per step
-    state = json.loads((run_dir / "checkpoints" / "step_000006" / "state.json").read_text())
-    assert state["step"] == 6 and (run_dir / "checkpoints" / "step_000006" / "manifest.json").is_file()
+    assert f"resuming from {run_dir / 'checkpoints' / f'step_{good:06d}'} (step {good})" in actor_out
+    assert_metrics(run_dir, PLAIN_STEPS)  # the last step rerun: one line per step
+    kept = read_metrics(plain_run.run_dir / "metrics.jsonl")[:good]
+    assert read_metrics(run_dir / "metrics.jsonl")[:good] == kept  # the lines before it, as written
+    state = json.loads((run_dir / "checkpoints" / f"step_{PLAIN_STEPS:06d}" / "state.json").read_text())
+    assert (
+        state["step"] == PLAIN_STEPS
+        and (run_dir / "checkpoints" / f"step_{PLAIN_STEPS:06d}" / "manifest.json").is_file()
+    )
     assert load_latest(run_dir / "checkpoints").skipped == ()  # the rerun's save replaced the damaged one

@@ -9,7 +9,8 @@ optimizer state and the data position exactly, and the resumed rollout engines g
 by the same broadcast; both runs use the same CPU thread counts.
 
 One interrupted run carries the three kills in turn (the actor after step 1's line, a teacher after step 3's,
-the rollout after step 5's), to keep the test at five short jobs (about 4 min on 2 busy shared cores).
+the rollout after step 5's), to keep the test at four short jobs; the uninterrupted run is conftest's
+`plain_run` (run once for the test run, shared with the other tests that compare with such a run).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from helpers_jobs import PLAIN_STEPS, plain_config
 from helpers_wait import until
-from test_controller import micro_config
 from test_local_backend import env_for, processes_of
 
+from mopd_hpc.config import RunConfig
 from mopd_hpc.records.metrics import read_metrics
 
-STEPS = 6
+STEPS = PLAIN_STEPS
 #: What must equal the uninterrupted run's, step by step.
 KEPT = (
     "loss/total",
@@ -70,21 +72,17 @@ def final_position(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_sigkill_of_actor_teacher_rollout_then_resume_equals_an_uninterrupted_run(micro_models, tmp_path):  # noqa: F811
-    def config(name: str) -> tuple[Path, Path]:
-        run_dir = tmp_path / name
-        path = micro_config(micro_models, run_dir, tmp_path / f"{name}.yaml", steps=STEPS, checkpoint_interval=1,
-                            **{"data.eval.size": 1})  # fmt: skip
-        return run_dir, path
-
-    ref_dir, ref_config = config("reference")
-    straight = submit(ref_config, tmp_path)
-    out, _ = straight.communicate(timeout=300)
-    assert straight.returncode == 0, out[-3000:]
+def test_sigkill_of_actor_teacher_rollout_then_resume_equals_an_uninterrupted_run(
+    micro_models, plain_run, tmp_path
+):  # noqa: F811
+    ref_dir = plain_run.run_dir  # the same config on another run dir, uninterrupted
     reference = kept(ref_dir)
     assert sorted(reference) == list(range(1, STEPS + 1))
 
-    run_dir, run_config = config("interrupted")
+    run_dir = tmp_path / "interrupted"
+    run_config = plain_config(micro_models, run_dir, tmp_path / "interrupted.yaml")
+    ours, theirs = RunConfig.from_yaml(run_config), RunConfig.from_yaml(ref_dir / "config.yaml")
+    assert ours.model_copy(update={"run_dir": theirs.run_dir}) == theirs  # the same run on another run dir
     for after, (role, index) in ((1, ("actor", 0)), (3, ("teacher", 0)), (5, ("rollout", 0))):
         proc = submit(run_config, tmp_path)
         try:

@@ -8,6 +8,9 @@ Checks, on micro models with the real servers (the controller in-process, as tes
   teachers' greedy answers to step 1's prompts (recomputed here: the teachers generating in this process,
   the student's HF forward), the steps after the warm-up are MOPD steps;
 and the loss and the config's refusals without servers.
+
+A run of one set of changes is run once for the module (`sft_run`: the warm-up-steps test and the ratio test
+share the run of sft_warmup_steps 2; each run starts three servers, ~17 CPU-s of imports).
 """
 
 from __future__ import annotations
@@ -34,7 +37,27 @@ def _final_weights(run_dir):
     return load_file(str(run_dir / "student_final" / "model.safetensors"))
 
 
-def test_zero_warmup_is_todays_run(micro_models, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def sft_run(micro_models, tmp_path_factory):
+    """`sft_run(name, **changes)`: (config, run_dir, outcome, exit codes, stdout) of `run_controller` on the micro
+    config with the top-k estimator and `changes` (dotted keys), run once per name for the module."""
+    runs, asked = {}, {}
+
+    def run(name: str, **changes: object):
+        assert asked.setdefault(name, changes) == changes, (name, asked[name], changes)  # one run, one name
+        if name not in runs:
+            tmp_path = tmp_path_factory.mktemp(name)
+            run_dir = tmp_path / "run"
+            config = micro_config(
+                micro_models, run_dir, tmp_path / "c.yaml", **{"loss.estimator": "topk", **changes}
+            )
+            runs[name] = (config, run_dir, *run_controller(config, run_dir, f"job-{name}")[1:])
+        return runs[name]
+
+    return run
+
+
+def test_zero_warmup_is_todays_run(sft_run):
     runs = {}
     cases = (
         ("today", {}),
@@ -42,11 +65,7 @@ def test_zero_warmup_is_todays_run(micro_models, tmp_path):  # noqa: F811
         ("ratio0", {"loss.sft_warmup_ratio": 0.0}),
     )
     for name, changes in cases:
-        run_dir = tmp_path / name
-        config = micro_config(
-            micro_models, run_dir, tmp_path / f"{name}.yaml", **{"loss.estimator": "topk", **changes}
-        )
-        _, outcome, codes, out = run_controller(config, run_dir, f"job-{name}")
+        _, run_dir, outcome, codes, out = sft_run(name, **changes)
         assert (outcome.reason, outcome.step) == ("finished", 3) and codes == [0, 0, 0], out
         runs[name] = run_dir
     today = _final_weights(runs["today"])
@@ -57,16 +76,12 @@ def test_zero_warmup_is_todays_run(micro_models, tmp_path):  # noqa: F811
         assert today.keys() == weights.keys() and all(torch.equal(today[k], weights[k]) for k in today)
 
 
-def test_warmup_ratio_is_its_steps(micro_models, tmp_path):  # noqa: F811
+def test_warmup_ratio_is_its_steps(sft_run):
     """Ratio 0.6 of 3 steps is round(1.8) = 2 SFT steps: the run of sft_warmup_steps 2, loss for loss."""
     runs = {}
     for name, changes in (("steps", {"loss.sft_warmup_steps": 2}), ("ratio", {"loss.sft_warmup_ratio": 0.6})):
-        run_dir = tmp_path / name
-        config = micro_config(
-            micro_models, run_dir, tmp_path / f"{name}.yaml", **{"loss.estimator": "topk", **changes}
-        )
+        config, run_dir, outcome, codes, out = sft_run(name, **changes)
         assert RunConfig.from_yaml(config).steps == 3
-        _, outcome, codes, out = run_controller(config, run_dir, f"job-{name}")
         assert (outcome.reason, outcome.step) == ("finished", 3) and codes == [0, 0, 0], out
         runs[name] = read_metrics(run_dir / "metrics.jsonl")
     assert [("loss/sft" in line) for line in runs["ratio"]] == [True, True, False]
@@ -124,12 +139,9 @@ def _reference_sft_loss(cfg: RunConfig) -> float:
     return nll / count
 
 
-def test_warmup_steps_are_sft_steps(micro_models, tmp_path):  # noqa: F811
-    run_dir = tmp_path / "run"
-    config = micro_config(
-        micro_models, run_dir, tmp_path / "c.yaml", **{"loss.estimator": "topk", "loss.sft_warmup_steps": 2}
-    )
-    _, outcome, codes, out = run_controller(config, run_dir, "job-sft")
+def test_warmup_steps_are_sft_steps(sft_run):
+    # the ratio test's run
+    config, run_dir, outcome, codes, out = sft_run("steps", **{"loss.sft_warmup_steps": 2})
     assert (outcome.reason, outcome.step) == ("finished", 3) and codes == [0, 0, 0], out
     lines = read_metrics(run_dir / "metrics.jsonl")
     assert [line["step"] for line in lines] == [1, 2, 3]
