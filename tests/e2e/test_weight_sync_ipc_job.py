@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers_configs import without_sft_warmup
 from helpers_jobs import submit_local
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +21,7 @@ UNTIMED = ("time/", "perf/", "memory/")
 
 
 def run(models: Path, tmp: Path, backend: str) -> list[dict]:
-    doc = yaml.safe_load(LOCAL.read_text())
+    doc = without_sft_warmup(yaml.safe_load(LOCAL.read_text()))  # step 2 samples the student
     doc["run_dir"] = str(tmp / "run")
     doc["models"]["actor"]["path"] = doc["models"]["tokenizer"]["path"] = str(models / "student")
     for teacher, name in zip(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from helpers_configs import set_dotted
+from helpers_configs import set_dotted, without_sft_warmup
 from safetensors.torch import load_file
 from test_controller import REPO, micro_config, run_controller
 
@@ -180,8 +180,7 @@ def test_sft_objective_is_the_token_mean_cross_entropy():
     ],
 )  # fmt: skip
 def test_refused_warmups_name_the_field(changes, field):
-    doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
-    doc["loss"].pop("sft_warmup_ratio", None)
+    doc = without_sft_warmup(yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text()))
     set_dotted(doc, changes)
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(doc)
