@@ -136,6 +136,10 @@ def test_warmup_steps_are_sft_steps(micro_models, tmp_path):  # noqa: F811
     sft, mopd = lines[:2], lines[2]
     for line in sft:
         assert line["loss/sft"] == line["loss/total"] and line["loss/mopd"] == 0.0
+        # its loss reads no teacher score: the teachers answered greedily but scored nothing (the refusal
+        # count is present exactly when they score, records/metrics_schema.py)
+        assert "mopd/teacher_refused_tokens" not in line
+    assert mopd["mopd/teacher_refused_tokens"] == 0
     assert (
         "loss/sft" not in mopd
         and mopd["loss/mopd"] == mopd["loss/total"]
