@@ -1,4 +1,5 @@
-"""Config documents for tests: dotted-key edits of a YAML mapping, and `mopd-submit` run in this process on one."""
+"""Config documents for tests: dotted-key edits of a YAML mapping, configs/local_cpu.yaml without its SFT warm-up, and
+`mopd-submit` run in this process on one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,20 @@ def set_dotted(doc: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any
         for part in head:
             node = node[part]
         node[last] = value
+    return doc
+
+
+#: The override that turns configs/local_cpu.yaml's SFT warm-up (`loss.sft_warmup_ratio`, `make run`'s recipe) off:
+#: MOPD from step 1, as in a config without the field. For its derivations that test the on-policy step (with
+#: `--set steps=3` the warm-up would make 2 of the 3 steps SFT steps) or a run without distillation (a warm-up is
+#: refused with `distillation_coefficient: 0`).
+NO_SFT_WARMUP = "loss.sft_warmup_ratio=null"
+
+
+def without_sft_warmup(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` (a loaded configs/*.yaml mapping) with MOPD from step 1: `loss.sft_warmup_ratio` removed (the schema's
+    default, null: no SFT warm-up; `NO_SFT_WARMUP` as a mapping edit). Returns doc."""
+    doc["loss"].pop("sft_warmup_ratio", None)
     return doc
 
 

@@ -131,13 +131,16 @@ class ShardStep:
         shard = self.shard_of(record)
         timings: dict[str, float] = {}
         scores = ref_logprobs = None
+        # an SFT warm-up step's loss reads no teacher score and no reference log-prob (`mopd/sft.py`): the phase
+        # runs (the drain releases the teachers) without scoring; every rank skips alike (a function of the step)
+        scoring = not is_sft_step(record.step, self.loss, self.steps)
         if self.plan.scores_before_train:
             t0 = time.perf_counter()
-            if self.plan.requires_teacher_scoring:
+            if self.plan.requires_teacher_scoring and scoring:
                 scores = await self.score(record, shard) if self.group.tp_rank == 0 else None
                 if self.group.tp_size > 1:
                     scores = share_scores(scores, list(self.teachers), self.group, record.step)
-            if self.reference is not None:
+            if self.reference is not None and scoring:
                 ref_logprobs = self.reference.logprobs(record.tokens(shard.start, shard.stop))
                 timings["reference"] = self.reference.last_seconds
             timings["teacher"] = time.perf_counter() - t0

@@ -6,7 +6,8 @@ teacher's server (`TeacherPool.generate_greedy`, the evaluation's route: engines
 instead of student samples on the rollout engines; the train step then applies the SFT cross-entropy
 (`mopd/sft.py`) to them (`TrainBatch.sft`, set on every rank from the record's step: `is_sft_step`). The
 route's teacher is its highest-weight one (the first listed among equals). Each answer is cut after its
-first EOS and repeated samples_per_prompt times (the row layout of a rollout step); μ is 0 (not read).
+first EOS and repeated samples_per_prompt times (the row layout of a rollout step); μ is 0 (not read). The
+teachers score none of the step's rows (its loss reads no teacher log-prob; `trainer/rank_step.py`).
 
 Shape legend: B = prompts · samples_per_prompt rows, T response positions.
 """

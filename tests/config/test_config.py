@@ -77,6 +77,8 @@ def test_local_cpu_is_the_embedded_default() -> None:
         {"min_animals": 1, "max_animals": 2, "max_instances": 5},
     )
     assert (cfg.loss.distillation_coefficient, cfg.loss.rl_coefficient, cfg.loss.orm_alpha) == (1.0, 0.0, 0.0)
+    # the SFT-then-MOPD recipe (README "Distillation fidelity"): half the steps SFT on the teachers' answers
+    assert (cfg.steps, cfg.loss.sft_warmup_ratio, cfg.loss.sft_steps(cfg.steps)) == (1500, 0.5, 750)
 
 
 def test_slurm_het_cpu_shape() -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers_configs import set_dotted
+from helpers_configs import NO_SFT_WARMUP, set_dotted, without_sft_warmup
 from helpers_jobs import submit_local
 from helpers_models import save_micro_qwen3
 
@@ -56,8 +56,8 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "configs" / "local_cpu.yaml"
 VOCAB = VOCAB_SIZE  # the tiny models' character tokenizer's (config.json must hold its ids)
 #: Every loss point: two samples per prompt (GRPO's group needs them), k below the micro vocabulary, no warmup
-#: (the first step's lr is not 0).
-BASE = ["data.samples_per_prompt=2", "loss.topk=8", "models.actor.optimizer.warmup_ratio=0"]
+#: (the first step's lr is not 0), no SFT warm-up (the point's loss from step 1; refused without distillation).
+BASE = ["data.samples_per_prompt=2", "loss.topk=8", "models.actor.optimizer.warmup_ratio=0", NO_SFT_WARMUP]
 #: A one-GPU trainer group for the megatron actor (its constant lr; the ipc weight sync: the rollout shares
 #: its GPU, where the torch broadcast cannot join both).
 MEGATRON = [
@@ -318,7 +318,7 @@ LOCAL_RUNS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("changes", [c for _, c in LOCAL_RUNS], ids=[i for i, _ in LOCAL_RUNS])
 def test_cpu_shape_that_passes_check_runs_locally(micro_models: Path, tmp_path: Path, changes: dict) -> None:
-    doc = yaml.safe_load(LOCAL.read_text())
+    doc = without_sft_warmup(yaml.safe_load(LOCAL.read_text()))  # both steps on-policy: loss/rl below
     doc["run_dir"] = str(tmp_path / "run")
     doc["models"]["actor"]["path"] = doc["models"]["tokenizer"]["path"] = str(micro_models / "student")
     for teacher, name in zip(

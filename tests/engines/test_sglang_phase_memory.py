@@ -27,7 +27,7 @@ import pytest
 import torch
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
-from helpers_configs import set_dotted
+from helpers_configs import set_dotted, without_sft_warmup
 from helpers_ports import free_port, free_ports
 from test_rollout_role_sglang import TP, TPStandIn, role_env, start_role
 from test_sglang_ipc import IpcStandIn
@@ -91,8 +91,9 @@ class StrictIpcStandIn(StrictStandIn, IpcStandIn):
 
 def sglang_run_config(models: Path, run_dir: Path, **changes: Any) -> RunConfig:
     """configs/local_cpu.yaml on the micro models with the sglang backend at TP 2, colocated, GRPO only (the
-    stand-in needs no GPU: only the config's validation counts GPUs; the train engine runs on CPU here)."""
-    doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
+    stand-in needs no GPU: only the config's validation counts GPUs; the train engine runs on CPU here; no SFT
+    warm-up: it is refused without distillation)."""
+    doc = without_sft_warmup(yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text()))
     doc["run_dir"] = str(run_dir)
     doc["models"]["actor"]["path"] = doc["models"]["tokenizer"]["path"] = str(models / "student")
     for teacher, name in zip(

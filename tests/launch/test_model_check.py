@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers_configs import NO_SFT_WARMUP
 from helpers_models import save_micro_model_dir, write_hub_snapshot
 
 from mopd_hpc.cli import submit
@@ -127,6 +128,7 @@ def test_an_unscored_teachers_hub_id_is_not_refused(model: Path, tmp_path: Path)
         "loss.distillation_coefficient=0",
         "loss.rl_coefficient=1",
         "data.samples_per_prompt=2",
+        NO_SFT_WARMUP,  # a warm-up trains on the teachers' answers: refused without distillation
     )
     assert rc == 0, err
 

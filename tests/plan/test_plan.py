@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers_configs import NO_SFT_WARMUP
 
 from mopd_hpc.config import load_run_config
 from mopd_hpc.launch.from_config import guard_command, jobspec_from_config
@@ -126,7 +127,7 @@ def test_plan_errors_name_the_problem() -> None:
 
 def test_no_teacher_without_distillation() -> None:
     plan = plan_of("local_cpu.yaml", "loss.distillation_coefficient=0", "loss.rl_coefficient=1",
-                   "data.samples_per_prompt=2")  # fmt: skip
+                   "data.samples_per_prompt=2", NO_SFT_WARMUP)  # fmt: skip
     assert plan.by_role("teacher") == ()
 
 

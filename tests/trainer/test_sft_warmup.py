@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from helpers_configs import set_dotted
+from helpers_configs import set_dotted, without_sft_warmup
 from safetensors.torch import load_file
 from test_controller import REPO, micro_config, run_controller
 
@@ -148,6 +148,10 @@ def test_warmup_steps_are_sft_steps(sft_run):
     sft, mopd = lines[:2], lines[2]
     for line in sft:
         assert line["loss/sft"] == line["loss/total"] and line["loss/mopd"] == 0.0
+        # its loss reads no teacher score: the teachers answered greedily but scored nothing (the refusal
+        # count is present exactly when they score, records/metrics_schema.py)
+        assert "mopd/teacher_refused_tokens" not in line
+    assert mopd["mopd/teacher_refused_tokens"] == 0
     assert (
         "loss/sft" not in mopd
         and mopd["loss/mopd"] == mopd["loss/total"]
@@ -192,8 +196,7 @@ def test_sft_objective_is_the_token_mean_cross_entropy():
     ],
 )  # fmt: skip
 def test_refused_warmups_name_the_field(changes, field):
-    doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
-    doc["loss"].pop("sft_warmup_ratio", None)
+    doc = without_sft_warmup(yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text()))
     set_dotted(doc, changes)
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(doc)
