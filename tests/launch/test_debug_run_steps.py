@@ -16,10 +16,13 @@ from mopd_hpc.launch.rundir import prepare_run_dir
 # The trainer step announces the job end (records/job_end.py) and exits 0; the rollout step, per `mode`, stops
 # on it ("stops": exit 0), fails on it ("fails": exit 3) or ignores it ("hangs"). SIGINT makes it record
 # the signal and exit 130, as a guard stopped by Ctrl-C does.
+# The trainer step ends only once the rollout step is up (`rollout.ready`, its SIGINT handler installed): a
+# rollout still importing when it is stopped would die of the signal (-2) instead of recording it.
 _TRAINER_STEP = (
-    "import pathlib, sys; from mopd_hpc.records.job_end import write_job_end; "
-    "sys.exit(0 if write_job_end(pathlib.Path(sys.argv[1]), '77', 'finished', 10) and sys.argv[2] == '0' "
-    "else int(sys.argv[2]))"
+    "import pathlib, sys, time; from mopd_hpc.records.job_end import write_job_end; "
+    "run_dir = pathlib.Path(sys.argv[1]); deadline = time.monotonic() + 60\n"
+    "while not (run_dir / 'rollout.ready').exists() and time.monotonic() < deadline: time.sleep(0.01)\n"
+    "sys.exit(0 if write_job_end(run_dir, '77', 'finished', 10) and sys.argv[2] == '0' else int(sys.argv[2]))"
 )
 _ROLLOUT_STEP = """
 import pathlib, signal, sys, time
