@@ -227,12 +227,15 @@ class Controller:
         return RunOutcome("finished", self.step, start)
 
     async def _announce_gather(self, step: int, reason: str) -> None:
-        """The `weights` record before each HF-weight gather of a TP or EP engine (`engine.gathers_over_tp` /
-        `gathers_over_ep`: the other ranks of rank 0's TP / EP group join it) and before each sync every rank writes
+        """The `weights` record before each HF-weight gather of a TP engine (`engine.gathers_over_tp`) or an
+        expert-parallel one (`gathers_over_ep`): the other ranks of rank 0's TP (EP) group join it; and before each sync that every rank writes
         (`sync.every_rank`: AWEX from a multi-rank actor), where each follower publishes its own shards
         (trainer/follower.py, trainer/rank_writer.py). Nothing for a one-rank sync at TP 1."""
         every_rank = reason == "sync" and getattr(self.sync, "every_rank", False)
-        if every_rank or any(getattr(self.engine, f"gathers_over_{p}", False) for p in ("tp", "ep")):
+        gathers = getattr(self.engine, "gathers_over_tp", False) or getattr(
+            self.engine, "gathers_over_ep", False
+        )
+        if every_rank or gathers:
             await self.group.publish(ControlRecord.weights(step, reason))
 
     def _stop_requested(self) -> bool:
