@@ -34,7 +34,9 @@ from mopd_hpc.runtime.ports_registry import bind_lease_socket, read_owner_record
 
 TESTS_DIR = Path(__file__).resolve().parent
 HOST = "testhost"
-JOB = "j1"
+#: One job id per pytest worker: a port one worker's guard released may be leased at once by another worker's
+#: guard, which `port_free_of_lease` must tell apart from a lease this worker still holds.
+JOB = f"j1-{os.getpid()}"
 
 
 # ---- harness (also used by test_guard_signals.py) ----------------------------------------------------
