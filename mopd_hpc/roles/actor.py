@@ -339,7 +339,12 @@ async def _lead(
             reference=reference,
             offload_teachers=teachers_to_offload(role, cfg, out),
         )
-        return await controller.run()
+        outcome = await controller.run()
+    # Its end is written: a late USR2 (the batch shell TERMs the trainer step once the servers' step ended on
+    # the end record; the guard forwards it as USR2) has nothing left to checkpoint, and once the interpreter
+    # finalizes, CPython resets a Python handler to USR2's default action: death by the signal.
+    signal.signal(CHECKPOINT_SIGNAL, signal.SIG_IGN)
+    return outcome
 
 
 def main(argv: Sequence[str] | None = None) -> int:

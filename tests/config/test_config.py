@@ -78,7 +78,9 @@ def test_local_cpu_is_the_embedded_default() -> None:
     )
     assert (cfg.loss.distillation_coefficient, cfg.loss.rl_coefficient, cfg.loss.orm_alpha) == (1.0, 0.0, 0.0)
     # the SFT-then-MOPD recipe (README "Distillation fidelity"): half the steps SFT on the teachers' answers
-    assert (cfg.steps, cfg.loss.sft_warmup_ratio, cfg.loss.sft_steps(cfg.steps)) == (1500, 0.5, 750)
+    assert (cfg.steps, cfg.loss.sft_warmup_ratio, cfg.loss.sft_steps(cfg.steps)) == (1800, 0.5, 900)
+    # 30 % of the prompts chain, 70 % legs: the student's harder route (README "Distillation fidelity")
+    assert (cfg.data.mixture, [s.weight for s in cfg.data.sources]) == ("weighted", [0.3, 0.7])
 
 
 def test_slurm_het_cpu_shape() -> None:

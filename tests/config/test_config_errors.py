@@ -226,12 +226,12 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
     ),
     (
         "weighted-without-weights",
-        set_("data.mixture", "weighted"),
+        drop("data.sources.0.weight"),
         ["data.sources[0].weight: mixture 'weighted' needs a weight on every source (got null"],
     ),
     (
         "weights-on-proportional",
-        seq(set_("data.mixture", "proportional"), set_("data.sources.1.weight", 3)),
+        seq(set_("data.mixture", "proportional"), set_("data.sources.1.weight", 3)),  # [0]'s 0.3 named too
         [
             "data.sources[1].weight: weights apply only to mixture 'weighted' (mixture is 'proportional') (got 3.0"
         ],

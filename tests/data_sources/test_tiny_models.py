@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import BUILDER_PATH, MODEL_NAMES, REPO_ROOT, build_micro_models, load_builder
+from helpers_models import BUILDER_PATH, MODEL_NAMES, build_micro_models, load_builder
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mopd_hpc.data import ReasoningGymSource
@@ -25,7 +25,6 @@ from mopd_hpc.data.tokenizer import (
 )
 
 builder = load_builder()
-REAL_MODELS = REPO_ROOT / ".cache" / "models"
 
 
 @pytest.fixture(scope="module")
@@ -201,16 +200,44 @@ def test_batched_greedy_equals_one_prompt_at_a_time(micro_dir: tuple[Path, str])
     assert batched == single and all(len(tok(c, add_special_tokens=False)["input_ids"]) <= 5 for c in batched)
 
 
-@pytest.mark.skipif(
-    not (REAL_MODELS / "student" / "build.json").is_file(), reason="real models not built (.cache/models)"
-)
-def test_real_teachers_meet_their_target_on_held_out_prompts() -> None:
+def test_shipped_builds_are_the_real_specs_builds() -> None:
+    """assets/tiny_models holds one build of every REAL_SPECS model with the spec's current fingerprint (a changed
+    spec, task or tokenizer must ship its new build), complete, its weights the recorded parameter count."""
+    from safetensors.torch import load_file
+
+    tok_fp = tokenizer_fingerprint(build_char_tokenizer())
+    shipped = builder.SHIPPED_DIR
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(s.name for s in builder.REAL_SPECS)
+    for spec in builder.REAL_SPECS:
+        record = builder.read_build_record(shipped / spec.name)
+        assert record is not None, spec.name  # every model file present
+        assert record["fingerprint"] == builder.build_fingerprint(spec, tok_fp), spec.name
+        weights = load_file(str(shipped / spec.name / "model.safetensors"))
+        assert sum(t.numel() for t in weights.values()) == record["params"]  # tied embeddings: saved once
+        assert record["target_met"] and record["threads"] == 2
+
+
+def test_a_build_copies_the_shipped_model_of_its_fingerprint_only(
+    micro_dir: tuple[Path, str], tmp_path: Path
+) -> None:
+    """`copy_shipped`: the micro build as the shipped one: copied byte for byte (build.json last) under its own
+    fingerprint, refused (None, nothing written) under another's."""
+    out, _ = micro_dir
+    record = json.loads((out / "student" / "build.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    assert builder.copy_shipped("student", "0" * 64, other, shipped=out) is None
+    assert not any(other.iterdir())
+    copied = builder.copy_shipped("student", record["fingerprint"], tmp_path, shipped=out)
+    assert copied == {**record, "status": "shipped"}
+    for path in (out / "student").iterdir():
+        assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_shipped_teachers_meet_their_target_on_held_out_prompts() -> None:
     for name, task in (("teacher_chain_sum", "chain_sum"), ("teacher_leg_counting", "leg_counting")):
-        record = json.loads((REAL_MODELS / name / "build.json").read_text())
-        if record["spec"]["hidden_size"] != 128:
-            pytest.skip(".cache/models holds micro models")
-        tok = AutoTokenizer.from_pretrained(REAL_MODELS / name)
-        model = AutoModelForCausalLM.from_pretrained(REAL_MODELS / name)
+        tok = AutoTokenizer.from_pretrained(builder.SHIPPED_DIR / name)
+        model = AutoModelForCausalLM.from_pretrained(builder.SHIPPED_DIR / name)
         held_out = ReasoningGymSource.create(task, task, builder.TASK_ARGS[task], split="eval", size=300)
         result = evaluate_source(model, tok, held_out)
         assert result.n == 300 and result.accuracy >= 0.95, (name, result)

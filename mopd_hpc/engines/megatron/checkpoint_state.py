@@ -186,7 +186,8 @@ class MegatronCheckpointState(RequiresResident):
         entry = state.get(optimizer_state.PARAM_STATE_KEY)
         ep, ep_rank, ep_group = self.expert_parallel
         saved_ep = expert_checkpoint.saved_expert_parallel(state.get(optimizer_state.PARAM_LAYOUT_KEY))
-        if ep > 1 or saved_ep > 1:  # expert_checkpoint.py: global rank 0 reads it
+        per_ep_rank = ep > 1 or saved_ep > 1  # the parameter state per EP rank (expert_checkpoint.py)
+        if per_ep_rank:  # global rank 0 reads it
             read = entry is not None and (not dist.is_initialized() or dist.get_rank() == 0)
         else:
             read = entry is not None and optimizer_state.reads_saved_state(self.optimizer)
@@ -199,7 +200,7 @@ class MegatronCheckpointState(RequiresResident):
             ) from None
         saved = param_state if param_state is not None else state.get(optimizer_state.PARAM_LAYOUT_KEY)
         try:  # before anything is loaded: a state that does not fit leaves the engine as it was
-            if ep == saved_ep == 1:
+            if not per_ep_rank:
                 optimizer_state.check(self.optimizer, saved)
         except optimizer_state.OptimizerStateError as err:
             raise EngineError(
@@ -219,7 +220,7 @@ class MegatronCheckpointState(RequiresResident):
             reload = getattr(self.optimizer, "reload_model_params", None)
             if reload is not None:  # the optimizer's fp32 main copies from the loaded weights, as Megatron-LM
                 reload()
-        if entry is not None and (ep > 1 or saved_ep > 1):  # per EP rank (expert_checkpoint.py)
+        if entry is not None and per_ep_rank:
             self._scatter_expert_parallel(param_state, saved_ep)
         elif entry is not None:  # every DP rank loads the same checkpoint: all join, DP rank 0 reads it
             optimizer_state.scatter(self.optimizer, param_state)
