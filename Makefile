@@ -30,7 +30,12 @@ $(VENV)/.torch: | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+# What `make run` needs (the package and its dependencies), then what the tests add (the dev extra).
+$(VENV)/.base: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.base
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -39,7 +44,7 @@ setup: $(VENV)/.installed
 debian:
 	@bash tools/apt_install.sh $(DEBIAN_PACKAGES)
 
-run: setup
+run: $(VENV)/.base
 	$(VENV)/bin/mopd-submit $(RUN_CONFIG) --local
 
 # Two passes: everything but the Slurm-marked end-to-end jobs on parallel workers, then those jobs alone, one after
