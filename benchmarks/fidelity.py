@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy_plot import figure, percent_axis, save  # noqa: E402
 from fidelity_steps import REPO, Bench, Learner, Setting  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -107,13 +108,8 @@ def format_table(best: dict[str, dict[str, Any]], teacher: dict[str, float]) -> 
 
 def plot(best: dict[str, dict[str, Any]], teacher: dict[str, float], path: Path, budget_s: float) -> None:
     """Accuracy (% of the teacher) per route against CPU seconds and against tokens, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     routes = list(teacher)
-    fig, axes = plt.subplots(len(routes), 2, figsize=(11, 4 * len(routes)), squeeze=False)
+    fig, axes = figure(len(routes), 2, (11, 4 * len(routes)))
     for row, route in enumerate(routes):
         for col, (key, name) in enumerate(
             (("cpu_s", "CPU seconds (1 thread)"), ("tokens", "response tokens trained on"))
@@ -123,16 +119,13 @@ def plot(best: dict[str, dict[str, Any]], teacher: dict[str, float], path: Path,
                 xs = [p[key] for p in res["curve"]]
                 ys = [pct(p[route], teacher[route]) for p in res["curve"]]
                 ax.plot(xs, ys, marker="o", label=res["label"])
-            ax.axhline(95, color="grey", linestyle="--", linewidth=0.8)
-            ax.set_xlabel(name)
-            ax.set_ylabel(f"{route}: greedy accuracy, % of teacher")
-            ax.set_ylim(0, 105)
-            ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"benchmarks/fidelity.py: tuned setting per method, {budget_s:g} CPU s each, same start")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+            percent_axis(ax, name, f"{route}: greedy accuracy, % of teacher")
+    save(
+        fig,
+        axes,
+        path,
+        f"benchmarks/fidelity.py: tuned setting per method, {budget_s:g} CPU s each, same start",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """SFT alone, the SFT-then-MOPD recipe and MOPD alone as whole `make run` jobs: where on-policy distillation pays.
 
     .venv/bin/python benchmarks/recipe_crossover.py [--config configs/local_cpu.yaml] [--steps 1800]
-        [--interval 300] [--arms sft,recipe,mopd] [--out-dir runs/crossover] [--parallel 1]
+        [--interval 300] [--arms sft,recipe,mopd] [--out-dir runs/crossover] [--parallel 1] [--report]
 
 Each arm is one `mopd-submit CONFIG --local --run-dir OUT_DIR/ARM --set steps=N --set data.eval.interval=I` that
 differs from the others in `loss.sft_warmup_ratio` only:
@@ -16,6 +16,7 @@ eval.json (greedy pass@1 per route at the start, every I steps and at the end) a
 timestamps: the job's seconds from its first step, evaluations included; on a shared machine they count the
 other jobs' time too, and `--parallel 2` runs two arms at once), and writes benchmarks/results/
 recipe_crossover.json and recipe_crossover.png (% of the teacher per route against steps). Prints a table.
+`--report` runs no job: it reads the arms' run directories as they are.
 Exit status: 0, or 1 when an arm's job failed.
 """
 
@@ -28,6 +29,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy_plot import figure, percent_axis, save  # noqa: E402
+from results_file import commit_of, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -86,28 +91,15 @@ def format_table(curves: dict[str, dict[str, Any]]) -> str:
 
 def plot(curves: dict[str, dict[str, Any]], path: Path, steps: int) -> None:
     """% of the teacher per route against steps, one line per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     routes = sorted(next(iter(curves.values()))["teacher"])
-    fig, axes = plt.subplots(1, len(routes), figsize=(5.5 * len(routes), 4), squeeze=False)
+    fig, axes = figure(1, len(routes), (5.5 * len(routes), 4))
     for col, route in enumerate(routes):
         ax = axes[0][col]
         for arm, c in curves.items():
             xs = [p["step"] for p in c["points"]]
             ax.plot(xs, [pct(p[route], c["teacher"][route]) for p in c["points"]], marker="o", label=arm)
-        ax.axhline(95, color="grey", linestyle="--", linewidth=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"{route}: greedy pass@1, % of teacher")
-        ax.set_ylim(0, 105)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"benchmarks/recipe_crossover.py: {steps} steps a job, same start")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+        percent_axis(ax, "step", f"{route}: greedy pass@1, % of teacher")
+    save(fig, axes, path, f"benchmarks/recipe_crossover.py: {steps} steps a job, same start")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,31 +110,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "crossover")
     parser.add_argument("--parallel", type=int, default=1, help="arms run at once")
+    parser.add_argument("--report", action="store_true", help="no jobs: read the arms' run dirs as they are")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     if unknown := sorted(set(arms) - set(ARMS)):
         parser.error(f"--arms: unknown {unknown} (known: {sorted(ARMS)})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-        runs = pool.map(lambda a: run_arm(a, args.config, args.out_dir, args.steps, args.interval), arms)
-        codes = dict(zip(arms, runs, strict=True))
+    codes = {}
+    if not args.report:
+        with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+            runs = pool.map(lambda a: run_arm(a, args.config, args.out_dir, args.steps, args.interval), arms)
+            codes = dict(zip(arms, runs, strict=True))
     if failed := {a: rc for a, rc in codes.items() if rc != 0}:
         print(f"failed arms (exit codes): {failed}; logs in {args.out_dir}", file=sys.stderr)
         return 1
     curves = {arm: curve(args.out_dir / arm) for arm in arms}
     print(format_table(curves))
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)  # the PNG first, then the JSON (write_results: atomic)
     plot(curves, RESULTS / "recipe_crossover.png", args.steps)
     record = {
+        "commit": commit_of(),
         "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
         "steps": args.steps,
         "interval": args.interval,
         "parallel": args.parallel,
         "arms": {arm: {"sft_warmup_ratio": ARMS[arm] or "the config's", **curves[arm]} for arm in arms},
     }
-    (RESULTS / "recipe_crossover.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {RESULTS / 'recipe_crossover.json'} and recipe_crossover.png")
-    return 0
+    print(f"wrote {RESULTS / 'recipe_crossover.png'}")
+    return write_results(RESULTS / "recipe_crossover.json", record)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ after `mopd-submit` wrote `run_dir/config.yaml` and before the guard starts:
 2. when a model directory of a CPU config is missing (or has no config.json: an interrupted first build) and its
    name is one that `tools/build_tiny_models.py` builds (teacher_chain_sum, teacher_leg_counting, student), the
    builder runs once into that directory's parent
-   (`python tools/build_tiny_models.py --out DIR --threads N`; seeded, cached by fingerprint), its output
+   (`python tools/build_tiny_models.py --out DIR --threads N`; seeded, cached by fingerprint; the default models
+   copied from their builds shipped in assets/tiny_models, any other trained), its output
    streamed to `out`; the build dies with `mopd-submit` (SIGTERM, Ctrl-C or SIGKILL: `build_tiny_models`). A missing model the builder does not make is left for the actor's clear error.
 
 While the guard runs, `LocalProgress.poll()` (returned by `prepare_local_run`) follows run_dir/metrics.jsonl
@@ -108,7 +109,7 @@ def build_tiny_models(
     argv = [python, str(builder), "--out", str(out_dir), "--threads", str(threads)]
     argv += [arg for name in names for arg in ("--only", name)]
     print(
-        f"[local] building the tiny models into {out_dir} (first use; cached afterwards)",
+        f"[local] building the tiny models into {out_dir} (first use: the shipped builds copied; cached afterwards)",
         file=out,
         flush=True,
     )
