@@ -49,8 +49,8 @@ SWEEPS: dict[str, list[Setting]] = {
         Setting("sampled", 3e-4)
     ],  # its calibrated lr (collapses at 1e-3: reference/tiny_calibration.md)
     "topk_rl": [Setting("topk_rl", 2e-3, rl=1.0, n=4)],
-    # the recipe: SFT steps first, then topk (make run: half its steps; at --budget-s 120 ≈ 400 of ≈ 900)
-    "sft_topk": [Setting("sft_topk", 2e-3, warmup=50), Setting("sft_topk", 2e-3, warmup=400)],
+    # the recipe: SFT steps first, then topk (make run: half its steps; at --budget-s 120 ≈ 200 of ≈ 350)
+    "sft_topk": [Setting("sft_topk", 2e-3, warmup=50), Setting("sft_topk", 2e-3, warmup=200)],
 }
 
 
