@@ -1,5 +1,5 @@
-"""Config documents for tests: dotted-key edits of a YAML mapping, configs/local_cpu.yaml without its SFT warm-up, and
-`mopd-submit` run in this process on one."""
+"""Config documents for tests: dotted-key edits of a YAML mapping, configs/local_cpu.yaml without its SFT warm-up or
+with a uniform mixture, and `mopd-submit` run in this process on one."""
 
 from __future__ import annotations
 
@@ -32,6 +32,16 @@ def without_sft_warmup(doc: dict[str, Any]) -> dict[str, Any]:
     """`doc` (a loaded configs/*.yaml mapping) with MOPD from step 1: `loss.sft_warmup_ratio` removed (the schema's
     default, null: no SFT warm-up; `NO_SFT_WARMUP` as a mapping edit). Returns doc."""
     doc["loss"].pop("sft_warmup_ratio", None)
+    return doc
+
+
+def uniform_mixture(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` (a loaded configs/*.yaml mapping) with a uniform mixture: `data.mixture: uniform` and no source `weight`
+    (configs/local_cpu.yaml weighs chain 0.3 / legs 0.7 for `make run`). For its derivations that add, replace or
+    reweigh sources, or that compare with runs made on the uniform batch. Returns doc."""
+    doc["data"]["mixture"] = "uniform"
+    for source in doc["data"]["sources"]:
+        source.pop("weight", None)
     return doc
 
 

@@ -231,7 +231,8 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
     ),
     (
         "weights-on-proportional",
-        seq(set_("data.mixture", "proportional"), set_("data.sources.1.weight", 3)),  # [0]'s 0.3 named too
+        # sources[0]'s weight (0.3 in the base) is refused as well
+        seq(set_("data.mixture", "proportional"), set_("data.sources.1.weight", 3)),
         [
             "data.sources[1].weight: weights apply only to mixture 'weighted' (mixture is 'proportional') (got 3.0"
         ],

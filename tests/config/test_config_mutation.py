@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers_configs import without_sft_warmup
+from helpers_configs import uniform_mixture, without_sft_warmup
 from helpers_models import save_micro_moe, save_micro_qwen3
 from pydantic import BaseModel
 from transformers import Qwen3Config
@@ -134,11 +134,14 @@ def _small(doc: dict[str, Any], files: SimpleNamespace) -> dict[str, Any]:
 
 def base_doc(name: str, files: SimpleNamespace) -> dict[str, Any]:
     """The documents the mutations start from: small copies of the shipped configs, paths to real files, MOPD from
-    step 1 (configs/local_cpu.yaml's SFT warm-up off: its own rows mutate it)."""
+    step 1 (configs/local_cpu.yaml's SFT warm-up off: its own rows mutate it), a uniform mixture (the weighted rows
+    set their weights)."""
     source = {"cpu": "local_cpu", "het": "slurm_het_cpu", "gpu": "local_gpu_colocated_awex"}.get(
         name, "local_cpu"
     )
-    doc = _small(without_sft_warmup(yaml.safe_load((CONFIGS / f"{source}.yaml").read_text())), files)
+    doc = _small(
+        uniform_mixture(without_sft_warmup(yaml.safe_load((CONFIGS / f"{source}.yaml").read_text()))), files
+    )
     if name == "loss":  # the sampled estimator, its correction resolved (truncate), RL-ready groups of 2
         doc["loss"].update(estimator="sampled")
         doc["loss"].pop("correction", None)

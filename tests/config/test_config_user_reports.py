@@ -24,7 +24,7 @@ from mopd_hpc.launch.paths import MissingPath, local_path_errors, missing_paths,
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 LOCAL = CONFIGS / "local_cpu.yaml"
-JSONL = "data.sources[0]={kind: jsonl, name: mine, route: chain, path: data/mine.jsonl}"
+JSONL = "data.sources[0]={kind: jsonl, name: mine, route: chain, weight: 0.3, path: data/mine.jsonl}"
 
 
 def problems(config: Path, *overrides: str) -> dict[str, str]:
@@ -156,9 +156,9 @@ def test_jsonl_source_left_out_of_the_evaluation_warns() -> None:
     assert problem.render() in cfg.warnings()
     # a route that also has a reasoning-gym source is evaluated on that one only
     three = (
-        "data.sources=[{kind: reasoning_gym, name: chain_sum, route: chain, task: chain_sum}, "
-        "{kind: jsonl, name: mine, route: chain, path: data/mine.jsonl}, "
-        "{kind: reasoning_gym, name: legs, route: legs, task: leg_counting}]"
+        "data.sources=[{kind: reasoning_gym, name: chain_sum, route: chain, task: chain_sum, weight: 0.2}, "
+        "{kind: jsonl, name: mine, route: chain, path: data/mine.jsonl, weight: 0.1}, "
+        "{kind: reasoning_gym, name: legs, route: legs, task: leg_counting, weight: 0.7}]"
     )
     (mixed,) = unevaluated_sources(load_run_config(LOCAL, [three]).data)
     assert mixed.path == "data.sources[1]"

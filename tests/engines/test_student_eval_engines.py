@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers_auth import TOKEN
+from helpers_configs import uniform_mixture
 from helpers_models import save_micro_qwen3
 from test_rollout_server import start_server, stop_server
 from transformers import AutoTokenizer
@@ -55,7 +56,7 @@ def micro_models(micro_models: Path, tmp_path_factory) -> Path:
 def run_config(models: Path) -> RunConfig:
     rows = [{"prompt": f"{i % 10}+{i // 10}=", "answer": str(i % 10 + i // 10)} for i in range(100)]
     (models / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    doc = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())
+    doc = uniform_mixture(yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text()))
     doc["data"]["sources"].append(
         {
             "name": "mine",

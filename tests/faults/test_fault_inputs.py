@@ -41,7 +41,13 @@ def _with_jsonl(tmp: Path, body: bytes) -> dict[str, Any]:
     data = tmp / "mine.jsonl"
     data.write_bytes(body)
     doc = yaml.safe_load(LOCAL_CPU.read_text())
-    doc["data"]["sources"][1] = {"name": "mine", "kind": "jsonl", "path": str(data), "route": "legs"}
+    doc["data"]["sources"][1] = {
+        "name": "mine",
+        "kind": "jsonl",
+        "path": str(data),
+        "route": "legs",
+        "weight": 0.7,
+    }
     return doc
 
 

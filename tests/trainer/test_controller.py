@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
-from helpers_configs import set_dotted, without_sft_warmup
+from helpers_configs import set_dotted, uniform_mixture, without_sft_warmup
 from helpers_ports import free_port
 
 from mopd_hpc.mopd.phases import Phase
@@ -67,9 +67,9 @@ def micro_config(
     **changes: object,
 ) -> Path:
     """configs/`base` on the micro models (the actor: `student`), small, MOPD from step 1 (configs/local_cpu.yaml's
-    SFT warm-up off: `without_sft_warmup`; a test of the warm-up sets it in `changes`): `changes` are dotted keys
-    (e.g. "loss.topk")."""
-    doc = without_sft_warmup(yaml.safe_load((REPO / "configs" / base).read_text()))
+    SFT warm-up off: `without_sft_warmup`; a test of the warm-up sets it in `changes`) on a uniform mixture
+    (`uniform_mixture`): `changes` are dotted keys (e.g. "loss.topk")."""
+    doc = uniform_mixture(without_sft_warmup(yaml.safe_load((REPO / "configs" / base).read_text())))
     doc["run_dir"] = str(run_dir)
     doc["models"]["actor"]["path"] = str(models / student)
     doc["models"]["tokenizer"]["path"] = str(models / student)
