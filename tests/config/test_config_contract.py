@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers_configs import NO_SFT_WARMUP, set_dotted, without_sft_warmup
+from helpers_configs import NO_SFT_WARMUP, set_dotted, uniform_mixture, without_sft_warmup
 from helpers_jobs import submit_local
 from helpers_models import save_micro_qwen3
 
@@ -318,7 +318,8 @@ LOCAL_RUNS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("changes", [c for _, c in LOCAL_RUNS], ids=[i for i, _ in LOCAL_RUNS])
 def test_cpu_shape_that_passes_check_runs_locally(micro_models: Path, tmp_path: Path, changes: dict) -> None:
-    doc = without_sft_warmup(yaml.safe_load(LOCAL.read_text()))  # both steps on-policy: loss/rl below
+    # both steps on-policy (loss/rl below), on the uniform batch these shapes were derived with
+    doc = uniform_mixture(without_sft_warmup(yaml.safe_load(LOCAL.read_text())))
     doc["run_dir"] = str(tmp_path / "run")
     doc["models"]["actor"]["path"] = doc["models"]["tokenizer"]["path"] = str(micro_models / "student")
     for teacher, name in zip(

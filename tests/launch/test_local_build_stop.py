@@ -25,7 +25,8 @@ time.sleep(300)
 """
 
 PARENT = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever the test worker inherited
 from pathlib import Path
 from mopd_hpc.launch.local_setup import build_tiny_models
 build_tiny_models(Path(sys.argv[1]), sys.executable, sys.stdout, builder=Path(sys.argv[2]))
@@ -73,7 +74,7 @@ def test_a_stopped_submit_kills_the_whole_build(tmp_path: Path, signum: int, rc:
     parent, pids = start_build(tmp_path)
     try:
         parent.send_signal(signum)  # to the parent only, as `kill PID` would (Ctrl-C reaches it the same way)
-        out, _ = parent.communicate(timeout=30)
+        out, _ = parent.communicate(timeout=60)
     finally:
         for pid in pids:
             if alive(pid):
