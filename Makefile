@@ -22,21 +22,24 @@ PYTEST_WORKERS ?= 4
 
 .PHONY: run test lint setup debian clean-venv
 
+# The venv gets uv, which installs the rest (tools/venv_install.sh: pip where uv can't be had).
+INSTALL := bash tools/venv_install.sh $(PY)
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q uv || echo "no uv: pip installs the packages"
 
 $(VENV)/.torch: | $(PY)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)"
 	touch $@
 
 # What `make run` needs (the package and its dependencies), then what the tests add (the dev extra).
 $(VENV)/.base: pyproject.toml $(VENV)/.torch
-	$(PY) -m pip install -q -e .
+	$(INSTALL) -e .
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.base
-	$(PY) -m pip install -q -e ".[dev]"
+	$(INSTALL) -e ".[dev]"
 	touch $@
 
 setup: $(VENV)/.installed

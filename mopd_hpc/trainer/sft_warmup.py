@@ -14,6 +14,7 @@ Shape legend: B = prompts · samples_per_prompt rows, T response positions.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,8 +62,14 @@ async def teacher_rollouts(
     by_teacher: dict[str, list[int]] = {}
     for i, d in enumerate(draws):
         by_teacher.setdefault(route_teacher(cfg.routes[d.route]), []).append(i)
-    for teacher, rows in by_teacher.items():
-        out = await generators[teacher]([prompt_ids[i] for i in rows], max_new, eos, pad_id)
+    # every teacher answers its rows at once (each on its own server, as the TEACHER phase scores them)
+    outs = await asyncio.gather(
+        *(
+            generators[t]([prompt_ids[i] for i in rows], max_new, eos, pad_id)
+            for t, rows in by_teacher.items()
+        )
+    )
+    for rows, out in zip(by_teacher.values(), outs, strict=True):
         for i, row in zip(rows, out, strict=True):
             answers[i] = cut_after_eos(row, eos)
     if not any(answers):
