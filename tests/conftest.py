@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,6 +275,43 @@ def _module_fixture_names(item: pytest.Item) -> list[str]:
         for name, defs in info.name2fixturedefs.items()
         if name not in CHEAP_MODULE_FIXTURES and defs and defs[-1].scope in ("module", "class")
     ]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-log",
+        metavar="PATH",
+        default=None,
+        help="append a JSON line per test to PATH: its wall seconds, this process's CPU seconds and the CPU seconds "
+        "of the processes it started and waited for (a job's guard and, through it, the job's children): where a "
+        "run's CPU goes (tools/test_durations.py --cpu-log reads it)",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``--cpu-log PATH``: one line per test (setup + call + teardown), appended in one write (the workers
+    share the file). Children count once they are waited for: a module fixture's servers in the test that ends
+    them."""
+    path = item.config.getoption("cpu_log")
+    if not path:
+        yield
+        return
+    wall, own, kids = (
+        time.monotonic(),
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    yield
+    own2, kids2 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    line = {
+        "nodeid": item.nodeid,
+        "wall_s": round(time.monotonic() - wall, 3),
+        "self_cpu_s": round(own2.ru_utime + own2.ru_stime - own.ru_utime - own.ru_stime, 3),
+        "children_cpu_s": round(kids2.ru_utime + kids2.ru_stime - kids.ru_utime - kids.ru_stime, 3),
+    }
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(json.dumps(line) + "\n")
 
 
 def pytest_configure(config: pytest.Config) -> None:
