@@ -38,7 +38,7 @@ if [[ -x $uv ]]; then
         [[ -f $file ]] && args+=(--constraint "$file")
     done
     # pip takes the best version over every index; uv, by default, only the first index that has the package.
-    if "$uv" pip install --quiet --python "$py" --index-strategy unsafe-best-match "${args[@]}" "$@"; then
+    if "$uv" pip install --quiet --compile-bytecode --python "$py" --index-strategy unsafe-best-match "${args[@]}" "$@"; then
         exit 0
     fi
     echo "venv_install: uv failed; installing with pip" >&2

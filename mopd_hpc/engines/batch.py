@@ -97,20 +97,22 @@ class TokenBatch:
                 )
             if row and min(row) < 0:
                 raise BatchError(f"input_ids[{b}] holds a negative token id {min(row)}")
-        batch = len(input_ids)
-        length = max(len(r) for r in input_ids)
-        resp_len = [len(r) - s for r, s in zip(input_ids, response_start, strict=True)]
-        width = max(resp_len)
-        ids = torch.full((batch, length), pad_id, dtype=torch.int64)
-        attn = torch.zeros((batch, length), dtype=torch.int64)
-        resp = torch.full((batch, width), pad_id, dtype=torch.int64)
-        mask = torch.zeros((batch, width), dtype=torch.bool)
-        for b, (row, start) in enumerate(zip(input_ids, response_start, strict=True)):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-            attn[b, : len(row)] = 1
-            resp[b, : resp_len[b]] = ids[b, start : len(row)]
-            mask[b, : resp_len[b]] = True
+        lengths = [len(r) for r in input_ids]
+        length = max(lengths)
+        # one tensor from padded Python lists, the rest by masks and a gather: no per-row tensor ops (a
+        # 128-row batch built row by row cost a MOPD step ~10 % of the actor's CPU)
+        ids = torch.tensor(
+            [[*row, *([pad_id] * (length - n))] for row, n in zip(input_ids, lengths)], dtype=torch.int64
+        )
+        lengths_t = torch.tensor(lengths, dtype=torch.int64)
         start_t = torch.tensor(list(response_start), dtype=torch.int64)
+        attn = (torch.arange(length) < lengths_t[:, None]).to(torch.int64)
+        resp_len = lengths_t - start_t
+        width = int(resp_len.max())
+        positions = torch.arange(width)
+        mask = positions < resp_len[:, None]
+        taken = ids.gather(1, (start_t[:, None] + positions).clamp(max=length - 1))
+        resp = torch.where(mask, taken, torch.full_like(taken, pad_id))
         return cls(ids, attn, resp, mask, start_t, pad_id)
 
     @property
@@ -189,13 +191,13 @@ class TokenBatch:
         lengths = self.response_lengths.tolist()
         if len(rows) != len(lengths):
             raise BatchError(f"rows has {len(rows)} entries; expected one per sample ({len(lengths)})")
-        out = torch.full((len(lengths), self.response_width), fill, dtype=torch.float32)
+        width = self.response_width
+        padded = []
         for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
             if len(row) != n:
                 raise BatchError(f"rows[{b}] has {len(row)} values; expected {n} (one per response token)")
-            if n:
-                out[b, :n] = torch.tensor(list(row), dtype=torch.float32)
-        return out
+            padded.append([*row, *([fill] * (width - n))])
+        return torch.tensor(padded, dtype=torch.float32).reshape(len(lengths), width)
 
     def unpad_response_values(self, values: torch.Tensor) -> list[list[float]]:
         """[B, T] → per-row lists of the real response positions (the inverse of `pad_response_values`)."""
