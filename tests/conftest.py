@@ -284,7 +284,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="append a JSON line per test to PATH: its wall seconds, this process's CPU seconds and the CPU seconds "
         "of the processes it started and waited for (a job's guard and, through it, the job's children): where a "
-        "run's CPU goes (tools/test_durations.py --cpu-log reads it)",
+        "run's CPU goes (README, Tests: Time)",
     )
 
 

@@ -7,10 +7,9 @@
 # extra: ~42 s against ~79 s on 2 cores; README "Set-up time"): it unpacks and compiles in parallel. The bytecode
 # is compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine), a module never
 # compiled would be compiled again by every process that imports it (transformers' Qwen3 import: 13.6 s instead
-# of 5.1). uv reads no pip configuration, so the
-# settings pip's configuration holds on this machine (the local wheel directory, extra indexes, the
-# constraint file) are handed to it; a directory or file that does not exist is left out, as pip warns and
-# skips it. When uv is missing or fails, pip does the install: the result is the same packages.
+# of 5.1). uv reads no pip configuration, so the settings pip's configuration holds on this machine (the local
+# wheel directory, extra indexes, the constraint file) are handed to it; a directory or file that does not exist
+# is left out, as pip warns and skips it. When uv is missing or fails, pip does the install: the same packages.
 set -euo pipefail
 py=$1
 shift
