@@ -90,6 +90,15 @@ def lease_free(port: int) -> bool:
     return True
 
 
+def released_by(port: int, job_id: str) -> bool:
+    """Whether no lease of `job_id` holds `port`: its lease socket binds, or its holder now is not that job (another
+    pytest-xdist worker's job, or a child that holds another test's lease and answers nothing)."""
+    if lease_free(port):
+        return True
+    record = read_owner_record(port)
+    return record is None or record.job_id != job_id
+
+
 def free_window(size: int) -> int:
     """First of `size` consecutive ports outside the ephemeral range with no lease, no bind, no TIME_WAIT."""
     policy = LeasePolicy.create(EPHEMERAL)
@@ -101,7 +110,7 @@ def free_window(size: int) -> int:
 
 
 def test_named_ports_are_distinct_allowed_and_idempotent_per_owner(leaser: PortLeaser) -> None:
-    owner = PortOwner.create("123+1", "rollout", 0)
+    owner = PortOwner.create(f"{os.getpid()}+1", "rollout", 0)  # this worker's own job id: `released_by`
     got = leaser.reserve(owner, ("http", "nccl", "dist_init", "master"))
     assert list(got) == ["http", "nccl", "dist_init", "master"]
     ports = [x.port for x in got.values()]
@@ -115,7 +124,7 @@ def test_named_ports_are_distinct_allowed_and_idempotent_per_owner(leaser: PortL
         leaser.reserve_port(owner, "http", got["nccl"].port)
     assert sorted(x.name for x in leaser.release(owner)) == ["dist_init", "extra", "http", "master", "nccl"]
     assert leaser.release(owner) == [] and leaser.leases(owner) == []
-    assert all(lease_free(p) for p in ports)
+    assert all(released_by(p, owner.job_id) for p in ports)
 
 
 def test_64_processes_times_100_reservations_at_once_give_no_duplicate(tmp_path: object) -> None:
@@ -199,7 +208,9 @@ def _foreign_bound_ports_are_skipped(start: int, last: bool) -> bool:
 
 
 def test_a_lease_handed_to_a_child_is_held_while_the_child_lives(leaser: PortLeaser) -> None:
-    owner = PortOwner.create("j", "rollout", 3)
+    # a job id of this worker's own: once the child lets the port go, another pytest-xdist worker's job may lease it
+    # at once (a guard's leaser takes the lowest free port), hence `released_by`
+    owner = PortOwner.create(f"j-{os.getpid()}", "rollout", 3)
     lease = leaser.reserve(owner, ["nccl"])["nccl"]
     leaser.note_child(owner, 4242)
     assert read_owner_record(lease.port).child_pid == 4242  # type: ignore[union-attr]
@@ -212,7 +223,7 @@ def test_a_lease_handed_to_a_child_is_held_while_the_child_lives(leaser: PortLea
         assert silent is not None and (silent.port, silent.answered) == (lease.port, False)
     finally:
         child.communicate(b"\n", timeout=30)
-    assert lease_free(lease.port)
+    assert released_by(lease.port, owner.job_id)
 
 
 def test_policy_cuts_out_the_ephemeral_range_and_validates() -> None:
