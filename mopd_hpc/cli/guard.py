@@ -43,6 +43,7 @@ from mopd_hpc.records.run_dir import PLAN_FILE, TOKEN_FILE
 from mopd_hpc.runtime import child_env, run_lock
 from mopd_hpc.runtime.guard.autostart import NodeAssignment, assign_node, run_plan, visible_gpus
 from mopd_hpc.runtime.guard.events import events_path
+from mopd_hpc.runtime.guard.fork_server import FORK_ROLES, PRELOAD_MODULES
 from mopd_hpc.runtime.guard.keeper import fork_guard
 from mopd_hpc.runtime.guard.proctree import set_child_subreaper
 from mopd_hpc.runtime.guard.roles import RoleRegistry, parse_extra_roles
@@ -106,6 +107,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run under a keeper process that kills what the guard leaves behind (default: with a plan)",
     )
+    parser.add_argument(
+        "--exec-children",
+        action="store_true",
+        help="start every child as a new interpreter (default: the actor, teacher and rollout fork from a "
+        "server that imported torch and transformers once: runtime/guard/fork_server.py)",
+    )
+    parser.add_argument(
+        "--fork-role",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also fork the children of role NAME from the fork server (an --extra-role whose module imports "
+        "what --preload names)",
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="what the fork server imports, instead of runtime/guard/fork_server.py's PRELOAD_MODULES",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     plan = parser.add_mutually_exclusive_group()
     plan.add_argument(
@@ -159,7 +181,18 @@ def build_config(args: argparse.Namespace, env: dict[str, str], ephemeral: tuple
         checkpoint_wait_s=args.checkpoint_wait_s,
         roles=RoleRegistry.create(parse_extra_roles(args.extra_role)),
         site_env_keys=frozenset(args.allow_env),
+        fork_roles=fork_roles(args),
+        preload=tuple(args.preload) or PRELOAD_MODULES,
     )
+
+
+def fork_roles(args: argparse.Namespace) -> frozenset[str]:
+    """The roles whose children fork (fork_server.py). Raises ValueError for --fork-role with --exec-children."""
+    if args.exec_children and args.fork_role:
+        raise ValueError(
+            "--fork-role needs the fork server, which --exec-children turns off: drop one of them"
+        )
+    return frozenset() if args.exec_children else FORK_ROLES | frozenset(args.fork_role)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 from mopd_hpc.records.run_dir import guard_record_file
 from mopd_hpc.runtime.gpus import GpuTokenError, NodeGpus, node_gpus
 from mopd_hpc.runtime.guard.env_policy import check_site_key
+from mopd_hpc.runtime.guard.fork_server import FORK_ROLES, PRELOAD_MODULES
 from mopd_hpc.runtime.guard.roles import RoleRegistry
 from mopd_hpc.runtime.http_limits import DEFAULT_LIMITS, HttpLimits
 from mopd_hpc.runtime.ports import LeasePolicy, PortOwner
@@ -41,6 +42,11 @@ class GuardConfig:
     #: Env keys the site allows a spawn to set besides env_policy.py's (`mopd-guard --allow-env`).
     site_env_keys: frozenset[str] = frozenset()
     http_limits: HttpLimits = DEFAULT_LIMITS
+    #: Roles whose children fork from the fork server (runtime/guard/fork_server.py); empty: all exec'ed
+    #: (`mopd-guard --exec-children`).
+    fork_roles: frozenset[str] = FORK_ROLES
+    #: What the fork server imports before its first fork.
+    preload: tuple[str, ...] = PRELOAD_MODULES
 
     @classmethod
     def create(cls, run_dir: str | Path, job_id: str, host: str, **kwargs: Any) -> GuardConfig:

@@ -10,10 +10,13 @@ Three ways find such a process here:
 - the tag: every child carries its identity in its environment (MOPD_JOB_ID, MOPD_HOST, MOPD_ROLE,
   MOPD_INDEX, MOPD_GENERATION) and its descendants inherit it; `/proc/<pid>/environ` is the environment the
   process was exec'ed with, so a later `os.environ` change does not hide it (a process that exec'ed itself
-  with a cleared environment is found by the first two ways only).
+  with a cleared environment is found by the first two ways only). A child forked from the fork server
+  (fork_server.py) shows the server's environment there, with the job's tag (MOPD_JOB_ID, MOPD_HOST,
+  MOPD_RUN_DIR) but not the role's: what it execs carries its whole tag, what it only forks the job's (an
+  orphan of that kind is found by the job's sweep at teardown).
 
-The guard also reaps the orphans it adopts (`reap_adopted`), never the children it started with Popen (their
-exit statuses are the Popen objects'). Linux only; elsewhere the subreaper is simply not set.
+The guard also reaps the orphans it adopts (`reap_adopted`), never the children it started (their exit
+statuses are the Popen or ForkedProcess objects'). Linux only; elsewhere the subreaper is simply not set.
 """
 
 from __future__ import annotations

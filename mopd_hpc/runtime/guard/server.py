@@ -90,6 +90,8 @@ class Guard:
             config.base_env,
             node_addr=config.bind,
             site_env_keys=config.site_env_keys,
+            fork_roles=config.fork_roles,
+            preload=config.preload,
         )
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -201,8 +203,10 @@ class Guard:
                     await sup.signal_group(child, CHECKPOINT_SIGNAL)
                 await asyncio.gather(*(sup.wait_gone(c, cfg.checkpoint_wait_s) for c in running))
             await asyncio.gather(*(sup.kill(c, cfg.kill_wait_s) for c in sup.all()))
+            sup.close_fork_server()
             await sup.sweep(cfg.kill_wait_s)  # what left its children's trees, wherever it went
         finally:
+            sup.close_fork_server()
             self.leaser.close()
             with contextlib.suppress(FileNotFoundError):
                 cfg.guard_file.unlink()
@@ -275,6 +279,8 @@ class Guard:
 
     async def _spawn(self, request: web.Request) -> web.Response:
         req = await parse_request(request, SpawnRequest)
+        if self._teardown_task is None and req.role in self.config.roles.modules:
+            await self.children.prepare_fork([req.role])  # before the checks: nothing runs between them
         if self._teardown_task is not None:
             return _error(409, "shutting_down", "the guard is shutting down: nothing new is spawned")
         try:
