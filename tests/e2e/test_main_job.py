@@ -19,6 +19,7 @@ from test_controller import assert_metrics, micro_config
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.launch.local_setup import missing_builder_dirs
+from mopd_hpc.runtime.guard.fork_server import GPU_DEVICE_FILES
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,9 @@ def test_local_smoke_through_mopd_submit(micro_models, smoke):
     events = [json.loads(x) for f in (run_dir / "events").glob("*.jsonl") for x in f.read_text().splitlines()]
     exits = {(e["role"], e["index"]): e.get("exit_code") for e in events if e.get("event") == "exit"}
     assert exits == {("actor", 0): 0, ("teacher", 0): 0, ("teacher", 1): 0, ("rollout", 0): 0}
+    forked = {(e["role"], e["index"]): e["forked"] for e in events if e.get("event") == "spawn"}
+    on_gpu_node = any(os.path.exists(path) for path in GPU_DEVICE_FILES)  # there every child is exec'ed
+    assert forked == dict.fromkeys(exits, not on_gpu_node)  # from the guard's fork server
 
 
 def test_missing_tiny_models_are_built_on_first_use(tmp_path):
