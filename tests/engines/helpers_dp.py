@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import helpers_fork
 import torch
 
 from mopd_hpc.config.loss import LossConfig
@@ -170,9 +171,7 @@ class WorkerGroup:
     """`world` spawned worker processes forming one gloo group; `run(case)` gives every rank's result."""
 
     def __init__(self, world: int, tmp: Path) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
+        ctx = helpers_fork.context()  # forked with torch imported (spawn's on a GPU machine)
         self.world = world
         self.answers = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]

@@ -1,11 +1,15 @@
-"""Run one Python program as several real processes (the ranks of a gloo group) and collect what they print."""
+"""Run one Python program as several real processes (the ranks of a gloo group) and collect what they print.
+
+The ranks are forked from the worker's fork server (tests/helpers_fork.py: torch, transformers and megatron-core
+imported once)."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from helpers_fork import popen
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,13 +20,7 @@ def run_ranks(
     """`python -c program *argv(rank)` for rank 0..world-1 at once (cwd: the repository); every rank must exit 0
     (the assertion carries its stderr tail). Returns each rank's stdout, in rank order."""
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", program, *argv(r)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )  # fmt: skip
+        popen(["-c", program, *argv(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         for r in range(world)
     ]
     outs = [p.communicate(timeout=timeout_s) for p in procs]

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -205,8 +206,8 @@ def test_names_match_a_real_megatron_gpt_model(tie: bool, tmp_path: Path) -> Non
     save_file(hf, tmp_path / "hf.safetensors")
     fields = {f: getattr(shape, f) for f in shape.__slots__}
     args = json.dumps({"shape": fields, "hf": str(tmp_path / "hf.safetensors")})
-    proc = subprocess.run(
-        [sys.executable, "-c", _GPT_SCRIPT, args, str(tmp_path / "pg_store")],
+    proc = helpers_fork.run(
+        ["-c", _GPT_SCRIPT, args, str(tmp_path / "pg_store")],
         capture_output=True,
         text=True,
         timeout=240,

@@ -5,11 +5,10 @@ and the names and shapes of a real megatron-core GPTModel built with MoE layers 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import torch
 from test_megatron_convert import _GPT_SCRIPT, REPO, _bitwise_equal
@@ -164,10 +163,13 @@ def test_names_match_a_real_megatron_gpt_model_with_moe_layers(family: str, tmp_
     save_file(hf, tmp_path / "hf.safetensors")
     fields = {f: getattr(shape, f) for f in shape.__slots__}
     args = json.dumps({"shape": fields, "hf": str(tmp_path / "hf.safetensors")})
-    proc = subprocess.run(
-        [sys.executable, "-c", _GPT_SCRIPT, args, str(tmp_path / "pg_store")],
-        capture_output=True, text=True, timeout=240, cwd=REPO,
-    )  # fmt: skip
+    proc = helpers_fork.run(
+        ["-c", _GPT_SCRIPT, args, str(tmp_path / "pg_store")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     expected = {k: list(v.shape) for k, v in hf_to_mcore(hf, shape).items()}
@@ -180,10 +182,9 @@ def test_names_match_a_real_megatron_gpt_model_with_moe_layers(family: str, tmp_
 def _megatron_report(script: str, tmp_path: Path) -> dict:
     """The last stdout line (JSON) of `script` run with megatron-core on one gloo rank (a file store)."""
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "pg_store")],
-        capture_output=True, text=True, timeout=240, cwd=REPO,
-    )  # fmt: skip
+    proc = helpers_fork.run(
+        ["-c", script, str(tmp_path / "pg_store")], capture_output=True, text=True, timeout=240, cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -26,7 +26,6 @@ resumes bitwise as before. Without the parameter state the resumed weights diffe
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import sys
 import traceback
 from datetime import timedelta
@@ -34,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import helpers_fork
 import pytest
 import torch
 import torch.distributed as dist
@@ -461,7 +461,7 @@ def _dp_rank(rank: int, tmp: str, answers: Any) -> None:
 
 def spawn_ranks(target: Any, world: int, tmp: Path, timeout_s: float) -> dict[int, dict[str, Any]]:
     """`target(rank, str(tmp), answers)` in `world` spawned processes; each rank's report (a traceback fails)."""
-    ctx = mp.get_context("spawn")
+    ctx = helpers_fork.context()  # forked with megatron-core imported (spawn's on a GPU machine)
     answers = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, str(tmp), answers), daemon=True) for r in range(world)]
     for proc in procs:

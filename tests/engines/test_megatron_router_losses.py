@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import helpers_fork
 import pytest
 from test_megatron_convert_moe import _megatron_report
 
@@ -212,14 +213,12 @@ def test_megatron_moe_train_step_equals_the_torch_engines(tmp_path: Path, budget
     weights and batch (router, experts, attention; within 1e-5, float32) with c_lb the checkpoint's 0.2 and
     c_z 0.01, and records the torch engine's router statistics and loss (router terms included); in one
     micro-batch and in several (1.2e-7 measured)."""
-    import subprocess
-    import sys
 
     from test_megatron_convert_moe import REPO
 
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-c", _STEP_SCRIPT, str(tmp_path / "pg"), str(tmp_path / "ckpt"), str(budget)],
+    proc = helpers_fork.run(
+        ["-c", _STEP_SCRIPT, str(tmp_path / "pg"), str(tmp_path / "ckpt"), str(budget)],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

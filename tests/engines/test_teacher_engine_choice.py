@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import helpers_fork
 import pytest
 import torch
 import yaml
@@ -406,9 +407,8 @@ def test_megatron_score_at_tp2_in_two_gloo_ranks(
     want_whole = engine.topk(batch, 1000)
     _, ref_top = reference.score(batch, 4)
     procs = [
-        subprocess.Popen(
+        helpers_fork.popen(
             [
-                sys.executable,
                 "-c",
                 _TP2_SCORE,
                 str(r),

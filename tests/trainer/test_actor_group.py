@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import actor_group_prog as prog
+import helpers_fork
 import pytest
 from helpers_ports import free_port
 
@@ -40,7 +40,6 @@ def run_world(
     procs = []
     for rank in reversed(range(world)):  # the followers first: they wait for the rendezvous record
         argv = [
-            sys.executable,
             str(HERE / "actor_group_prog.py"),
             scenario,
             "--rank",
@@ -51,7 +50,7 @@ def run_world(
         argv += ["--run-dir", str(tmp_path), "--port", str(port), "--timeout-s", str(timeout_s)]
         argv += ["--busy-s", str(busy_s)]
         log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
-        procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(helpers_fork.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
     if kill_after_s:
         assert wait_for_any(tmp_path, 120)
         time.sleep(kill_after_s)

@@ -18,10 +18,10 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import yaml
 from helpers_auth import TOKEN, write_run_dir_token
@@ -101,8 +101,8 @@ def start_role(
         **env,
     )
     log = open(run_dir / f"{role}-{index}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
-    return subprocess.Popen(
-        [sys.executable, "-m", module], env=child_env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT
+    return helpers_fork.popen(
+        ["-m", module], env=child_env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT
     )
 
 
