@@ -14,9 +14,9 @@ TORCH_SPEC ?= torch==2.13.0
 DEBIAN_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server iproute2 procps tmux
 RUN_CONFIG ?= configs/local_cpu.yaml
 PYTEST_ARGS ?=
-# Parallel test workers (pytest-xdist). The pass is CPU-bound on 2 cores (mostly the imports of the job children:
-# every process runs torch on one thread, tests/conftest.py), so workers beyond the cores only overlap the tests'
-# waits on subprocesses and sockets; the longest work goes first (tests/durations.json, tools/test_durations.py).
+# Parallel test workers (pytest-xdist). The pass is CPU-bound on 2 cores (every process runs torch on one thread,
+# tests/conftest.py; a job's children fork from its guard's fork server, the tests' own programs from the worker's:
+# tests/helpers_fork.py), so workers beyond the cores only overlap the tests' waits on subprocesses and sockets; the longest work goes first (tests/durations.json, tools/test_durations.py).
 # The Slurm-marked tests run after, in one process. PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 4
 

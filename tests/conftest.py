@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from filelock import FileLock
+from helpers_fork import forked_cpu_s
 
 if TYPE_CHECKING:
     from helpers_jobs import PlainRun
@@ -283,8 +284,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         default=None,
         help="append a JSON line per test to PATH: its wall seconds, this process's CPU seconds and the CPU seconds "
-        "of the processes it started and waited for (a job's guard and, through it, the job's children): where a "
-        "run's CPU goes (README, Tests: Time)",
+        "of the processes it started and waited for (a job's guard and, through it, the job's children) or forked "
+        "from the worker's fork server (tests/helpers_fork.py): where a run's CPU goes (README, Tests: Time)",
     )
 
 
@@ -297,18 +298,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if not path:
         yield
         return
-    wall, own, kids = (
+    wall, own, kids, forked = (
         time.monotonic(),
         resource.getrusage(resource.RUSAGE_SELF),
         resource.getrusage(resource.RUSAGE_CHILDREN),
+        forked_cpu_s(),
     )
     yield
     own2, kids2 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    children = kids2.ru_utime + kids2.ru_stime - kids.ru_utime - kids.ru_stime + forked_cpu_s() - forked
     line = {
         "nodeid": item.nodeid,
         "wall_s": round(time.monotonic() - wall, 3),
         "self_cpu_s": round(own2.ru_utime + own2.ru_stime - own.ru_utime - own.ru_stime, 3),
-        "children_cpu_s": round(kids2.ru_utime + kids2.ru_stime - kids.ru_utime - kids.ru_stime, 3),
+        "children_cpu_s": round(children, 3),
     }
     with open(path, "a", encoding="utf-8") as log:
         log.write(json.dumps(line) + "\n")

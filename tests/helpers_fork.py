@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import runpy
 import signal
@@ -65,6 +66,21 @@ def context() -> Any:
     return _context
 
 
+def forked_cpu_s() -> float:
+    """CPU seconds of this worker's fork server and the processes it forked and reaped (0 before it starts): the
+    tests' `--cpu-log` adds them, as they are nobody's waited-for children here."""
+    import psutil
+
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if _context is None or pid is None:
+        return 0.0
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _redirect(fd: int, target: str | None) -> None:
     if target is None:
         return
@@ -77,11 +93,18 @@ def _redirect(fd: int, target: str | None) -> None:
 
 
 def _main(
-    args: list[str], cwd: str | None, env: dict[str, str] | None, out: str | None, err: str | None
+    args: list[str],
+    cwd: str | None,
+    env: dict[str, str] | None,
+    out: str | None,
+    err: str | None,
+    session: bool,
 ) -> None:
     """In the forked process: become `python *args` (module docstring)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if session:
+        os.setsid()
     _redirect(1, out)
     _redirect(2, err)
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -176,21 +199,24 @@ def popen(
     stdout: IO[Any] | int | None = None,
     stderr: IO[Any] | int | None = None,
     text: bool = False,
+    start_new_session: bool = False,
 ) -> ForkedPython:
     """`subprocess.Popen([sys.executable, *args], ...)`, forked from this worker's fork server (module docstring).
     `stdout`/`stderr`: None (this process's), PIPE (read back by `communicate`), STDOUT (stderr only), DEVNULL,
-    or an open file (appended to)."""
+    or an open file (appended to). `start_new_session`: the program leads a session (and group) of its own."""
     if on_gpu_machine():
-        return subprocess.Popen(
-            [sys.executable, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text
-        )  # type: ignore[return-value]
+        return subprocess.Popen(  # type: ignore[return-value]
+            [sys.executable, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
+            start_new_session=start_new_session,
+        )  # fmt: skip
     tmp = tempfile.TemporaryDirectory(prefix="forked-")
     pipes: dict[str, Path] = {}
     out = _target(stdout, "stdout", pipes, tmp.name)
     err = _target(stderr, "stderr", pipes, tmp.name)
+    where = None if cwd is None else str(cwd)
     process = context().Process(
         target=_main,
-        args=(list(args), None if cwd is None else str(cwd), None if env is None else dict(env), out, err),
+        args=(list(args), where, None if env is None else dict(env), out, err, start_new_session),
     )
     process.start()
     return ForkedPython(process, pipes, text, tmp)

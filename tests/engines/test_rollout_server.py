@@ -11,12 +11,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import torch
 from helpers_auth import AUTH, TOKEN, write_token_file
@@ -43,12 +43,12 @@ def start_server(model: Path, tmp: Path, *extra: str) -> tuple[subprocess.Popen,
     """Start the server on a free port (token: helpers_auth.TOKEN); wait for its ready file. Returns (process,
     url, ready file)."""
     port, ready = free_port(), tmp / "ready.json"
-    cmd = [sys.executable, "-m", "mopd_hpc.engines.rollout.hf_server", "--model", str(model)]
+    cmd = ["-m", "mopd_hpc.engines.rollout.hf_server", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--ready-file", str(ready), "--num-threads", "1"]
     cmd += ["--token-file", str(write_token_file(tmp / "token"))]
     cmd += list(extra)
     log = open(tmp / "server.log", "wb")  # noqa: SIM115 - the server writes it until teardown
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = helpers_fork.popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 90
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -25,10 +25,10 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import torch
 import yaml
@@ -107,8 +107,8 @@ class Replica:
         assert [e[child_env.WORLD_SIZE] for e in self.envs] == [str(tensor_parallel)] * tensor_parallel
         self.logs = [self.run_dir / f"teacher-{r}.err" for r in range(tensor_parallel)]
         self.procs = [
-            subprocess.Popen(
-                [sys.executable, str(PROG)],
+            helpers_fork.popen(
+                [str(PROG)],
                 env=env,
                 cwd=self.run_dir,
                 stdout=subprocess.DEVNULL,

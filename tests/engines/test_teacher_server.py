@@ -13,11 +13,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
+import helpers_fork
 import pytest
 import torch
 from helpers_auth import AUTH, TOKEN, write_run_dir_token
@@ -79,8 +79,8 @@ def server(tmp_path_factory):
     }
     log_path = root / "teacher.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mopd_hpc.roles.teacher", "--num-threads", "1"],
+        proc = helpers_fork.popen(
+            ["-m", "mopd_hpc.roles.teacher", "--num-threads", "1"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

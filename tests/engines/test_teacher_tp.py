@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import torch
 from helpers_auth import TOKEN
@@ -48,8 +48,8 @@ def batches() -> list[tuple[list[list[int]], list[int], int | None]]:
 def test_leader_broadcasts_and_followers_run_the_same_forward(tmp_path: Path) -> None:
     port = free_port()
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(PROG), str(tmp_path), str(r), str(WORLD), str(port), TOKEN],
+        helpers_fork.popen(
+            [str(PROG), str(tmp_path), str(r), str(WORLD), str(port), TOKEN],
             stdout=(tmp_path / f"rank{r}.log").open("wb"),
             stderr=subprocess.STDOUT,
         )

@@ -135,14 +135,18 @@ def serve(sock: socket.socket) -> SpawnOrder | None:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             for fd in fds:
                 os.close(fd)
-            _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
-            continue
-        if pid is None:
-            sock.close()
-            return order
-        for fd in order.fds:
-            os.close(fd)
-        _send(sock, {"pid": pid})
+            reply: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}"}
+        else:
+            if pid is None:
+                sock.close()
+                return order
+            for fd in order.fds:
+                os.close(fd)
+            reply = {"pid": pid}
+        try:
+            _send(sock, reply)
+        except OSError:  # the guard is gone: its children are its keeper's to clean up
+            return None
 
 
 def become(order: SpawnOrder, guard_pid: int, pdeath_signal: int) -> None:
@@ -187,7 +191,10 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
     guard_pid, pdeath_signal = int(argv[2]), int(argv[3])
     loaded = preload(argv[4:])
-    _send(sock, {"ready": True, "threads": _thread_count(), "preloaded": loaded})
+    try:
+        _send(sock, {"ready": True, "threads": _thread_count(), "preloaded": loaded})
+    except OSError:  # the guard closed its end while this imported (its teardown): nothing to serve
+        os._exit(0)
     order = serve(sock)
     if order is None:  # EOF: the guard is done with it; nothing to flush or finalize
         os._exit(0)
