@@ -6,8 +6,9 @@ transformers' Qwen3 3.4 s more, megatron-core 4.7 s on the 2-core CI machine); f
 runs is the same: `python -c CODE ARGS`, `python -m MODULE ARGS` or `python SCRIPT ARGS` as `__main__`, with the
 environment, working directory and output files asked, its exit status that of the program (SystemExit's code, 1
 after an uncaught exception, -N after signal N). What differs from an interpreter of its own: the preloaded
-modules were imported with the pytest worker's environment (a program that sets a variable to change what an
-import reads must not be run this way), and the interpreter exits without running atexit handlers
+modules were imported with the fork server's environment (this worker's when it started), so a program whose
+environment differs from it on any key but `MOPD_*`, PYTHONPATH (prepended to sys.path) and `RUNTIME_KEYS` is a
+new interpreter as before (`forkable`); and the interpreter exits without running atexit handlers
 (multiprocessing's `os._exit`, after flushing stdout and stderr). On a machine with a GPU (`GPU_DEVICE_FILES`)
 the programs are new interpreters as before and `context()` is spawn's: the CUDA driver is not fork-safe, and an
 import may initialize it.
@@ -43,10 +44,17 @@ PRELOAD = [
     "megatron.core.models.gpt",
     "megatron.core.distributed",
     "megatron.core.transformer.moe.router",
+    "pydantic",
+    "yaml",
+    "reasoning_gym",
+    "mopd_hpc.config",
 ]
 #: Device files of a machine with GPUs (as runtime/guard/fork_server.py's).
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
+#: Keys a program's environment may change and still fork: read when used, by no preloaded module at import.
+RUNTIME_KEYS = frozenset({"PYTHONPATH", "COLUMNS", "LINES", "TERM", "PYTEST_CURRENT_TEST"})
 _context: Any = None
+_server_env: dict[str, str] = {}
 
 
 def on_gpu_machine() -> bool:
@@ -64,6 +72,23 @@ def context() -> Any:
             ctx.set_forkserver_preload(PRELOAD)
             _context = ctx
     return _context
+
+
+def _import_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith("MOPD_") and k not in RUNTIME_KEYS}
+
+
+def forkable(env: Mapping[str, str]) -> bool:
+    """Whether a program with environment `env` may fork from the fork server (started here if not yet)."""
+    if on_gpu_machine():
+        return False
+    if not _server_env:
+        import psutil
+
+        context()
+        multiprocessing.forkserver.ensure_running()
+        _server_env.update(psutil.Process(multiprocessing.forkserver._forkserver._forkserver_pid).environ())
+    return _import_env(env) == _import_env(_server_env)
 
 
 def forked_cpu_s() -> float:
@@ -95,7 +120,7 @@ def _redirect(fd: int, target: str | None) -> None:
 def _main(
     args: list[str],
     cwd: str | None,
-    env: dict[str, str] | None,
+    env: dict[str, str],
     out: str | None,
     err: str | None,
     session: bool,
@@ -111,10 +136,9 @@ def _main(
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     if cwd is not None:
         os.chdir(cwd)
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-        sys.path[0:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[0:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if args[0] == "-c":
         sys.argv = ["-c", *args[2:]]
         sys.path.insert(0, os.getcwd())
@@ -204,7 +228,8 @@ def popen(
     """`subprocess.Popen([sys.executable, *args], ...)`, forked from this worker's fork server (module docstring).
     `stdout`/`stderr`: None (this process's), PIPE (read back by `communicate`), STDOUT (stderr only), DEVNULL,
     or an open file (appended to). `start_new_session`: the program leads a session (and group) of its own."""
-    if on_gpu_machine():
+    env = dict(os.environ if env is None else env)
+    if not forkable(env):
         return subprocess.Popen(  # type: ignore[return-value]
             [sys.executable, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
             start_new_session=start_new_session,
@@ -214,10 +239,7 @@ def popen(
     out = _target(stdout, "stdout", pipes, tmp.name)
     err = _target(stderr, "stderr", pipes, tmp.name)
     where = None if cwd is None else str(cwd)
-    process = context().Process(
-        target=_main,
-        args=(list(args), where, None if env is None else dict(env), out, err, start_new_session),
-    )
+    process = context().Process(target=_main, args=(list(args), where, env, out, err, start_new_session))
     process.start()
     return ForkedPython(process, pipes, text, tmp)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import yaml
 from helpers_configs import set_dotted
@@ -27,10 +27,14 @@ def mopd_submit(*args: str | Path, hub_cache: Path | None = None) -> subprocess.
     env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}
     if hub_cache is not None:
         env |= {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", *map(str, args)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    return helpers_fork.run(
+        ["-m", "mopd_hpc.cli.submit", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_check_refuses_what_has_not_run_on_gpus_naming_the_opt_in() -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import yaml
 from helpers_models import hub_cache_for
@@ -30,14 +31,13 @@ def mopd_submit(*args: str | Path, hub_cache: Path | None = None) -> subprocess.
     env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
     if hub_cache is not None:
         env |= {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", *map(str, args)],
+    return helpers_fork.run(
+        ["-m", "mopd_hpc.cli.submit", *map(str, args)],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
-        check=False,
     )
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import helpers_fork
 import pytest
 from helpers_models import QWEN3_0_6B, QWEN3_1_7B, write_stub_checkpoint
 
@@ -238,10 +238,9 @@ def test_constants_follow_the_engines_defaults() -> None:
 def mopd_submit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MOPD_"))}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run(
-        [sys.executable, "-m", "mopd_hpc.cli.submit", *args], capture_output=True, text=True, timeout=120,
-        cwd=cwd, env=env, check=False,
-    )  # fmt: skip
+    return helpers_fork.run(
+        ["-m", "mopd_hpc.cli.submit", *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
+    )
 
 
 #: A step whose rollout KV cache outgrows an 80 GiB card: 256 × 4 rows × (64 + 2,048) slots on one engine.
