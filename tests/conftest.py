@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from filelock import FileLock
-from helpers_fork import forked_cpu_s
+from helpers_fork import forked_cpu_s, remember_environment, started
 
 if TYPE_CHECKING:
     from helpers_jobs import PlainRun
@@ -298,6 +298,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if not path:
         yield
         return
+    counts = {name: len(runs) for name, runs in started.items()}
     wall, own, kids, forked = (
         time.monotonic(),
         resource.getrusage(resource.RUSAGE_SELF),
@@ -312,6 +313,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         "wall_s": round(time.monotonic() - wall, 3),
         "self_cpu_s": round(own2.ru_utime + own2.ru_stime - own.ru_utime - own.ru_stime, 3),
         "children_cpu_s": round(children, 3),
+        "programs_forked": len(started["forked"]) - counts["forked"],
+        "programs_new": [keys for keys in started["new"][counts["new"] :]],
     }
     with open(path, "a", encoding="utf-8") as log:
         log.write(json.dumps(line) + "\n")
@@ -327,6 +330,7 @@ def pytest_configure(config: pytest.Config) -> None:
     micro student 18× the CPU). xdist's default re-sorts the work units by their number of tests; collection
     puts the longest first instead (``pytest_collection_modifyitems``)."""
     os.environ.setdefault(OMP_THREADS, "1")
+    remember_environment()  # the tests' fork server starts with this environment (tests/helpers_fork.py)
     if getattr(config.option, "dist", "no") == "loadgroup":
         config.option.loadscopereorder = False
 

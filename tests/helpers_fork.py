@@ -52,9 +52,23 @@ PRELOAD = [
 #: Device files of a machine with GPUs (as runtime/guard/fork_server.py's).
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
 #: Keys a program's environment may change and still fork: read when used, by no preloaded module at import.
-RUNTIME_KEYS = frozenset({"PYTHONPATH", "COLUMNS", "LINES", "TERM", "PYTEST_CURRENT_TEST"})
+RUNTIME_KEYS = frozenset(
+    {"PYTHONPATH", "COLUMNS", "LINES", "TERM", "PYTEST_CURRENT_TEST", "PYTORCH_CUDA_ALLOC_CONF"}
+)
 _context: Any = None
 _server_env: dict[str, str] = {}
+_set_by_import: set[str] = set()
+#: Programs started by `popen` in this worker: forked, and new interpreters with the keys that made them so.
+started: dict[str, list[Any]] = {"forked": [], "new": []}
+#: The environment the fork server starts with: this worker's once configured (`remember_environment`), not
+#: whatever a test that happens to start it has set meanwhile.
+_pristine: dict[str, str] = {}
+
+
+def remember_environment() -> None:
+    """Keep this process's environment as the fork server's (tests/conftest.py, once the session is set up)."""
+    _pristine.clear()
+    _pristine.update(os.environ)
 
 
 def on_gpu_machine() -> bool:
@@ -70,12 +84,28 @@ def context() -> Any:
         else:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(PRELOAD)
+            saved = dict(os.environ)
+            os.environ.clear()
+            os.environ.update(_pristine or saved)
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
             _context = ctx
     return _context
 
 
 def _import_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if not k.startswith("MOPD_") and k not in RUNTIME_KEYS}
+    """`env` less the keys no preloaded import reads: `MOPD_*`, RUNTIME_KEYS, and those the imports set themselves
+    (torch's inductor cache directory, megatron's allocator setting: set here too once this worker imports them)."""
+    skip = RUNTIME_KEYS | _set_by_import
+    return {k: v for k, v in env.items() if not k.startswith("MOPD_") and k not in skip}
+
+
+def _environ(answer: Any) -> None:
+    """In a forked process: its environment as the fork server's imports left it."""
+    answer.put(dict(os.environ))
 
 
 def forkable(env: Mapping[str, str]) -> bool:
@@ -86,8 +116,16 @@ def forkable(env: Mapping[str, str]) -> bool:
         import psutil
 
         context()
-        multiprocessing.forkserver.ensure_running()
+        ctx = context()
+        answer = ctx.SimpleQueue()
+        probe = ctx.Process(target=_environ, args=(answer,))
+        probe.start()
+        after = answer.get()
+        probe.join()
         _server_env.update(psutil.Process(multiprocessing.forkserver._forkserver._forkserver_pid).environ())
+        _set_by_import.update(
+            k for k in after.keys() | _server_env.keys() if after.get(k) != _server_env.get(k)
+        )
     return _import_env(env) == _import_env(_server_env)
 
 
@@ -230,6 +268,8 @@ def popen(
     or an open file (appended to). `start_new_session`: the program leads a session (and group) of its own."""
     env = dict(os.environ if env is None else env)
     if not forkable(env):
+        theirs, ours = _import_env(env), _import_env(_server_env)
+        started["new"].append(sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k)))
         return subprocess.Popen(  # type: ignore[return-value]
             [sys.executable, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
             start_new_session=start_new_session,
@@ -241,6 +281,7 @@ def popen(
     where = None if cwd is None else str(cwd)
     process = context().Process(target=_main, args=(list(args), where, env, out, err, start_new_session))
     process.start()
+    started["forked"].append(args[0] if args[0] in ("-c", "-m") else "script")
     return ForkedPython(process, pipes, text, tmp)
 
 

@@ -3,15 +3,14 @@ config AWEX colocate mode cannot serve is rejected at validation (config/weight_
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-import helpers_fork
 import pytest
 import yaml
 from helpers_configs import set_dotted
 from helpers_models import hub_cache_for
+from test_cli_check import mopd_submit as cli_check_submit
 
 from mopd_hpc.config import RunConfig
 from mopd_hpc.config.problems import ConfigError
@@ -23,18 +22,8 @@ CONFIG = REPO / "configs" / "qwen3_8gpu_colocated.yaml"
 
 
 def mopd_submit(*args: str | Path, hub_cache: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`mopd-submit` in a child process; `hub_cache`: the Hugging Face hub cache it reads (offline)."""
-    env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}
-    if hub_cache is not None:
-        env |= {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    return helpers_fork.run(
-        ["-m", "mopd_hpc.cli.submit", *map(str, args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """`mopd-submit` in a child process on a 200-column terminal; `hub_cache`: the hub cache it reads (offline)."""
+    return cli_check_submit(*args, hub_cache=hub_cache, columns=200)
 
 
 def test_check_refuses_what_has_not_run_on_gpus_naming_the_opt_in() -> None:

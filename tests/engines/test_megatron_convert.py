@@ -31,6 +31,21 @@ from mopd_hpc.engines.megatron.convert import (
 REPO = Path(__file__).resolve().parents[2]
 
 
+def megatron_report(script: str, tmp_path: Path, *args: str) -> dict:
+    """The last stdout line (JSON) of `python -c script *args STORE`: megatron-core on one gloo rank (a file store
+    under `tmp_path`); the assertion carries the stderr tail."""
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    proc = helpers_fork.run(
+        ["-c", script, *args, str(tmp_path / "pg_store")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def micro_qwen3(tie: bool, dtype: torch.dtype = torch.float32, seed: int = 0) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen3Config(
@@ -206,15 +221,7 @@ def test_names_match_a_real_megatron_gpt_model(tie: bool, tmp_path: Path) -> Non
     save_file(hf, tmp_path / "hf.safetensors")
     fields = {f: getattr(shape, f) for f in shape.__slots__}
     args = json.dumps({"shape": fields, "hf": str(tmp_path / "hf.safetensors")})
-    proc = helpers_fork.run(
-        ["-c", _GPT_SCRIPT, args, str(tmp_path / "pg_store")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = megatron_report(_GPT_SCRIPT, tmp_path, args)
     expected = {k: list(v.shape) for k, v in hf_to_mcore(model.state_dict(), shape).items()}
     assert report["names"] == expected
     assert report["same"] is True

@@ -8,10 +8,9 @@ import json
 import textwrap
 from pathlib import Path
 
-import helpers_fork
 import pytest
 import torch
-from test_megatron_convert import _GPT_SCRIPT, REPO, _bitwise_equal
+from test_megatron_convert import _GPT_SCRIPT, _bitwise_equal, megatron_report
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from mopd_hpc.engines.megatron.convert import (
@@ -163,30 +162,12 @@ def test_names_match_a_real_megatron_gpt_model_with_moe_layers(family: str, tmp_
     save_file(hf, tmp_path / "hf.safetensors")
     fields = {f: getattr(shape, f) for f in shape.__slots__}
     args = json.dumps({"shape": fields, "hf": str(tmp_path / "hf.safetensors")})
-    proc = helpers_fork.run(
-        ["-c", _GPT_SCRIPT, args, str(tmp_path / "pg_store")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = megatron_report(_GPT_SCRIPT, tmp_path, args)
     expected = {k: list(v.shape) for k, v in hf_to_mcore(hf, shape).items()}
     assert report["names"] == expected
     assert report["same"] is True
     if family != "llama":
         assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in report["names"]
-
-
-def _megatron_report(script: str, tmp_path: Path) -> dict:
-    """The last stdout line (JSON) of `script` run with megatron-core on one gloo rank (a file store)."""
-    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
-    proc = helpers_fork.run(
-        ["-c", script, str(tmp_path / "pg_store")], capture_output=True, text=True, timeout=240, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 _MOE_LAYER_SCRIPT = textwrap.dedent(
@@ -236,7 +217,7 @@ def test_megatron_moe_layer_equals_transformers_sparse_moe_block(tmp_path: Path)
     outputs of ~1e-2), with norm_topk_prob true (top k, then softmax over the k) and false (softmax over all
     E, then top k): routing and expert math agree on CPU. The router's gating (a CUDA move, then the same
     linear) is replaced by the linear; the whole model on a GPU: tests/engines/test_megatron_moe_gpu.py."""
-    report = _megatron_report(_MOE_LAYER_SCRIPT, tmp_path)
+    report = megatron_report(_MOE_LAYER_SCRIPT, tmp_path)
     assert report["True"]["pre_softmax"] is False and report["False"]["pre_softmax"] is True
     for r in report.values():
         assert r["err"] < 1e-6 and r["scale"] > 1e-3, report
@@ -281,7 +262,7 @@ def test_llama3_rope_scaling_gives_transformers_frequencies(tmp_path: Path) -> N
     """A Llama 3.x config.json's llama3 RoPE scaling reaches megatron's GPTModel (`engines/megatron/rope.py`):
     its rotary inverse frequencies equal transformers' `LlamaRotaryEmbedding` (relative 1e-6) at factor 8
     (3.1/3.3) and 32 (3.2); without the scaling they would differ by the factor (the low frequencies)."""
-    report = _megatron_report(_ROPE_SCRIPT, tmp_path)
+    report = megatron_report(_ROPE_SCRIPT, tmp_path)
     for factor, r in report.items():
         assert r["err"] < 1e-6, report
         assert r["unscaled_err"] > 0.5 * (float(factor) - 1) / float(factor), report

@@ -25,10 +25,12 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
-def mopd_submit(*args: str | Path, hub_cache: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the console entry point in a child process (the module form: no dependence on PATH); `hub_cache`:
-    the Hugging Face hub cache it reads (HF_HUB_CACHE, offline)."""
-    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+def mopd_submit(
+    *args: str | Path, hub_cache: Path | None = None, columns: int = 80
+) -> subprocess.CompletedProcess[str]:
+    """Run the console entry point in a child process (the module form: no dependence on PATH) on a terminal of
+    `columns`; `hub_cache`: the Hugging Face hub cache it reads (HF_HUB_CACHE, offline)."""
+    env = {**os.environ, "COLUMNS": str(columns), "TERM": "dumb"}
     if hub_cache is not None:
         env |= {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
     return helpers_fork.run(

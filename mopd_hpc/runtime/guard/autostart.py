@@ -120,7 +120,7 @@ async def run_plan(guard: Guard, assignment: NodeAssignment, visible: Sequence[s
         node_index=assignment.node_index,
         backend=assignment.backend,
     )
-    await guard.children.prepare_fork({spec.role for spec in assignment.children})
+    await guard.children.forks.prepare({spec.role for spec in assignment.children})
     for spec in assignment.children:
         try:
             module = guard.config.roles.module_for(spec.role)

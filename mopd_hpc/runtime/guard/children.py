@@ -49,7 +49,7 @@ from mopd_hpc.records.run_dir import child_log_paths
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.guard import env_policy, proctree
 from mopd_hpc.runtime.guard.events import EventLog
-from mopd_hpc.runtime.guard.fork_server import ForkedProcess, ForkServer, ForkServerError, fork_refusal
+from mopd_hpc.runtime.guard.fork_server import ForkedProcess, GuardForks
 from mopd_hpc.runtime.guard.spawn_env import build_child_env
 from mopd_hpc.runtime.ports import PortLease
 from mopd_hpc.runtime.signals import (
@@ -147,58 +147,19 @@ class ChildSupervisor:
         `fork_roles`: roles whose children fork from a fork server that imported `preload`
         (runtime/guard/fork_server.py; empty: every child is exec'ed)."""
         self.site_env_keys = frozenset(site_env_keys)
-        self.fork_roles = frozenset(fork_roles)
-        self.preload = tuple(preload)
-        self.fork_server: ForkServer | None = None
         self.run_dir = Path(run_dir)
         self.host = host
         self.node_addr = node_addr
         self.job_id = job_id
         self.events = events
         self.base_env = dict(base_env)
+        job = {child_env.JOB_ID: job_id, child_env.RUN_DIR: str(self.run_dir), child_env.HOST: host}
+        zygote_env = build_child_env(
+            base_env, {}, {**job, child_env.NODE_ADDR: node_addr}, None, {}, site_env_keys
+        )
+        self.forks = GuardForks(fork_roles, preload, zygote_env, self.run_dir, events)
         self._generations: dict[tuple[str, int], list[Child]] = {}
         self._reaper: asyncio.Task[None] | None = None
-
-    async def prepare_fork(self, roles: Collection[str]) -> None:
-        """Before spawning `roles`: when one is a fork role, start the fork server (once, where the guard can
-        fork: fork_server.fork_refusal) and wait for its imports. A server that cannot start leaves every
-        spawn to exec."""
-        if self.fork_server is None:
-            if not self.fork_roles.intersection(roles):
-                return
-            if (why := fork_refusal()) is not None:
-                self.fork_roles = frozenset()  # said once; every spawn execs
-                self.events.emit("fork_server_off", reason=why)
-                return
-            identity = {
-                child_env.JOB_ID: self.job_id,
-                child_env.RUN_DIR: str(self.run_dir),
-                child_env.HOST: self.host,
-                child_env.NODE_ADDR: self.node_addr,
-            }
-            env = build_child_env(self.base_env, {}, identity, None, {}, self.site_env_keys)
-            self.fork_server = ForkServer(env, self.run_dir, self.preload)
-            try:
-                self.fork_server.start()
-            except OSError as exc:
-                self.events.emit("fork_server_failed", error=f"{type(exc).__name__}: {exc}")
-                return
-        if await self.fork_server.ready():
-            if not self.fork_server.info.get("announced"):
-                self.fork_server.info["announced"] = True
-                info = self.fork_server.info
-                self.events.emit(
-                    "fork_server_ready",
-                    pid=self.fork_server.pid,
-                    seconds=info.get("seconds"),
-                    threads=info.get("threads"),
-                    preloaded=info.get("preloaded"),
-                )
-
-    def close_fork_server(self, wait_s: float = 5.0) -> None:
-        """Stop the fork server (its children live on: they are the guard's). Safe to call many times."""
-        if self.fork_server is not None:
-            self.fork_server.close(wait_s)
 
     def next_generation(self, role: str, index: int) -> int:
         """The generation the next spawn of (role, index) gets (1 for the first)."""
@@ -242,7 +203,7 @@ class ChildSupervisor:
         out_path, err_path = child_log_paths(self.run_dir, self.host, role, index, generation)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         fds = sorted(lease.fd for lease in ports.values())
-        popen = self._fork(role, module, env, out_path, err_path, fds)
+        popen = self.forks.fork(role, module, env, out_path, err_path, fds)
         if popen is None:
             argv = [sys.executable, "-S", str(PDEATH_EXEC), str(os.getpid()), str(int(PARENT_DEATH_SIGNAL))]
             argv += [sys.executable, "-m", module]
@@ -299,19 +260,6 @@ class ChildSupervisor:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_adopted_forever())
         return child
 
-    def _fork(
-        self, role: str, module: str, env: Mapping[str, str], out: Path, err: Path, fds: list[int]
-    ) -> ForkedProcess | None:
-        """The child forked by the fork server, or None when it is to be exec'ed (fork_server.py)."""
-        server = self.fork_server
-        if role not in self.fork_roles or server is None or not server.accepts(env):
-            return None
-        try:
-            return server.spawn(module, env, self.run_dir, out, err, fds)
-        except ForkServerError as exc:
-            self.events.emit("fork_server_failed", role=role, error=str(exc))
-            return None
-
     async def _reap_adopted_forever(self) -> None:
         while True:
             await asyncio.sleep(_REAP_S)
@@ -319,10 +267,7 @@ class ChildSupervisor:
 
     def _popen_pids(self) -> set[int]:
         """The guard's own children: every spawned generation, and the fork server."""
-        pids = {c.pid for c in self.all()}
-        if self.fork_server is not None and self.fork_server.pid is not None:
-            pids.add(self.fork_server.pid)
-        return pids
+        return {c.pid for c in self.all()} | ({self.forks.pid} if self.forks.pid is not None else set())
 
     def job_tag(self) -> dict[str, str]:
         """What every child of this guard, and every descendant of one, carries in its environment."""

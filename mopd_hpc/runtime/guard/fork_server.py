@@ -25,13 +25,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mopd_hpc.runtime import child_env
 from mopd_hpc.runtime.guard import zygote
+from mopd_hpc.runtime.guard.events import EventLog
 from mopd_hpc.runtime.signals import PARENT_DEATH_SIGNAL
 
 #: What the zygote imports: what the actor, teacher and rollout entry points all import (measured with
@@ -226,3 +227,68 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait()
+
+
+class GuardForks:
+    """Which of a guard's spawns fork, and from what: its fork roles, its fork server (started at the first spawn
+    of a fork role), and the events that say so (`fork_server_ready`, `fork_server_off`, `fork_server_failed`).
+    Methods run on the guard's event-loop thread."""
+
+    def __init__(
+        self,
+        roles: Collection[str],
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        events: EventLog,
+    ) -> None:
+        """`env`: the fork server's environment (the guard's children's, less what differs between them)."""
+        self.roles = frozenset(roles)
+        self.preload = tuple(preload)
+        self.env = dict(env)
+        self.cwd = Path(cwd)
+        self.events = events
+        self.server: ForkServer | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid if self.server is not None else None
+
+    async def prepare(self, roles: Collection[str]) -> None:
+        """Before spawning `roles`: when one is a fork role, start the fork server (once, where the guard can
+        fork: `fork_refusal`) and wait for its imports. A server that cannot start leaves every spawn to exec."""
+        if self.server is None:
+            if not self.roles.intersection(roles):
+                return
+            if (why := fork_refusal()) is not None:
+                self.roles = frozenset()  # said once: every spawn execs
+                self.events.emit("fork_server_off", reason=why)
+                return
+            self.server = ForkServer(self.env, self.cwd, self.preload)
+            try:
+                self.server.start()
+            except OSError as exc:
+                self.events.emit("fork_server_failed", error=f"{type(exc).__name__}: {exc}")
+                return
+        if await self.server.ready() and not self.server.info.get("announced"):
+            info = self.server.info
+            info["announced"] = True
+            fields = {k: info.get(k) for k in ("seconds", "threads", "preloaded")}
+            self.events.emit("fork_server_ready", pid=self.server.pid, **fields)
+
+    def fork(
+        self, role: str, module: str, env: Mapping[str, str], out: Path, err: Path, fds: Sequence[int]
+    ) -> ForkedProcess | None:
+        """The child of `role` forked by the fork server, or None when it is to be exec'ed (module docstring)."""
+        if role not in self.roles or self.server is None or not self.server.accepts(env):
+            return None
+        try:
+            return self.server.spawn(module, env, self.cwd, out, err, fds)
+        except ForkServerError as exc:
+            self.events.emit("fork_server_failed", role=role, error=str(exc))
+            return None
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the fork server (its children live on: they are the guard's). Safe to call many times."""
+        if self.server is not None:
+            self.server.close(wait_s)

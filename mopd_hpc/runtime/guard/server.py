@@ -203,10 +203,10 @@ class Guard:
                     await sup.signal_group(child, CHECKPOINT_SIGNAL)
                 await asyncio.gather(*(sup.wait_gone(c, cfg.checkpoint_wait_s) for c in running))
             await asyncio.gather(*(sup.kill(c, cfg.kill_wait_s) for c in sup.all()))
-            sup.close_fork_server()
+            sup.forks.close()
             await sup.sweep(cfg.kill_wait_s)  # what left its children's trees, wherever it went
         finally:
-            sup.close_fork_server()
+            sup.forks.close()
             self.leaser.close()
             with contextlib.suppress(FileNotFoundError):
                 cfg.guard_file.unlink()
@@ -280,7 +280,7 @@ class Guard:
     async def _spawn(self, request: web.Request) -> web.Response:
         req = await parse_request(request, SpawnRequest)
         if self._teardown_task is None and req.role in self.config.roles.modules:
-            await self.children.prepare_fork([req.role])  # before the checks: nothing runs between them
+            await self.children.forks.prepare([req.role])  # before the checks: nothing runs between them
         if self._teardown_task is not None:
             return _error(409, "shutting_down", "the guard is shutting down: nothing new is spawned")
         try:
