@@ -17,7 +17,7 @@ from pathlib import Path
 
 import helpers_fork
 import pytest
-from test_megatron_convert_moe import _megatron_report
+from test_megatron_convert import megatron_report
 
 _SCRIPT = """
 import json, sys, warnings
@@ -106,7 +106,7 @@ def test_megatron_router_losses_equal_a_hand_written_reference(tmp_path: Path) -
     """Gradients within 1e-6 (float32) of the reference, load-balancing and z-loss included; the recorded
     statistics equal the torch engine's functions within 1e-6 relative, and a second step of the same input
     records the same (not their sum); per-layer coefficients c_lb·k/M and c_z/M."""
-    report = _megatron_report(_SCRIPT, tmp_path)
+    report = megatron_report(_SCRIPT, tmp_path)
     for layers, r in report.items():
         m = int(layers)
         assert r["err"] < 1e-6 and r["scale"] > 1e-3 and r["terms"] > 1e-3, report  # the terms do count
@@ -214,7 +214,7 @@ def test_megatron_moe_train_step_equals_the_torch_engines(tmp_path: Path, budget
     c_z 0.01, and records the torch engine's router statistics and loss (router terms included); in one
     micro-batch and in several (1.2e-7 measured)."""
 
-    from test_megatron_convert_moe import REPO
+    from test_megatron_convert import REPO
 
     pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
     proc = helpers_fork.run(

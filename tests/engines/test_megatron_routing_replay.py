@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_megatron_convert_moe import _megatron_report
+from test_megatron_convert import megatron_report
 
 _SCRIPT = """
 import json, sys, warnings
@@ -85,7 +85,7 @@ print(json.dumps({
 
 
 def test_megatron_replays_the_recorded_experts(tmp_path: Path) -> None:
-    report = _megatron_report(_SCRIPT, tmp_path)
+    report = megatron_report(_SCRIPT, tmp_path)
     assert report["err"] < 2e-5, report  # the forced experts' log-probs
     assert report["plain_err"] < 2e-5, report  # without replay: the router's own choice, as transformers'
     assert report["moved"] > 5e-3, report  # the forced experts are not the router's own
