@@ -51,9 +51,18 @@ PRELOAD = [
 ]
 #: Device files of a machine with GPUs (as runtime/guard/fork_server.py's).
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
-#: Keys a program's environment may change and still fork: read when used, by no preloaded module at import.
+#: Keys a program's environment may change and still fork: read when used, by no preloaded module at import (the
+#: CUDA ones: programs fork only on a machine without GPUs, where no import acts on them).
 RUNTIME_KEYS = frozenset(
-    {"PYTHONPATH", "COLUMNS", "LINES", "TERM", "PYTEST_CURRENT_TEST", "PYTORCH_CUDA_ALLOC_CONF"}
+    {
+        "PYTHONPATH",
+        "COLUMNS",
+        "LINES",
+        "TERM",
+        "PYTEST_CURRENT_TEST",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "CUDA_VISIBLE_DEVICES",
+    }
 )
 _context: Any = None
 _server_env: dict[str, str] = {}

@@ -6,11 +6,10 @@ tensors (the NCCL transfer itself runs in tests/engines/test_awex_hf_gpu.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import torch
 
@@ -167,8 +166,8 @@ def test_trainer_and_hf_metadata_match_and_the_plan_replays_exactly(tmp_path: Pa
         ckpt = save_micro_qwen3(tmp_path / "ckpt", seed=1)
     else:
         ckpt = save_micro_moe(tmp_path / "ckpt", seed=1)
-    proc = subprocess.run(
-        [sys.executable, "-c", _PLAN_SCRIPT, str(ckpt), str(tmp_path / "pg"), json.dumps(CONFIG)],
+    proc = helpers_fork.run(
+        ["-c", _PLAN_SCRIPT, str(ckpt), str(tmp_path / "pg"), json.dumps(CONFIG)],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,19 +4,19 @@ decode step's time goes (ops ranked by self time) in the JSON, as it will on the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+import helpers_fork
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_profile_ranks_the_ops_of_each_decoder(tmp_path: Path) -> None:
     out = tmp_path / "hf_decode.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "hf_decode.py"), "--size", "decode-tiny", "--device", "cpu",
+    proc = helpers_fork.run(
+        [str(REPO / "benchmarks" / "hf_decode.py"), "--size", "decode-tiny", "--device", "cpu",
          "--runs", "2x4", "--decoders", "loop,static", "--profile", "3", "--threads", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -15,10 +15,10 @@ loss section accepts, and their gradients agree after mapping through the conver
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import helpers_fork
 import pytest
 import torch
 
@@ -28,8 +28,8 @@ from objective_parity import points  # noqa: E402
 
 
 def run_parity(tmp_path: Path, device: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve().parent / "objective_parity.py"), str(tmp_path), device],
+    proc = helpers_fork.run(
+        [str(Path(__file__).resolve().parent / "objective_parity.py"), str(tmp_path), device],
         capture_output=True, text=True, timeout=540, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
