@@ -6,7 +6,8 @@ transformers' Qwen3 3.4 s more, megatron-core 4.7 s on the 2-core CI machine); f
 runs is the same: `python -c CODE ARGS`, `python -m MODULE ARGS` or `python SCRIPT ARGS` as `__main__`, with the
 environment, working directory and output files asked, its exit status that of the program (SystemExit's code, 1
 after an uncaught exception, -N after signal N). What differs from an interpreter of its own: the preloaded
-modules were imported with the fork server's environment (this worker's when it started), so a program whose
+modules were imported with the fork server's environment (this worker's once the session is configured: tests/
+conftest.py, `remember_environment`), so a program whose
 environment differs from it on any key but `MOPD_*`, PYTHONPATH (prepended to sys.path) and `RUNTIME_KEYS` is a
 new interpreter as before (`forkable`); and the interpreter exits without running atexit handlers
 (multiprocessing's `os._exit`, after flushing stdout and stderr). On a machine with a GPU (`GPU_DEVICE_FILES`)
@@ -107,7 +108,7 @@ def context() -> Any:
 
 def _import_env(env: Mapping[str, str]) -> dict[str, str]:
     """`env` less the keys no preloaded import reads: `MOPD_*`, RUNTIME_KEYS, and those the imports set themselves
-    (torch's inductor cache directory, megatron's allocator setting: set here too once this worker imports them)."""
+    (torch inductor's cache directory: set in this worker too once it imports them)."""
     skip = RUNTIME_KEYS | _set_by_import
     return {k: v for k, v in env.items() if not k.startswith("MOPD_") and k not in skip}
 
@@ -124,7 +125,6 @@ def forkable(env: Mapping[str, str]) -> bool:
     if not _server_env:
         import psutil
 
-        context()
         ctx = context()
         answer = ctx.SimpleQueue()
         probe = ctx.Process(target=_environ, args=(answer,))
