@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from mopd_hpc.runtime.guard.fork_server import GPU_DEVICE_FILES  # a machine with GPUs: no forks
+
 #: What the fork server imports (a module that fails to import is skipped: the program meets the error itself).
 PRELOAD = [
     "torch",
@@ -50,8 +52,6 @@ PRELOAD = [
     "reasoning_gym",
     "mopd_hpc.config",
 ]
-#: Device files of a machine with GPUs (as runtime/guard/fork_server.py's).
-GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
 #: Keys a program's environment may change and still fork: read when used, by no preloaded module at import (the
 #: CUDA ones: programs fork only on a machine without GPUs, where no import acts on them).
 RUNTIME_KEYS = frozenset(
