@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 from helpers_wait import until
 from test_guard import RunningGuard, alive, group_members, port_free_of_lease, start_guard, stop_guard
 
-from mopd_hpc.runtime.guard.fork_server import ForkedProcess, import_env
+from mopd_hpc.runtime.guard.fork_server import REQUEST_READY_WAIT_S, ForkedProcess, import_env
 
 
 def _ppid(pid: int) -> int:
@@ -30,9 +31,9 @@ def _ppid(pid: int) -> int:
     return int(text[text.rindex(")") + 2 :].split()[1])
 
 
-def _forking_guard(tmp: Path) -> RunningGuard:
-    env = {"GUARD_TEST_DIR": str(tmp / "work"), "GUARD_TEST_MODE": "detached"}
-    return start_guard(tmp, extra_args=["--fork-role", "testchild", "--preload", "json"], env_extra=env)
+def _forking_guard(tmp: Path, preload: str = "json", **env_extra: str) -> RunningGuard:
+    env = {"GUARD_TEST_DIR": str(tmp / "work"), "GUARD_TEST_MODE": "detached", **env_extra}
+    return start_guard(tmp, extra_args=["--fork-role", "testchild", "--preload", preload], env_extra=env)
 
 
 @pytest.fixture
@@ -97,6 +98,32 @@ def test_a_forked_child_dies_with_its_guard(tmp_path: Path) -> None:
         for pid in (info.get("grandchild"), info.get("daemon")):
             if pid and alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_spawn_request_is_execed_when_the_imports_outlast_its_wait_and_later_ones_fork(
+    tmp_path: Path,
+) -> None:
+    """A node whose imports are slower than a request may wait (a cold file system): the request is answered
+    with an exec'ed child within REQUEST_READY_WAIT_S, well inside the client's timeout, and the fork server
+    goes on importing for the spawns after it."""
+    slow_s = REQUEST_READY_WAIT_S + 3
+    g = _forking_guard(tmp_path, preload="slow_import_prog", SLOW_IMPORT_S=str(slow_s))
+    try:
+        started = time.monotonic()
+        first = g.spawn_test(3, "detached")
+        waited = time.monotonic() - started
+        assert REQUEST_READY_WAIT_S - 0.5 < waited < slow_s
+        assert _spawn_event(g, 3)["forked"] is False
+        assert g.ready(first)["pid"] == first["pid"]
+        assert until(lambda: any(e["event"] == "fork_server_ready" for e in g.events), 60)
+        ready = next(e for e in g.events if e["event"] == "fork_server_ready")
+        assert ready["seconds"] >= slow_s and ready["preloaded"] == ["slow_import_prog"]
+        second = g.spawn_test(4, "detached")
+        assert _spawn_event(g, 4)["forked"] is True
+        assert g.ready(second)["pid"] == second["pid"]
+        assert _ppid(second["pid"]) == g.proc.pid
+    finally:
+        stop_guard(g)
 
 
 def test_the_import_environment_leaves_out_only_the_per_child_keys() -> None:

@@ -11,9 +11,12 @@ child subreaper (the forked child could not become its child), a node with GPU d
 the CUDA driver is not fork-safe, and an import may initialize it, `torch.cuda.is_available()` does, which
 would leave every forked child unable to use CUDA), and `mopd-guard --exec-children`.
 
-The zygote starts at the first spawn of a fork role (`ForkServer.start`; the spawn waits for its imports,
-which the child would otherwise have paid itself) and stops at the guard's teardown, after the children
-and before the sweep of what carries the job's tag (the zygote carries it).
+The zygote starts at the first spawn of a fork role (`ForkServer.start`) and stops at the guard's teardown,
+after the children and before the sweep of what carries the job's tag (the zygote carries it). The guard's
+own spawns (autostart) wait for its imports, which each child would otherwise have paid itself; a spawn
+request over HTTP waits at most `REQUEST_READY_WAIT_S`, so that it is answered well within a client's
+timeout (GuardClient's default is 30 s) on a node whose imports are slow (a cold parallel file system), and
+is exec'ed when the zygote is not ready by then. The zygote goes on importing for the spawns after it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ PRELOAD_MODULES: tuple[str, ...] = (
 FORK_ROLES: frozenset[str] = frozenset({"actor", "teacher", "rollout"})
 #: Longest wait for the zygote's imports before its spawns exec instead.
 READY_TIMEOUT_S = 300.0
+#: Longest wait of one spawn request (HTTP) for the zygote's imports before that child is exec'ed.
+REQUEST_READY_WAIT_S = 5.0
 #: Longest wait for the zygote's answer to one spawn.
 SPAWN_TIMEOUT_S = 30.0
 #: Environment keys that may differ between a forked child and the zygote (besides `MOPD_*`).
@@ -162,13 +167,12 @@ class ForkServer:
             theirs.close()
         self._sock = ours
 
-    async def ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
-        """Wait for the zygote's imports (started with `start`); False when it failed, died or timed out."""
-        if self._sock is None:
-            return False
-        if self._ready is None:
+    def importing(self, timeout_s: float = READY_TIMEOUT_S) -> asyncio.Future[bool] | None:
+        """The wait for the zygote's imports (started with `start`; once): its result is False when the zygote
+        failed, died or took over `timeout_s`. None when the zygote is not running."""
+        if self._ready is None and self._sock is not None:
             self._ready = asyncio.ensure_future(self._wait_ready(self._sock, timeout_s))
-        return await asyncio.shield(self._ready)
+        return self._ready
 
     async def _wait_ready(self, sock: socket.socket, timeout_s: float) -> bool:
         started = time.monotonic()
@@ -254,9 +258,11 @@ class GuardForks:
     def pid(self) -> int | None:
         return self.server.pid if self.server is not None else None
 
-    async def prepare(self, roles: Collection[str]) -> None:
+    async def prepare(self, roles: Collection[str], wait_s: float | None = None) -> None:
         """Before spawning `roles`: when one is a fork role, start the fork server (once, where the guard can
-        fork: `fork_refusal`) and wait for its imports. A server that cannot start leaves every spawn to exec."""
+        fork: `fork_refusal`) and wait for its imports, at most `wait_s` (None: until they end, or fail at
+        READY_TIMEOUT_S); the imports go on after a shorter wait. A server that cannot start leaves every spawn
+        to exec."""
         if self.server is None:
             if not self.roles.intersection(roles):
                 return
@@ -270,9 +276,19 @@ class GuardForks:
             except OSError as exc:
                 self.events.emit("fork_server_failed", error=f"{type(exc).__name__}: {exc}")
                 return
-        if await self.server.ready() and not self.server.info.get("announced"):
+            if (importing := self.server.importing()) is not None:
+                importing.add_done_callback(self._announce)
+        importing = self.server.importing()
+        if importing is not None and not importing.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(importing), wait_s)
+            except TimeoutError:
+                pass  # this spawn execs; the imports go on
+
+    def _announce(self, importing: asyncio.Future[bool]) -> None:
+        """`fork_server_ready` once the fork server's imports end, whichever spawn waited for them."""
+        if self.server is not None and not importing.cancelled() and importing.result():
             info = self.server.info
-            info["announced"] = True
             fields = {k: info.get(k) for k in ("seconds", "threads", "preloaded")}
             self.events.emit("fork_server_ready", pid=self.server.pid, **fields)
 

@@ -43,6 +43,7 @@ from mopd_hpc.runtime.guard.children import ChildSupervisor
 from mopd_hpc.runtime.guard.config import GUARD_ROLE, GuardConfig
 from mopd_hpc.runtime.guard.config import GuardConfigError as GuardConfigError  # re-exported for the CLI
 from mopd_hpc.runtime.guard.events import EventLog, events_path
+from mopd_hpc.runtime.guard.fork_server import REQUEST_READY_WAIT_S
 from mopd_hpc.runtime.guard.keeper import FORWARDED, KEEPER_DEATH_SIGNAL
 from mopd_hpc.runtime.guard.roles import RoleModuleMissingError, UnregisteredRoleError
 from mopd_hpc.runtime.guard.spawn_env import ChildEnvError, spawn_refusal
@@ -280,7 +281,8 @@ class Guard:
     async def _spawn(self, request: web.Request) -> web.Response:
         req = await parse_request(request, SpawnRequest)
         if self._teardown_task is None and req.role in self.config.roles.modules:
-            await self.children.forks.prepare([req.role])  # before the checks: nothing runs between them
+            # before the checks: nothing runs between them
+            await self.children.forks.prepare([req.role], REQUEST_READY_WAIT_S)
         if self._teardown_task is not None:
             return _error(409, "shutting_down", "the guard is shutting down: nothing new is spawned")
         try:
