@@ -8,7 +8,11 @@ Every line has `ts` (Unix seconds, float), `host`, `event`, and for child events
   ended, whatever ended it (runtime/guard/keeper.py `record_exit`; after `guard_stop` on a clean stop, alone
   when the guard was SIGKILLed);
 - `spawn` (`module`, `stdout`, `stderr`, `ports`: name → port, `gpus`, `env`: the overrides, secret-looking
-  values redacted) / `spawn_refused` (`role`, `index`, `reason`, `keys`: an env override refused);
+  values redacted, `forked`: from the fork server or exec'ed) / `spawn_refused` (`role`, `index`, `reason`,
+  `keys`: an env override refused);
+- `fork_server_ready` (`pid`, `seconds` its imports took, `threads`, `preloaded`) / `fork_server_off` (`reason`:
+  every spawn execs) / `fork_server_failed` (`error`, and `role` when a spawn's fork failed and it was exec'ed):
+  runtime/guard/fork_server.py;
 - `exit` (`exit_code`: int or null, `signal`: name or null; one of the two is set) / `kill` (`signal`).
 
 Lines are appended with one `write` on an O_APPEND file (atomic for lines under PIPE_BUF on Linux);
