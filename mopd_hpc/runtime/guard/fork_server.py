@@ -182,7 +182,7 @@ class ForkServer:
             doc = json.loads(data) if data else {}
         except (TimeoutError, OSError, ValueError):
             doc = {}
-        if doc.get("ready") is not True:
+        if not isinstance(doc, dict) or doc.get("ready") is not True:
             self.close(0.0)
             return False
         sock.settimeout(SPAWN_TIMEOUT_S)
@@ -287,7 +287,9 @@ class GuardForks:
 
     def _announce(self, importing: asyncio.Future[bool]) -> None:
         """`fork_server_ready` once the fork server's imports end, whichever spawn waited for them."""
-        if self.server is not None and not importing.cancelled() and importing.result():
+        if importing.cancelled() or importing.exception() is not None or self.server is None:
+            return
+        if importing.result():
             info = self.server.info
             fields = {k: info.get(k) for k in ("seconds", "threads", "preloaded")}
             self.events.emit("fork_server_ready", pid=self.server.pid, **fields)
