@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from test_local_backend import processes_of
 
 from mopd_hpc.logs.summary import no_sacct, summarize_run
+from mopd_hpc.records.run_dir import LATEST_CHECKPOINT
 
 REPO = Path(__file__).resolve().parents[2]
 DP2 = REPO / "configs" / "local_cpu_dp2.yaml"
@@ -166,9 +167,13 @@ def test_sigkill_of_rank1_ends_the_job_and_the_dp2_checkpoint_resumes(
 
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy, symlinks=True)
-    # the kill lands after step 3's metrics line; a fast machine may have checkpointed step 4 before it does
-    newest = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))[-1]
+    # the kill lands after step 3's metrics line; a fast machine may have committed step 4's checkpoint before
+    # it does. A resume starts from the one `latest` names: a loaded machine may have published step_000004's
+    # directory and been killed before `latest` named it (trainer/checkpoint.py: never committed)
+    newest = (run_dir / LATEST_CHECKPOINT).read_text().strip()
     assert newest in ("step_000002", "step_000004"), newest
+    published = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert published[-1] in (newest, "step_000004"), published
     resumed = submit(config, "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"from checkpoints/{newest}" in resumed.stdout
