@@ -310,10 +310,10 @@ def test_large_answers_go_socket_to_buffer_and_equal_one_encoded_buffer(monkeypa
 
     monkeypatch.setattr(wire_http, "_send_all", send)
     monkeypatch.setattr(wire_http, "_recv_into", recv)
-    connections: list[int] = []
+    connections: list[asyncio.Transport] = []  # kept alive: the id of a freed one may be reused
 
     async def answer(request: web.Request) -> web.StreamResponse:
-        connections.append(id(request.transport))
+        connections.append(request.transport)
         if "small" in request.query:
             return await send_frame(request, wire.layout({"x": torch.arange(10, dtype=torch.int64)}))
         rows = [int(r) for r in request.query["rows"].split(",")]
@@ -360,5 +360,5 @@ def test_large_answers_go_socket_to_buffer_and_equal_one_encoded_buffer(monkeypa
 
     asyncio.run(scenario())
     assert calls == {"send": 5, "recv": 4}  # every full answer through the duplicated sockets
-    assert len(set(connections[:3])) == 3  # a direct read closes its connection
-    assert connections[3] == connections[4]  # small answers keep theirs
+    assert len({id(t) for t in connections[:3]}) == 3  # a direct read closes its connection
+    assert connections[3] is connections[4]  # small answers keep theirs
