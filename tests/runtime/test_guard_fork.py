@@ -106,7 +106,7 @@ def test_a_spawn_request_is_execed_when_the_imports_outlast_its_wait_and_later_o
     """A node whose imports are slower than a request may wait (a cold file system): the request is answered
     with an exec'ed child within REQUEST_READY_WAIT_S, well inside the client's timeout, and the fork server
     goes on importing for the spawns after it."""
-    slow_s = REQUEST_READY_WAIT_S + 3
+    slow_s = REQUEST_READY_WAIT_S + 5
     g = _forking_guard(tmp_path, preload="slow_import_prog", SLOW_IMPORT_S=str(slow_s))
     try:
         started = time.monotonic()
