@@ -107,7 +107,7 @@ def test_a_spawn_request_is_execed_when_the_imports_outlast_its_wait_and_later_o
     with an exec'ed child within REQUEST_READY_WAIT_S, well inside the client's timeout, and the fork server
     goes on importing for the spawns after it."""
     slow_s = REQUEST_READY_WAIT_S + 5
-    g = _forking_guard(tmp_path, preload="slow_import_prog", SLOW_IMPORT_S=str(slow_s))
+    g = _forking_guard(tmp_path, preload="preload_prog", PRELOAD_SLEEP_S=str(slow_s))
     try:
         started = time.monotonic()
         first = g.spawn_test(3, "detached")
@@ -117,11 +117,25 @@ def test_a_spawn_request_is_execed_when_the_imports_outlast_its_wait_and_later_o
         assert g.ready(first)["pid"] == first["pid"]
         assert until(lambda: any(e["event"] == "fork_server_ready" for e in g.events), 60)
         ready = next(e for e in g.events if e["event"] == "fork_server_ready")
-        assert ready["seconds"] >= slow_s and ready["preloaded"] == ["slow_import_prog"]
+        assert ready["seconds"] >= slow_s and ready["preloaded"] == ["preload_prog"]
         second = g.spawn_test(4, "detached")
         assert _spawn_event(g, 4)["forked"] is True
         assert g.ready(second)["pid"] == second["pid"]
         assert _ppid(second["pid"]) == g.proc.pid
+    finally:
+        stop_guard(g)
+
+
+def test_a_fork_server_that_dies_while_importing_is_said_failed_and_its_spawns_exec(tmp_path: Path) -> None:
+    g = _forking_guard(tmp_path, preload="preload_prog", PRELOAD_EXIT="3")
+    try:
+        child = g.spawn_test(5, "detached")
+        assert _spawn_event(g, 5)["forked"] is False
+        assert g.ready(child)["pid"] == child["pid"]
+        assert until(lambda: any(e["event"] == "fork_server_failed" for e in g.events), 30)
+        failed = [e for e in g.events if e["event"] == "fork_server_failed"]
+        assert len(failed) == 1 and "did not get ready" in failed[0]["error"], failed
+        assert not any(e["event"] == "fork_server_ready" for e in g.events)
     finally:
         stop_guard(g)
 

@@ -286,13 +286,17 @@ class GuardForks:
                 pass  # this spawn execs; the imports go on
 
     def _announce(self, importing: asyncio.Future[bool]) -> None:
-        """`fork_server_ready` once the fork server's imports end, whichever spawn waited for them."""
+        """`fork_server_ready` once the fork server's imports end, whichever spawn waited for them;
+        `fork_server_failed` when it will not fork."""
         if importing.cancelled() or importing.exception() is not None or self.server is None:
             return
         if importing.result():
             info = self.server.info
             fields = {k: info.get(k) for k in ("seconds", "threads", "preloaded")}
             self.events.emit("fork_server_ready", pid=self.server.pid, **fields)
+        else:
+            why = f"its imports failed, it died, or they took over {READY_TIMEOUT_S:.0f} s: every spawn execs"
+            self.events.emit("fork_server_failed", error=f"the fork server did not get ready ({why})")
 
     def fork(
         self, role: str, module: str, env: Mapping[str, str], out: Path, err: Path, fds: Sequence[int]
