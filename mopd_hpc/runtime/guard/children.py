@@ -153,9 +153,8 @@ class ChildSupervisor:
         self.job_id = job_id
         self.events = events
         self.base_env = dict(base_env)
-        job = {child_env.JOB_ID: job_id, child_env.RUN_DIR: str(self.run_dir), child_env.HOST: host}
         zygote_env = build_child_env(
-            base_env, {}, {**job, child_env.NODE_ADDR: node_addr}, None, {}, site_env_keys
+            base_env, {}, {**self.job_tag(), child_env.NODE_ADDR: node_addr}, None, {}, site_env_keys
         )
         self.forks = GuardForks(fork_roles, preload, zygote_env, self.run_dir, events)
         self._generations: dict[tuple[str, int], list[Child]] = {}
@@ -194,9 +193,7 @@ class ChildSupervisor:
             child_env.ROLE: role,
             child_env.INDEX: str(index),
             child_env.GENERATION: str(generation),
-            child_env.JOB_ID: self.job_id,
-            child_env.RUN_DIR: str(self.run_dir),
-            child_env.HOST: self.host,
+            **self.job_tag(),
             child_env.NODE_ADDR: self.node_addr,
         }
         env = build_child_env(self.base_env, env_overrides, identity, gpus, ports, self.site_env_keys)

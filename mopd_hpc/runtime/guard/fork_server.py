@@ -143,7 +143,8 @@ class ForkServer:
         return self.popen.pid if self.popen is not None else None
 
     def start(self) -> None:
-        """Start the zygote (once). Raises OSError when it cannot be started."""
+        """Start the zygote (once; from a coroutine: the wait for its imports, `importing`, begins with it).
+        Raises OSError when it cannot be started."""
         if self.popen is not None:
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -166,12 +167,12 @@ class ForkServer:
         finally:
             theirs.close()
         self._sock = ours
+        self._ready = asyncio.ensure_future(self._wait_ready(ours, READY_TIMEOUT_S))
 
-    def importing(self, timeout_s: float = READY_TIMEOUT_S) -> asyncio.Future[bool] | None:
-        """The wait for the zygote's imports (started with `start`; once): its result is False when the zygote
-        failed, died or took over `timeout_s`. None when the zygote is not running."""
-        if self._ready is None and self._sock is not None:
-            self._ready = asyncio.ensure_future(self._wait_ready(self._sock, timeout_s))
+    @property
+    def importing(self) -> asyncio.Future[bool] | None:
+        """The wait for the zygote's imports: its result is False when the zygote failed, died or took over
+        READY_TIMEOUT_S. None when the zygote was not started."""
         return self._ready
 
     async def _wait_ready(self, sock: socket.socket, timeout_s: float) -> bool:
@@ -276,9 +277,9 @@ class GuardForks:
             except OSError as exc:
                 self.events.emit("fork_server_failed", error=f"{type(exc).__name__}: {exc}")
                 return
-            if (importing := self.server.importing()) is not None:
-                importing.add_done_callback(self._announce)
-        importing = self.server.importing()
+            if (started := self.server.importing) is not None:
+                started.add_done_callback(self._announce)
+        importing = self.server.importing
         if importing is not None and not importing.done():
             try:
                 await asyncio.wait_for(asyncio.shield(importing), wait_s)
